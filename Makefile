@@ -1,0 +1,38 @@
+# Two commands: `make demo` and `make test`. Each works on a fresh machine with only
+# Python (>= 3.10) and a C++ compiler: it creates its virtualenv and installs what it needs.
+#
+#   make test                 # TensorFlow 2.21 in .venv
+#   make test TF=2.19.1       # the same suite against TensorFlow 2.19.1 in .venv-tf2.19.1
+#   make demo                 # examples/quickstart.py
+
+PYTHON ?= python3
+TF ?= 2.21.0
+DEFAULT_TF := 2.21.0
+ifeq ($(TF),$(DEFAULT_TF))
+VENV ?= .venv
+else
+VENV ?= .venv-tf$(TF)
+endif
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+# Keep TensorFlow's C++ logging quiet in test and demo output.
+export TF_CPP_MIN_LOG_LEVEL ?= 2
+
+.PHONY: demo test venv clean
+
+$(VENV)/.installed-$(TF): setup.py pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "tensorflow==$(TF)" -e ".[test,examples]"
+	touch $@
+
+venv: $(VENV)/.installed-$(TF)
+
+test: venv
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) examples/quickstart.py
+
+clean:
+	rm -rf .venv .venv-tf* build *.egg-info

@@ -1,0 +1,47 @@
+"""tfmetal-ext: Keras 3 extensions that make TensorFlow fuse on Apple-silicon GPUs (and CUDA, CPU)."""
+
+import os
+
+from setuptools import find_packages, setup
+
+here = os.path.dirname(os.path.abspath(__file__))
+version = {}
+with open(os.path.join(here, "tfmetal_ext", "_version.py")) as f:
+    exec(f.read(), version)
+
+with open(os.path.join(here, "README.md"), encoding="utf-8") as f:
+    long_description = f.read()
+
+_MAC_ARM = "sys_platform == 'darwin' and platform_machine == 'arm64'"
+
+setup(
+    name="tfmetal-ext",
+    version=version["__version__"],
+    description="Keras 3 layers, optimizers and tools that make TensorFlow fuse on Apple-silicon GPUs",
+    long_description=long_description,
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tfmetal_ext", "tfmetal_ext.*"]),
+    install_requires=[
+        "tensorflow>=2.16",
+        "keras>=3.5",
+        "numpy",
+    ],
+    extras_require={
+        # The known-good pairing (REFERENCE.md section 4): tensorflow-metal 1.2 fails to load with TF >= 2.20.
+        "metal": [
+            f"tensorflow-metal==1.2.* ; {_MAC_ARM}",
+            f"tensorflow>=2.16,<2.20 ; {_MAC_ARM}",
+        ],
+        "test": ["pytest>=7", "hypothesis>=6"],
+        "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],
+    },
+    entry_points={"console_scripts": ["tfmetal-ext=tfmetal_ext.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Operating System :: MacOS",
+        "Operating System :: POSIX :: Linux",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

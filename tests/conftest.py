@@ -1,0 +1,40 @@
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import pytest  # noqa: E402
+
+from tfmetal_ext import devices  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    # `metal` tests need the real device: run them on a Mac with `pytest -m metal`.
+    if devices.backend() == "metal":
+        return
+    skip = pytest.mark.skip(reason="needs a Metal GPU (tensorflow-metal on Apple silicon); run `pytest -m metal` on a Mac")
+    for item in items:
+        if "metal" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_policy():
+    """Every test starts and ends with the float32 policy."""
+    keras.mixed_precision.set_global_policy("float32")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture
+def onednn():
+    """Skips oneDNN-only fusion checks where oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0, macOS)."""
+    if not devices.capabilities().onednn:
+        pytest.skip("this fusion needs oneDNN (x86-64 Linux wheels, TF_ENABLE_ONEDNN_OPTS unset)")
+    return True
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_session():
+    yield
+    keras.backend.clear_session()

@@ -1,0 +1,61 @@
+import json
+
+import keras
+import pytest
+
+from tfmetal_ext import cli
+
+
+@pytest.fixture
+def saved_model(tmp_path):
+    inp = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, activation="relu", name="conv")(inp)
+    x = keras.layers.Flatten()(x)
+    out = keras.layers.Dense(5, name="head")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    path = tmp_path / "model.keras"
+    model.save(path)
+    return path
+
+
+def test_report_json_on_saved_model(saved_model, capsys):
+    assert cli.main(["report", str(saved_model), "--mode", "train", "--batch", "4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    fused = [f for f in data["fusion"]["fused"] if not f["backward"]]
+    assert {"op": "_FusedConv2D", "fused_ops": ["BiasAdd", "Relu"], "layer": "conv"}.items() <= fused[0].items()
+    assert data["fusion"]["mode"] == "train" and data["fusion"]["num_ops"] > 20
+    assert data["placement"]["fallbacks"] == []
+
+
+def test_report_text_predict(saved_model, capsys):
+    assert cli.main(["report", str(saved_model), "--mode", "predict"]) == 0
+    out = capsys.readouterr().out
+    assert "Fusion report (predict" in out and "_FusedConv2D[BiasAdd, Relu]" in out
+    assert "Placement report" in out
+
+
+def test_report_uncompiled_model_uses_defaults(tmp_path, capsys):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu", name="fc")])
+    path = tmp_path / "plain.keras"
+    model.save(path)
+    assert cli.main(["report", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert any("clone (optimizer=adam, loss=mse)" in n for n in data["fusion"]["notes"])
+    assert data["fusion"]["layers"][0]["status"] == "fused"
+
+
+def test_report_missing_file(tmp_path, capsys):
+    assert cli.main(["report", str(tmp_path / "nope.keras")]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_report_bad_batch(saved_model):
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(saved_model), "--batch", "0"])
+
+
+def test_version(capsys):
+    assert cli.main(["version", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["backend"] in ("metal", "cuda", "cpu") and "pairing" in data

@@ -1,0 +1,109 @@
+import warnings
+
+import keras
+import pytest
+
+import tfmetal_ext
+from tfmetal_ext import devices, precision
+
+
+def _caps(backend, bf16=False, fp16=False):
+    return devices.Capabilities(
+        backend=backend, tf_version="2.21.0", keras_version=keras.__version__,
+        metal_plugin_version="1.2.0" if backend == "metal" else None,
+        platform="Darwin/arm64" if backend == "metal" else "Linux/x86_64",
+        cpu_bf16=bf16, cpu_fp16=fp16, onednn=backend == "cpu", pairing="not-applicable",
+        pairing_fix=None,
+    )
+
+
+@pytest.fixture
+def host(monkeypatch):
+    def set_host(backend, **kw):
+        monkeypatch.setattr(devices, "capabilities", lambda: _caps(backend, **kw))
+
+    return set_host
+
+
+@pytest.mark.parametrize(
+    "backend,bf16,policy,jit",
+    [
+        ("metal", False, "mixed_float16", False),
+        ("cuda", False, "mixed_float16", True),
+        ("cpu", True, "mixed_bfloat16", False),
+        ("cpu", False, "float32", False),
+    ],
+)
+def test_auto_policy_per_backend(host, backend, bf16, policy, jit):
+    host(backend, bf16=bf16)
+    cfg = tfmetal_ext.configure()
+    assert cfg.backend == backend
+    assert cfg.policy == policy
+    assert keras.mixed_precision.global_policy().name == policy
+    assert cfg.jit_compile is jit
+    assert cfg.compile_kwargs() == {"jit_compile": jit}
+    assert precision.compile_kwargs() == {"jit_compile": jit}
+    assert cfg.reasons and all(isinstance(r, str) for r in cfg.reasons)
+
+
+def test_metal_never_uses_xla(host):
+    host("metal")
+    with pytest.warns(UserWarning, match="XLA does not run on Metal"):
+        cfg = tfmetal_ext.configure(jit_compile=True)
+    assert cfg.jit_compile is False
+    assert any("XLA is never used" in r for r in cfg.reasons)
+
+
+def test_mixed_float16_loss_scaling_reason(host):
+    host("metal")
+    cfg = tfmetal_ext.configure()
+    assert any("LossScaleOptimizer" in r for r in cfg.reasons)
+
+
+def test_explicit_policy_is_honoured(host):
+    host("cpu", bf16=True)
+    cfg = tfmetal_ext.configure("float32", jit_compile=False)
+    assert cfg.policy == "float32" and cfg.jit_compile is False
+    assert keras.mixed_precision.global_policy().name == "float32"
+
+
+def test_explicit_mixed_float16_on_cpu_warns_and_says_why(host):
+    host("cpu")
+    with pytest.warns(UserWarning, match="remapper skips half"):
+        cfg = tfmetal_ext.configure("mixed_float16")
+    assert cfg.policy == "mixed_float16"
+
+
+@pytest.mark.parametrize("bad", ["fp16", "", None, 3])
+def test_bad_policy(host, bad):
+    host("cpu")
+    with pytest.raises(ValueError, match=r"Received: policy="):
+        tfmetal_ext.configure(bad)
+
+
+def test_bad_jit_compile(host):
+    host("cpu")
+    with pytest.raises(ValueError, match=r"Received: jit_compile='yes'"):
+        tfmetal_ext.configure(jit_compile="yes")
+
+
+def test_warns_when_layers_were_built_before(host):
+    host("cpu", bf16=True)
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    with pytest.warns(UserWarning, match="already built and keep their old policy"):
+        tfmetal_ext.configure()
+    assert layer.dtype_policy.name == "float32"
+    del layer
+
+
+def test_idempotent(host):
+    host("cpu", bf16=True)
+    first = tfmetal_ext.configure()
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))  # built under the new policy: no warning on the second call
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = tfmetal_ext.configure()
+    assert first == second
+    assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"

@@ -1,0 +1,85 @@
+"""The `tfmetal-ext` command line: `report` and `version`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _cmd_version(args):
+    from tfmetal_ext import __version__, devices
+
+    caps = devices.capabilities()
+    if args.json:
+        print(json.dumps({"tfmetal_ext": __version__, **caps.to_dict()}, indent=2))
+        return 0
+    print(f"tfmetal-ext {__version__}")
+    print(f"tensorflow {caps.tf_version}, keras {caps.keras_version}, "
+          f"tensorflow-metal {caps.metal_plugin_version or 'not installed'}")
+    print(f"backend {caps.backend} on {caps.platform}; TF/tensorflow-metal pairing: {caps.pairing}")
+    if caps.pairing_fix:
+        print(f"fix: {caps.pairing_fix}")
+    return 0
+
+
+def _cmd_report(args):
+    import keras
+
+    from tfmetal_ext import inspect
+
+    if not os.path.exists(args.model):
+        print(f"tfmetal-ext report: no such file: {args.model}", file=sys.stderr)
+        return 2
+    try:
+        model = keras.saving.load_model(args.model)
+    except Exception as e:  # Keras raises several types for unreadable files
+        print(f"tfmetal-ext report: cannot load {args.model}: {e}", file=sys.stderr)
+        return 2
+    kw = {"batch_size": args.batch}
+    if args.mode == "train" and not getattr(model, "compiled", False):
+        kw.update(optimizer=args.optimizer, loss=args.loss)
+    fusion = inspect.fusion_report(model, mode=args.mode, **kw)
+    placement = inspect.placement_report(model, mode=args.mode, **kw)
+    if args.json:
+        print(json.dumps({"fusion": fusion.to_dict(), "placement": placement.to_dict()}, indent=2))
+    else:
+        print(fusion)
+        print(placement)
+    return 0
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="tfmetal-ext", description="Keras 3 fusion tools for TensorFlow (Metal, CUDA, CPU)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("version", help="versions, backend and TF/tensorflow-metal pairing")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_version)
+    p = sub.add_parser("report", help="fusion and placement report of a saved .keras model")
+    p.add_argument("model", help="path to a .keras file")
+    p.add_argument("--mode", choices=("train", "predict"), default="train")
+    p.add_argument("--batch", type=_positive_int, default=8, help="batch size of the random inputs")
+    p.add_argument("--optimizer", default="adam", help="optimizer when the file holds no compile config")
+    p.add_argument("--loss", default="mse", help="loss when the file holds no compile config")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Backend detection and host capabilities.
+
+`backend()` answers "where will Keras run this model": ``"metal"`` (the
+tensorflow-metal PluggableDevice on Apple silicon), ``"cuda"`` or ``"cpu"``.
+`capabilities()` gathers everything else the rest of the package decides on:
+versions, native bfloat16/float16 support of the CPU, whether oneDNN is on, and
+the verdict on the TensorFlow / tensorflow-metal pairing.
+
+The probes (`_platform`, `_gpu_devices`, `_metal_plugin_version`, `_cpu_flags`,
+`_onednn_enabled`) are module-level functions so tests can replace them where
+the hardware is absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import logging
+import os
+import platform
+import subprocess
+
+logger = logging.getLogger("tfmetal_ext")
+
+BACKENDS = ("metal", "cuda", "cpu")
+
+KNOWN_GOOD = "known-good"
+KNOWN_BROKEN = "known-broken"
+UNKNOWN = "unknown"
+NOT_APPLICABLE = "not-applicable"  # no tensorflow-metal installed
+
+# The one place in code for TF / tensorflow-metal pairings (REFERENCE.md section 4).
+# Each row: (tensorflow-metal version prefix, TF "major.minor" versions, verdict).
+# A TF entry may name a patch release ("2.18.0") when only that release was reported.
+_PAIRINGS = (
+    ("1.1", ("2.14", "2.15"), KNOWN_GOOD),
+    ("1.1", ("2.18.0",), KNOWN_BROKEN),
+    ("1.2", ("2.16", "2.17", "2.18", "2.19"), KNOWN_GOOD),
+    ("1.2", ("2.20", "2.21"), KNOWN_BROKEN),
+)
+FIX_PAIRING_COMMAND = 'pip install "tensorflow>=2.16,<2.20" "tensorflow-metal==1.2.*"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What this host and its TensorFlow install can do.
+
+    Attributes:
+        backend: ``"metal"``, ``"cuda"`` or ``"cpu"``.
+        tf_version: installed TensorFlow version.
+        keras_version: installed Keras version.
+        metal_plugin_version: tensorflow-metal version, or None when absent.
+        platform: ``"<system>/<machine>"``, e.g. ``"Darwin/arm64"``.
+        cpu_bf16: the CPU computes bfloat16 natively (AVX512_BF16, AMX_BF16 or
+            Arm FEAT_BF16).
+        cpu_fp16: the CPU computes float16 natively (AVX512_FP16, AMX_FP16,
+            AVX_NE_CONVERT); only then does TF's remapper fuse half on CPU.
+        onednn: oneDNN (MKL) kernels and oneDNN-only remapper fusions are on.
+        pairing: ``"known-good"``, ``"known-broken"``, ``"unknown"`` or
+            ``"not-applicable"`` (no tensorflow-metal installed).
+        pairing_fix: a pip command that fixes a broken pairing, else None.
+        gpus: names of the physical GPU devices.
+    """
+
+    backend: str
+    tf_version: str
+    keras_version: str
+    metal_plugin_version: str | None
+    platform: str
+    cpu_bf16: bool
+    cpu_fp16: bool
+    onednn: bool
+    pairing: str
+    pairing_fix: str | None
+    gpus: tuple = ()
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------
+# Probes (replaced in tests).
+
+
+def _platform():
+    return platform.system(), platform.machine()
+
+
+def _gpu_devices():
+    import tensorflow as tf
+
+    return [d.name for d in tf.config.list_physical_devices("GPU")]
+
+
+def _built_with_cuda():
+    import tensorflow as tf
+
+    return bool(tf.test.is_built_with_cuda())
+
+
+def _metal_plugin_version():
+    try:
+        return importlib.metadata.version("tensorflow-metal")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flags():
+    """Lower-case CPU feature names of this host (Linux cpuinfo or macOS sysctl)."""
+    system, _ = _platform()
+    flags = set()
+    if system == "Linux":
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith(("flags", "Features")):
+                        flags.update(line.split(":", 1)[1].split())
+                        break
+        except OSError:
+            pass
+    elif system == "Darwin":
+        for name in ("FEAT_BF16", "FEAT_FP16"):
+            try:
+                out = subprocess.run(
+                    ["sysctl", "-n", f"hw.optional.arm.{name}"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                    check=False,
+                ).stdout.strip()
+            except (OSError, subprocess.SubprocessError):
+                out = ""
+            if out == "1":
+                flags.add(name.lower())
+    return frozenset(flags)
+
+
+def _onednn_enabled():
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):  # pragma: no cover - very old TF
+        return os.environ.get("TF_ENABLE_ONEDNN_OPTS", "0") == "1"
+
+
+# ----------------------------------------------------------------------------
+# Public API.
+
+
+def backend():
+    """Returns the compute backend Keras will use: ``"metal"``, ``"cuda"`` or ``"cpu"``.
+
+    Metal means a GPU on Darwin/arm64 with the tensorflow-metal plugin; CUDA a
+    GPU in a CUDA build of TensorFlow; anything else is CPU.
+
+    >>> tfmetal_ext.devices.backend() in ("metal", "cuda", "cpu")
+    True
+    """
+    gpus = _gpu_devices()
+    if not gpus:
+        return "cpu"
+    system, machine = _platform()
+    if system == "Darwin" and machine == "arm64":
+        return "metal"
+    if _built_with_cuda():
+        return "cuda"
+    # A GPU from some other PluggableDevice: treat it like CUDA for policy
+    # purposes (half precision), but say so in the log.
+    logger.info("GPU devices %s are neither Metal nor CUDA; treating as cuda", gpus)
+    return "cuda"
+
+
+def pairing_verdict(tf_version, metal_version):
+    """Verdict on a TensorFlow / tensorflow-metal pairing.
+
+    Args:
+        tf_version: TensorFlow version string, e.g. ``"2.19.1"``.
+        metal_version: tensorflow-metal version string, or None.
+
+    Returns:
+        ``"known-good"``, ``"known-broken"``, ``"unknown"`` or
+        ``"not-applicable"`` when `metal_version` is None.
+    """
+    if metal_version is None:
+        return NOT_APPLICABLE
+    tf_parts = tf_version.split("+")[0].split(".")
+    tf_minor = ".".join(tf_parts[:2])
+    tf_patch = ".".join(tf_parts[:3])
+    for metal_prefix, tf_versions, verdict in _PAIRINGS:
+        if metal_version == metal_prefix or metal_version.startswith(metal_prefix + "."):
+            # Patch-specific rows win over minor-wide rows.
+            if tf_patch in tf_versions:
+                return verdict
+    for metal_prefix, tf_versions, verdict in _PAIRINGS:
+        if metal_version == metal_prefix or metal_version.startswith(metal_prefix + "."):
+            if tf_minor in tf_versions:
+                return verdict
+    return UNKNOWN
+
+
+def capabilities():
+    """Collects backend, versions, CPU features and pairing verdict.
+
+    Returns:
+        A `Capabilities` instance.
+    """
+    import keras
+    import tensorflow as tf
+
+    system, machine = _platform()
+    flags = _cpu_flags()
+    metal = _metal_plugin_version()
+    verdict = pairing_verdict(tf.__version__, metal)
+    return Capabilities(
+        backend=backend(),
+        tf_version=tf.__version__,
+        keras_version=keras.__version__,
+        metal_plugin_version=metal,
+        platform=f"{system}/{machine}",
+        cpu_bf16=bool(flags & {"avx512_bf16", "amx_bf16", "feat_bf16"}),
+        cpu_fp16=bool(flags & {"avx512_fp16", "amx_fp16", "avx_ne_convert"}),
+        onednn=_onednn_enabled(),
+        pairing=verdict,
+        pairing_fix=FIX_PAIRING_COMMAND if verdict == KNOWN_BROKEN else None,
+        gpus=tuple(_gpu_devices()),
+    )

@@ -1,0 +1,250 @@
+"""Capture the graphs TensorFlow actually executed.
+
+TensorFlow exports, per instantiated function, the graph after grappler and
+placement ("post-optimization graph") and the per-device partition graphs,
+but only for functions whose first call happens while run metadata is on.
+So every capture here runs a *fresh* function: a fresh Keras train/predict
+function for models, a fresh `tf.function` around a plain callable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+
+import numpy as np
+
+logger = logging.getLogger("tfmetal_ext")
+
+
+@dataclasses.dataclass
+class FunctionGraph:
+    """One executed function: its post-optimization and partition graphs."""
+
+    name: str
+    graph: object  # tf.compat.v1.GraphDef, post-optimization
+    partitions: list  # list of GraphDef, one per device partition
+
+
+@dataclasses.dataclass
+class Capture:
+    """Everything captured from one step.
+
+    Attributes:
+        functions: the executed functions' graphs.
+        jit_compile: the step ran under XLA (grappler's remapper never saw it).
+        mode: ``"train"``, ``"predict"`` or ``"function"``.
+    """
+
+    functions: list
+    jit_compile: bool = False
+    mode: str = "function"
+
+    def nodes(self):
+        """Yields every NodeDef of the post-optimization graphs, library included."""
+        for fg in self.functions:
+            yield from fg.graph.node
+            for fdef in fg.graph.library.function:
+                yield from fdef.node_def
+
+    def partition_nodes(self):
+        for fg in self.functions:
+            for part in fg.partitions:
+                yield from part.node
+
+
+@contextlib.contextmanager
+def _run_metadata():
+    from tensorflow.python.eager import context
+
+    context.enable_run_metadata()
+    box = []
+    try:
+        yield box
+    finally:
+        box.append(context.export_run_metadata())
+        context.disable_run_metadata()
+
+
+def _as_tensors(structure):
+    """numpy arrays -> tensors, so converting them runs before the capture window."""
+    import tensorflow as tf
+
+    return tf.nest.map_structure(
+        lambda v: tf.convert_to_tensor(v) if isinstance(v, np.ndarray) else v, structure
+    )
+
+
+_ARG_OPS = ("_Arg", "_Retval", "_DeviceArg", "_DeviceRetval")
+
+
+def _is_eager_op(fg):
+    """Eager ops that ran inside the window (Keras' Python around the step, or
+    any op whose kernel was not cached yet) are exported as one-op functions.
+    A traced tf.function always has more than one node: it wraps its outputs
+    in Identity."""
+    body = [n for n in fg.pre_optimization_graph.node if n.op not in _ARG_OPS]
+    return len(body) <= 1
+
+
+def _to_capture(md, jit_compile, mode):
+    functions = [
+        FunctionGraph(
+            name=getattr(fg, "function_name", "") or "",  # absent in older protos
+            graph=fg.post_optimization_graph,
+            partitions=list(fg.partition_graphs),
+        )
+        for fg in md.function_graphs
+        if not _is_eager_op(fg)
+    ]
+    return Capture(functions=functions, jit_compile=jit_compile, mode=mode)
+
+
+def capture_function(fn, *args, jit_compile=None, **kwargs):
+    """Runs ``fn(*args, **kwargs)`` once as a fresh `tf.function` and captures its graphs.
+
+    Args:
+        fn: a Python callable or a `tf.function`. A `tf.function` is re-wrapped
+            around its Python function so it is traced anew; a function that
+            creates variables on its first call must be called once before.
+        *args, **kwargs: the arguments.
+        jit_compile: overrides the function's own XLA setting.
+
+    Returns:
+        A `Capture`.
+    """
+    import tensorflow as tf
+
+    python_fn = getattr(fn, "python_function", None)
+    if python_fn is not None:
+        own_jit = getattr(fn, "_jit_compile", None)
+        jit = bool(own_jit) if jit_compile is None else bool(jit_compile)
+    elif callable(fn):
+        python_fn = fn
+        jit = bool(jit_compile)
+    else:
+        raise ValueError(f"Expected a callable or a tf.function. Received: fn={fn!r}")
+    fresh = tf.function(python_fn, jit_compile=jit)
+    args, kwargs = _as_tensors(args), _as_tensors(kwargs)  # no eager op inside the window
+    with _run_metadata() as box:
+        fresh(*args, **kwargs)
+    return _to_capture(box[0], jit, "function")
+
+
+# ----------------------------------------------------------------------------
+# Keras models.
+
+
+def _model_state(model):
+    """Every variable a Keras step can write: weights, optimizer, metrics, seeds."""
+    seen = set()
+    variables = []
+    groups = [model.variables]
+    if getattr(model, "optimizer", None) is not None:
+        groups.append(model.optimizer.variables)
+    groups.append(getattr(model, "metrics_variables", []))
+    for group in groups:
+        for v in group:
+            key = id(v)
+            if key not in seen:
+                seen.add(key)
+                variables.append(v)
+    return variables
+
+
+def _snapshot(variables):
+    return [np.array(v.numpy(), copy=True) for v in variables]
+
+
+def _restore(variables, values):
+    for v, value in zip(variables, values):
+        v.assign(value)
+
+
+def _first_batch_dataset(model, x, y=None, sample_weight=None):
+    import tensorflow as tf
+
+    data = (x,) if y is None else ((x, y) if sample_weight is None else (x, y, sample_weight))
+    ds = tf.data.Dataset.from_tensors(data)
+    strategy = model.distribute_strategy
+    if strategy is not None and strategy.num_replicas_in_sync > 1:
+        return strategy.experimental_distribute_dataset(ds)
+    return ds
+
+
+def _resolve_jit(model):
+    jit = getattr(model, "jit_compile", False)
+    return bool(jit) and jit != "auto"
+
+
+def capture_predict(model, x):
+    """Captures the model's real predict step (``model.predict``'s function) on `x`.
+
+    The function is called the way ``model.predict_on_batch`` calls it; the
+    model's cached ``predict_function`` is put back afterwards.
+    """
+    saved = model.predict_function
+    x = _as_tensors(x)
+    try:
+        model.make_predict_function(force=True)
+        fn = model.predict_function
+        with _run_metadata() as box:
+            fn([(x,)])
+    finally:
+        model.predict_function = saved
+    return _to_capture(box[0], _resolve_jit(model), "predict")
+
+
+def _build_for_training(model, x, y, sample_weight):
+    """Creates every variable the train step needs, before the snapshot is taken."""
+    import keras
+
+    batch = (x, y) if sample_weight is None else (x, y, sample_weight)
+    with model.distribute_strategy.scope():
+        symbolic_build = getattr(model, "_symbolic_build", None)
+        if symbolic_build is not None:  # Keras 3: builds model, metrics, loss and optimizer
+            symbolic_build(data_batch=keras.tree.map_structure(_as_tensor, batch))
+            return
+        if not model.built:
+            model(x)
+        if not model.optimizer.built:
+            model.optimizer.build(model.trainable_variables)
+
+
+def _as_tensor(value):
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(value)
+
+
+def capture_train(model, x, y, sample_weight=None):
+    """Captures the real training step of a *compiled* model: the function ``model.fit`` runs.
+
+    Every variable the step writes (weights, optimizer slots and iterations,
+    loss-scale state, metric accumulators, seed-generator states) is
+    snapshotted first and restored afterwards, and the model's cached
+    ``train_function`` is put back, so the model is left exactly as it was.
+    """
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise ValueError(
+            "capture_train needs a compiled model; pass optimizer= and loss= to "
+            f"fusion_report or compile the model first. Received: model={model.name!r}"
+        )
+    ds = _first_batch_dataset(model, x, y, sample_weight)
+    _build_for_training(model, x, y, sample_weight)
+    state = _model_state(model)
+    values = _snapshot(state)
+    saved_fn = model.train_function
+    saved_stop = getattr(model, "stop_training", False)
+    try:
+        model.make_train_function(force=True)
+        fn = model.train_function
+        iterator = iter(ds)
+        with _run_metadata() as box:
+            fn(iterator)
+    finally:
+        model.train_function = saved_fn
+        model.stop_training = saved_stop
+        _restore(state, values)
+    return _to_capture(box[0], _resolve_jit(model), "train")

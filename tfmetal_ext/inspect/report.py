@@ -1,0 +1,406 @@
+"""FusionReport and PlacementReport: what the executed graph says about fusion and placement."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import re
+
+from tfmetal_ext.inspect import catalog
+
+# Nodes that are not compute: excluded from `num_ops`.
+NON_COMPUTE_OPS = frozenset({"_Arg", "_Retval", "Const", "NoOp", "Identity"})
+
+# Ops that legitimately run on the host even when a GPU is present (input
+# pipeline plumbing, cross-device transfers).
+HOST_OPS = frozenset(
+    {
+        "_Arg", "_Retval", "_Send", "_Recv", "_HostSend", "_HostRecv", "Const", "NoOp",
+        "Identity", "IteratorGetNext", "IteratorGetNextAsOptional", "OptionalFromValue",
+        "OptionalHasValue", "OptionalGetValue", "OptionalNone", "MakeIterator",
+        "AnonymousIteratorV3", "_DeviceArg", "_DeviceRetval",
+    }
+)
+
+_SUFFIX = re.compile(r"_\d+$")
+
+
+# ----------------------------------------------------------------------------
+# Node name -> Keras layer.
+
+
+class LayerIndex:
+    """Maps TF node names (name scopes) to Keras layer paths, nested models included.
+
+    A path is the chain of layer names from the top model, e.g. ``"block1/conv_a"``,
+    so equally named layers in different nested models stay apart.
+    """
+
+    def __init__(self, model=None):
+        self.layers = {}  # path -> layer
+        self._children = {}  # container path -> {child name: child path}
+        if model is not None:
+            self._walk(model, "")
+
+    def _walk(self, parent, prefix):
+        children = self._children.setdefault(prefix, {})
+        for layer in getattr(parent, "layers", []) or []:
+            path = f"{prefix}/{layer.name}" if prefix else layer.name
+            children[layer.name] = path
+            self.layers[path] = layer
+            if getattr(layer, "layers", None):
+                self._walk(layer, path)
+
+    def leaf_layers(self):
+        """(layer, path) of every layer that is not itself a container of layers."""
+        return [(layer, path) for path, layer in self.layers.items() if not getattr(layer, "layers", None)]
+
+    def layer_of(self, node_name):
+        """The path of the innermost layer in a node name's scopes, or None.
+
+        Keras opens a name scope per layer call and TensorFlow uniquifies a
+        scope opened twice (``conv1`` -> ``conv1_1``), so a trailing ``_N`` is
+        stripped when the exact component is not a layer name. Without a model,
+        the innermost scope under the top-level model scope is used.
+        """
+        name = node_name.lstrip("^").split(":")[0]
+        parts = name.split("/")[:-1]  # the last component is the op itself
+        if not self._children:
+            parts = [p for p in parts if p not in ("StatefulPartitionedCall", "gradient_tape")]
+            return _SUFFIX.sub("", parts[-1]) if len(parts) > 1 else None
+        container, found = "", None
+        for part in parts:
+            children = self._children.get(container, {})
+            path = children.get(part) or children.get(_SUFFIX.sub("", part))
+            if path is not None:
+                found = path
+                if path in self._children:
+                    container = path
+        return found
+
+
+def _matches(path, layer):
+    """A layer given by name or by path matches a layer path."""
+    return path == layer or path.endswith("/" + layer)
+
+
+def _is_backward(node_name):
+    return "gradient_tape/" in node_name or "/gradients/" in node_name
+
+
+def _dtype_name(node):
+    import tensorflow as tf
+
+    for key in ("T", "dtype"):
+        if key in node.attr and node.attr[key].type:
+            try:
+                return tf.dtypes.as_dtype(node.attr[key].type).name
+            except TypeError:
+                return str(node.attr[key].type)
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Report dataclasses.
+
+
+@dataclasses.dataclass
+class FusedNode:
+    """One fused node of the executed graph."""
+
+    op: str
+    fused_ops: list
+    layer: str | None  # innermost layer name
+    layers: list  # layer paths the node reads weights from or is named after
+    device: str
+    name: str
+    dtype: str | None
+    backward: bool
+
+    def label(self):
+        return f"{self.op}[{', '.join(self.fused_ops)}]" if self.fused_ops else self.op
+
+
+@dataclasses.dataclass
+class LayerRow:
+    """The fusion verdict for one layer.
+
+    `status` is ``"fused"`` (the full pattern), ``"partial"`` (what this
+    backend/dtype/mode allows, short of the full pattern; see `reason`),
+    ``"not fused"`` (nothing can fuse here; see `reason`), ``"missed"`` (a
+    fusion was expected and is not in the graph) or ``"unexpected"`` (the
+    catalog expected none, yet the graph has one).
+    """
+
+    layer: str
+    path: str
+    layer_class: str
+    pattern: str
+    expected_op: str | None
+    expected_fused_ops: list | None
+    ideal_fused_ops: list | None
+    actual_op: str | None
+    actual_fused_ops: list | None
+    fused: bool
+    status: str
+    reason: str | None
+    note: str | None = None
+
+
+def _fmt_ops(op, fused_ops):
+    if not op:
+        return "-"
+    return f"{op}[{', '.join(fused_ops)}]" if fused_ops else op
+
+
+@dataclasses.dataclass
+class FusionReport:
+    """What fused in one executed step.
+
+    Attributes:
+        mode: ``"train"``, ``"predict"`` or ``"function"``.
+        backend: backend the context was evaluated for.
+        onednn: oneDNN was on.
+        xla: the step was XLA compiled.
+        policy: the model's dtype policy name (or None for a function).
+        num_ops: compute ops per step: nodes excluding _Arg, _Retval, Const, NoOp, Identity.
+        ops_by_type: compute op type -> count.
+        fused: one `FusedNode` per fused node (forward and backward).
+        layers: one `LayerRow` per layer the catalog has a pattern for.
+        notes: remarks on how the report was made.
+    """
+
+    mode: str
+    backend: str
+    onednn: bool
+    xla: bool
+    policy: str | None
+    num_ops: int
+    ops_by_type: dict
+    fused: list
+    layers: list
+    notes: list = dataclasses.field(default_factory=list)
+
+    def row(self, layer):
+        """The `LayerRow` of a layer, by name or nested path."""
+        rows = [r for r in self.layers if r.path == layer] or [r for r in self.layers if _matches(r.path, layer)]
+        if len(rows) > 1:
+            raise KeyError(f"Layer name {layer!r} is ambiguous; use a path: {[r.path for r in rows]}")
+        for r in rows:
+            return r
+        raise KeyError(f"No fusion row for layer {layer!r}; rows: {[r.layer for r in self.layers]}")
+
+    def fused_for(self, layer):
+        """Fused nodes that belong to `layer` (by name or path)."""
+        return [f for f in self.fused if any(_matches(p, layer) for p in f.layers)]
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kwargs):
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self):
+        head = (
+            f"Fusion report ({self.mode}; backend={self.backend}, oneDNN={'on' if self.onednn else 'off'}, "
+            f"policy={self.policy}, xla={self.xla}): {self.num_ops} ops per step, "
+            f"{len(self.fused)} fused nodes"
+        )
+        lines = [head]
+        if self.layers:
+            rows = [("layer", "pattern", "status", "graph has", "reason")]
+            for r in self.layers:
+                rows.append(
+                    (
+                        r.path,
+                        r.pattern,
+                        r.status,
+                        _fmt_ops(r.actual_op, r.actual_fused_ops),
+                        (r.reason or "") + (f" [note: {r.note}]" if r.note else ""),
+                    )
+                )
+            widths = [max(len(row[i]) for row in rows) for i in range(4)]
+            for row in rows:
+                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(row[:4], widths)) + "  " + row[4])
+        elif self.fused:
+            for f in self.fused:
+                lines.append(f"  {f.label():40s} {f.layer or '-'}{' (backward)' if f.backward else ''}")
+        top = sorted(self.ops_by_type.items(), key=lambda kv: (-kv[1], kv[0]))[:8]
+        lines.append("  most frequent ops: " + ", ".join(f"{k} x{v}" for k, v in top))
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class FallbackNode:
+    op: str
+    name: str
+    layer: str | None
+    device: str
+
+
+@dataclasses.dataclass
+class PlacementReport:
+    """Where the ops of one executed step ran.
+
+    Attributes:
+        gpu_present: a GPU device took part in the step (or was available).
+        ops_by_device: device -> compute op count.
+        fallbacks: compute ops that ran on CPU while a GPU was present.
+    """
+
+    mode: str
+    gpu_present: bool
+    ops_by_device: dict
+    fallbacks: list
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def to_json(self, **kwargs):
+        return json.dumps(self.to_dict(), **kwargs)
+
+    def __str__(self):
+        lines = [
+            f"Placement report ({self.mode}): "
+            + ", ".join(f"{d}: {n} ops" for d, n in sorted(self.ops_by_device.items()))
+        ]
+        if not self.gpu_present:
+            lines.append("  no GPU present: nothing can fall back")
+        elif not self.fallbacks:
+            lines.append("  no CPU fallback")
+        else:
+            lines.append(f"  {len(self.fallbacks)} op(s) fell back to CPU:")
+            for f in self.fallbacks:
+                lines.append(f"    {f.op:28s} {f.layer or '-':20s} {f.name}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# Building reports from a capture.
+
+
+def _short_device(device):
+    m = re.search(r"device:([A-Za-z_]+):(\d+)", device or "")
+    return f"{m.group(1)}:{m.group(2)}" if m else (device or "?")
+
+
+def build_fusion_report(capture, index, ctx, policy=None, layer_dtypes=None, notes=()):
+    counts = collections.Counter()
+    fused = []
+    for node in capture.nodes():
+        if node.op in NON_COMPUTE_OPS:
+            continue
+        counts[node.op] += 1
+        if node.op.startswith("_Fused") or "fused_ops" in node.attr and node.attr["fused_ops"].list.s:
+            weight_layers = [index.layer_of(i) for i in list(node.input)[1:3] if not i.startswith("^")]
+            own = index.layer_of(node.name)
+            layers = []  # layer paths, the weights' layer first
+            for path in weight_layers + [own]:
+                if path and path not in layers:
+                    layers.append(path)
+            fused.append(
+                FusedNode(
+                    op=node.op,
+                    fused_ops=[s.decode() for s in node.attr["fused_ops"].list.s],
+                    layer=layers[0].split("/")[-1] if layers else None,
+                    layers=layers,
+                    device=_short_device(node.device),
+                    name=node.name,
+                    dtype=_dtype_name(node),
+                    backward=_is_backward(node.name),
+                )
+            )
+    rows = []
+    for layer, path in index.leaf_layers():
+        exp = catalog.expectation(layer, ctx)
+        if exp is None:
+            continue
+        rows.append(_layer_row(layer, path, exp, fused))
+    return FusionReport(
+        mode=capture.mode,
+        backend=ctx.backend,
+        onednn=ctx.onednn,
+        xla=capture.jit_compile,
+        policy=policy,
+        num_ops=sum(counts.values()),
+        ops_by_type=dict(counts),
+        fused=fused,
+        layers=rows,
+        notes=list(notes),
+    )
+
+
+def _has_prefix(fused_ops, prefix):
+    return tuple(fused_ops[: len(prefix)]) == tuple(prefix)
+
+
+def _layer_row(layer, path, exp, fused):
+    target = path
+    if exp.match_layer is not None:  # a sibling layer in the same container
+        parent = path.rpartition("/")[0]
+        target = f"{parent}/{exp.match_layer}" if parent else exp.match_layer
+    candidates = [f for f in fused if not f.backward and target in f.layers]
+    actual = None
+    if exp.op:
+        for f in candidates:
+            if f.op == exp.op and _has_prefix(f.fused_ops, exp.fused_ops):
+                actual = f
+                break
+    if actual is None and candidates:
+        actual = candidates[0]
+    reason = exp.reason
+    if exp.op is None:
+        status = "unexpected" if actual else "not fused"
+        if actual:
+            reason = f"catalog expected no fusion ({exp.reason}), graph has {actual.label()}"
+    elif actual is not None and actual.op == exp.op and _has_prefix(actual.fused_ops, exp.fused_ops):
+        if exp.ideal_fused_ops and _has_prefix(actual.fused_ops, exp.ideal_fused_ops):
+            status, reason = "fused", None
+        else:
+            status = "partial"
+    else:
+        status = "missed"
+        have = actual.label() if actual else "no fused node"
+        reason = (
+            f"expected {_fmt_ops(exp.op, exp.fused_ops)}, graph has {have}"
+            " (is the pre-activation consumed elsewhere?)"
+        )
+    return LayerRow(
+        layer=layer.name,
+        path=path,
+        layer_class=type(layer).__name__,
+        pattern=exp.pattern,
+        expected_op=exp.op,
+        expected_fused_ops=list(exp.fused_ops) if exp.fused_ops else None,
+        ideal_fused_ops=list(exp.ideal_fused_ops) if exp.ideal_fused_ops else None,
+        actual_op=actual.op if actual else None,
+        actual_fused_ops=list(actual.fused_ops) if actual else None,
+        fused=actual is not None,
+        status=status,
+        reason=reason,
+        note=exp.note,
+    )
+
+
+def build_placement_report(capture, index, gpu_present=None):
+    by_device = collections.Counter()
+    fallbacks = []
+    nodes = list(capture.partition_nodes())
+    devices_seen = {_short_device(n.device) for n in nodes}
+    if gpu_present is None:
+        gpu_present = any(d.startswith("GPU") for d in devices_seen)
+    for node in nodes:
+        if node.op in NON_COMPUTE_OPS:
+            continue
+        dev = _short_device(node.device)
+        by_device[dev] += 1
+        if gpu_present and dev.startswith("CPU") and node.op not in HOST_OPS:
+            fallbacks.append(
+                FallbackNode(op=node.op, name=node.name, layer=index.layer_of(node.name), device=dev)
+            )
+    return PlacementReport(
+        mode=capture.mode, gpu_present=gpu_present, ops_by_device=dict(by_device), fallbacks=fallbacks
+    )
