@@ -1,0 +1,56 @@
+"""Graph building blocks shared by the layers: the exact ops the remapper matches."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+# Keras activation name -> TF op emitting function, for the activations the
+# remapper can fuse into a contraction (+ BiasAdd). Anything else is applied
+# with keras.activations after the BiasAdd.
+FUSABLE_ACTIVATIONS = {
+    "relu": tf.nn.relu,
+    "relu6": tf.nn.relu6,
+    "elu": tf.nn.elu,
+    "leaky_relu": lambda x: tf.nn.leaky_relu(x, alpha=0.2),  # keras.activations.leaky_relu default
+}
+
+
+def fused_batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):
+    """FusedBatchNormV3 on NHWC `x` with Keras BatchNormalization semantics.
+
+    Returns ``(y, updates)`` where `updates` is None at inference and, in
+    training, the pair of new moving mean / variance values computed the way
+    Keras does (``moving * momentum + batch * (1 - momentum)`` with the *biased*
+    batch variance; FusedBatchNormV3 returns the Bessel-corrected one).
+    Scale, offset and statistics are float32; `x` may be float32, float16 or
+    bfloat16.
+    """
+    if training:
+        y, mean, var_unbiased, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+            x=x,
+            scale=gamma,
+            offset=beta,
+            mean=tf.constant([], tf.float32),
+            variance=tf.constant([], tf.float32),
+            epsilon=epsilon,
+            exponential_avg_factor=1.0,
+            data_format="NHWC",
+            is_training=True,
+        )
+        shape = tf.shape(x)
+        n = tf.cast(shape[0] * shape[1] * shape[2], tf.float32)
+        var = var_unbiased * ((n - 1.0) / tf.maximum(n, 1.0))
+        new_mean = moving_mean * momentum + mean * (1.0 - momentum)
+        new_var = moving_variance * momentum + var * (1.0 - momentum)
+        return y, (new_mean, new_var)
+    y, _, _, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        x=x,
+        scale=gamma,
+        offset=beta,
+        mean=moving_mean,
+        variance=moving_variance,
+        epsilon=epsilon,
+        data_format="NHWC",
+        is_training=False,
+    )
+    return y, None

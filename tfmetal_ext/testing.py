@@ -1,0 +1,99 @@
+"""Test helpers for layers built on tfmetal_ext (used by this package's own suite too)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+
+
+def run_layer_test(
+    layer_cls,
+    init_kwargs,
+    input_shape,
+    *,
+    expected_output_shape,
+    expected_num_trainable_weights,
+    expected_num_non_trainable_weights=0,
+    seed=0,
+    check_mixed_float16=True,
+):
+    """Keras-style checks of one layer configuration.
+
+    Checks: `get_config`/`from_config` round trip; symbolic call output shape
+    (and `compute_output_shape`); eager call output shape; weight counts; a
+    `.keras` save/load of a model holding the layer gives identical outputs;
+    one `model.fit` step runs and changes the trainable weights; under
+    ``mixed_float16`` outputs are float16 and weights float32.
+
+    Args:
+        layer_cls: the layer class.
+        init_kwargs: constructor arguments.
+        input_shape: full input shape including the batch dimension.
+        expected_output_shape: full output shape including the batch dimension.
+        expected_num_trainable_weights: count of trainable weights.
+        expected_num_non_trainable_weights: count of non-trainable weights.
+
+    Returns:
+        The built layer of the float32 run.
+
+    Raises:
+        AssertionError: on the first check that fails.
+    """
+    import keras
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(input_shape).astype("float32")
+    expected_output_shape = tuple(expected_output_shape)
+
+    layer = layer_cls(**init_kwargs)
+    config = layer.get_config()
+    clone = layer_cls.from_config(config)
+    assert clone.get_config() == config, f"from_config(get_config()) differs:\n{config}\n{clone.get_config()}"
+
+    # Symbolic call.
+    sym_in = keras.Input(batch_shape=input_shape)
+    sym_out = layer(sym_in)
+    assert tuple(sym_out.shape) == expected_output_shape, f"symbolic shape {sym_out.shape} != {expected_output_shape}"
+    assert tuple(layer.compute_output_shape(input_shape)) == expected_output_shape
+    assert len(layer.trainable_weights) == expected_num_trainable_weights, (
+        f"trainable weights: {len(layer.trainable_weights)} != {expected_num_trainable_weights}"
+    )
+    assert len(layer.non_trainable_weights) == expected_num_non_trainable_weights, (
+        f"non-trainable weights: {len(layer.non_trainable_weights)} != {expected_num_non_trainable_weights}"
+    )
+
+    # Eager call.
+    eager = layer_cls(**init_kwargs)
+    out = eager(x)
+    assert tuple(out.shape) == expected_output_shape, f"eager shape {out.shape} != {expected_output_shape}"
+
+    # Save / load.
+    model = keras.Model(sym_in, sym_out)
+    ref = keras.ops.convert_to_numpy(model(x, training=False))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "layer.keras")
+        model.save(path)
+        loaded = keras.saving.load_model(path)
+    got = keras.ops.convert_to_numpy(loaded(x, training=False))
+    np.testing.assert_array_equal(ref, got, err_msg="outputs differ after .keras save/load")
+    assert type(loaded.layers[-1]) is layer_cls
+
+    # One training step.
+    if expected_num_trainable_weights:
+        before = [w.numpy().copy() for w in model.trainable_weights]
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        y = rng.standard_normal(expected_output_shape).astype("float32")
+        model.fit(x, y, batch_size=input_shape[0], epochs=1, verbose=0)
+        after = [w.numpy() for w in model.trainable_weights]
+        assert any(not np.array_equal(a, b) for a, b in zip(before, after)), "fit did not change any weight"
+
+    # Mixed precision.
+    if check_mixed_float16:
+        layer16 = layer_cls(**dict(init_kwargs, dtype="mixed_float16"))
+        out16 = layer16(x)
+        assert keras.backend.standardize_dtype(out16.dtype) == "float16", f"mixed_float16 output is {out16.dtype}"
+        for w in layer16.weights:
+            assert keras.backend.standardize_dtype(w.dtype) == "float32", f"weight {w.name} is {w.dtype}"
+    return layer
