@@ -14,7 +14,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a Metal GPU (tensorflow-metal on Apple silicon); run `pytest -m metal` on a Mac")
     for item in items:
-        if "metal" in item.keywords:
+        if item.get_closest_marker("metal") is not None:
             item.add_marker(skip)
 
 

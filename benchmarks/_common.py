@@ -1,0 +1,76 @@
+"""Shared benchmark plumbing: median timings, op counts, JSON + Markdown output.
+
+Every benchmark runs the stock Keras/TF baseline and ours in the same process and
+reports ratios; nothing here is a pass/fail threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def median_time(fn, *, warmup=3, repeats=15):
+    """Median wall time of ``fn()`` in milliseconds over `repeats` calls after `warmup`."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def environment():
+    import keras
+    import tensorflow as tf
+
+    from tfmetal_ext import devices
+
+    caps = devices.capabilities()
+    return {
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "backend": caps.backend,
+        "onednn": caps.onednn,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+
+
+def write_results(name, rows, columns, notes=()):
+    """Writes results/<name>.json and results/<name>.md; prints the Markdown table."""
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    env = environment()
+    with open(os.path.join(RESULTS_DIR, f"{name}.json"), "w") as f:
+        json.dump({"environment": env, "rows": rows, "notes": list(notes)}, f, indent=2)
+    lines = [
+        f"# {name}",
+        "",
+        "Environment: " + ", ".join(f"{k}={v}" for k, v in env.items()),
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |")
+    lines += [""] + [f"- {n}" for n in notes]
+    text = "\n".join(lines)
+    with open(os.path.join(RESULTS_DIR, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
+    print(text)
+    return text
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return "" if value is None else str(value)
