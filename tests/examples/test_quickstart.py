@@ -1,0 +1,25 @@
+"""`make demo` runs examples/quickstart.py: keep it running end to end."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.slow
+def test_quickstart_runs_and_prints_a_fusion_report():
+    pytest.importorskip("sklearn", reason="examples need the [examples] extra (scikit-learn)")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "test accuracy after 2 epochs" in out
+    acc = float(out.split("test accuracy after 2 epochs:")[1].split()[0])
+    assert acc > 0.5  # 10 classes: chance is 0.1
+    assert "Fusion report (train" in out and "Placement report" in out
+    assert "_FusedConv2D[BiasAdd, Relu]" in out
