@@ -10,6 +10,7 @@ function for models, a fresh `tf.function` around a plain callable.
 from __future__ import annotations
 
 import contextlib
+import gc
 import dataclasses
 import logging
 
@@ -25,6 +26,49 @@ class FunctionGraph:
     name: str
     graph: object  # tf.compat.v1.GraphDef, post-optimization
     partitions: list  # list of GraphDef, one per device partition
+    pre_graph: object = None  # GraphDef before grappler
+
+
+def _tf_functions(fn):
+    """The tf.functions behind `fn`: itself, or those its closure holds (Keras' train wrapper)."""
+    if hasattr(fn, "_list_all_concrete_functions"):
+        return [fn]
+    found = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:
+            continue
+        if hasattr(value, "_list_all_concrete_functions"):
+            found.append(value)
+    return found
+
+
+def _keep_own(cap, tf_functions):
+    """Drops graphs that are not from `tf_functions` (or the functions they call).
+
+    Graphs of functions instantiated earlier in the process, and eager ops,
+    can be exported into a later window; a graph is ours when its node names
+    come from our functions and every function it calls is one of ours.
+    """
+    names, fn_names = set(), set()
+    for tf_fn in tf_functions:
+        for concrete in tf_fn._list_all_concrete_functions():
+            fn_names.add(concrete.name.decode() if isinstance(concrete.name, bytes) else concrete.name)
+            names.update(n.name for n in concrete.function_def.node_def)
+            for lib_fn in concrete.graph.as_graph_def().library.function:
+                fn_names.add(lib_fn.signature.name)
+                names.update(n.name for n in lib_fn.node_def)
+    if not names:
+        return cap
+    own = []
+    for fg in cap.functions:
+        body = [n for n in fg.pre_graph.node if n.op not in _ARG_OPS and not n.name.endswith("_RetVal")]
+        calls = {n.attr["f"].func.name for n in body if "f" in n.attr and n.attr["f"].func.name}
+        if {n.name for n in body} <= names and calls <= fn_names:
+            own.append(fg)
+    cap.functions = own
+    return cap
 
 
 @dataclasses.dataclass
@@ -58,6 +102,9 @@ class Capture:
 def _run_metadata():
     from tensorflow.python.eager import context
 
+    # Functions of unreachable models can be finalized (and their graphs
+    # exported) at any time; collect them before the window opens.
+    gc.collect()
     context.enable_run_metadata()
     box = []
     try:
@@ -94,6 +141,7 @@ def _to_capture(md, jit_compile, mode):
             name=getattr(fg, "function_name", "") or "",  # absent in older protos
             graph=fg.post_optimization_graph,
             partitions=list(fg.partition_graphs),
+            pre_graph=fg.pre_optimization_graph,
         )
         for fg in md.function_graphs
         if not _is_eager_op(fg)
@@ -129,7 +177,7 @@ def capture_function(fn, *args, jit_compile=None, **kwargs):
     args, kwargs = _as_tensors(args), _as_tensors(kwargs)  # no eager op inside the window
     with _run_metadata() as box:
         fresh(*args, **kwargs)
-    return _to_capture(box[0], jit, "function")
+    return _keep_own(_to_capture(box[0], jit, "function"), [fresh])
 
 
 # ----------------------------------------------------------------------------
@@ -193,7 +241,7 @@ def capture_predict(model, x):
             fn([(x,)])
     finally:
         model.predict_function = saved
-    return _to_capture(box[0], _resolve_jit(model), "predict")
+    return _keep_own(_to_capture(box[0], _resolve_jit(model), "predict"), _tf_functions(fn))
 
 
 def _build_for_training(model, x, y, sample_weight):
@@ -247,4 +295,4 @@ def capture_train(model, x, y, sample_weight=None):
         model.train_function = saved_fn
         model.stop_training = saved_stop
         _restore(state, values)
-    return _to_capture(box[0], _resolve_jit(model), "train")
+    return _keep_own(_to_capture(box[0], _resolve_jit(model), "train"), _tf_functions(fn))
