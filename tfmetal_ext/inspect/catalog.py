@@ -210,6 +210,9 @@ class Expectation:
         match_layer: the layer name whose weights the fused node reads
             (defaults to the layer itself).
         note: a caveat worth reading even when fused.
+        ideal_op: the fused op of the full pattern when it differs from what
+            may fuse here (e.g. ``_FusedBatchNormEx`` while the CPU fuses
+            ``_FusedConv2D``); None means `op`.
     """
 
     pattern: str
@@ -219,6 +222,7 @@ class Expectation:
     reason: str | None = None
     match_layer: str | None = None
     note: str | None = None
+    ideal_op: str | None = None
 
 
 _RULES = []  # (layer class, rule function), most specific registered last
@@ -234,7 +238,15 @@ def register_rule(layer_cls, rule):
 
 
 def expectation(layer, ctx):
-    """The `Expectation` for `layer` under `ctx`, or None if no pattern applies."""
+    """The `Expectation` for `layer` under `ctx`, or None if no pattern applies.
+
+    A container can give one of its sublayers a role-specific rule by setting
+    the sublayer's ``_fusion_rule`` attribute (e.g. the last conv of a
+    residual block, whose output feeds the Add); it wins over class rules.
+    """
+    override = getattr(layer, "_fusion_rule", None)
+    if override is not None:
+        return override(layer, ctx)
     for cls, rule in reversed(_RULES):
         if isinstance(layer, cls):
             return rule(layer, ctx)
@@ -361,14 +373,16 @@ def _input_rank(layer):
     return None
 
 
-def _dense_rule(layer, ctx):
-    act_op = _act_op(layer)
-    name = activation_name(layer)
+def _dense_rule(layer, ctx, *, act_name=None, reshape_blocks=True):
+    """Dense rule; `act_name` overrides the activation name, `reshape_blocks=False`
+    for layers that keep MatMul + BiasAdd adjacent on rank > 2 inputs."""
+    name = act_name or activation_name(layer)
+    act_op = None if name == "linear" else ACTIVATION_OPS.get(name, name)
     gelu = act_op in ("GeluExact", "GeluApproximate")
     pattern = "matmul_bias_gelu" if gelu else "matmul_bias_act"
     ideal = ("BiasAdd",) + ((act_op,) if act_op else ())
     rank = _input_rank(layer)
-    if getattr(layer, "use_bias", True) and rank is not None and rank > 2 and not ctx.xla:
+    if reshape_blocks and getattr(layer, "use_bias", True) and rank is not None and rank > 2 and not ctx.xla:
         return Expectation(
             pattern, None, None, ideal,
             reason=f"input rank {rank}: Keras reshapes between MatMul and BiasAdd, so nothing fuses",
@@ -415,9 +429,10 @@ def _depthwise_rule(layer, ctx):
     if ctx.backend != "cpu" or not ctx.onednn:
         where = "CPU without oneDNN" if ctx.backend == "cpu" else ctx.backend
         return Expectation(pattern, None, None, ideal, reason=f"{where}: no fused depthwise kernel")
+    # Measured on TF 2.21 oneDNN: LeakyRelu does not fuse into the depthwise conv.
     return _contraction_rule(
         pattern, "_FusedDepthwiseConv2dNative", layer, ctx, act_op=act_op,
-        cpu_acts=_CONTRACTION_ACTS,
+        cpu_acts=("Relu", "Relu6", "Elu"),
     )
 
 

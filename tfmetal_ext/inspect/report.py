@@ -45,16 +45,16 @@ class LayerIndex:
 
     def _walk(self, parent, prefix):
         children = self._children.setdefault(prefix, {})
-        for layer in getattr(parent, "layers", []) or []:
+        for layer in _sublayers(parent):
             path = f"{prefix}/{layer.name}" if prefix else layer.name
             children[layer.name] = path
             self.layers[path] = layer
-            if getattr(layer, "layers", None):
+            if _sublayers(layer):
                 self._walk(layer, path)
 
     def leaf_layers(self):
         """(layer, path) of every layer that is not itself a container of layers."""
-        return [(layer, path) for path, layer in self.layers.items() if not getattr(layer, "layers", None)]
+        return [(layer, path) for path, layer in self.layers.items() if not _sublayers(layer)]
 
     def layer_of(self, node_name):
         """The path of the innermost layer in a node name's scopes, or None.
@@ -78,6 +78,16 @@ class LayerIndex:
                 if path in self._children:
                     container = path
         return found
+
+
+def _sublayers(layer):
+    """Models' `.layers`; a plain Layer's direct sublayers when its class sets `_tfmetal_container`."""
+    layers = getattr(layer, "layers", None)
+    if layers:
+        return list(layers)
+    if getattr(layer, "_tfmetal_container", False) and hasattr(layer, "_flatten_layers"):
+        return list(layer._flatten_layers(include_self=False, recursive=False))
+    return []
 
 
 def _matches(path, layer):
@@ -334,7 +344,8 @@ def build_fusion_report(capture, index, ctx, policy=None, layer_dtypes=None, not
 
 
 def _has_prefix(fused_ops, prefix):
-    return tuple(fused_ops[: len(prefix)]) == tuple(prefix)
+    prefix = tuple(prefix or ())
+    return tuple(fused_ops[: len(prefix)]) == prefix
 
 
 def _layer_row(layer, path, exp, fused):
@@ -357,7 +368,11 @@ def _layer_row(layer, path, exp, fused):
         if actual:
             reason = f"catalog expected no fusion ({exp.reason}), graph has {actual.label()}"
     elif actual is not None and actual.op == exp.op and _has_prefix(actual.fused_ops, exp.fused_ops):
-        if exp.ideal_fused_ops and _has_prefix(actual.fused_ops, exp.ideal_fused_ops):
+        if (
+            exp.ideal_fused_ops is not None
+            and _has_prefix(actual.fused_ops, exp.ideal_fused_ops)
+            and exp.ideal_op in (None, actual.op)
+        ):
             status, reason = "fused", None
         else:
             status = "partial"

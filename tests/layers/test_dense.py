@@ -1,0 +1,256 @@
+"""FusedDense: equivalence with keras.layers.Dense, fusion (rank 2 and > 2), Keras checks."""
+
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmetal_ext import devices, inspect
+from tfmetal_ext.layers import FusedDense
+from tfmetal_ext.testing import run_layer_test
+
+
+def gelu_tanh(x):
+    """The stock reference for activation="gelu_approximate"."""
+    return keras.activations.gelu(x, approximate=True)
+
+
+# ----------------------------------------------------------------------------
+# Reference: keras.layers.Dense with the same weights, both run in a tf.function
+# (grappler fuses both), outputs and gradients w.r.t. input and weights.
+
+
+def _outputs_and_grads(layer, x, training):
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=training)
+            # A fixed non-uniform cotangent makes every output element matter.
+            weights = tf.sin(tf.cast(tf.range(tf.size(y)), tf.float32) * 0.37)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.reshape(weights, tf.shape(y)))
+        return y, tape.gradient(loss, [x] + layer.trainable_weights)
+
+    y, grads = step(tf.constant(x))
+    return np.asarray(tf.cast(y, tf.float32)), [np.asarray(g) for g in grads]
+
+
+def assert_close(got, want, policy):
+    if policy == "float32":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:  # half / bfloat16 compute: 1e-2 relative, in norm
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6)
+        assert err < 1e-2, f"relative error {err:.3g}"
+
+
+def check_equivalence(kwargs, input_shape, policy="float32", seed=0):
+    stock_kwargs = dict(kwargs)
+    if kwargs.get("activation") == "gelu_approximate":
+        stock_kwargs["activation"] = gelu_tanh
+    ours, stock = FusedDense(**kwargs), keras.layers.Dense(**stock_kwargs)
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(input_shape).astype("float32")
+    stock(x)
+    ours.build(input_shape)
+    assert [(w.name, w.shape) for w in ours.weights] == [(w.name, w.shape) for w in stock.weights]
+    stock.set_weights([w + rng.standard_normal(w.shape).astype(w.dtype) * 0.1 for w in stock.get_weights()])
+    ours.set_weights(stock.get_weights())
+    back = keras.layers.Dense(**stock_kwargs)  # and ours -> stock
+    back.build(input_shape)
+    back.set_weights(ours.get_weights())
+    for a, b in zip(back.get_weights(), stock.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for w in ours.weights:
+        assert keras.backend.standardize_dtype(w.dtype) == "float32"
+    for training in (True, False):
+        y, grads = _outputs_and_grads(ours, x, training)
+        y_ref, grads_ref = _outputs_and_grads(stock, x, training)
+        assert y.shape == y_ref.shape == tuple(input_shape[:-1]) + (kwargs["units"],)
+        assert_close(y, y_ref, policy)
+        assert len(grads) == len(grads_ref)
+        for g, g_ref in zip(grads, grads_ref):
+            assert_close(g, g_ref, policy)
+
+
+ACTIVATIONS = [None, "relu", "relu6", "elu", "leaky_relu", "gelu", "gelu_approximate", "tanh", "sigmoid", "swish"]
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_matches_keras_rank2(activation):
+    check_equivalence(dict(units=5, activation=activation), (4, 7))
+
+
+@pytest.mark.parametrize(
+    "kwargs, input_shape",
+    [
+        (dict(units=5, activation="relu"), (3, 4, 7)),
+        (dict(units=3, activation="gelu"), (2, 5, 7)),
+        (dict(units=6), (2, 3, 1, 7)),
+        (dict(units=4, use_bias=False, activation="tanh"), (2, 3, 7)),
+        (dict(units=1, activation="sigmoid"), (5, 1)),
+    ],
+)
+def test_matches_keras_other_shapes(kwargs, input_shape):
+    check_equivalence(kwargs, input_shape)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.parametrize(
+    "kwargs, input_shape",
+    [(dict(units=6, activation="relu"), (4, 9)), (dict(units=5, activation="gelu"), (2, 3, 9))],
+)
+def test_mixed_precision_matches_keras(policy, kwargs, input_shape):
+    keras.mixed_precision.set_global_policy(policy)
+    check_equivalence(kwargs, input_shape, policy=policy)
+    out = FusedDense(**kwargs)(np.ones(input_shape, "float32"))
+    assert keras.backend.standardize_dtype(out.dtype) == policy.split("_")[1]
+
+
+def test_rank3_keeps_static_and_dynamic_shapes():
+    layer = FusedDense(4)
+    sym = layer(keras.Input((None, 6)))
+    assert tuple(sym.shape) == (None, None, 4)
+    assert layer.compute_output_shape((None, None, 6)) == (None, None, 4)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, 6])])
+    def f(x):
+        y = layer(x)
+        assert y.shape.as_list() == [None, None, 4]
+        return y
+
+    assert f(tf.zeros((2, 3, 6))).shape == (2, 3, 4)
+
+
+# ----------------------------------------------------------------------------
+# Fusion in the graph that actually ran.
+
+# (activation, fused_ops at inference, fused_ops in training, needs oneDNN)
+DENSE_FUSIONS = [
+    ("relu", ["BiasAdd", "Relu"], ["BiasAdd", "Relu"], False),
+    ("relu6", ["BiasAdd", "Relu6"], ["BiasAdd", "Relu6"], False),
+    ("elu", ["BiasAdd", "Elu"], ["BiasAdd", "Elu"], False),
+    ("leaky_relu", ["BiasAdd", "LeakyRelu"], ["BiasAdd"], False),
+    (None, ["BiasAdd"], ["BiasAdd"], False),
+    ("tanh", ["BiasAdd", "Tanh"], ["BiasAdd", "Tanh"], True),
+    ("sigmoid", ["BiasAdd", "Sigmoid"], ["BiasAdd", "Sigmoid"], True),
+    ("gelu", ["BiasAdd", "GeluExact"], ["BiasAdd"], True),
+    ("gelu_approximate", ["BiasAdd", "GeluApproximate"], ["BiasAdd"], True),
+]
+
+
+def _branches(make_layer, shape, fusions):
+    """One model, one parallel branch per activation: one capture checks them all."""
+    inp = keras.Input(shape)
+    outs = [make_layer(act, f"fc_{act or 'linear'}")(inp) for act, *_ in fusions]
+    model = keras.Model(inp, keras.layers.Concatenate()(outs))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", ["predict", "train"])
+@pytest.mark.parametrize("shape", [(6,), (3, 6)], ids=["rank2", "rank3"])
+def test_fuses(policy, mode, shape):
+    onednn = devices.capabilities().onednn
+    if policy == "mixed_bfloat16" and not onednn:
+        pytest.skip("bfloat16 MatMul fusion needs oneDNN (x86-64 Linux wheels, TF_ENABLE_ONEDNN_OPTS unset)")
+    keras.mixed_precision.set_global_policy(policy)
+    fusions = [f for f in DENSE_FUSIONS if onednn or not f[3]]
+    model = _branches(lambda act, name: FusedDense(4, activation=act, name=name), shape, fusions)
+    report = inspect.fusion_report(model, mode=mode)
+    dtype = "float32" if policy == "float32" else "bfloat16"
+    for act, infer_ops, train_ops, _ in fusions:
+        name, want = f"fc_{act or 'linear'}", (infer_ops if mode == "predict" else train_ops)
+        node = inspect.assert_fused(report, layer=name, op="_FusedMatMul", fused_ops=want)
+        assert node.dtype == dtype
+        row = report.row(name)
+        assert row.actual_fused_ops == want
+        assert row.status == ("fused" if want == infer_ops else "partial"), row
+        if row.status == "partial":
+            assert "pre-activation" in row.reason
+
+
+def test_rank3_fuses_unlike_keras_dense():
+    inp = keras.Input((3, 6))
+    ours = FusedDense(4, activation="relu", name="ours")(inp)
+    stock = keras.layers.Dense(4, activation="relu", name="stock")(inp)
+    model = keras.Model(inp, keras.layers.Concatenate()([ours, stock]))
+    report = inspect.fusion_report(model)
+    inspect.assert_fused(report, layer="ours", op="_FusedMatMul", fused_ops=["BiasAdd", "Relu"])
+    assert report.row("ours").status == "fused"
+    assert "input rank 3" in inspect.assert_not_fused(report, "stock")
+    assert report.row("stock").status == "not fused"
+
+
+@pytest.mark.parametrize("mode", ["predict", "train"])
+def test_mixed_float16_on_cpu_fuses_nothing(mode):
+    if devices.capabilities().cpu_fp16:
+        pytest.skip("this CPU has native float16 (AVX512_FP16/AMX_FP16/AVX_NE_CONVERT): half fuses here")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    fusions = [f for f in DENSE_FUSIONS if f[0] in ("relu", "gelu", None)]
+    report = inspect.fusion_report(_branches(lambda a, n: FusedDense(4, activation=a, name=n), (6,), fusions), mode=mode)
+    assert report.fused == []
+    for act, *_ in fusions:
+        row = report.row(f"fc_{act or 'linear'}")
+        assert row.status == "not fused" and row.reason == "float16 on CPU: remapper skips half"
+
+
+# ----------------------------------------------------------------------------
+# Keras layer checks and argument validation.
+
+
+@pytest.mark.parametrize(
+    "kwargs, input_shape, output_shape, n_weights",
+    [
+        (dict(units=3, activation="relu"), (4, 5), (4, 3), 2),
+        (dict(units=2, activation="gelu_approximate", kernel_regularizer="l2", bias_constraint="non_neg"),
+         (2, 3, 5), (2, 3, 2), 2),
+        (dict(units=4, use_bias=False, kernel_initializer="he_normal", activity_regularizer="l1",
+              kernel_constraint="max_norm"), (2, 3, 2, 5), (2, 3, 2, 4), 1),
+    ],
+)
+def test_keras_layer_checks(kwargs, input_shape, output_shape, n_weights):
+    run_layer_test(FusedDense, kwargs, input_shape, expected_output_shape=output_shape,
+                   expected_num_trainable_weights=n_weights)
+
+
+def test_config_is_complete_and_matches_keras():
+    kwargs = dict(units=4, activation="gelu", kernel_regularizer="l2", bias_initializer="ones")
+    ours = FusedDense(**kwargs).get_config()
+    stock = keras.layers.Dense(**kwargs).get_config()
+    assert set(stock) - {"quantization_config", "lora_rank", "lora_alpha"} <= set(ours)
+    for key in ("activation", "kernel_initializer", "kernel_regularizer", "bias_initializer", "use_bias"):
+        assert ours[key] == stock[key], key
+    approx = FusedDense(2, activation="gelu_approximate")
+    assert approx.get_config()["activation"] == "gelu_approximate"
+    x = np.linspace(-3, 3, 12, dtype="float32").reshape(6, 2)
+    np.testing.assert_allclose(approx.activation(x), gelu_tanh(x), rtol=1e-6)
+    assert keras.saving.get_registered_name(FusedDense) == "tfmetal_ext>FusedDense"
+
+
+BAD_ARGS = [
+    (dict(units=0), "units"),
+    (dict(units=-3), "units"),
+    (dict(units="8"), "units"),
+    (dict(units=True), "units"),
+    (dict(units=4, activation="no_such_activation"), "activation"),
+    (dict(units=4, use_bias=1), "use_bias"),
+    (dict(units=4, kernel_initializer="no_such_init"), "kernel_initializer"),
+    (dict(units=4, bias_regularizer="no_such_reg"), "bias_regularizer"),
+    (dict(units=4, kernel_constraint="no_such_constraint"), "kernel_constraint"),
+]
+
+
+def test_bad_arguments():
+    # Cases looped in one test: each test's teardown (clear_session) is the slow part.
+    for kwargs, name in BAD_ARGS:
+        with pytest.raises(ValueError) as info:
+            FusedDense(**kwargs)
+        assert re.search(rf"Received: {name}=[^\n]*$", str(info.value)), (kwargs, str(info.value))
+
+
+def test_rejects_rank1_input():
+    with pytest.raises(ValueError):
+        FusedDense(3)(np.zeros((4,), "float32"))

@@ -1,0 +1,335 @@
+"""FusedBatchNorm and FusedLayerNorm: equivalence with stock Keras, graphs, Keras-style checks."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmetal_ext.inspect as ti
+from tfmetal_ext.inspect import catalog
+from tfmetal_ext.layers import FusedBatchNorm, FusedLayerNorm
+from tfmetal_ext.layers import normalization
+from tfmetal_ext.testing import run_layer_test
+
+TOL = {"float32": dict(rtol=1e-5, atol=1e-5), "mixed_bfloat16": dict(rtol=1e-2), "mixed_float16": dict(rtol=1e-2)}
+
+
+def _close(got, want, policy, what):
+    got = np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(got, "float32")))
+    want = np.asarray(keras.ops.convert_to_numpy(keras.ops.cast(want, "float32")))
+    tol = dict(TOL[policy])
+    if policy != "float32":  # relative to the tensor's scale, so values near 0 do not dominate
+        tol["atol"] = 1e-2 * float(np.max(np.abs(want)) or 1.0)
+    np.testing.assert_allclose(got, want, err_msg=what, **tol)
+
+
+def _pair(stock_cls, ours_cls, kwargs, shape, policy, seed=0):
+    """Builds a stock and a fused layer with the same random weights."""
+    rng = np.random.default_rng(seed)
+    stock = stock_cls(dtype=policy, **kwargs)
+    ours = ours_cls(dtype=policy, **kwargs)
+    stock.build(shape)
+    ours.build(shape)
+    weights = []
+    for w in stock.weights:
+        value = rng.uniform(0.5, 1.5, w.shape) if "variance" in w.name or "gamma" in w.name else rng.normal(size=w.shape)
+        weights.append(value.astype("float32"))
+    stock.set_weights(weights)
+    ours.set_weights(stock.get_weights())
+    return stock, ours
+
+
+def _forward_backward(layer, x, dy, **call_kw):
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = layer(x, **call_kw)
+        loss = tf.reduce_sum(tf.cast(y, tf.float32) * dy)
+    grads = tape.gradient(loss, [x] + list(layer.trainable_variables))
+    return y, grads
+
+
+# ----------------------------------------------------------------------------
+# FusedBatchNorm equivalence.
+
+BN_SHAPES = [(8, 6), (4, 3, 3, 6)]
+
+
+# center/scale variants in float32; the mixed policies run the full layer.
+BN_CASES = [("float32", c, s) for c, s in [(True, True), (False, True), (True, False), (False, False)]] + [
+    ("mixed_bfloat16", True, True), ("mixed_float16", True, True)
+]
+
+
+@pytest.mark.parametrize("shape", BN_SHAPES)
+@pytest.mark.parametrize("policy,center,scale", BN_CASES)
+def test_batch_norm_matches_keras(policy, shape, center, scale):
+    kwargs = dict(center=center, scale=scale, momentum=0.8)
+    stock, ours = _pair(keras.layers.BatchNormalization, FusedBatchNorm, kwargs, shape, policy)
+    assert [w.name for w in ours.weights] == [w.name for w in stock.weights]
+    assert [tuple(w.shape) for w in ours.weights] == [tuple(w.shape) for w in stock.weights]
+    rng = np.random.default_rng(1)
+    dy = rng.normal(size=shape).astype("float32")
+    for training in (False, True):
+        x = (rng.normal(size=shape) * 2 + 0.5).astype("float32")
+        y_ref, g_ref = _forward_backward(stock, x, dy, training=training)
+        y, g = _forward_backward(ours, x, dy, training=training)
+        assert keras.backend.standardize_dtype(y.dtype) == keras.backend.standardize_dtype(y_ref.dtype)
+        _close(y, y_ref, policy, f"output, training={training}")
+        assert len(g) == len(g_ref)
+        for i, (a, b) in enumerate(zip(g, g_ref)):
+            _close(a, b, policy, f"gradient {i}, training={training}")
+    # Moving statistics over several steps (the step above was the first).
+    initial_mean = stock.moving_mean.numpy().copy()
+    for step in range(3):
+        x = (rng.normal(size=shape) * (step + 1) - step).astype("float32")
+        stock(x, training=True)
+        ours(x, training=True)
+    _close(ours.moving_mean, stock.moving_mean, policy, "moving_mean")
+    _close(ours.moving_variance, stock.moving_variance, policy, "moving_variance")
+    assert not np.allclose(ours.moving_mean.numpy(), initial_mean)  # the statistics did move
+    x = rng.normal(size=shape).astype("float32")
+    _close(ours(x, training=False), stock(x, training=False), policy, "inference after training")
+    for w in ours.weights:
+        assert keras.backend.standardize_dtype(w.dtype) == "float32"
+
+
+def test_batch_norm_trainable_false_is_inference_mode():
+    shape = (4, 2, 2, 5)
+    stock, ours = _pair(keras.layers.BatchNormalization, FusedBatchNorm, {}, shape, "float32")
+    stock.trainable = False
+    ours.trainable = False
+    before = [w.copy() for w in ours.get_weights()]
+    x = np.random.default_rng(2).normal(size=shape).astype("float32") * 3
+    y = ours(x, training=True)
+    _close(y, stock(x, training=True), "float32", "trainable=False output")
+    _close(y, ours(x, training=False), "float32", "trainable=False equals inference")
+    for a, b in zip(ours.get_weights(), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batch_norm_weights_round_trip_with_stock():
+    shape = (4, 3, 3, 6)
+    stock, ours = _pair(keras.layers.BatchNormalization, FusedBatchNorm, {}, shape, "float32")
+    fresh_stock = keras.layers.BatchNormalization()
+    fresh_stock.build(shape)
+    fresh_stock.set_weights(ours.get_weights())
+    for a, b in zip(fresh_stock.get_weights(), stock.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_batch_norm_fit_updates_moving_stats_like_keras():
+    shape = (8, 6)
+    rng = np.random.default_rng(3)
+    x = (rng.normal(size=shape) * 2 + 1).astype("float32")
+    y = rng.normal(size=shape).astype("float32")
+    results = []
+    for cls in (keras.layers.BatchNormalization, FusedBatchNorm):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input(shape[1:]), cls(momentum=0.5)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        results.append(model.get_weights())
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# FusedLayerNorm equivalence.
+
+
+# Argument variants in float32 (epsilon=1e-6 takes the non-FusedBatchNormV3 path).
+LN_VARIANTS = ({}, dict(center=False), dict(scale=False), dict(epsilon=1e-6), dict(epsilon=1e-6, center=False, scale=False))
+LN_CASES = [("float32", k) for k in LN_VARIANTS] + [
+    ("mixed_bfloat16", {}), ("mixed_float16", {}), ("mixed_bfloat16", dict(epsilon=1e-6))
+]
+
+
+@pytest.mark.parametrize("shape", [(6, 8), (2, 3, 8)])
+@pytest.mark.parametrize("policy,kwargs", LN_CASES)
+def test_layer_norm_matches_keras(policy, shape, kwargs):
+    stock, ours = _pair(keras.layers.LayerNormalization, FusedLayerNorm, kwargs, shape, policy)
+    assert [w.name for w in ours.weights] == [w.name for w in stock.weights]
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=shape) * 3 + 2).astype("float32")
+    dy = rng.normal(size=shape).astype("float32")
+    for training in (False, True):
+        y_ref, g_ref = _forward_backward(stock, x, dy, training=training)
+        y, g = _forward_backward(ours, x, dy, training=training)
+        assert keras.backend.standardize_dtype(y.dtype) == keras.backend.standardize_dtype(y_ref.dtype)
+        _close(y, y_ref, policy, "output")
+        assert len(g) == len(g_ref)
+        for i, (a, b) in enumerate(zip(g, g_ref)):
+            _close(a, b, policy, f"gradient {i}")
+
+
+def test_layer_norm_matches_numpy_reference():
+    x = np.random.default_rng(5).normal(size=(3, 7)).astype("float32") * 4 + 1
+    mean = x.mean(-1, keepdims=True)
+    want = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-3)
+    np.testing.assert_allclose(FusedLayerNorm()(x).numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
+# Graphs and fusion rows.
+
+
+def _bn_model(norm, relu=True, conv_bias=True, image=True, policy=None):
+    if image:
+        layers = [keras.Input((4, 4, 8)), keras.layers.Conv2D(8, 1, use_bias=conv_bias, name="conv")]
+    else:
+        layers = [keras.Input((8,)), keras.layers.Dense(8, name="dense_in")]
+    layers.append(norm(name="bn"))
+    if relu:
+        layers.append(keras.layers.ReLU(name="relu"))
+    layers += [keras.layers.Flatten(), keras.layers.Dense(1, name="head")]
+    return keras.Sequential(layers)
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", ["predict", "train"])
+def test_batch_norm_relu_becomes_fused_batch_norm_ex(onednn, policy, mode):
+    keras.mixed_precision.set_global_policy(policy)
+    report = ti.fusion_report(_bn_model(FusedBatchNorm), mode=mode)
+    node = ti.assert_fused(report, layer="bn", op="_FusedBatchNormEx")
+    assert node.dtype == ("bfloat16" if policy == "mixed_bfloat16" else "float32")
+    assert "FusedBatchNormV3" not in report.ops_by_type  # the one BN op became the fused one
+    row = report.row("bn")
+    assert (row.pattern, row.status, row.reason) == ("batchnorm_act", "fused", None)
+    if mode == "train":
+        assert report.ops_by_type.get("FusedBatchNormGradV3") == 1
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("mode", ["predict", "train"])
+def test_batch_norm_graph_is_one_op_and_smaller_than_keras(policy, mode):
+    keras.mixed_precision.set_global_policy(policy)
+    ours = ti.fusion_report(_bn_model(FusedBatchNorm, relu=False), mode=mode)
+    stock = ti.fusion_report(_bn_model(keras.layers.BatchNormalization, relu=False), mode=mode)
+    assert ours.ops_by_type.get("FusedBatchNormV3") == 1
+    assert "FusedBatchNormV3" not in stock.ops_by_type
+    assert ours.num_ops < stock.num_ops
+    if mode == "train":
+        assert ours.ops_by_type.get("FusedBatchNormGradV3") == 1
+        assert stock.num_ops - ours.num_ops >= 10
+    row = ours.row("bn")
+    assert (row.status, row.reason) == ("not fused", normalization.REASON_NO_RELU)
+    assert row.actual_op is None
+
+
+def test_batch_norm_under_mixed_float16_on_cpu_gives_reason():
+    if ti.devices.capabilities().cpu_fp16:
+        pytest.skip("this CPU computes float16 natively, so half nodes fuse")
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    report = ti.fusion_report(_bn_model(FusedBatchNorm), mode="train")
+    assert report.ops_by_type.get("FusedBatchNormV3") == 1 and "_FusedBatchNormEx" not in report.ops_by_type
+    row = report.row("bn")
+    assert (row.status, row.reason) == ("not fused", catalog.REASON_HALF_CPU)
+
+
+def test_batch_norm_2d_relu_does_not_fuse():
+    report = ti.fusion_report(_bn_model(FusedBatchNorm, image=False), mode="train")
+    assert report.ops_by_type.get("FusedBatchNormV3") == 1
+    assert "_FusedBatchNormEx" not in report.ops_by_type
+    row = report.row("bn")
+    assert (row.status, row.reason) == ("not fused", normalization.REASON_FLAT)
+
+
+def test_bias_free_conv_folds_batch_norm_at_inference():
+    report = ti.fusion_report(_bn_model(FusedBatchNorm, conv_bias=False), mode="predict")
+    ti.assert_fused(report, layer="bn", op="_FusedConv2D", fused_ops=["FusedBatchNorm", "Relu"])
+    row = report.row("bn")
+    assert (row.pattern, row.status) == ("conv2d_batchnorm_act", "fused")
+
+
+@pytest.mark.parametrize("epsilon", [1e-3, 1e-6])
+def test_layer_norm_train_step_has_fewer_ops_than_keras(epsilon):
+    def model(norm):
+        return keras.Sequential(
+            [keras.Input((5, 8)), keras.layers.Dense(8), norm(epsilon=epsilon, name="ln"), keras.layers.Dense(1)]
+        )
+
+    ours = ti.fusion_report(model(FusedLayerNorm), mode="train")
+    stock = ti.fusion_report(model(keras.layers.LayerNormalization), mode="train")
+    assert ours.num_ops < stock.num_ops
+    fused_bn = 1 if epsilon >= 1.001e-5 else None
+    assert ours.ops_by_type.get("FusedBatchNormV3") == fused_bn
+    assert ours.ops_by_type.get("FusedBatchNormGradV3") == fused_bn
+    row = ours.row("ln")
+    assert (row.status, row.reason) == ("not fused", normalization.REASON_FUSED_LN)
+
+
+def test_rules_for_other_backends():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = _bn_model(FusedBatchNorm)
+    bn = model.get_layer("bn")
+    cuda_train = catalog.expectation(bn, catalog.FusionContext(backend="cuda", mode="train"))
+    assert cuda_train.op == "_FusedBatchNormEx"  # half, 8 channels
+    metal = catalog.expectation(bn, catalog.FusionContext(backend="metal", mode="predict"))
+    assert metal.op == "_FusedBatchNormEx"
+    keras.mixed_precision.set_global_policy("float32")
+    bn32 = _bn_model(FusedBatchNorm).get_layer("bn")
+    cuda32 = catalog.expectation(bn32, catalog.FusionContext(backend="cuda", mode="train"))
+    assert cuda32.op is None and "float16" in cuda32.reason
+    no_dnn = catalog.expectation(bn32, catalog.FusionContext(backend="cpu", onednn=False, mode="train"))
+    assert no_dnn.op is None and "oneDNN" in no_dnn.reason
+
+
+# ----------------------------------------------------------------------------
+# Keras-style layer checks.
+
+
+@pytest.mark.parametrize(
+    "kwargs,shape,trainable",
+    [({}, (4, 3, 3, 6), 2), (dict(center=False, momentum=0.9), (5, 6), 1), (dict(scale=False, center=False), (4, 2, 2, 3), 0)],
+)
+def test_batch_norm_layer(kwargs, shape, trainable):
+    run_layer_test(
+        FusedBatchNorm, kwargs, shape, expected_output_shape=shape,
+        expected_num_trainable_weights=trainable, expected_num_non_trainable_weights=2,
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,shape,trainable",
+    [({}, (4, 6), 2), (dict(epsilon=1e-6, center=False), (2, 3, 5), 1), (dict(gamma_regularizer="l2"), (2, 2, 2, 4), 2)],
+)
+def test_layer_norm_layer(kwargs, shape, trainable):
+    run_layer_test(
+        FusedLayerNorm, kwargs, shape, expected_output_shape=shape,
+        expected_num_trainable_weights=trainable, expected_num_non_trainable_weights=0,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Bad arguments.
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(renorm=True), dict(virtual_batch_size=4), dict(synchronized=True), dict(momentum=1.5),
+        dict(epsilon=0), dict(epsilon=-1.0), dict(epsilon=1e-6), dict(axis="x"), dict(renorm_clipping={"rmax": 2.0}),
+    ],
+)
+def test_batch_norm_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match="Received: " + next(iter(kwargs))):
+        FusedBatchNorm(**kwargs)
+
+
+@pytest.mark.parametrize("axis,shape", [(1, (2, 3, 3, 4)), (-2, (2, 4)), (-1, (2, 3, 4)), (0, (4, 3))])
+def test_batch_norm_bad_axis_or_rank_at_build(axis, shape):
+    with pytest.raises(ValueError, match="Received:"):
+        FusedBatchNorm(axis=axis).build(shape)
+
+
+@pytest.mark.parametrize("kwargs", [dict(epsilon=0.0), dict(rms_scaling=True), dict(axis=[1, 2]), dict(axis=1.5)])
+def test_layer_norm_bad_arguments(kwargs):
+    with pytest.raises(ValueError, match="Received: " + next(iter(kwargs))):
+        FusedLayerNorm(**kwargs).build((2, 3, 4))
+
+
+@pytest.mark.parametrize("axis", [1, -2, 0])
+def test_layer_norm_rejects_non_last_axis(axis):
+    with pytest.raises(ValueError, match="Received: axis="):
+        FusedLayerNorm(axis=axis).build((2, 3, 4))

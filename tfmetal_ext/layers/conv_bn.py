@@ -1,0 +1,327 @@
+"""ConvBNAct: Conv2D (no bias) -> FusedBatchNormV3 -> activation, in one layer."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmetal_ext.inspect import catalog
+from tfmetal_ext.layers import _ops
+
+_ACTIVATIONS = ("relu", "relu6", "elu", "leaky_relu", "linear")
+_PADDINGS = ("same", "valid")
+
+
+def _pair(value, name):
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value, value)
+    try:
+        value = tuple(int(v) for v in value)
+    except (TypeError, ValueError):
+        value = ()
+    if len(value) != 2 or any(v < 1 for v in value):
+        return None
+    return value
+
+
+def check_batch_norm_args(momentum, epsilon):
+    """Raises ValueError for a momentum outside [0, 1] or an epsilon FusedBatchNormV3 rejects."""
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"`momentum` must be a number in [0, 1]. Received: momentum={momentum!r}")
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon < 1.001e-5:
+        raise ValueError(
+            f"`epsilon` must be a number >= 1.001e-5 (FusedBatchNormV3's minimum). Received: epsilon={epsilon!r}"
+        )
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext")
+class ConvBNAct(keras.layers.Layer):
+    """2D convolution without bias, batch normalization and an activation, fused.
+
+    Emits ``Conv2D -> FusedBatchNormV3 -> act`` (Keras' own
+    `BatchNormalization` never emits FusedBatchNormV3, so a stock
+    Conv2D/BatchNormalization/ReLU stack fuses nothing). Numerically it is
+    ``Conv2D(use_bias=False)`` + ``BatchNormalization`` + ``Activation`` with
+    the same weights: batch statistics in training, moving statistics at
+    inference, moving statistics updated the Keras way.
+
+    What it fuses into (grappler remapper; measured on CPU, TF 2.21):
+
+    | backend | predict (inference) | train step |
+    |---|---|---|
+    | Metal | `_FusedBatchNormEx` (BN + Relu), float32/half | `_FusedBatchNormEx`, half |
+    | CUDA | `_FusedBatchNormEx` (BN + Relu), float32/half | `_FusedBatchNormEx`, half, C % 4 == 0 |
+    | CPU + oneDNN | `_FusedConv2D[FusedBatchNorm, act]` float32; bfloat16: `_FusedBatchNormEx` | `_FusedBatchNormEx` (Relu), float32/bfloat16 |
+
+    On CPU, float16 is not fused (the remapper skips half). `fold()` turns
+    the layer into a `FusedConv2D` with the batch norm folded into kernel and
+    bias (`_FusedConv2D[BiasAdd, act]` wherever conv + bias fuses).
+
+    Args:
+        filters: number of output channels, a positive integer.
+        kernel_size: an int or a pair of ints.
+        strides: an int or a pair of ints.
+        padding: ``"same"`` or ``"valid"``.
+        activation: ``"relu"``, ``"relu6"``, ``"elu"``, ``"leaky_relu"``
+            (slope 0.2, like `keras.activations.leaky_relu`), or
+            ``None``/``"linear"``.
+        momentum: moving statistics momentum, in [0, 1].
+        epsilon: added to the variance, > 0 (FusedBatchNormV3 needs at least
+            1.001e-5).
+        kernel_initializer: initializer of the convolution kernel.
+        kernel_regularizer: regularizer of the convolution kernel.
+        kernel_constraint: constraint of the convolution kernel.
+        gamma_initializer, beta_initializer, moving_mean_initializer,
+            moving_variance_initializer: batch norm initializers.
+        gamma_regularizer, beta_regularizer: batch norm regularizers.
+        **kwargs: base layer arguments (``name``, ``dtype``, ``trainable``).
+
+    Input shape:
+        4D tensor ``(batch, height, width, channels)`` (channels_last).
+
+    Output shape:
+        4D tensor ``(batch, new_height, new_width, filters)``.
+
+    Raises:
+        ValueError: on an invalid argument.
+
+    >>> layer = ConvBNAct(16, 3)
+    >>> layer(tf.zeros([2, 8, 8, 3])).shape
+    TensorShape([2, 8, 8, 16])
+    """
+
+    def __init__(
+        self,
+        filters,
+        kernel_size,
+        strides=1,
+        padding="same",
+        activation="relu",
+        momentum=0.99,
+        epsilon=1e-3,
+        kernel_initializer="he_normal",
+        kernel_regularizer=None,
+        kernel_constraint=None,
+        gamma_initializer="ones",
+        beta_initializer="zeros",
+        moving_mean_initializer="zeros",
+        moving_variance_initializer="ones",
+        gamma_regularizer=None,
+        beta_regularizer=None,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        if isinstance(filters, bool) or not isinstance(filters, int) or filters < 1:
+            raise ValueError(f"`filters` must be a positive integer. Received: filters={filters!r}")
+        ks = _pair(kernel_size, "kernel_size")
+        if ks is None:
+            raise ValueError(
+                f"`kernel_size` must be a positive int or a pair of them. Received: kernel_size={kernel_size!r}"
+            )
+        st = _pair(strides, "strides")
+        if st is None:
+            raise ValueError(f"`strides` must be a positive int or a pair of them. Received: strides={strides!r}")
+        pad = padding.lower() if isinstance(padding, str) else padding
+        if pad not in _PADDINGS:
+            raise ValueError(f"`padding` must be one of {_PADDINGS}. Received: padding={padding!r}")
+        act = "linear" if activation is None else activation
+        if act not in _ACTIVATIONS:
+            raise ValueError(
+                f"`activation` must be one of {_ACTIVATIONS} or None. Received: activation={activation!r}"
+            )
+        check_batch_norm_args(momentum, epsilon)
+        self.filters = filters
+        self.kernel_size = ks
+        self.strides = st
+        self.padding = pad
+        self.activation = act
+        self.momentum = float(momentum)
+        self.epsilon = float(epsilon)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.kernel_constraint = keras.constraints.get(kernel_constraint)
+        self.gamma_initializer = keras.initializers.get(gamma_initializer)
+        self.beta_initializer = keras.initializers.get(beta_initializer)
+        self.moving_mean_initializer = keras.initializers.get(moving_mean_initializer)
+        self.moving_variance_initializer = keras.initializers.get(moving_variance_initializer)
+        self.gamma_regularizer = keras.regularizers.get(gamma_regularizer)
+        self.beta_regularizer = keras.regularizers.get(beta_regularizer)
+        self.input_spec = keras.layers.InputSpec(ndim=4)
+
+    def build(self, input_shape):
+        channels = input_shape[-1]
+        if channels is None:
+            raise ValueError(f"The channel dimension of the input must be known. Received: input_shape={input_shape}")
+        self.input_spec = keras.layers.InputSpec(ndim=4, axes={-1: channels})
+        self.kernel = self.add_weight(
+            name="kernel",
+            shape=self.kernel_size + (channels, self.filters),
+            initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer,
+            constraint=self.kernel_constraint,
+        )
+        # Like BatchNormalization: float32 and never autocast, FusedBatchNormV3 wants float32 scale/offset/stats.
+        bn = dict(shape=(self.filters,), dtype="float32", autocast=False)
+        self.gamma = self.add_weight(
+            name="gamma", initializer=self.gamma_initializer, regularizer=self.gamma_regularizer, **bn
+        )
+        self.beta = self.add_weight(
+            name="beta", initializer=self.beta_initializer, regularizer=self.beta_regularizer, **bn
+        )
+        self.moving_mean = self.add_weight(
+            name="moving_mean", initializer=self.moving_mean_initializer, trainable=False, **bn
+        )
+        self.moving_variance = self.add_weight(
+            name="moving_variance", initializer=self.moving_variance_initializer, trainable=False, **bn
+        )
+
+    def conv(self, inputs):
+        """The bias-free convolution alone (what feeds FusedBatchNormV3)."""
+        return tf.nn.conv2d(
+            inputs, tf.cast(self.kernel, self.compute_dtype), strides=(1,) + self.strides + (1,),
+            padding=self.padding.upper(),
+        )
+
+    def batch_norm(self, x, training=False):
+        """FusedBatchNormV3 of `x`; in training also assigns the moving statistics."""
+        training = bool(training) and self.trainable
+        y, updates = _ops.fused_batch_norm(
+            x, self.gamma, self.beta, self.moving_mean, self.moving_variance,
+            epsilon=self.epsilon, momentum=self.momentum, training=training,
+        )
+        if updates is not None:
+            self.moving_mean.assign(updates[0])
+            self.moving_variance.assign(updates[1])
+        return y
+
+    def call(self, inputs, training=False):
+        y = self.batch_norm(self.conv(inputs), training=training)
+        if self.activation == "linear":
+            return y
+        # The activation op must read FusedBatchNormV3's output 0 directly to fuse.
+        return _ops.FUSABLE_ACTIVATIONS[self.activation](y)
+
+    def compute_output_shape(self, input_shape):
+        dims = []
+        for size, k, s in zip(input_shape[1:3], self.kernel_size, self.strides):
+            if size is None:
+                dims.append(None)
+            elif self.padding == "same":
+                dims.append(-(-size // s))
+            else:
+                dims.append((size - k) // s + 1)
+        return (input_shape[0], dims[0], dims[1], self.filters)
+
+    def folded_weights(self):
+        """Kernel and bias with the batch norm (moving statistics) folded in, as numpy float32."""
+        import numpy as np
+
+        gamma, beta, mean, var = (
+            keras.ops.convert_to_numpy(w).astype("float64")
+            for w in (self.gamma, self.beta, self.moving_mean, self.moving_variance)
+        )
+        scale = gamma / np.sqrt(var + self.epsilon)
+        kernel = keras.ops.convert_to_numpy(self.kernel).astype("float64") * scale
+        bias = beta - mean * scale
+        return kernel.astype("float32"), bias.astype("float32")
+
+    def fold(self, name=None):
+        """An inference-only `FusedConv2D` equal to this layer in inference mode.
+
+        The batch norm is folded into the convolution:
+        ``kernel * gamma / sqrt(var + eps)`` and ``beta - mean * gamma / sqrt(var + eps)``.
+
+        Args:
+            name: name of the new layer (default: this layer's name + ``"_folded"``).
+
+        Returns:
+            A built `tfmetal_ext.layers.FusedConv2D` with the folded weights set.
+
+        Raises:
+            ValueError: if this layer is not built.
+        """
+        from tfmetal_ext.layers.conv import FusedConv2D  # lazy: sibling module
+
+        if not self.built:
+            raise ValueError(f"Only a built layer can be folded. Received: layer={self.name!r} (not built)")
+        kernel, bias = self.folded_weights()
+        conv = FusedConv2D(
+            self.filters, self.kernel_size, strides=self.strides, padding=self.padding,
+            activation=None if self.activation == "linear" else self.activation, use_bias=True,
+            name=name or f"{self.name}_folded", dtype=self.dtype_policy,
+        )
+        conv.build((None, None, None, kernel.shape[2]))
+        conv.kernel.assign(kernel)
+        conv.bias.assign(bias)
+        return conv
+
+    def get_config(self):
+        config = super().get_config()
+        ser = keras.saving.serialize_keras_object
+        config.update(
+            {
+                "filters": self.filters,
+                "kernel_size": self.kernel_size,
+                "strides": self.strides,
+                "padding": self.padding,
+                "activation": self.activation,
+                "momentum": self.momentum,
+                "epsilon": self.epsilon,
+                "kernel_initializer": ser(self.kernel_initializer),
+                "kernel_regularizer": ser(self.kernel_regularizer),
+                "kernel_constraint": ser(self.kernel_constraint),
+                "gamma_initializer": ser(self.gamma_initializer),
+                "beta_initializer": ser(self.beta_initializer),
+                "moving_mean_initializer": ser(self.moving_mean_initializer),
+                "moving_variance_initializer": ser(self.moving_variance_initializer),
+                "gamma_regularizer": ser(self.gamma_regularizer),
+                "beta_regularizer": ser(self.beta_regularizer),
+            }
+        )
+        return config
+
+
+# ----------------------------------------------------------------------------
+# Inspection rule: what ConvBNAct should become (measured on CPU, TF 2.21).
+
+
+def _conv_bn_act_rule(layer, ctx):
+    act_op = catalog.ACTIVATION_OPS.get(layer.activation)  # None for linear
+    dtype = layer.compute_dtype
+    if ctx.mode == "predict":
+        pattern, ideal_op = "conv2d_batchnorm_act", "_FusedConv2D"
+        ideal = ("FusedBatchNorm",) + ((act_op,) if act_op else ())
+    else:
+        pattern, ideal_op, ideal = "batchnorm_act", "_FusedBatchNormEx", ()
+
+    def exp(op, fused_ops, reason=None):
+        return catalog.Expectation(pattern, op, fused_ops, ideal, reason=reason, ideal_op=ideal_op)
+
+    blocked = catalog._dtype_block(ctx, dtype, ("float32", "bfloat16"))
+    if blocked:
+        return exp(None, None, blocked)
+    relu_only = f"{act_op or 'no activation'}: FusedBatchNormV3 fuses only with Relu (_FusedBatchNormEx)"
+    if ctx.backend == "cpu":
+        if ctx.mode == "predict" and dtype == "float32":
+            return exp("_FusedConv2D", ideal)
+        if not ctx.onednn:
+            return exp(None, None, f"CPU without oneDNN: {dtype} conv + batch norm is not fused in {ctx.mode}")
+        why = "bfloat16: Conv2D + FusedBatchNorm fuses only in float32" if ctx.mode == "predict" else None
+        if act_op != "Relu":
+            return exp(None, None, "; ".join(r for r in (why, relu_only) if r))
+        return exp("_FusedBatchNormEx", (), why)
+    # GPU (CUDA, Metal): no conv + batch norm fusion; batch norm + Relu -> _FusedBatchNormEx.
+    if act_op != "Relu":
+        return exp(None, None, relu_only)
+    gpu_reason = f"{ctx.backend}: Conv2D + FusedBatchNorm is fused only on CPU" if ctx.mode == "predict" else None
+    if ctx.backend == "metal" and dtype == "bfloat16":
+        return exp(None, None, "bfloat16 on Metal: no fused kernel")
+    if ctx.backend == "cuda":
+        if dtype == "bfloat16":
+            return exp(None, None, "CUDA: _FusedBatchNormEx has no bfloat16 kernel")
+        if ctx.mode == "train" and (dtype != "float16" or layer.filters % 4):
+            return exp(None, None, "CUDA training: _FusedBatchNormEx needs float16 and channels % 4 == 0")
+    return exp("_FusedBatchNormEx", (), gpu_reason)
+
+
+catalog.register_rule(ConvBNAct, _conv_bn_act_rule)
