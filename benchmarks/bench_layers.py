@@ -1,0 +1,159 @@
+"""ResNet-20 (CIFAR-shaped, 32x32x3, batch 64): stock Keras layers vs tfmetal_ext layers, one process.
+
+Reports, for float32 and mixed_bfloat16 on this host: compute ops per train step and per inference
+call (from the post-grappler graph), median train-step and inference times, and ours/stock ratios.
+
+    .venv/bin/python benchmarks/bench_layers.py [--repeats 15] [--policies float32,mixed_bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import median_time, write_results  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfmetal_ext  # noqa: E402
+from tfmetal_ext import layers as fl  # noqa: E402
+
+STAGES = (16, 32, 64)
+BLOCKS_PER_STAGE = 3
+
+
+def stock_resnet20():
+    inp = keras.Input((32, 32, 3))
+    x = keras.layers.Conv2D(16, 3, padding="same", use_bias=False, name="stem_conv")(inp)
+    x = keras.layers.BatchNormalization(name="stem_bn")(x)
+    x = keras.layers.ReLU(name="stem_relu")(x)
+    channels = 16
+    for s, filters in enumerate(STAGES):
+        for b in range(BLOCKS_PER_STAGE):
+            strides = 2 if (b == 0 and s > 0) else 1
+            name = f"s{s}b{b}"
+            shortcut = x
+            y = keras.layers.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False, name=f"{name}_c1")(x)
+            y = keras.layers.BatchNormalization(name=f"{name}_bn1")(y)
+            y = keras.layers.ReLU(name=f"{name}_r1")(y)
+            y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_c2")(y)
+            y = keras.layers.BatchNormalization(name=f"{name}_bn2")(y)
+            if strides != 1 or channels != filters:
+                shortcut = keras.layers.Conv2D(filters, 1, strides=strides, use_bias=False, name=f"{name}_pc")(x)
+                shortcut = keras.layers.BatchNormalization(name=f"{name}_pbn")(shortcut)
+            x = keras.layers.Add(name=f"{name}_add")([y, shortcut])
+            x = keras.layers.ReLU(name=f"{name}_out")(x)
+            channels = filters
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    out = keras.layers.Dense(10, name="logits")(x)
+    return keras.Model(inp, out, name="resnet20_stock")
+
+
+def fused_resnet20():
+    inp = keras.Input((32, 32, 3))
+    x = fl.ConvBNAct(16, 3, name="stem")(inp)
+    for s, filters in enumerate(STAGES):
+        for b in range(BLOCKS_PER_STAGE):
+            strides = 2 if (b == 0 and s > 0) else 1
+            x = fl.ResidualBlock(filters, strides=strides, name=f"s{s}b{b}")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
+    out = fl.FusedDense(10, name="logits")(x)
+    return keras.Model(inp, out, name="resnet20_fused")
+
+
+def _copy_weights(src, dst):
+    """Copies weights when both models list them in the same order and shapes; returns success."""
+    sw, dw = src.get_weights(), dst.get_weights()
+    if len(sw) != len(dw) or any(a.shape != b.shape for a, b in zip(sw, dw)):
+        return False
+    dst.set_weights(sw)
+    return True
+
+
+def _step_fns(model, x, y):
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # build and trace
+    ds = tf.data.Dataset.from_tensors((x, y)).repeat()
+    it = iter(ds)
+    train_fn = model.train_function
+    xt = tf.constant(x)
+    predict = tf.function(lambda t: model(t, training=False))
+    predict(xt)
+
+    def train():
+        train_fn(it)
+
+    def infer():
+        predict(xt).numpy()
+
+    return train, infer
+
+
+def run(policy, repeats):
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 32, 32, 3)).astype("float32")
+    y = rng.integers(0, 10, 64).astype("int32")
+    stock, ours = stock_resnet20(), fused_resnet20()
+    same = _copy_weights(stock, ours)
+    if same:
+        a = stock(x[:8], training=False).numpy().astype("float32")
+        b = ours(x[:8], training=False).numpy().astype("float32")
+        tol = 1e-4 if policy == "float32" else 5e-2
+        same = bool(np.allclose(a, b, rtol=tol, atol=tol))
+    rows = []
+    results = {}
+    for name, model in (("stock", stock), ("ours", ours)):
+        model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        train_ops = tfmetal_ext.inspect.fusion_report(model, x, mode="train", targets=y).num_ops
+        infer_ops = tfmetal_ext.inspect.fusion_report(model, x, mode="predict").num_ops
+        train, infer = _step_fns(model, x, y)
+        results[name] = dict(train_ops=train_ops, infer_ops=infer_ops,
+                             train_ms=median_time(train, repeats=repeats),
+                             infer_ms=median_time(infer, repeats=repeats))
+    # Re-time stock after ours so drift on a noisy host does not favour either side.
+    train, infer = _step_fns(stock, x, y)
+    results["stock"]["train_ms"] = min(results["stock"]["train_ms"], median_time(train, repeats=repeats))
+    s, o = results["stock"], results["ours"]
+    rows.append(dict(
+        policy=policy, same_weights=same,
+        stock_train_ops=s["train_ops"], ours_train_ops=o["train_ops"],
+        train_ops_ratio=o["train_ops"] / s["train_ops"],
+        stock_infer_ops=s["infer_ops"], ours_infer_ops=o["infer_ops"],
+        stock_train_ms=s["train_ms"], ours_train_ms=o["train_ms"],
+        train_speedup=s["train_ms"] / o["train_ms"],
+        stock_infer_ms=s["infer_ms"], ours_infer_ms=o["infer_ms"],
+        infer_speedup=s["infer_ms"] / o["infer_ms"],
+    ))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--policies", default="float32,mixed_bfloat16")
+    args = parser.parse_args(argv)
+    rows = []
+    for policy in args.policies.split(","):
+        rows += run(policy, args.repeats)
+    columns = ["policy", "same_weights", "stock_train_ops", "ours_train_ops", "train_ops_ratio",
+               "stock_infer_ops", "ours_infer_ops", "stock_train_ms", "ours_train_ms", "train_speedup",
+               "stock_infer_ms", "ours_infer_ms", "infer_speedup"]
+    write_results("bench_layers", rows, columns, notes=[
+        "ops = compute nodes of the post-grappler graph per step (excluding _Arg/_Retval/Const/NoOp/Identity)",
+        "times are medians; speedup = stock / ours; targets: train_ops_ratio <= 0.55, float32 train_speedup >= 1.4",
+    ])
+
+
+if __name__ == "__main__":
+    main()
