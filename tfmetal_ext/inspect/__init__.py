@@ -66,10 +66,6 @@ def _random_for(shape, dtype, batch_size, rng):
     return rng.standard_normal(shape).astype(dtype)
 
 
-def _structure(tensors, values):
-    return values[0] if len(values) == 1 else values
-
-
 def synthetic_inputs(model, batch_size=8, seed=0):
     """Random inputs matching a built functional/Sequential model's input spec."""
     inputs = getattr(model, "inputs", None)
@@ -80,7 +76,7 @@ def synthetic_inputs(model, batch_size=8, seed=0):
         )
     rng = np.random.default_rng(seed)
     values = [_random_for(t.shape, t.dtype, batch_size, rng) for t in inputs]
-    return _structure(inputs, values)
+    return values[0] if len(values) == 1 else values
 
 
 def _loss_is_sparse(loss):

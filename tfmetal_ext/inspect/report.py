@@ -297,7 +297,7 @@ def _short_device(device):
     return f"{m.group(1)}:{m.group(2)}" if m else (device or "?")
 
 
-def build_fusion_report(capture, index, ctx, policy=None, layer_dtypes=None, notes=()):
+def build_fusion_report(capture, index, ctx, policy=None, notes=()):
     counts = collections.Counter()
     fused = []
     for node in capture.nodes():

@@ -81,6 +81,20 @@ def catalog_activation_name(name, fn):
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def add_bias(layer, channels):
+    """Creates ``layer.bias`` (None when ``layer.use_bias`` is False), as Keras names and shapes it."""
+    layer.bias = None
+    if layer.use_bias:
+        layer.bias = layer.add_weight(
+            name="bias",
+            shape=(channels,),
+            initializer=layer.bias_initializer,
+            regularizer=layer.bias_regularizer,
+            constraint=layer.bias_constraint,
+            trainable=True,
+        )
+
+
 # ----------------------------------------------------------------------------
 # Argument validation. Every message ends with "Received: name=value".
 

@@ -15,6 +15,27 @@ FUSABLE_ACTIVATIONS = {
 }
 
 
+# cuDNN's CUDNN_BN_MIN_EPSILON: FusedBatchNormV3 on GPU rejects smaller values
+# (tf.nn.fused_batch_norm silently clamps to it).
+MIN_FUSED_EPSILON = 1.001e-5
+
+
+def check_batch_norm_args(momentum, epsilon):
+    """Validates FusedBatchNormV3 arguments; returns ``(momentum, epsilon)`` as floats.
+
+    Raises:
+        ValueError: momentum outside [0, 1], or epsilon not a number >= `MIN_FUSED_EPSILON`.
+    """
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"`momentum` must be a number in [0, 1]. Received: momentum={momentum!r}")
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon < MIN_FUSED_EPSILON:
+        raise ValueError(
+            f"`epsilon` must be a number >= {MIN_FUSED_EPSILON} (cuDNN's minimum for FusedBatchNormV3). "
+            f"Received: epsilon={epsilon!r}"
+        )
+    return float(momentum), float(epsilon)
+
+
 def fused_batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):
     """FusedBatchNormV3 on NHWC `x` with Keras BatchNormalization semantics.
 

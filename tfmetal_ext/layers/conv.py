@@ -86,19 +86,6 @@ class _FusedConvBase(keras.layers.Layer):
     def dilated(self):
         return max(self.dilation_rate) > 1
 
-    def _build_bias(self, channels):
-        if self.use_bias:
-            self.bias = self.add_weight(
-                name="bias",
-                shape=(channels,),
-                initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint,
-                trainable=True,
-            )
-        else:
-            self.bias = None
-
     def _bias_and_activation(self, outputs):
         if self.use_bias:
             outputs = tf.nn.bias_add(outputs, self.bias, data_format="NHWC")
@@ -241,7 +228,7 @@ class FusedConv2D(_FusedConvBase):
             constraint=self.kernel_constraint,
             trainable=True,
         )
-        self._build_bias(self.filters)
+        C.add_bias(self, self.filters)
 
     def call(self, inputs):
         if self.dilated:
@@ -391,7 +378,7 @@ class FusedDepthwiseConv2D(_FusedConvBase):
             constraint=self.depthwise_constraint,
             trainable=True,
         )
-        self._build_bias(channels * self.depth_multiplier)
+        C.add_bias(self, channels * self.depth_multiplier)
 
     def call(self, inputs):
         strides = (1,) + self.strides + (1,)

@@ -24,16 +24,6 @@ def _pair(value, name):
     return value
 
 
-def check_batch_norm_args(momentum, epsilon):
-    """Raises ValueError for a momentum outside [0, 1] or an epsilon FusedBatchNormV3 rejects."""
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
-        raise ValueError(f"`momentum` must be a number in [0, 1]. Received: momentum={momentum!r}")
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon < 1.001e-5:
-        raise ValueError(
-            f"`epsilon` must be a number >= 1.001e-5 (FusedBatchNormV3's minimum). Received: epsilon={epsilon!r}"
-        )
-
-
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
 class ConvBNAct(keras.layers.Layer):
     """2D convolution without bias, batch normalization and an activation, fused.
@@ -129,14 +119,14 @@ class ConvBNAct(keras.layers.Layer):
             raise ValueError(
                 f"`activation` must be one of {_ACTIVATIONS} or None. Received: activation={activation!r}"
             )
-        check_batch_norm_args(momentum, epsilon)
+        momentum, epsilon = _ops.check_batch_norm_args(momentum, epsilon)
         self.filters = filters
         self.kernel_size = ks
         self.strides = st
         self.padding = pad
         self.activation = act
-        self.momentum = float(momentum)
-        self.epsilon = float(epsilon)
+        self.momentum = momentum
+        self.epsilon = epsilon
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
         self.kernel_constraint = keras.constraints.get(kernel_constraint)

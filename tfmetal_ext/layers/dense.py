@@ -119,17 +119,7 @@ class FusedDense(keras.layers.Layer):
             constraint=self.kernel_constraint,
             trainable=True,
         )
-        if self.use_bias:
-            self.bias = self.add_weight(
-                name="bias",
-                shape=(self.units,),
-                initializer=self.bias_initializer,
-                regularizer=self.bias_regularizer,
-                constraint=self.bias_constraint,
-                trainable=True,
-            )
-        else:
-            self.bias = None
+        C.add_bias(self, self.units)
 
     def call(self, inputs):
         rank = inputs.shape.rank

@@ -30,10 +30,7 @@ from keras import constraints, initializers, regularizers
 
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
-from tfmetal_ext.layers._ops import fused_batch_norm
-
-# cuDNN's CUDNN_BN_MIN_EPSILON (tf.nn.fused_batch_norm clamps to this too).
-_MIN_FUSED_EPSILON = 1.001e-5
+from tfmetal_ext.layers._ops import MIN_FUSED_EPSILON, check_batch_norm_args, fused_batch_norm
 
 
 def _check_epsilon(epsilon):
@@ -155,15 +152,7 @@ class FusedBatchNorm(keras.layers.Layer):
                 )
         super().__init__(**kwargs)
         self.axis = _check_axis_arg(axis)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"`momentum` must be a number in [0, 1]. Received: momentum={momentum!r}")
-        self.momentum = float(momentum)
-        self.epsilon = _check_epsilon(epsilon)
-        if self.epsilon < _MIN_FUSED_EPSILON:
-            raise ValueError(
-                f"`epsilon` must be >= {_MIN_FUSED_EPSILON} (cuDNN's minimum for FusedBatchNormV3); "
-                f"use keras.layers.BatchNormalization for smaller values. Received: epsilon={epsilon!r}"
-            )
+        self.momentum, self.epsilon = check_batch_norm_args(momentum, epsilon)
         self.center = bool(center)
         self.scale = bool(scale)
         self.beta_initializer = initializers.get(beta_initializer)
@@ -265,7 +254,7 @@ def _layer_norm(x, gamma, beta, epsilon):
     the normalization, and one FusedBatchNormGradV3 its gradient.
     """
     channels = x.shape[-1]
-    if epsilon >= _MIN_FUSED_EPSILON:
+    if epsilon >= MIN_FUSED_EPSILON:
         rows = tf.reshape(x, [1, -1, channels, 1])
         n = tf.shape(rows)[1:2]
         y, _, _, _, _, _ = tf.raw_ops.FusedBatchNormV3(

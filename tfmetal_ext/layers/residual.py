@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _ops
-from tfmetal_ext.layers.conv_bn import ConvBNAct, check_batch_norm_args
+from tfmetal_ext.layers.conv_bn import ConvBNAct
 
 _ACTIVATIONS = ("relu", "relu6", "elu", "leaky_relu")
 EXPANSION = 4  # bottleneck output channels = EXPANSION * filters (ResNet-50/101/152)
@@ -29,8 +29,58 @@ def _merge(y, shortcut, activation):
     return _ops.FUSABLE_ACTIVATIONS[activation](tf.add(y, shortcut))
 
 
+class _BaseResidualBlock(keras.layers.Layer):
+    """Arguments, sublayer construction and shapes shared by the residual blocks.
+
+    Subclasses provide ``_conv(filters, kernel_size, strides, activation, name)``
+    (the conv sublayer type) and ``_tail_rule()`` (the fusion rule of the last
+    conv, the one feeding the Add).
+    """
+
+    _tfmetal_container = True  # fusion reports list the sublayers (see inspect.report.LayerIndex)
+
+    def __init__(self, filters, strides=1, bottleneck=False, activation="relu", **kwargs):
+        super().__init__(**kwargs)
+        _check_common(filters, strides, activation)
+        if not isinstance(bottleneck, bool):
+            raise ValueError(f"`bottleneck` must be a bool. Received: bottleneck={bottleneck!r}")
+        self.filters = filters
+        self.strides = strides
+        self.bottleneck = bottleneck
+        self.activation = activation
+        self.out_channels = filters * EXPANSION if bottleneck else filters
+        self.input_spec = keras.layers.InputSpec(ndim=4)
+
+    def build(self, input_shape):
+        channels = input_shape[-1]
+        if channels is None:
+            raise ValueError(f"The channel dimension of the input must be known. Received: input_shape={input_shape}")
+        self.input_spec = keras.layers.InputSpec(ndim=4, axes={-1: channels})
+        self.convs = _block_convs(self, self._conv)
+        self.convs[-1]._fusion_rule = self._tail_rule()
+        self.projection = None
+        if _needs_projection(self.strides, channels, self.out_channels):
+            self.projection = self._conv(self.out_channels, 1, self.strides, None, "projection")
+        _build_chain(self.convs, self.projection, input_shape)
+
+    def compute_output_shape(self, input_shape):
+        return _output_shape(input_shape, self.strides, self.out_channels)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "filters": self.filters,
+                "strides": self.strides,
+                "bottleneck": self.bottleneck,
+                "activation": self.activation,
+            }
+        )
+        return config
+
+
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class ResidualBlock(keras.layers.Layer):
+class ResidualBlock(_BaseResidualBlock):
     """A ResNet v1 residual block built from `ConvBNAct`.
 
     Basic block (``bottleneck=False``): 3x3 conv-BN-act, 3x3 conv-BN, add the
@@ -84,8 +134,6 @@ class ResidualBlock(keras.layers.Layer):
     TensorShape([2, 4, 4, 8])
     """
 
-    _tfmetal_container = True  # fusion reports list the sublayers (see inspect.report.LayerIndex)
-
     def __init__(
         self,
         filters,
@@ -98,21 +146,10 @@ class ResidualBlock(keras.layers.Layer):
         kernel_regularizer=None,
         **kwargs,
     ):
-        super().__init__(**kwargs)
-        _check_common(filters, strides, activation)
-        if not isinstance(bottleneck, bool):
-            raise ValueError(f"`bottleneck` must be a bool. Received: bottleneck={bottleneck!r}")
-        check_batch_norm_args(momentum, epsilon)
-        self.filters = filters
-        self.strides = strides
-        self.bottleneck = bottleneck
-        self.activation = activation
-        self.momentum = float(momentum)
-        self.epsilon = float(epsilon)
+        super().__init__(filters, strides, bottleneck, activation, **kwargs)
+        self.momentum, self.epsilon = _ops.check_batch_norm_args(momentum, epsilon)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
-        self.out_channels = filters * EXPANSION if bottleneck else filters
-        self.input_spec = keras.layers.InputSpec(ndim=4)
 
     def _conv(self, filters, kernel_size, strides, activation, name):
         return ConvBNAct(
@@ -121,17 +158,8 @@ class ResidualBlock(keras.layers.Layer):
             kernel_regularizer=self.kernel_regularizer, name=name, dtype=self.dtype_policy,
         )
 
-    def build(self, input_shape):
-        channels = input_shape[-1]
-        if channels is None:
-            raise ValueError(f"The channel dimension of the input must be known. Received: input_shape={input_shape}")
-        self.input_spec = keras.layers.InputSpec(ndim=4, axes={-1: channels})
-        self.convs = _block_convs(self, self._conv)
-        self.convs[-1]._fusion_rule = _tail_rule
-        self.projection = None
-        if _needs_projection(self.strides, channels, self.out_channels):
-            self.projection = self._conv(self.out_channels, 1, self.strides, None, "projection")
-        _build_chain(self.convs, self.projection, input_shape)
+    def _tail_rule(self):
+        return _tail_rule
 
     def call(self, inputs, training=False):
         x = inputs
@@ -140,9 +168,6 @@ class ResidualBlock(keras.layers.Layer):
         y = self.convs[-1](x, training=training)
         shortcut = inputs if self.projection is None else self.projection(inputs, training=training)
         return _merge(y, shortcut, self.activation)
-
-    def compute_output_shape(self, input_shape):
-        return _output_shape(input_shape, self.strides, self.out_channels)
 
     def fold(self, name=None):
         """An inference-only `FoldedResidualBlock` equal to this block in inference mode.
@@ -182,10 +207,6 @@ class ResidualBlock(keras.layers.Layer):
         ser = keras.saving.serialize_keras_object
         config.update(
             {
-                "filters": self.filters,
-                "strides": self.strides,
-                "bottleneck": self.bottleneck,
-                "activation": self.activation,
                 "momentum": self.momentum,
                 "epsilon": self.epsilon,
                 "kernel_initializer": ser(self.kernel_initializer),
@@ -226,7 +247,7 @@ def _output_shape(input_shape, strides, channels):
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FoldedResidualBlock(keras.layers.Layer):
+class FoldedResidualBlock(_BaseResidualBlock):
     """Inference-only `ResidualBlock` with every batch norm folded into its conv.
 
     Made by `ResidualBlock.fold()`. Each conv is a `FusedConv2D` (conv +
@@ -264,20 +285,6 @@ class FoldedResidualBlock(keras.layers.Layer):
     TensorShape([2, 8, 8, 8])
     """
 
-    _tfmetal_container = True
-
-    def __init__(self, filters, strides=1, bottleneck=False, activation="relu", **kwargs):
-        super().__init__(**kwargs)
-        _check_common(filters, strides, activation)
-        if not isinstance(bottleneck, bool):
-            raise ValueError(f"`bottleneck` must be a bool. Received: bottleneck={bottleneck!r}")
-        self.filters = filters
-        self.strides = strides
-        self.bottleneck = bottleneck
-        self.activation = activation
-        self.out_channels = filters * EXPANSION if bottleneck else filters
-        self.input_spec = keras.layers.InputSpec(ndim=4)
-
     def _conv(self, filters, kernel_size, strides, activation, name):
         from tfmetal_ext.layers.conv import FusedConv2D  # lazy: sibling module
 
@@ -286,17 +293,8 @@ class FoldedResidualBlock(keras.layers.Layer):
             name=name, dtype=self.dtype_policy,
         )
 
-    def build(self, input_shape):
-        channels = input_shape[-1]
-        if channels is None:
-            raise ValueError(f"The channel dimension of the input must be known. Received: input_shape={input_shape}")
-        self.input_spec = keras.layers.InputSpec(ndim=4, axes={-1: channels})
-        self.convs = _block_convs(self, self._conv)
-        self.convs[-1]._fusion_rule = _folded_tail_rule
-        self.projection = None
-        if _needs_projection(self.strides, channels, self.out_channels):
-            self.projection = self._conv(self.out_channels, 1, self.strides, None, "projection")
-        _build_chain(self.convs, self.projection, input_shape)
+    def _tail_rule(self):
+        return _folded_tail_rule
 
     def call(self, inputs):
         x = inputs
@@ -304,21 +302,6 @@ class FoldedResidualBlock(keras.layers.Layer):
             x = conv(x)
         shortcut = inputs if self.projection is None else self.projection(inputs)
         return _merge(x, shortcut, self.activation)
-
-    def compute_output_shape(self, input_shape):
-        return _output_shape(input_shape, self.strides, self.out_channels)
-
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            {
-                "filters": self.filters,
-                "strides": self.strides,
-                "bottleneck": self.bottleneck,
-                "activation": self.activation,
-            }
-        )
-        return config
 
 
 # ----------------------------------------------------------------------------
