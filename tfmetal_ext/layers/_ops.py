@@ -36,33 +36,45 @@ def check_batch_norm_args(momentum, epsilon):
     return float(momentum), float(epsilon)
 
 
+def _bessel_to_biased(x):
+    """(n - 1) / n for the n = N * H * W values per channel of NHWC `x` (a constant when static)."""
+    dims = x.shape[:3]
+    if all(d is not None for d in dims):
+        n = float(dims[0] * dims[1] * dims[2])
+        return (n - 1.0) / max(n, 1.0)
+    shape = tf.shape(x)
+    n = tf.cast(shape[0] * shape[1] * shape[2], tf.float32)
+    return (n - 1.0) / tf.maximum(n, 1.0)
+
+
 def fused_batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):
     """FusedBatchNormV3 on NHWC `x` with Keras BatchNormalization semantics.
 
     Returns ``(y, updates)`` where `updates` is None at inference and, in
     training, the pair of new moving mean / variance values computed the way
     Keras does (``moving * momentum + batch * (1 - momentum)`` with the *biased*
-    batch variance; FusedBatchNormV3 returns the Bessel-corrected one).
+    batch variance; FusedBatchNormV3 works with the Bessel-corrected one).
     Scale, offset and statistics are float32; `x` may be float32, float16 or
     bfloat16.
     """
     if training:
-        y, mean, var_unbiased, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+        # The op blends the running mean itself: out1 = (1 - f) * moving_mean + f * batch_mean
+        # with f = 1 - momentum, exactly Keras' update. Given a zero "old" variance, out2 is
+        # f * batch_variance, Bessel-corrected; Keras averages the biased variance, so it is
+        # scaled by (n - 1) / n before the blend. Two ops fewer per layer than blending both outside.
+        channels = tf.shape(moving_mean)
+        y, new_mean, scaled_var, _, _, _ = tf.raw_ops.FusedBatchNormV3(
             x=x,
             scale=gamma,
             offset=beta,
-            mean=tf.constant([], tf.float32),
-            variance=tf.constant([], tf.float32),
+            mean=moving_mean,
+            variance=tf.zeros(channels, tf.float32),
             epsilon=epsilon,
-            exponential_avg_factor=1.0,
+            exponential_avg_factor=1.0 - momentum,
             data_format="NHWC",
             is_training=True,
         )
-        shape = tf.shape(x)
-        n = tf.cast(shape[0] * shape[1] * shape[2], tf.float32)
-        var = var_unbiased * ((n - 1.0) / tf.maximum(n, 1.0))
-        new_mean = moving_mean * momentum + mean * (1.0 - momentum)
-        new_var = moving_variance * momentum + var * (1.0 - momentum)
+        new_var = moving_variance * momentum + scaled_var * _bessel_to_biased(x)
         return y, (new_mean, new_var)
     y, _, _, _, _, _ = tf.raw_ops.FusedBatchNormV3(
         x=x,
