@@ -66,12 +66,21 @@ def fused_resnet20():
     return keras.Model(inp, out, name="resnet20_fused")
 
 
-def _copy_weights(src, dst):
-    """Copies weights when both models list them in the same order and shapes; returns success."""
-    sw, dw = src.get_weights(), dst.get_weights()
-    if len(sw) != len(dw) or any(a.shape != b.shape for a, b in zip(sw, dw)):
-        return False
-    dst.set_weights(sw)
+def _copy_weights(stock, ours):
+    """Copies the stock model's weights into ours, layer by layer (conv + its BN -> ConvBNAct)."""
+    def pair(conv, bn):
+        return stock.get_layer(conv).get_weights() + stock.get_layer(bn).get_weights()
+
+    ours.get_layer("stem").set_weights(pair("stem_conv", "stem_bn"))
+    for s in range(len(STAGES)):
+        for b in range(BLOCKS_PER_STAGE):
+            name = f"s{s}b{b}"
+            block = ours.get_layer(name)
+            weights = pair(f"{name}_c1", f"{name}_bn1") + pair(f"{name}_c2", f"{name}_bn2")
+            if block.projection is not None:
+                weights += pair(f"{name}_pc", f"{name}_pbn")
+            block.set_weights(weights)
+    ours.get_layer("logits").set_weights(stock.get_layer("logits").get_weights())
     return True
 
 
