@@ -97,3 +97,53 @@ def run_layer_test(
         for w in layer16.weights:
             assert keras.backend.standardize_dtype(w.dtype) == "float32", f"weight {w.name} is {w.dtype}"
     return layer
+
+
+def outputs_and_gradients(layer, x, training):
+    """Runs `layer` on `x` inside a tf.function (so grappler rewrites it as in training).
+
+    Returns the output and the gradients with respect to `x` and the layer's
+    trainable weights of a fixed, non-uniform weighted sum of the output (so
+    every output element matters), all as float32 numpy arrays.
+    """
+    import tensorflow as tf
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=training)
+            weights = tf.sin(tf.cast(tf.range(tf.size(y)), tf.float32) * 0.37)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.reshape(weights, tf.shape(y)))
+        return y, tape.gradient(loss, [x] + layer.trainable_weights)
+
+    y, grads = step(tf.constant(x))
+    return np.asarray(tf.cast(y, tf.float32)), [np.asarray(g) for g in grads]
+
+
+def assert_close(got, want, policy):
+    """Equivalence tolerance by dtype policy: float32 1e-5; half/bfloat16 1e-2 relative, in norm."""
+    if policy == "float32":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6)
+        assert err < 1e-2, f"relative error {err:.3g}"
+
+
+def assert_close_scaled(actual, expected, rtol):
+    """`assert_allclose` with `atol` = `rtol` times the reference's largest magnitude (at least 1)."""
+    import keras
+
+    actual = np.asarray(keras.ops.convert_to_numpy(actual), "float64")
+    expected = np.asarray(keras.ops.convert_to_numpy(expected), "float64")
+    scale = max(np.abs(expected).max(), 1.0)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
+
+
+def randomize_batch_norm(layer, rng):
+    """Non-trivial gamma, beta and moving statistics, so inference is not the identity."""
+    c = layer.gamma.shape[0]
+    layer.gamma.assign(rng.uniform(0.5, 1.5, c).astype("float32"))
+    layer.beta.assign(rng.normal(0.0, 0.5, c).astype("float32"))
+    layer.moving_mean.assign(rng.normal(0.0, 0.5, c).astype("float32"))
+    layer.moving_variance.assign(rng.uniform(0.5, 2.0, c).astype("float32"))

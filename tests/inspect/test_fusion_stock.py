@@ -5,7 +5,6 @@ fused op and `fused_ops`, plus a negative twin that must not fuse.
 """
 
 import keras
-import numpy as np
 import pytest
 
 from tfmetal_ext import inspect

@@ -8,7 +8,8 @@ import tensorflow as tf
 from tfmetal_ext import inspect
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import ConvBNAct
-from tfmetal_ext.testing import run_layer_test
+from tfmetal_ext.testing import assert_close_scaled as assert_close
+from tfmetal_ext.testing import randomize_batch_norm, run_layer_test
 
 # ----------------------------------------------------------------------------
 # References: the same computation from stock Keras layers, and numpy folding.
@@ -31,27 +32,11 @@ def stock_conv_bn_act(layer):
     return model, bn
 
 
-def randomize_bn(layer, rng):
-    """Non-trivial batch norm weights, so inference is not the identity."""
-    c = layer.filters
-    layer.gamma.assign(rng.uniform(0.5, 1.5, c).astype("float32"))
-    layer.beta.assign(rng.normal(0.0, 0.5, c).astype("float32"))
-    layer.moving_mean.assign(rng.normal(0.0, 0.5, c).astype("float32"))
-    layer.moving_variance.assign(rng.uniform(0.5, 2.0, c).astype("float32"))
-
-
-def assert_close(actual, expected, rtol):
-    actual = np.asarray(keras.ops.convert_to_numpy(actual), "float64")
-    expected = np.asarray(keras.ops.convert_to_numpy(expected), "float64")
-    scale = max(np.abs(expected).max(), 1.0)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
-
-
 def _pair(kw, policy="float32", channels=3, seed=0):
     keras.mixed_precision.set_global_policy(policy)
     layer = ConvBNAct(**kw)
     layer.build((None, None, None, channels))
-    randomize_bn(layer, np.random.default_rng(seed))
+    randomize_batch_norm(layer, np.random.default_rng(seed))
     stock, bn = stock_conv_bn_act(layer)
     return layer, stock, bn
 

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 from tfmetal_ext import devices, inspect
 from tfmetal_ext.layers import FusedDense
-from tfmetal_ext.testing import run_layer_test
+from tfmetal_ext.testing import assert_close, outputs_and_gradients, run_layer_test
 
 
 def gelu_tanh(x):
@@ -20,29 +20,6 @@ def gelu_tanh(x):
 # ----------------------------------------------------------------------------
 # Reference: keras.layers.Dense with the same weights, both run in a tf.function
 # (grappler fuses both), outputs and gradients w.r.t. input and weights.
-
-
-def _outputs_and_grads(layer, x, training):
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, training=training)
-            # A fixed non-uniform cotangent makes every output element matter.
-            weights = tf.sin(tf.cast(tf.range(tf.size(y)), tf.float32) * 0.37)
-            loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.reshape(weights, tf.shape(y)))
-        return y, tape.gradient(loss, [x] + layer.trainable_weights)
-
-    y, grads = step(tf.constant(x))
-    return np.asarray(tf.cast(y, tf.float32)), [np.asarray(g) for g in grads]
-
-
-def assert_close(got, want, policy):
-    if policy == "float32":
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    else:  # half / bfloat16 compute: 1e-2 relative, in norm
-        err = np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6)
-        assert err < 1e-2, f"relative error {err:.3g}"
 
 
 def check_equivalence(kwargs, input_shape, policy="float32", seed=0):
@@ -65,8 +42,8 @@ def check_equivalence(kwargs, input_shape, policy="float32", seed=0):
     for w in ours.weights:
         assert keras.backend.standardize_dtype(w.dtype) == "float32"
     for training in (True, False):
-        y, grads = _outputs_and_grads(ours, x, training)
-        y_ref, grads_ref = _outputs_and_grads(stock, x, training)
+        y, grads = outputs_and_gradients(ours, x, training)
+        y_ref, grads_ref = outputs_and_gradients(stock, x, training)
         assert y.shape == y_ref.shape == tuple(input_shape[:-1]) + (kwargs["units"],)
         assert_close(y, y_ref, policy)
         assert len(grads) == len(grads_ref)

@@ -8,7 +8,8 @@ import tensorflow as tf
 from tfmetal_ext import inspect
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import FoldedResidualBlock, ResidualBlock
-from tfmetal_ext.testing import run_layer_test
+from tfmetal_ext.testing import assert_close_scaled as assert_close
+from tfmetal_ext.testing import randomize_batch_norm, run_layer_test
 
 # ----------------------------------------------------------------------------
 # Reference: the same block from stock Keras layers (ResNet v1, stride on the 3x3).
@@ -59,18 +60,7 @@ def stock_block(block, channels, bottleneck):
 
 def randomize(block, rng):
     for conv in _sublayers(block):
-        c = conv.filters
-        conv.gamma.assign(rng.uniform(0.5, 1.5, c).astype("float32"))
-        conv.beta.assign(rng.normal(0.0, 0.5, c).astype("float32"))
-        conv.moving_mean.assign(rng.normal(0.0, 0.5, c).astype("float32"))
-        conv.moving_variance.assign(rng.uniform(0.5, 2.0, c).astype("float32"))
-
-
-def assert_close(actual, expected, rtol):
-    actual = np.asarray(keras.ops.convert_to_numpy(actual), "float64")
-    expected = np.asarray(keras.ops.convert_to_numpy(expected), "float64")
-    scale = max(np.abs(expected).max(), 1.0)
-    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=rtol * scale)
+        randomize_batch_norm(conv, rng)
 
 
 # (kwargs, input channels, projection expected)

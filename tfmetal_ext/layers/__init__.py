@@ -5,8 +5,19 @@ Each layer emits exactly the op pattern grappler's remapper fuses (see
 catalog so fusion reports know what to expect from it.
 """
 
-from tfmetal_ext.layers.conv import FusedConv2D, FusedDepthwiseConv2D  # noqa: E402,F401
-from tfmetal_ext.layers.dense import FusedDense  # noqa: E402,F401
-from tfmetal_ext.layers.conv_bn import ConvBNAct  # noqa: E402,F401
-from tfmetal_ext.layers.residual import FoldedResidualBlock, ResidualBlock  # noqa: E402,F401
-from tfmetal_ext.layers.normalization import FusedBatchNorm, FusedLayerNorm  # noqa: E402,F401
+from tfmetal_ext.layers.conv import FusedConv2D, FusedDepthwiseConv2D
+from tfmetal_ext.layers.dense import FusedDense
+from tfmetal_ext.layers.conv_bn import ConvBNAct
+from tfmetal_ext.layers.residual import FoldedResidualBlock, ResidualBlock
+from tfmetal_ext.layers.normalization import FusedBatchNorm, FusedLayerNorm
+
+__all__ = [
+    "ConvBNAct",
+    "FoldedResidualBlock",
+    "FusedBatchNorm",
+    "FusedConv2D",
+    "FusedDense",
+    "FusedDepthwiseConv2D",
+    "FusedLayerNorm",
+    "ResidualBlock",
+]
