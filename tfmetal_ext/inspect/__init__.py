@@ -105,7 +105,7 @@ def _context(mode, xla):
     caps = devices.capabilities()
     return FusionContext(
         backend=caps.backend, onednn=caps.onednn, mode=mode, xla=xla, cpu_fp16=caps.cpu_fp16
-    ), caps
+    )
 
 
 def _fresh_optimizer(optimizer):
@@ -208,7 +208,7 @@ def fusion_report(model_or_fn, inputs=None, mode="predict", **kw):
 
 def report_from_capture(cap, model=None, notes=()):
     """Builds a `FusionReport` from an existing `Capture`."""
-    ctx, _ = _context(cap.mode if cap.mode in _MODES else "predict", cap.jit_compile)
+    ctx = _context(cap.mode if cap.mode in _MODES else "predict", cap.jit_compile)
     policy = model.dtype_policy.name if model is not None else None
     index = LayerIndex(model)
     return build_fusion_report(cap, index, ctx, policy=policy, notes=notes)

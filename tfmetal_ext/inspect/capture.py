@@ -10,13 +10,15 @@ function for models, a fresh `tf.function` around a plain callable.
 from __future__ import annotations
 
 import contextlib
-import gc
 import dataclasses
 import logging
 
 import numpy as np
 
 logger = logging.getLogger("tfmetal_ext")
+
+
+_ARG_OPS = ("_Arg", "_Retval", "_DeviceArg", "_DeviceRetval")
 
 
 @dataclasses.dataclass
@@ -102,9 +104,6 @@ class Capture:
 def _run_metadata():
     from tensorflow.python.eager import context
 
-    # Functions of unreachable models can be finalized (and their graphs
-    # exported) at any time; collect them before the window opens.
-    gc.collect()
     context.enable_run_metadata()
     box = []
     try:
@@ -123,14 +122,12 @@ def _as_tensors(structure):
     )
 
 
-_ARG_OPS = ("_Arg", "_Retval", "_DeviceArg", "_DeviceRetval")
-
-
 def _is_eager_op(fg):
     """Eager ops that ran inside the window (Keras' Python around the step, or
     any op whose kernel was not cached yet) are exported as one-op functions.
     A traced tf.function always has more than one node: it wraps its outputs
-    in Identity."""
+    in Identity. `_keep_own` filters by ownership as well; this check alone
+    still holds if the Keras functions cannot be found behind a step."""
     body = [n for n in fg.pre_optimization_graph.node if n.op not in _ARG_OPS]
     return len(body) <= 1
 
