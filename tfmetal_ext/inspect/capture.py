@@ -105,6 +105,11 @@ def _run_metadata():
     from tensorflow.python.eager import context
 
     context.enable_run_metadata()
+    # Function graphs instantiated since an earlier window stay queued after
+    # `disable_run_metadata` and would be exported into this one (with node
+    # names identical to ours when the same Python body was traced before, so
+    # `_keep_own` cannot tell them apart): drop them first.
+    context.export_run_metadata()
     box = []
     try:
         yield box
