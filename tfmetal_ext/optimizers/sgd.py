@@ -1,0 +1,68 @@
+"""FusedSGD: Keras' SGD with one training op per variable."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmetal_ext.optimizers._base import FusedUpdateMixin, check_unit_interval, dense_gradient
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext")
+class FusedSGD(FusedUpdateMixin, keras.optimizers.SGD):
+    """Stochastic gradient descent (with momentum) in one op per variable.
+
+    Same algorithm, arguments, defaults and optimizer variables
+    (``momentum`` slots when ``momentum > 0``) as `keras.optimizers.SGD`:
+
+    - ``momentum == 0``: ``var -= lr * grad``, one
+      ``ResourceApplyGradientDescent`` (sparse gradients: a scatter
+      subtract of the touched rows).
+    - ``momentum > 0``: ``m = momentum * m - lr * grad; var += m`` (with
+      ``nesterov``: ``var += momentum * m - lr * grad``), one
+      ``ResourceApplyKerasMomentum``.
+
+    Args:
+        learning_rate: a float, a learning-rate schedule or a callable.
+        momentum: a float in [0, 1].
+        nesterov: use Nesterov momentum.
+        **kwargs: `keras.optimizers.Optimizer` arguments (``weight_decay``,
+            clipping, EMA, ``loss_scale_factor``,
+            ``gradient_accumulation_steps``, ``name``).
+    """
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="fused_sgd", **kwargs):
+        momentum = check_unit_interval("momentum", momentum, closed_right=True)
+        if not isinstance(nesterov, bool):
+            raise ValueError(f"Argument `nesterov` must be a bool. Received: nesterov={nesterov!r}")
+        super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
+
+    def _step_scalars(self, learning_rate, dtype):
+        scalars = {"lr": tf.cast(learning_rate, dtype)}
+        if self.momentum != 0:
+            scalars["momentum"] = tf.constant(self.momentum, dtype)
+        return scalars
+
+    def _fused_apply(self, grad, variable, scalars):
+        if self.momentum == 0:
+            return tf.raw_ops.ResourceApplyGradientDescent(var=variable.handle, alpha=scalars["lr"], delta=grad)
+        return tf.raw_ops.ResourceApplyKerasMomentum(
+            var=variable.handle,
+            accum=self._slot_handle(self.momentums, variable),
+            lr=scalars["lr"],
+            grad=grad,
+            momentum=scalars["momentum"],
+            use_nesterov=self.nesterov,
+        )
+
+    def _fused_apply_sparse(self, grad, variable, scalars):
+        if self.momentum == 0:
+            # Only the touched rows change; duplicates accumulate, as with a
+            # dense gradient.
+            return tf.raw_ops.ResourceScatterSub(
+                resource=variable.handle,
+                indices=grad.indices,
+                updates=tf.cast(grad.values, variable.dtype) * scalars["lr"],
+            )
+        # Keras decays every momentum row each step: that is a dense update.
+        return self._fused_apply(dense_gradient(grad, variable.dtype), variable, scalars)
