@@ -304,7 +304,11 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
         if node.op in NON_COMPUTE_OPS:
             continue
         counts[node.op] += 1
-        if node.op.startswith("_Fused") or "fused_ops" in node.attr and node.attr["fused_ops"].list.s:
+        if (
+            node.op.startswith("_Fused")
+            or node.op in catalog.FUSED_LAYER_OPS
+            or "fused_ops" in node.attr and node.attr["fused_ops"].list.s
+        ):
             weight_layers = [index.layer_of(i) for i in list(node.input)[1:3] if not i.startswith("^")]
             own = index.layer_of(node.name)
             layers = []  # layer paths, the weights' layer first

@@ -1,0 +1,647 @@
+"""The recurrences behind `FusedLSTM` and `FusedGRU`, one implementation per backend.
+
+Metal and CUDA: one `CudnnRNNV3` op for the whole sequence (tensorflow-metal
+implements it for float32, float16 and bfloat16), called the way Keras calls it
+there (batch-major input, ``sequence_lengths`` always given, ``is_training``),
+with the weights packed into cuDNN's canonical flat layout by `lstm_cudnn_params`
+/ `gru_cudnn_params`. A mask that is not right-padded (or has an empty row)
+switches, at run time through a `tf.cond`, to the generic loop below.
+
+CPU (and the fallback): the input projection of all timesteps is one
+MatMul + BiasAdd before the loop (`_FusedMatMul[BiasAdd]` with oneDNN); the loop
+is a `tf.custom_gradient` whose forward keeps only what the backward needs and
+whose backward computes per step only the gate gradients and
+``dh_{t-1} = dz_t @ U^T``; dU (and through autodiff dW, db, dx) are single large
+MatMuls over all timesteps after the loop. A static sequence length up to
+`MAX_UNROLL` is unrolled in the graph: intermediates are then plain tensors kept
+for the backward (no TensorArray writes and reads, no loop-control nodes per
+step); longer or unknown lengths run a `tf.while_loop` with TensorArrays.
+LSTM gate gradients come from one `LSTMBlockCellGrad` op per step (TF's fused
+LSTM cell backward, elementwise only; CPU kernels for float32 and float16); in
+float64, under XLA and on GPUs the same math runs as a composite
+(`SigmoidGrad`/`TanhGrad`). Under mixed precision the states and the gate math
+stay float32 and only the MatMuls run in the compute dtype: bfloat16
+elementwise ops are slow on CPUs, and this is also closer to the float32
+result than Keras' all-bfloat16 loop.
+
+Why this CPU design: prototypes measured against `keras.layers.LSTM` in the
+same process, train step (forward, backward, SGD) B=64 T=50 F=32 H=128,
+float32 unless noted, medians in ms on the project's 2-core x86-64 host (TF 2.21, oneDNN;
+the host was shared with other jobs, so read the ratios):
+
+| variant                                                       | ours | Keras | Keras / ours |
+|---------------------------------------------------------------|------|-------|--------------|
+| BlockLSTMV2 (whole sequence in one op, Eigen GEMMs)           | 22.8 | 11.0  | 0.48         |
+| while_loop + TensorArrays, composite backward                 | 13.6 | 9.8   | 0.72         |
+| unrolled, composite backward                                  | 11.9 | 9.8   | 0.82         |
+| unrolled, `LSTMBlockCell` forward (GEMM inside, Eigen)        | 15.6 | 13.6  | 0.87         |
+| loops compiled with XLA                                       | 16.4 | 13.6  | 0.83         |
+| per-step input added inside `_FusedMatMul[BiasAdd, Add]`      | 17.2 | 14.1  | 0.82         |
+| unrolled, `LSTMBlockCellGrad` backward (kept)                 | 12.1 | 14.1  | 1.17         |
+| + U^T materialized for the backward MatMul (kept)             | microbenchmark: dz@U^T 18% faster |
+| + float32 gate math under mixed_bfloat16 (kept; vs Keras bf16) | 10.2 | 12.0  | 1.17         |
+
+On this host the three GEMM-sized products of a train step (h@U over the
+forward steps, dz@U^T over the backward steps, dU = Hprev^T@DZ after the loop) already run near one core's peak
+(about 215 GFLOPS; about 2 ms each at this size) for Keras and for us alike,
+and threads in one process did not speed up a MatMul while we measured (a
+2048^3 MatMul took the same time with 1 and 2 threads). What is left is the
+per-step elementwise work and per-op overhead (3-4 us per small op), which
+the hoisted projection, the unrolled graph and the fused cell gradient cut:
+shipped (`benchmarks/bench_rnn.py`, same host), Keras / ours at B=64 T=50
+F=32 H=128: LSTM 1.04-1.09x in float32 and 1.17-1.28x in mixed_bfloat16, GRU
+1.5-1.6x in both; at B=64 T=100 F=64 H=256 1.3-1.5x. The issue's 1.5x target
+for the float32 LSTM is not reached on this host: with Keras already near the
+GEMM floor there is no 1.5x left to take without fusing the cell's
+elementwise math into one kernel per step.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfmetal_ext import devices
+
+# Static sequence lengths up to this are unrolled on the CPU path.
+MAX_UNROLL = 100
+
+
+# ----------------------------------------------------------------------------
+# Implementation choice.
+
+
+def _in_xla_context():
+    """True while tracing a function compiled with XLA (no LSTMBlockCellGrad kernel there)."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - TF moved it
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def implementation(backend):
+    """``"cudnn"`` or ``"loop"``: what runs the recurrence on `backend`.
+
+    CUDA means a CUDA build of TensorFlow with a GPU; other GPU platforms that
+    `tfmetal_ext.devices.backend` reports as ``"cuda"`` (ROCm, unknown
+    PluggableDevices) get the loop, since their RNN kernels' weight layouts differ.
+    """
+    if backend == "metal":
+        return "cudnn"
+    if backend == "cuda" and devices._built_with_cuda():
+        return "cudnn"
+    return "loop"
+
+
+# ----------------------------------------------------------------------------
+# cuDNN canonical parameter packing.
+
+
+def _gate_blocks_transposed(w, gates, order):
+    """(in, gates*H) Keras kernel -> flat concatenation of the per-gate (H, in) blocks in `order`."""
+    rows = tf.shape(w)[0]
+    blocks = tf.reshape(w, tf.stack([rows, gates, -1]))  # (in, gate, H)
+    if order is not None:
+        blocks = tf.gather(blocks, order, axis=1)
+    return tf.reshape(tf.transpose(blocks, [1, 2, 0]), [-1])  # (gate, H, in) row-major
+
+
+def lstm_cudnn_params(kernel, recurrent_kernel, bias, units):
+    """The flat `CudnnRNNV3` params of an LSTM with Keras weights.
+
+    cuDNN's canonical layout: the 4 input-weight matrices, then the 4 recurrent
+    ones, each ``(units, in)`` row-major (a Keras kernel block transposed), then
+    the 4 input biases and the 4 recurrent biases. Gate order i, f, c, o is the
+    same in Keras and cuDNN. Keras has one bias, so the input biases are zero.
+    """
+    dtype = kernel.dtype
+    if bias is None:
+        bias = tf.zeros([4 * units], dtype)
+    return tf.concat(
+        [
+            _gate_blocks_transposed(kernel, 4, None),
+            _gate_blocks_transposed(recurrent_kernel, 4, None),
+            tf.zeros([4 * units], dtype),
+            tf.reshape(bias, [-1]),
+        ],
+        axis=0,
+    )
+
+
+def gru_cudnn_params(kernel, recurrent_kernel, bias, units, swap_gates):
+    """The flat `CudnnRNNV3` params of a ``reset_after=True`` GRU with Keras weights.
+
+    Keras orders the gates z (update), r (reset), h; cuDNN r, z, h. With
+    `swap_gates` the blocks are reordered for cuDNN (CUDA). Without it they stay
+    in Keras order, which is what Keras itself sends to `CudnnRNNV3` on a
+    non-CUDA build of TensorFlow such as the macOS one tensorflow-metal runs
+    under. Bias row 0 (input) then row 1 (recurrent).
+    """
+    order = [1, 0, 2] if swap_gates else None
+    dtype = kernel.dtype
+    if bias is None:
+        bias = tf.zeros([2, 3 * units], dtype)
+    biases = tf.reshape(bias, [2, 3, units])
+    if order is not None:
+        biases = tf.gather(biases, order, axis=1)
+    return tf.concat(
+        [
+            _gate_blocks_transposed(kernel, 3, order),
+            _gate_blocks_transposed(recurrent_kernel, 3, order),
+            tf.reshape(biases, [-1]),
+        ],
+        axis=0,
+    )
+
+
+# ----------------------------------------------------------------------------
+# Masks.
+
+
+def _cudnn_mask_ok(mask):
+    """(ok, lengths): `mask` (batch, time) is right-padded with no empty row."""
+    lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    padded = tf.sequence_mask(lengths, tf.shape(mask)[1])
+    ok = tf.logical_and(tf.reduce_all(tf.equal(mask, padded)), tf.reduce_all(lengths > 0))
+    return ok, lengths
+
+
+def _finish(seq_tm, last, mask_tm, return_sequences, zero_output_for_mask):
+    """Keras' outputs at masked steps, from the carried states.
+
+    Keras' generic RNN (`zero_output_for_mask=False`, its default) outputs at a
+    masked step the previous step's output, starting from zeros: so the carried
+    state once any step so far was unmasked, else zeros. With
+    `zero_output_for_mask=True` masked steps output zeros. `seq_tm` is
+    (time, batch, units) in processing order; returns batch-major outputs.
+    """
+    if return_sequences:
+        if mask_tm is not None:
+            keep = mask_tm if zero_output_for_mask else tf.cumsum(tf.cast(mask_tm, tf.int32), axis=0) > 0
+            seq_tm = tf.where(keep[:, :, None], seq_tm, tf.zeros_like(seq_tm))
+        return tf.transpose(seq_tm, [1, 0, 2])
+    if mask_tm is not None:
+        keep = mask_tm[-1] if zero_output_for_mask else tf.reduce_any(mask_tm, axis=0)
+        last = tf.where(keep[:, None], last, tf.zeros_like(last))
+    return last
+
+
+# ----------------------------------------------------------------------------
+# The loop (CPU, and GPU fallback).
+
+
+def _select(m, a, b):
+    return a if m is None else tf.where(m, a, b)
+
+
+class _Recurrence:
+    """One recurrence: a forward step, its backward step, and the weight gradients.
+
+    Subclasses define `step(xs_t, states, weights, m)` -> ``(new_states,
+    record)`` (`record_size` tensors shaped like h), `prepare_grad(weights)`,
+    `step_grad(record, dstates, prepared, m)` -> ``(dstates_prev, outs)`` where
+    the first ``len(xs)`` of the `per_step_outputs` tensors are the gradients of
+    the step's inputs, and `weight_grads(hprev, per_step)` from the stacked
+    per-step outputs. `xs` are the per-timestep inputs of the loop (the hoisted
+    projections), `states` the carried states with h first, `m` the step's
+    (batch, 1) mask or None.
+    """
+
+    def __init__(self, steps, go_backwards, mask_tm):
+        self.steps = steps
+        self.go_backwards = go_backwards
+        self.mask = mask_tm
+
+    def run(self, xs, states, weights, return_sequences):
+        """Returns ``(seq_or_last_h, *final_states_after_h)`` with a custom gradient."""
+        n_x, n_s = len(xs), len(states)
+
+        @tf.custom_gradient
+        def core(*args):
+            xs_, states_, weights_ = args[:n_x], args[n_x : n_x + n_s], args[n_x + n_s :]
+            self.h0 = states_[0]
+            if self.steps is not None and self.steps <= MAX_UNROLL:
+                final, hs, backward = self._unrolled(xs_, states_, weights_)
+            else:
+                final, hs, backward = self._while(xs_, states_, weights_)
+            first = hs if return_sequences else final[0]
+
+            def grad(dfirst, *dfinal):
+                if return_sequences:
+                    dseq, dh = dfirst, tf.zeros_like(states_[0])
+                else:
+                    dseq, dh = None, dfirst
+                dxs, dstates, dweights = backward(dseq, (dh,) + tuple(dfinal))
+                return tuple(dxs) + tuple(dstates) + tuple(dweights)
+
+            return (first,) + tuple(final[1:]), grad
+
+        return core(*xs, *states, *weights)
+
+    def _order(self, n):
+        return list(reversed(range(n))) if self.go_backwards else list(range(n))
+
+    def _unrolled(self, xs, states, weights):
+        steps = self.steps
+        x_steps = [tf.unstack(x, num=steps) for x in xs]
+        m_steps = None if self.mask is None else tf.unstack(self.mask[:, :, None], num=steps)
+        records, hprev, hs = [None] * steps, [None] * steps, []
+        for t in self._order(steps):
+            m = None if m_steps is None else m_steps[t]
+            hprev[t] = states[0]
+            states, records[t] = self.step([x[t] for x in x_steps], states, weights, m)
+            hs.append(states[0])
+        seq = tf.stack(hs)
+
+        def backward(dseq, dstates):
+            dseq_steps = None if dseq is None else tf.unstack(dseq, num=steps)
+            per_step = [[None] * steps for _ in range(self.per_step_outputs)]
+            prepared = self.prepare_grad(weights)
+            for k, t in reversed(list(enumerate(self._order(steps)))):
+                m = None if m_steps is None else m_steps[t]
+                if dseq_steps is not None:
+                    dstates = (dstates[0] + dseq_steps[k],) + tuple(dstates[1:])
+                dstates, outs = self.step_grad(records[t], dstates, prepared, m)
+                for j, d in enumerate(outs):
+                    per_step[j][t] = d
+            per_step = [tf.stack(d) for d in per_step]
+            return per_step[: len(xs)], dstates, self.weight_grads(tf.stack(hprev), per_step)
+
+        return states, seq, backward
+
+    def _while(self, xs, states, weights):
+        steps = tf.shape(xs[0])[0]
+        dtype = xs[0].dtype
+        x_tas = [tf.TensorArray(x.dtype, size=steps, element_shape=x.shape[1:]).unstack(x) for x in xs]
+        m_ta = None
+        if self.mask is not None:
+            m_ta = tf.TensorArray(tf.bool, size=steps).unstack(self.mask[:, :, None])
+        index = (lambda k: steps - 1 - k) if self.go_backwards else (lambda k: k)
+        rec_tas = [tf.TensorArray(dtype, size=steps, element_shape=states[0].shape) for _ in range(self.record_size)]
+        h_ta = tf.TensorArray(dtype, size=steps, element_shape=states[0].shape)
+        hp_ta = tf.TensorArray(dtype, size=steps, element_shape=states[0].shape)
+
+        def body(k, states, rec_tas, h_ta, hp_ta):
+            t = index(k)
+            m = None if m_ta is None else m_ta.read(t)
+            hp_ta = hp_ta.write(t, states[0])
+            new_states, record = self.step([x.read(t) for x in x_tas], states, weights, m)
+            rec_tas = [ta.write(t, r) for ta, r in zip(rec_tas, record)]
+            return k + 1, tuple(new_states), rec_tas, h_ta.write(k, new_states[0]), hp_ta
+
+        _, final, rec_tas, h_ta, hp_ta = tf.while_loop(
+            lambda k, *_: k < steps, body, (0, tuple(states), rec_tas, h_ta, hp_ta),
+            maximum_iterations=steps,
+        )
+        seq = h_ta.stack()
+
+        def backward(dseq, dstates):
+            prepared = self.prepare_grad(weights)
+            dseq_ta = None if dseq is None else tf.TensorArray(dtype, size=steps).unstack(dseq)
+            out_tas = [tf.TensorArray(dtype, size=steps) for _ in range(self.per_step_outputs)]
+
+            def bbody(k, dstates, out_tas):
+                t = index(k)
+                m = None if m_ta is None else m_ta.read(t)
+                if dseq_ta is not None:
+                    dstates = (dstates[0] + dseq_ta.read(k),) + tuple(dstates[1:])
+                record = [ta.read(t) for ta in rec_tas]
+                dstates, outs = self.step_grad(record, dstates, prepared, m)
+                return k - 1, tuple(dstates), [ta.write(t, d) for ta, d in zip(out_tas, outs)]
+
+            _, dstates, out_tas = tf.while_loop(
+                lambda k, *_: k >= 0, bbody, (steps - 1, tuple(dstates), out_tas),
+                maximum_iterations=steps,
+            )
+            per_step = [ta.stack() for ta in out_tas]
+            for x, d in zip(xs, per_step):
+                d.set_shape(x.shape)
+            return per_step[: len(xs)], dstates, self.weight_grads(hp_ta.stack(), per_step)
+
+        return final, seq, backward
+
+
+def _materialized_transpose(u):
+    """U^T as its own buffer: MatMul(dz, U^T) measured about 18% faster than
+    MatMul(dz, U, transpose_b=True) for the per-step backward shapes, and the
+    Snapshot keeps grappler from folding the Transpose back into the MatMul."""
+    return tf.raw_ops.Snapshot(input=tf.transpose(u))
+
+
+def _flat(t):
+    width = t.shape[-1] if t.shape[-1] is not None else tf.shape(t)[-1]
+    return tf.reshape(t, [-1, width])
+
+
+def _mm(a, w):
+    """a @ w in w's dtype (the compute dtype), result in a's (float32 state under mixed precision)."""
+    return tf.cast(tf.matmul(tf.cast(a, w.dtype), w), a.dtype)
+
+
+def _mm_t(a, b, dtype):
+    """flat(a)^T @ flat(b) over all timesteps, one MatMul in `dtype`."""
+    return tf.matmul(tf.cast(_flat(a), dtype), tf.cast(_flat(b), dtype), transpose_a=True)
+
+
+def _state_dtype(dtype):
+    """Elementwise math and states in float32 under mixed precision: half and bfloat16
+    elementwise ops are slower than float32 on CPUs (and less accurate); MatMuls stay
+    in the compute dtype."""
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+class _LSTM(_Recurrence):
+    """LSTM with the gate columns in i, c, f, o order (the order `LSTMBlockCellGrad` uses).
+
+    xs: the projection (time, batch, 4H) with bias. states: h, c. weights: U (H, 4H).
+    """
+
+    record_size = 6
+    per_step_outputs = 1
+
+    def __init__(self, steps, go_backwards, mask_tm, fused_grad):
+        super().__init__(steps, go_backwards, mask_tm)
+        self.fused_grad = fused_grad
+
+    def step(self, xs_t, states, weights, m):
+        (xw,), (h, c), (u,) = xs_t, states, weights
+        z = xw + _mm(h, u)
+        zi, zc, zf, zo = tf.split(z, 4, axis=1)
+        i, g, f, o = tf.sigmoid(zi), tf.tanh(zc), tf.sigmoid(zf), tf.sigmoid(zo)
+        c_new = f * c + i * g
+        tc = tf.tanh(c_new)
+        h_new = o * tc
+        return (_select(m, h_new, h), _select(m, c_new, c)), (c, i, f, o, g, tc)
+
+    def prepare_grad(self, weights):
+        (u,) = weights
+        prepared = {"u_t": _materialized_transpose(u)}
+        if self.fused_grad:
+            # LSTMBlockCellGrad reads only the shapes of w and b (no peepholes), in the state dtype.
+            units, dtype = u.shape[0], self.state_dtype
+            prepared["w"] = u if u.dtype == dtype else tf.zeros(tf.shape(u), dtype)
+            prepared["zeros_h"] = tf.zeros([units], dtype)
+            prepared["zeros_4h"] = tf.zeros([4 * units], dtype)
+            prepared["no_input"] = tf.zeros(tf.stack([tf.shape(self.h0)[0], 0]), dtype)  # x: (batch, 0)
+        return prepared
+
+    def step_grad(self, record, dstates, p, m):
+        c_prev, i, f, o, g, tc = record
+        dh, dc = dstates
+        if m is not None:  # a masked step passed h and c through unchanged
+            dh_in, dc_in = dh, dc
+            zeros = tf.zeros_like(dh)
+            dh, dc = tf.where(m, dh, zeros), tf.where(m, dc, zeros)
+        if self.fused_grad:
+            zh = p["zeros_h"]
+            dc_prev, dz, _, _, _ = tf.raw_ops.LSTMBlockCellGrad(
+                x=p["no_input"], cs_prev=c_prev, h_prev=c_prev, w=p["w"], wci=zh, wcf=zh, wco=zh,
+                b=p["zeros_4h"], i=i, cs=c_prev, f=f, o=o, ci=g, co=tc, cs_grad=dc, h_grad=dh,
+                use_peephole=False,
+            )
+        else:
+            dcs = dc + tf.raw_ops.TanhGrad(y=tc, dy=dh * o)
+            dz = tf.concat(
+                [
+                    tf.raw_ops.SigmoidGrad(y=i, dy=dcs * g),
+                    tf.raw_ops.TanhGrad(y=g, dy=dcs * i),
+                    tf.raw_ops.SigmoidGrad(y=f, dy=dcs * c_prev),
+                    tf.raw_ops.SigmoidGrad(y=o, dy=dh * tc),
+                ],
+                axis=1,
+            )
+            dc_prev = dcs * f
+        dh_prev = _mm(dz, p["u_t"])
+        if m is not None:
+            dh_prev = tf.where(m, dh_prev, dh_in)
+            dc_prev = tf.where(m, dc_prev, dc_in)
+        return (dh_prev, dc_prev), (dz,)
+
+    def weight_grads(self, hprev, per_step):
+        (dz,) = per_step
+        return (_mm_t(hprev, dz, self.matmul_dtype),)
+
+
+class _GRU(_Recurrence):
+    """GRU (reset_after=True), Keras gate order z, r, h.
+
+    xs: projections (time, batch, 2H) for z, r (input and recurrent biases of
+    z, r folded in) and (time, batch, H) for h (input bias). states: h.
+    weights: U_zr (H, 2H), U_h (H, H) and, with a bias, the recurrent bias of h (H,).
+    """
+
+    record_size = 5
+    per_step_outputs = 3
+
+    def step(self, xs_t, states, weights, m):
+        (xzr, xh), (h,), (u_zr, u_h, *b_h) = xs_t, states, weights
+        s = tf.sigmoid(xzr + _mm(h, u_zr))
+        z, r = tf.split(s, 2, axis=1)
+        rh = _mm(h, u_h)
+        if b_h:
+            rh = tf.nn.bias_add(rh, b_h[0])
+        hh = tf.tanh(xh + r * rh)
+        d = h - hh
+        h_new = hh + z * d
+        return (_select(m, h_new, h),), (z, r, rh, hh, d)
+
+    def prepare_grad(self, weights):
+        u_zr, u_h = weights[:2]
+        return {"u_zr_t": _materialized_transpose(u_zr), "u_h_t": _materialized_transpose(u_h)}
+
+    def step_grad(self, record, dstates, p, m):
+        z, r, rh, hh, d = record
+        (dh,) = dstates
+        dh_in = dh
+        if m is not None:
+            dh = tf.where(m, dh, tf.zeros_like(dh))
+        da = tf.raw_ops.TanhGrad(y=hh, dy=dh - dh * z)  # d(x_h + r * rh)
+        drh = da * r
+        dzr = tf.concat(
+            [tf.raw_ops.SigmoidGrad(y=z, dy=dh * d), tf.raw_ops.SigmoidGrad(y=r, dy=da * rh)], axis=1
+        )
+        dh_prev = tf.add_n([dh * z, _mm(dzr, p["u_zr_t"]), _mm(drh, p["u_h_t"])])
+        if m is not None:
+            dh_prev = tf.where(m, dh_prev, dh_in)
+        return (dh_prev,), (dzr, da, drh)
+
+    def weight_grads(self, hprev, per_step):
+        dzr, _, drh = per_step
+        grads = (_mm_t(hprev, dzr, self.matmul_dtype), _mm_t(hprev, drh, self.matmul_dtype))
+        if self.has_bias:
+            grads += (tf.reduce_sum(_flat(drh), axis=0),)
+        return grads
+
+
+def _time_major(x):
+    return tf.transpose(x, [1, 0, 2])
+
+
+def _project(x_tm, kernel, bias):
+    """(time, batch, in) @ kernel + bias as one 2-D MatMul + BiasAdd (fuses on oneDNN)."""
+    steps, batch = tf.shape(x_tm)[0], tf.shape(x_tm)[1]
+    flat = tf.matmul(tf.reshape(x_tm, [-1, x_tm.shape[-1]]), kernel)
+    if bias is not None:
+        flat = tf.nn.bias_add(flat, bias)
+    out = tf.reshape(flat, tf.stack([steps, batch, kernel.shape[-1]]))
+    out.set_shape(x_tm.shape[:2].concatenate([kernel.shape[-1]]))
+    return out
+
+
+def _icfo(t, units):
+    """Keras LSTM gate columns i, f, c, o -> i, c, f, o (last axis)."""
+    i, f, c, o = tf.split(t, [units] * 4, axis=-1)
+    return tf.concat([i, c, f, o], axis=-1)
+
+
+def _lstm_loop(x, h0, c0, kernel, recurrent_kernel, bias, mask, go_backwards, return_sequences,
+               zero_output_for_mask, cpu):
+    units = recurrent_kernel.shape[0]
+    state = _state_dtype(x.dtype)
+    x_tm = _time_major(x)
+    mask_tm = None if mask is None else tf.transpose(mask)
+    xw = _project(x_tm, _icfo(kernel, units), None if bias is None else _icfo(bias, units))
+    # LSTMBlockCellGrad has CPU kernels for float32 and float16 (none on tensorflow-metal, none in XLA).
+    fused_grad = cpu and state in (tf.float32, tf.float16) and not _in_xla_context()
+    rec = _LSTM(x.shape[1], go_backwards, mask_tm, fused_grad=fused_grad)
+    rec.matmul_dtype, rec.state_dtype = x.dtype, state
+    first, c_t = rec.run(
+        [tf.cast(xw, state)], [tf.cast(h0, state), tf.cast(c0, state)], [_icfo(recurrent_kernel, units)],
+        return_sequences,
+    )
+    h_t = first[-1] if return_sequences else first
+    if mask_tm is not None and go_backwards:
+        mask_tm = tf.reverse(mask_tm, [0])
+    out = _finish(first if return_sequences else None, h_t, mask_tm, return_sequences, zero_output_for_mask)
+    return tf.cast(out, x.dtype), [tf.cast(h_t, x.dtype), tf.cast(c_t, x.dtype)]
+
+
+def _gru_loop(x, h0, kernel, recurrent_kernel, bias, mask, go_backwards, return_sequences,
+              zero_output_for_mask):
+    units = recurrent_kernel.shape[0]
+    x_tm = _time_major(x)
+    mask_tm = None if mask is None else tf.transpose(mask)
+    w_zr, w_h = tf.split(kernel, [2 * units, units], axis=1)
+    u_zr, u_h = tf.split(recurrent_kernel, [2 * units, units], axis=1)
+    b_h = None
+    if bias is None:
+        b_zr = b_xh = None
+    else:
+        b_in, b_rec = tf.unstack(bias)
+        b_in_zr, b_xh = tf.split(b_in, [2 * units, units])
+        b_rec_zr, b_h = tf.split(b_rec, [2 * units, units])
+        b_zr = b_in_zr + b_rec_zr  # z and r see x@W + b_in + h@U + b_rec: one bias
+    state = _state_dtype(x.dtype)
+    xzr = tf.cast(_project(x_tm, w_zr, b_zr), state)
+    xh = tf.cast(_project(x_tm, w_h, b_xh), state)
+    rec = _GRU(x.shape[1], go_backwards, mask_tm)
+    rec.has_bias = b_h is not None
+    rec.matmul_dtype = x.dtype
+    weights = [u_zr, u_h] + ([tf.cast(b_h, state)] if b_h is not None else [])
+    (first,) = rec.run([xzr, xh], [tf.cast(h0, state)], weights, return_sequences)
+    h_t = first[-1] if return_sequences else first
+    if mask_tm is not None and go_backwards:
+        mask_tm = tf.reverse(mask_tm, [0])
+    out = _finish(first if return_sequences else None, h_t, mask_tm, return_sequences, zero_output_for_mask)
+    return tf.cast(out, x.dtype), [tf.cast(h_t, x.dtype)]
+
+
+# ----------------------------------------------------------------------------
+# CudnnRNNV3.
+
+
+def _cudnn(mode, x, states, params, mask, go_backwards, return_sequences, zero_output_for_mask):
+    """One `CudnnRNNV3` over batch-major `x`; Keras' generic-RNN outputs at masked steps."""
+    batch, steps = tf.shape(x)[0], tf.shape(x)[1]
+    if mask is None:
+        lengths = tf.fill(tf.reshape(batch, [1]), steps)
+    else:
+        lengths = tf.reduce_sum(tf.cast(mask, tf.int32), axis=1)
+    if go_backwards:
+        # cuDNN runs each row over its first `length` steps; Keras' go_backwards
+        # reverses the padded sequence. Reverse the valid part, run, reverse it
+        # back and then reverse the whole row (padding first, as Keras has it).
+        x = tf.reverse_sequence(x, lengths, seq_axis=1, batch_axis=0)
+    input_h = tf.expand_dims(states[0], axis=1)  # batch-major: (batch, layers, units)
+    input_c = tf.expand_dims(states[1], axis=1) if mode == "lstm" else tf.zeros([], x.dtype)
+    outputs, h, c, _, _ = tf.raw_ops.CudnnRNNV3(
+        input=x,
+        input_h=input_h,
+        input_c=input_c,
+        params=params,
+        sequence_lengths=lengths,
+        rnn_mode=mode,
+        input_mode="linear_input",
+        direction="unidirectional",
+        is_training=True,
+        time_major=False,
+    )
+    h = tf.squeeze(h, axis=1)
+    new_states = [h, tf.squeeze(c, axis=1)] if mode == "lstm" else [h]
+    if go_backwards:
+        outputs = tf.reverse(tf.reverse_sequence(outputs, lengths, seq_axis=1, batch_axis=0), [1])
+        mask = None if mask is None else tf.reverse(mask, [1])
+    if not return_sequences:
+        last = h
+        if mask is not None and zero_output_for_mask:
+            last = tf.where(mask[:, -1:], h, tf.zeros_like(h))
+        return last, new_states
+    if mask is not None and not go_backwards and not zero_output_for_mask:
+        # cuDNN zero-fills steps past each row's length; Keras carries the last output.
+        outputs = tf.where(mask[:, :, None], outputs, h[:, None, :])
+    return outputs, new_states
+
+
+def _with_mask_fallback(mask, cudnn_fn, loop_fn):
+    if mask is None:
+        return cudnn_fn()
+    ok, _ = _cudnn_mask_ok(mask)
+    return tf.cond(ok, cudnn_fn, loop_fn)
+
+
+# ----------------------------------------------------------------------------
+# Entry points.
+
+
+def lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_sequences,
+         zero_output_for_mask, backend, use_cudnn=True):
+    """Runs an LSTM over batch-major `x` (all tensors in the compute dtype).
+
+    Returns ``(output, [h, c])``; `output` is the sequence (batch, time, units)
+    in processing order or the last output (batch, units), as Keras' LSTM.
+    """
+    units = recurrent_kernel.shape[0]
+    cpu = implementation(backend) == "loop" or not use_cudnn
+
+    def loop():
+        return _lstm_loop(x, h0, c0, kernel, recurrent_kernel, bias, mask, go_backwards,
+                          return_sequences, zero_output_for_mask, cpu=backend == "cpu")
+
+    if cpu:
+        return loop()
+
+    def cudnn():
+        params = lstm_cudnn_params(kernel, recurrent_kernel, bias, units)
+        return _cudnn("lstm", x, [h0, c0], params, mask, go_backwards, return_sequences, zero_output_for_mask)
+
+    return _with_mask_fallback(mask, cudnn, loop)
+
+
+def gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_sequences,
+        zero_output_for_mask, backend, use_cudnn=True):
+    """Runs a reset_after=True GRU over batch-major `x`; returns ``(output, [h])``."""
+    units = recurrent_kernel.shape[0]
+    cpu = implementation(backend) == "loop" or not use_cudnn
+
+    def loop():
+        return _gru_loop(x, h0, kernel, recurrent_kernel, bias, mask, go_backwards,
+                         return_sequences, zero_output_for_mask)
+
+    if cpu:
+        return loop()
+
+    def cudnn():
+        params = gru_cudnn_params(kernel, recurrent_kernel, bias, units, swap_gates=backend == "cuda")
+        return _cudnn("gru", x, [h0], params, mask, go_backwards, return_sequences, zero_output_for_mask)
+
+    return _with_mask_fallback(mask, cudnn, loop)

@@ -1,0 +1,541 @@
+"""Fused recurrent layers: `FusedLSTM` and `FusedGRU`, drop-ins for Keras' LSTM and GRU.
+
+Both take the common Keras configuration (tanh / sigmoid, no recurrent
+dropout, GRU with ``reset_after=True``) and have the Keras weights (same names,
+shapes and order), so weights copy both ways with `get_weights` /
+`set_weights`. What runs is chosen per backend (`tfmetal_ext.layers._rnn`
+documents the choice and the measurements behind it):
+
+| backend | what runs |
+|---|---|
+| Metal (tensorflow-metal) | one `CudnnRNNV3` (float32, float16, bfloat16) |
+| CUDA | one `CudnnRNNV3` (cuDNN) |
+| CPU | input projection of all steps as one MatMul + BiasAdd, then a custom-gradient loop (unrolled for static lengths up to 100) with one fused `LSTMBlockCellGrad` per LSTM step |
+
+Under mixed precision the CPU loop keeps its states and gate math in float32
+and runs the MatMuls in the compute dtype (faster than bfloat16 elementwise ops
+on a CPU, and closer to the float32 result than Keras' all-bfloat16 loop);
+outputs and returned states are in the compute dtype as in Keras.
+
+Masked steps behave as in Keras' generic RNN on every backend: they carry the
+previous state, and output the previous output (zeros before the first
+unmasked step), or zeros with ``zero_output_for_mask=True``. On the cuDNN path
+right-padded masks become ``sequence_lengths``; any other mask switches, at run
+time, to the loop.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmetal_ext import devices
+from tfmetal_ext.inspect import catalog
+from tfmetal_ext.inspect.catalog import Expectation
+from tfmetal_ext.layers import _contraction as C
+from tfmetal_ext.layers import _rnn
+
+_TANH = {keras.activations.tanh, keras.ops.tanh, tf.tanh, tf.nn.tanh, tf.math.tanh}
+_SIGMOID = {keras.activations.sigmoid, keras.ops.sigmoid, tf.sigmoid, tf.nn.sigmoid, tf.math.sigmoid}
+
+
+def _fixed_activation(value, name, allowed, expected, layer):
+    try:
+        fn = keras.activations.get(value)
+    except (ValueError, TypeError):
+        fn = None
+    if fn not in allowed:
+        raise ValueError(
+            f"{layer} supports only `{name}='{expected}'` (what the fused kernels compute); "
+            f"use keras.layers.{layer[5:]} for others. Received: {name}={value!r}"
+        )
+    return expected
+
+
+def _rate(value, name):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"`{name}` must be a number in [0, 1). Received: {name}={value!r}")
+    return float(value)
+
+
+class _UnitForgetBias:
+    """Keras' LSTM bias initialization with ``unit_forget_bias``: ones for the forget gate."""
+
+    def __init__(self, base, units):
+        self.base, self.units = base, units
+
+    def __call__(self, shape, dtype=None):
+        h = self.units
+        return tf.concat(
+            [self.base((h,), dtype=dtype), tf.ones((h,), dtype=dtype), self.base((2 * h,), dtype=dtype)], 0
+        )
+
+
+class _FusedRNN(keras.layers.Layer):
+    """Shared argument handling, weights, states, masking and config of FusedLSTM / FusedGRU."""
+
+    _gates = None  # 4 for LSTM, 3 for GRU
+    _state_names = ()
+
+    def __init__(
+        self,
+        units,
+        activation="tanh",
+        recurrent_activation="sigmoid",
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        recurrent_initializer="orthogonal",
+        bias_initializer="zeros",
+        kernel_regularizer=None,
+        recurrent_regularizer=None,
+        bias_regularizer=None,
+        activity_regularizer=None,
+        kernel_constraint=None,
+        recurrent_constraint=None,
+        bias_constraint=None,
+        dropout=0.0,
+        recurrent_dropout=0.0,
+        seed=None,
+        return_sequences=False,
+        return_state=False,
+        go_backwards=False,
+        stateful=False,
+        unroll=False,
+        zero_output_for_mask=False,
+        use_cudnn="auto",
+        **kwargs,
+    ):
+        layer = type(self).__name__
+        activity_regularizer = C.keras_object(keras.regularizers.get, activity_regularizer, "activity_regularizer")
+        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
+        self.units = C.positive_int(units, "units")
+        self.activation = _fixed_activation(activation, "activation", _TANH, "tanh", layer)
+        self.recurrent_activation = _fixed_activation(
+            recurrent_activation, "recurrent_activation", _SIGMOID, "sigmoid", layer
+        )
+        if recurrent_dropout != 0:
+            raise ValueError(
+                f"{layer} does not support recurrent dropout (no fused kernel applies a mask to "
+                f"the recurrent state); use keras.layers.{layer[5:]}. Received: recurrent_dropout={recurrent_dropout!r}"
+            )
+        if unroll:
+            raise ValueError(
+                f"{layer} chooses its own loop (it unrolls static lengths up to {_rnn.MAX_UNROLL} on CPU); "
+                f"`unroll=True` is not supported. Received: unroll={unroll!r}"
+            )
+        if use_cudnn not in ("auto", True, False):
+            raise ValueError(f"`use_cudnn` must be 'auto', True or False. Received: use_cudnn={use_cudnn!r}")
+        self.use_bias = C.boolean(use_bias, "use_bias")
+        self.kernel_initializer = C.keras_object(keras.initializers.get, kernel_initializer, "kernel_initializer")
+        self.recurrent_initializer = C.keras_object(
+            keras.initializers.get, recurrent_initializer, "recurrent_initializer"
+        )
+        self.bias_initializer = C.keras_object(keras.initializers.get, bias_initializer, "bias_initializer")
+        self.kernel_regularizer = C.keras_object(keras.regularizers.get, kernel_regularizer, "kernel_regularizer")
+        self.recurrent_regularizer = C.keras_object(
+            keras.regularizers.get, recurrent_regularizer, "recurrent_regularizer"
+        )
+        self.bias_regularizer = C.keras_object(keras.regularizers.get, bias_regularizer, "bias_regularizer")
+        self.kernel_constraint = C.keras_object(keras.constraints.get, kernel_constraint, "kernel_constraint")
+        self.recurrent_constraint = C.keras_object(
+            keras.constraints.get, recurrent_constraint, "recurrent_constraint"
+        )
+        self.bias_constraint = C.keras_object(keras.constraints.get, bias_constraint, "bias_constraint")
+        self.dropout = _rate(dropout, "dropout")
+        self.recurrent_dropout = 0.0
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"`seed` must be an integer or None. Received: seed={seed!r}")
+        self.seed = seed
+        self.seed_generator = keras.random.SeedGenerator(seed=seed)
+        self.return_sequences = C.boolean(return_sequences, "return_sequences")
+        self.return_state = C.boolean(return_state, "return_state")
+        self.go_backwards = C.boolean(go_backwards, "go_backwards")
+        self.stateful = C.boolean(stateful, "stateful")
+        self.unroll = False
+        self.zero_output_for_mask = C.boolean(zero_output_for_mask, "zero_output_for_mask")
+        self.use_cudnn = use_cudnn
+        self.supports_masking = True
+        self.input_spec = keras.layers.InputSpec(ndim=3)
+        self.states = None
+        if _rnn.implementation(devices.backend()) == "cudnn" and use_cudnn:
+            self.supports_jit = False  # CudnnRNNV3 has no XLA kernel
+
+    # ------------------------------------------------------------------ weights
+
+    def _bias_initializer(self):
+        return self.bias_initializer
+
+    def _bias_shape(self):
+        return (self._gates * self.units,)
+
+    def build(self, sequences_shape, initial_state_shape=None):
+        if len(sequences_shape) != 3 or sequences_shape[-1] is None:
+            raise ValueError(
+                f"{type(self).__name__} expects (batch, timesteps, features) inputs with known features. "
+                f"Received: input_shape={tuple(sequences_shape)}"
+            )
+        in_dim = int(sequences_shape[-1])
+        self.input_spec = keras.layers.InputSpec(ndim=3, axes={-1: in_dim})
+        width = self._gates * self.units
+        self.kernel = self.add_weight(
+            name="kernel", shape=(in_dim, width), initializer=self.kernel_initializer,
+            regularizer=self.kernel_regularizer, constraint=self.kernel_constraint,
+        )
+        self.recurrent_kernel = self.add_weight(
+            name="recurrent_kernel", shape=(self.units, width), initializer=self.recurrent_initializer,
+            regularizer=self.recurrent_regularizer, constraint=self.recurrent_constraint,
+        )
+        self.bias = None
+        if self.use_bias:
+            self.bias = self.add_weight(
+                name="bias", shape=self._bias_shape(), initializer=self._bias_initializer(),
+                regularizer=self.bias_regularizer, constraint=self.bias_constraint,
+            )
+        if self.stateful:
+            if sequences_shape[0] is None:
+                raise ValueError(
+                    "`stateful=True` needs a static batch size (pass `batch_shape` to keras.Input). "
+                    f"Received: input_shape={tuple(sequences_shape)}"
+                )
+            self._create_state_variables(int(sequences_shape[0]))
+
+    def _create_state_variables(self, batch):
+        # Plain tf.Variables: not Keras weights (Keras' own RNN states are untracked too).
+        self.states = [
+            tf.Variable(tf.zeros((batch, self.units), self.variable_dtype), trainable=False, name=f"rnn_state_{n}")
+            for n in self._state_names
+        ]
+
+    def reset_state(self):
+        """Zeros the states of a stateful layer."""
+        if self.states is not None:
+            for v in self.states:
+                v.assign(tf.zeros_like(v))
+
+    def reset_states(self):
+        """Alias of `reset_state` (the Keras 2 name)."""
+        self.reset_state()
+
+    # ------------------------------------------------------------------ call
+
+    def _initial_states(self, x, initial_state):
+        n = len(self._state_names)
+        dtype = self.compute_dtype
+        if initial_state is None:
+            if self.stateful:
+                return [tf.cast(v, dtype) for v in self.states]
+            zeros = tf.zeros(tf.stack([tf.shape(x)[0], self.units]), dtype)
+            return [zeros] * n
+        states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [initial_state]
+        states = [tf.cast(s, dtype) for s in states]
+        batch = x.shape[0]
+        shapes = [tuple(s.shape) for s in states]
+        if len(states) != n or any(
+            len(s) != 2 or s[-1] != self.units or (batch is not None and s[0] is not None and s[0] != batch)
+            for s in shapes
+        ):
+            raise ValueError(
+                f"{type(self).__name__} expects `initial_state` to be {n} tensor(s) "
+                f"[{', '.join(self._state_names)}], each of shape (batch, {self.units}) with the "
+                f"batch of the inputs {tuple(x.shape)}. Received: initial_state shapes={shapes}"
+            )
+        return states
+
+    def _weights_in(self, dtype):
+        bias = None if self.bias is None else tf.cast(self.bias, dtype)
+        return tf.cast(self.kernel, dtype), tf.cast(self.recurrent_kernel, dtype), bias
+
+    def call(self, sequences, initial_state=None, mask=None, training=None):
+        x = tf.cast(sequences, self.compute_dtype)
+        if isinstance(mask, (list, tuple)):
+            mask = mask[0]
+        if mask is not None:
+            mask = tf.cast(mask, tf.bool)
+        states = self._initial_states(x, initial_state)
+        if training and self.dropout > 0:
+            # One mask per sequence, the same for every timestep (as Keras' LSTM/GRU).
+            keep = keras.random.dropout(tf.ones_like(x[:, 0, :]), self.dropout, seed=self.seed_generator)
+            x = x * keep[:, None, :]
+        backend = devices.backend()
+        if self.use_cudnn is True and _rnn.implementation(backend) != "cudnn":
+            raise ValueError(
+                f"`use_cudnn=True` needs a Metal or CUDA GPU; this backend is {backend!r}. "
+                f"Received: use_cudnn={self.use_cudnn!r}"
+            )
+        output, new_states = self._run(
+            x, states, mask, backend=backend, use_cudnn=bool(self.use_cudnn),
+        )
+        if self.stateful:
+            for v, s in zip(self.states, new_states):
+                v.assign(tf.cast(s, v.dtype))
+        if self.return_state:
+            return (output, *new_states)
+        return output
+
+    def compute_output_shape(self, sequences_shape, initial_state_shape=None):
+        batch, steps = sequences_shape[0], sequences_shape[1]
+        out = (batch, steps, self.units) if self.return_sequences else (batch, self.units)
+        if self.return_state:
+            return (out,) + tuple((batch, self.units) for _ in self._state_names)
+        return out
+
+    def compute_mask(self, inputs, mask=None):
+        if isinstance(mask, (list, tuple)):
+            mask = mask[0]
+        out_mask = mask if self.return_sequences else None
+        if self.return_state:
+            return [out_mask] + [None] * len(self._state_names)
+        return out_mask
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "units": self.units,
+                "activation": self.activation,
+                "recurrent_activation": self.recurrent_activation,
+                "use_bias": self.use_bias,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "recurrent_initializer": keras.initializers.serialize(self.recurrent_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+                "recurrent_regularizer": keras.regularizers.serialize(self.recurrent_regularizer),
+                "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
+                "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
+                "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
+                "recurrent_constraint": keras.constraints.serialize(self.recurrent_constraint),
+                "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                "dropout": self.dropout,
+                "recurrent_dropout": self.recurrent_dropout,
+                "seed": self.seed,
+                "return_sequences": self.return_sequences,
+                "return_state": self.return_state,
+                "go_backwards": self.go_backwards,
+                "stateful": self.stateful,
+                "unroll": self.unroll,
+                "zero_output_for_mask": self.zero_output_for_mask,
+                "use_cudnn": self.use_cudnn,
+            }
+        )
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext")
+class FusedLSTM(_FusedRNN):
+    """Long Short-Term Memory layer; a drop-in for the common `keras.layers.LSTM`.
+
+    Same math, arguments, weights (``kernel`` ``(in, 4*units)``,
+    ``recurrent_kernel`` ``(units, 4*units)``, ``bias`` ``(4*units,)``, gates
+    i, f, c, o) and outputs as ``keras.layers.LSTM`` with tanh / sigmoid and no
+    recurrent dropout. Masks (``mask=`` or Keras masking) and ``dropout`` on the
+    inputs (one mask per sequence, as Keras) are supported; mixed precision
+    computes in the policy's compute dtype with float32 weights.
+
+    What it becomes:
+
+    | backend | op |
+    |---|---|
+    | Metal (tensorflow-metal) | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16) |
+    | CUDA | `CudnnRNNV3` + `CudnnRNNBackpropV3` (cuDNN) |
+    | CPU | `_FusedMatMul[BiasAdd]` for all inputs, then per step MatMul + gate ops forward and `LSTMBlockCellGrad` + MatMul backward (float32/float16; a composite in bfloat16), dU as one MatMul; no fused RNN kernel exists on CPU |
+
+    Args:
+        units: size of the output and the states, a positive int.
+        activation: only ``"tanh"``.
+        recurrent_activation: only ``"sigmoid"``.
+        use_bias: whether the layer has a bias.
+        kernel_initializer, recurrent_initializer, bias_initializer: initializers.
+        unit_forget_bias: initialize the forget gate's bias to one (as Keras).
+        kernel_regularizer, recurrent_regularizer, bias_regularizer,
+        activity_regularizer: regularizers.
+        kernel_constraint, recurrent_constraint, bias_constraint: constraints.
+        dropout: fraction of input features dropped in training, in [0, 1).
+        recurrent_dropout: only 0.
+        seed: seed of the dropout mask.
+        return_sequences: return the whole output sequence, else the last output.
+        return_state: also return the final states h and c.
+        go_backwards: process the sequence backwards (and return it reversed).
+        stateful: carry the final states of one batch into the next (static batch size).
+        unroll: only False; the layer picks its loop.
+        zero_output_for_mask: output zeros at masked steps instead of the previous output.
+        use_cudnn: ``"auto"``; False forces the loop on a GPU; True requires Metal or CUDA.
+        **kwargs: base layer arguments (`name`, `dtype`, `trainable`).
+
+    Input shape:
+        ``(batch, timesteps, features)``; call arguments ``initial_state``
+        (``[h, c]``, each ``(batch, units)``), ``mask`` ``(batch, timesteps)``
+        and ``training``.
+
+    Output shape:
+        ``(batch, timesteps, units)`` with `return_sequences`, else
+        ``(batch, units)``; with `return_state` followed by h and c.
+
+    Raises:
+        ValueError: on an unsupported or invalid argument (the message ends
+            with ``Received: name=value``), an input that is not 3-D, or
+            initial states of the wrong number or shape.
+
+    Example:
+
+    >>> layer = FusedLSTM(8, return_sequences=True)
+    >>> layer(np.zeros((2, 5, 3), "float32")).shape
+    TensorShape([2, 5, 8])
+    """
+
+    _gates = 4
+    _state_names = ("h", "c")
+
+    def __init__(
+        self,
+        units,
+        activation="tanh",
+        recurrent_activation="sigmoid",
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        recurrent_initializer="orthogonal",
+        bias_initializer="zeros",
+        unit_forget_bias=True,
+        **kwargs,
+    ):
+        # Positional order as keras.layers.LSTM's; the rest as in `_FusedRNN`.
+        super().__init__(
+            units, activation=activation, recurrent_activation=recurrent_activation, use_bias=use_bias,
+            kernel_initializer=kernel_initializer, recurrent_initializer=recurrent_initializer,
+            bias_initializer=bias_initializer, **kwargs,
+        )
+        self.unit_forget_bias = C.boolean(unit_forget_bias, "unit_forget_bias")
+
+    def _bias_initializer(self):
+        if self.unit_forget_bias:
+            return _UnitForgetBias(self.bias_initializer, self.units)
+        return self.bias_initializer
+
+    def _run(self, x, states, mask, backend, use_cudnn):
+        kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
+        return _rnn.lstm(
+            x, states[0], states[1], kernel, recurrent_kernel, bias, mask=mask,
+            go_backwards=self.go_backwards, return_sequences=self.return_sequences,
+            zero_output_for_mask=self.zero_output_for_mask, backend=backend, use_cudnn=use_cudnn,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config["unit_forget_bias"] = self.unit_forget_bias
+        return config
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext")
+class FusedGRU(_FusedRNN):
+    """Gated Recurrent Unit layer; a drop-in for the common `keras.layers.GRU`.
+
+    Same math, arguments, weights (``kernel`` ``(in, 3*units)``,
+    ``recurrent_kernel`` ``(units, 3*units)``, ``bias`` ``(2, 3*units)``: input
+    and recurrent biases, gates z, r, h) and outputs as ``keras.layers.GRU`` with
+    ``reset_after=True`` (Keras' default and the form cuDNN computes), tanh /
+    sigmoid and no recurrent dropout. ``reset_after=False`` is rejected: no
+    fused kernel computes it. Masks, input dropout and mixed precision as
+    `FusedLSTM`.
+
+    What it becomes:
+
+    | backend | op |
+    |---|---|
+    | Metal (tensorflow-metal) | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16); weights packed in Keras' gate order, as Keras packs them there |
+    | CUDA | `CudnnRNNV3` + `CudnnRNNBackpropV3` (cuDNN; gates reordered to cuDNN's r, z, h) |
+    | CPU | `_FusedMatMul[BiasAdd]` for all inputs, then per step two MatMuls (z/r and h) + gate ops forward and a composite gradient backward, dU as two MatMuls; no fused RNN kernel exists on CPU |
+
+    Args:
+        units: size of the output and the state, a positive int.
+        activation: only ``"tanh"``.
+        recurrent_activation: only ``"sigmoid"``.
+        use_bias: whether the layer has biases.
+        kernel_initializer, recurrent_initializer, bias_initializer: initializers.
+        kernel_regularizer, recurrent_regularizer, bias_regularizer,
+        activity_regularizer: regularizers.
+        kernel_constraint, recurrent_constraint, bias_constraint: constraints.
+        dropout: fraction of input features dropped in training, in [0, 1).
+        recurrent_dropout: only 0.
+        seed: seed of the dropout mask.
+        return_sequences, return_state, go_backwards, stateful, unroll,
+        zero_output_for_mask, use_cudnn: as `FusedLSTM` (one state, h).
+        reset_after: only True.
+        **kwargs: base layer arguments (`name`, `dtype`, `trainable`).
+
+    Input shape:
+        ``(batch, timesteps, features)``; call arguments ``initial_state``
+        (h, ``(batch, units)``), ``mask`` ``(batch, timesteps)`` and ``training``.
+
+    Output shape:
+        ``(batch, timesteps, units)`` with `return_sequences`, else
+        ``(batch, units)``; with `return_state` followed by h.
+
+    Raises:
+        ValueError: as `FusedLSTM`, and for ``reset_after=False``.
+
+    Example:
+
+    >>> layer = FusedGRU(8)
+    >>> layer(np.zeros((2, 5, 3), "float32")).shape
+    TensorShape([2, 8])
+    """
+
+    _gates = 3
+    _state_names = ("h",)
+
+    def __init__(self, units, *args, reset_after=True, **kwargs):
+        if reset_after is not True:
+            raise ValueError(
+                "FusedGRU supports only `reset_after=True` (the GRU form cuDNN computes and Keras' "
+                f"default); use keras.layers.GRU for the other. Received: reset_after={reset_after!r}"
+            )
+        super().__init__(units, *args, **kwargs)
+        self.reset_after = True
+
+    def _bias_shape(self):
+        return (2, 3 * self.units)
+
+    def _run(self, x, states, mask, backend, use_cudnn):
+        kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
+        return _rnn.gru(
+            x, states[0], kernel, recurrent_kernel, bias, mask=mask,
+            go_backwards=self.go_backwards, return_sequences=self.return_sequences,
+            zero_output_for_mask=self.zero_output_for_mask, backend=backend, use_cudnn=use_cudnn,
+        )
+
+    def get_config(self):
+        config = super().get_config()
+        config["reset_after"] = True
+        return config
+
+
+# ----------------------------------------------------------------------------
+# Inspection rules.
+
+REASON_CPU_RNN = (
+    "no fused RNN kernel on CPU (CudnnRNNV3 is GPU-only): {name} runs its input projection as one "
+    "MatMul + BiasAdd and a custom-gradient loop"
+)
+
+
+def _fused_rnn_rule(layer, ctx):
+    """CudnnRNNV3 on Metal/CUDA; on CPU only the hoisted input projection can fuse (`_FusedMatMul[BiasAdd]`)."""
+    name = type(layer).__name__
+    if ctx.xla:
+        return Expectation("cudnn_rnn", None, None, None, reason=catalog.REASON_XLA)
+    if _rnn.implementation(ctx.backend) == "cudnn" and layer.use_cudnn is not False:
+        return Expectation("cudnn_rnn", "CudnnRNNV3", (), ())
+    if ctx.backend == "cpu":
+        reason = REASON_CPU_RNN.format(name=name)
+    elif layer.use_cudnn is False:
+        reason = "use_cudnn=False: the generic loop runs"
+    else:
+        reason = f"{ctx.backend} without a CUDA build: the generic loop runs"
+    blocked = catalog._dtype_block(ctx, layer.compute_dtype, ("float32", "bfloat16") if ctx.onednn else ("float32",))
+    if not layer.use_bias or blocked or ctx.backend != "cpu":
+        why = "use_bias=False" if not layer.use_bias else blocked
+        return Expectation("cudnn_rnn", None, None, (), reason=reason + (f"; {why}" if why else ""), ideal_op="CudnnRNNV3")
+    return Expectation("cudnn_rnn", "_FusedMatMul", ("BiasAdd",), (), reason=reason, ideal_op="CudnnRNNV3")
+
+
+catalog.register_rule(FusedLSTM, _fused_rnn_rule)
+catalog.register_rule(FusedGRU, _fused_rnn_rule)
