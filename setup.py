@@ -22,7 +22,16 @@ setup(
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",
-    packages=find_packages(include=["tfmetal_ext", "tfmetal_ext.*"]),
+    # The custom-op sources ship inside the package (as tfmetal_ext._custom_ops)
+    # so a wheel can build the op library on first use.
+    packages=find_packages(include=["tfmetal_ext", "tfmetal_ext.*"]) + ["tfmetal_ext._custom_ops"],
+    package_dir={"tfmetal_ext._custom_ops": "custom_ops"},
+    package_data={
+        "tfmetal_ext._custom_ops": [
+            "include/tfmetal/*.h", "ops/*.cc", "cpu/*.cc", "cpu/*.h",
+            "metal/*.h", "metal/*.metal", "metal/*.mm", "metal/*.py", "emu/*.h", "emu/*.cc", "emu/*.py",
+        ]
+    },
     install_requires=[
         "tensorflow>=2.16",
         "keras>=3.5",

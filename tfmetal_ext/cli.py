@@ -1,4 +1,4 @@
-"""The `tfmetal-ext` command line: `report` and `version`."""
+"""The `tfmetal-ext` command line: `report`, `build-ops` and `version`."""
 
 from __future__ import annotations
 
@@ -50,6 +50,19 @@ def _cmd_report(args):
     return 0
 
 
+def _cmd_build_ops(args):
+    from tfmetal_ext.ops import _loader
+
+    try:
+        p = _loader.build(force=args.force)
+    except (_loader.BuildError, FileNotFoundError) as e:
+        print(f"tfmetal-ext build-ops: {e}", file=sys.stderr)
+        return 1
+    metal = "with Metal kernels" if p.with_metal else "CPU kernels only (Metal kernels build on macOS arm64)"
+    print(f"{p.library}\nbuilt for TensorFlow {p.tf_version}, {metal}")
+    return 0
+
+
 def _positive_int(text):
     value = int(text)
     if value < 1:
@@ -73,6 +86,9 @@ def build_parser():
     p.add_argument("--loss", default="mse", help="loss when the file holds no compile config")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_report)
+    p = sub.add_parser("build-ops", help="build (or find in the cache) the custom-op library for this TensorFlow")
+    p.add_argument("--force", action="store_true", help="rebuild even if a valid cached build exists")
+    p.set_defaults(func=_cmd_build_ops)
     return parser
 
 

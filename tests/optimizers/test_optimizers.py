@@ -490,3 +490,241 @@ def test_mirrored_strategy_two_cpus():
     result = subprocess.run([sys.executable, "-c", _MIRRORED], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
     assert "MIRRORED OK" in result.stdout, result.stderr[-4000:]
+
+
+# ----------------------------------------------------------------------------
+# multi_tensor=True: one TfmetalExt>MultiTensorAdam per dtype group, bitwise
+# identical to the per-variable ops (same scalars, same operation order).
+
+
+def assert_bitwise_equal(got, want):
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def assert_same_as_per_variable(make, steps=50, model_fn=conv_net, **kw):
+    want = train(make(False), steps=steps, model_fn=model_fn, **kw)
+    got = train(make(True), steps=steps, model_fn=model_fn, **kw)
+    inner = getattr(got.optimizer, "inner_optimizer", got.optimizer)  # LossScaleOptimizer under mixed_float16
+    assert inner.multi_tensor and not getattr(want.optimizer, "inner_optimizer", want.optimizer).multi_tensor
+    assert int(got.optimizer.iterations.numpy()) == int(want.optimizer.iterations.numpy()) > 0
+    assert_bitwise_equal(got.get_weights(), want.get_weights())
+    assert_bitwise_equal([v.numpy() for v in got.optimizer.variables], [v.numpy() for v in want.optimizer.variables])
+    assert max_relative_diff(got.get_weights(), model_fn().get_weights()) > 1e-3  # it trained
+    return got
+
+
+MULTI_TENSOR_CASES = {
+    "adam": lambda mt: FusedAdam(multi_tensor=mt),
+    "adam_amsgrad": lambda mt: FusedAdam(amsgrad=True, multi_tensor=mt),
+    "adam_decay": lambda mt: FusedAdam(0.002, beta_1=0.8, weight_decay=0.05, multi_tensor=mt),
+    "adamw": lambda mt: FusedAdamW(multi_tensor=mt),
+    "adamw_amsgrad": lambda mt: FusedAdamW(weight_decay=0.1, amsgrad=True, multi_tensor=mt),
+}
+
+
+@pytest.mark.parametrize("case", list(MULTI_TENSOR_CASES))
+def test_multi_tensor_bitwise_equal_to_per_variable_after_50_steps(case):
+    assert_same_as_per_variable(MULTI_TENSOR_CASES[case])
+
+
+@pytest.mark.parametrize("make, n_ops", [(lambda: FusedAdam(multi_tensor=True), 1),
+                                         (lambda: FusedAdamW(amsgrad=True, multi_tensor=True), 1)])
+def test_multi_tensor_train_step_is_one_op(make, n_ops):
+    report = inspect.fusion_report(conv_net(), mode="train", optimizer=make(), loss="mse")
+    counts = report.ops_by_type
+    assert counts.get("TfmetalExt>MultiTensorAdam") == n_ops, counts
+    assert not [op for op in counts if op.startswith("ResourceApply")], counts
+
+
+def named_variables_and_grads(names, dtype="float32"):
+    rng = np.random.default_rng(0)
+    variables = [keras.Variable(rng.standard_normal((16, 16)).astype(dtype), name=n) for n in names]
+    grads = [tf.constant(rng.standard_normal((16, 16)).astype(dtype)) for _ in names]
+    return variables, grads
+
+
+def test_multi_tensor_one_op_per_dtype_and_decay_group():
+    v32, g32 = variables_and_grads(3)
+    v16, g16 = variables_and_grads(3, "float16")
+    opt = FusedAdam(multi_tensor=True)
+    opt.build(v32 + v16)
+    counts = op_types(inspect.capture_function(lambda: opt.apply(g32 + g16, v32 + v16)))
+    assert counts["TfmetalExt>MultiTensorAdam"] == 2 and "ResourceApplyAdam" not in counts
+    assert counts.get("Pow", 0) <= 4
+
+    # AdamW: decayed and excluded variables are two groups; the decay runs
+    # inside the op (no ResourceApplyGradientDescent).
+    variables, grads = named_variables_and_grads(["kernel_a", "bias_a", "kernel_b", "bias_b"])
+    opt = FusedAdamW(0.01, weight_decay=0.2, multi_tensor=True)
+    opt.exclude_from_weight_decay(var_names=["bias"])
+    opt.build(variables)
+    counts = op_types(inspect.capture_function(lambda: opt.apply(grads, variables)))
+    assert counts["TfmetalExt>MultiTensorAdam"] == 2
+    assert not [op for op in counts if op.startswith("ResourceApply")], counts
+    # ... with the per-variable results.
+    results = []
+    for mt in (False, True):
+        variables, grads = named_variables_and_grads(["kernel_a", "bias_a", "kernel_b", "bias_b"])
+        opt = FusedAdamW(0.01, weight_decay=0.2, multi_tensor=mt)
+        opt.exclude_from_weight_decay(var_names=["bias"])
+        for _ in range(3):
+            opt.apply(grads, variables)
+        results.append([v.numpy() for v in variables])
+    assert_bitwise_equal(results[1], results[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"learning_rate": keras.optimizers.schedules.ExponentialDecay(0.01, 5, 0.7)},
+        {"clipnorm": 0.05},
+        {"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 7},
+        {"gradient_accumulation_steps": 3, "weight_decay": 0.05},
+        {"loss_scale_factor": 128.0},
+    ],
+    ids=["schedule", "clipnorm", "ema", "accumulation_decay", "loss_scale_factor"],
+)
+def test_multi_tensor_keras_features(kwargs):
+    assert_same_as_per_variable(lambda mt: FusedAdam(multi_tensor=mt, **kwargs), steps=30)
+
+
+def test_multi_tensor_mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    got = assert_same_as_per_variable(lambda mt: FusedAdam(multi_tensor=mt), steps=20)
+    assert isinstance(got.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_multi_tensor_float16_variables_eager():
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal((64,)).astype("float16")
+    grads = [rng.standard_normal((64,)).astype("float16") for _ in range(10)]
+    results = []
+    for mt in (False, True):
+        opt, var = FusedAdam(0.01, multi_tensor=mt), keras.Variable(w0, dtype="float16")
+        for g in grads:
+            opt.apply([tf.constant(g)], [var])
+        results.append(var.numpy())
+    assert_bitwise_equal(results[1], results[0])
+    assert np.abs(results[1].astype(np.float32) - w0).max() > 0.05
+
+
+def test_multi_tensor_sparse_gradients_are_densified():
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 50, (240, 5)).astype("int32")  # duplicate rows within batches
+    y = rng.standard_normal((240, 4)).astype("float32")
+    want = fit_embedding(FusedAdam(0.01), x, y)
+    got = fit_embedding(FusedAdam(0.01, multi_tensor=True), x, y)
+    assert_bitwise_equal(got, want)
+
+
+def test_multi_tensor_xla_step_falls_back_to_per_variable_ops(caplog):
+    with caplog.at_level("WARNING", logger="tfmetal_ext"):
+        assert_same_as_per_variable(lambda mt: FusedAdam(multi_tensor=mt), steps=10, jit_compile=True)
+    assert "XLA" in caplog.text and "one op per variable" in caplog.text
+
+
+def test_multi_tensor_reference_ops_match(monkeypatch):
+    # Without the op library (no compiler, or forced): the per-variable ops.
+    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1")
+    variables, grads = variables_and_grads(4)
+    opt = FusedAdam(multi_tensor=True)
+    opt.build(variables)
+    counts = op_types(inspect.capture_function(lambda: opt.apply(grads, variables)))
+    assert counts.get("ResourceApplyAdam") == 4 and "TfmetalExt>MultiTensorAdam" not in counts
+    assert_same_as_per_variable(lambda mt: FusedAdam(multi_tensor=mt), steps=10)
+
+
+def test_multi_tensor_save_load_resume_identically(tmp_path):
+    model = conv_net()
+    model.compile(optimizer=FusedAdamW(0.01, amsgrad=True, multi_tensor=True), loss="mse")
+    x, y = data(160)
+    model.fit(x[:80], y[:80], batch_size=8, shuffle=False, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is FusedAdamW and loaded.optimizer.multi_tensor is True
+    assert loaded.optimizer.get_config() == model.optimizer.get_config()
+    model.fit(x[80:], y[80:], batch_size=8, shuffle=False, verbose=0)
+    loaded.fit(x[80:], y[80:], batch_size=8, shuffle=False, verbose=0)
+    assert_bitwise_equal(loaded.get_weights(), model.get_weights())
+
+
+def test_multi_tensor_config_and_bad_argument():
+    opt = FusedAdam(multi_tensor=True)
+    assert opt.get_config()["multi_tensor"] is True
+    assert FusedAdam().get_config()["multi_tensor"] is False
+    clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert clone.multi_tensor is True
+    with pytest.raises(ValueError, match="Received: multi_tensor='yes'"):
+        FusedAdam(multi_tensor="yes")
+    with pytest.raises(ValueError, match="Received: multi_tensor=1"):
+        FusedAdamW(multi_tensor=1)
+
+
+_MIRRORED_MULTI_TENSOR = textwrap.dedent(
+    """
+    import logging, os
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import numpy as np, tensorflow as tf, keras
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    from tfmetal_ext import inspect
+    from tfmetal_ext.optimizers import FusedAdam, FusedAdamW
+    from tfmetal_ext.optimizers import adam as adam_module
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((320, 6)).astype("float32")
+    y = rng.standard_normal((320, 2)).astype("float32")
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+    def run(make_opt):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+            model.compile(optimizer=make_opt(), loss="mse")
+        model.fit(x, y, batch_size=16, shuffle=False, verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 20
+        for v in model.trainable_variables:  # both replicas hold the same values
+            parts = [t.numpy() for t in v.value.values]
+            np.testing.assert_array_equal(parts[0], parts[1])
+        return model.get_weights()
+
+    def same(a, b):
+        for u, w in zip(a, b):
+            np.testing.assert_array_equal(u, w)
+
+    for make in (lambda mt: FusedAdam(0.01, multi_tensor=mt),
+                 lambda mt: FusedAdamW(0.01, amsgrad=True, multi_tensor=mt)):
+        same(run(lambda: make(True)), run(lambda: make(False)))
+
+    # One op per replica, on that replica's device.
+    with strategy.scope():
+        variables = [tf.Variable(np.ones((4, 4), "float32")) for _ in range(5)]
+        opt = FusedAdam(0.1, multi_tensor=True)
+        opt.build(variables)
+    grads = [tf.ones((4, 4))] * 5
+    cap = inspect.capture_function(lambda: strategy.run(lambda: opt.apply(grads, variables)))
+    counts = inspect.report_from_capture(cap).ops_by_type
+    assert counts.get("TfmetalExt>MultiTensorAdam") == 2, counts
+    assert not [op for op in counts if op.startswith("ResourceApply")], counts
+
+    # A strategy without multi-tensor support: per-variable ops, one log line.
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("tfmetal_ext").addHandler(handler)
+    adam_module._MULTI_TENSOR_STRATEGIES = (tf.distribute.OneDeviceStrategy,)
+    same(run(lambda: FusedAdam(0.01, multi_tensor=True)), run(lambda: FusedAdam(0.01)))
+    messages = [r.getMessage() for r in records]
+    assert any("MirroredStrategy is not supported" in m for m in messages), messages
+    print("MIRRORED MULTI TENSOR OK")
+    """
+)
+
+
+def test_multi_tensor_mirrored_strategy_two_cpus():
+    result = subprocess.run([sys.executable, "-c", _MIRRORED_MULTI_TENSOR], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert "MIRRORED MULTI TENSOR OK" in result.stdout, result.stderr[-4000:]

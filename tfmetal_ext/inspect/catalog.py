@@ -137,8 +137,67 @@ PATTERNS = {
             "",
             {k: "not fused: no remapper pattern on any device" for k in ("cpu_onednn", "cpu", "cuda", "metal")},
         ),
+        Pattern(
+            "custom_layer_norm",
+            "layer norm over the last axis (FusedLayerNorm)",
+            "TfmetalExt>LayerNorm",
+            {
+                "cpu_onednn": "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
+                "cpu": "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
+                "cuda": "no CUDA kernel: the pure-TF reference runs (18 ops fwd+bwd)",
+                "metal": "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)",
+            },
+        ),
+        Pattern(
+            "custom_softshrink",
+            "softshrink activation (Softshrink layer; keras.ops.soft_shrink is several elementwise ops)",
+            "TfmetalExt>Softshrink",
+            {
+                "cpu_onednn": "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
+                "cpu": "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
+                "cuda": "no CUDA kernel: the op runs on the CPU (copies each way); use the reference there",
+                "metal": "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)",
+            },
+        ),
+        Pattern(
+            "multi_tensor_adam",
+            "Adam update of every variable of one dtype (FusedAdam(multi_tensor=True))",
+            "TfmetalExt>MultiTensorAdam",
+            {
+                "cpu_onednn": "one op per step and dtype group",
+                "cpu": "one op per step and dtype group",
+                "cuda": "no CUDA kernel: one ResourceApplyAdam per variable",
+                "metal": "Metal kernel where TF exports the resource-variable C API (TF 2.19 yes, 2.21 Linux wheel no); else one ResourceApplyAdam per variable",
+            },
+        ),
+        Pattern(
+            "cudnn_rnn",
+            "a whole LSTM/GRU recurrence (tanh/sigmoid, no recurrent dropout, GRU reset_after=True)",
+            "CudnnRNNV3",
+            {
+                "cpu_onednn": "no kernel (GPU-only op); FusedLSTM/FusedGRU hoist the input projection into one _FusedMatMul[BiasAdd]",
+                "cpu": "no kernel (GPU-only op); the input projection fuses as _FusedMatMul[BiasAdd] (float32)",
+                "cuda": "cuDNN: float32, float16, float64 (bfloat16 kernels registered, cuDNN support varies); masks must be right-padded (sequence_lengths)",
+                "metal": "tensorflow-metal kernel: float32, float16, bfloat16; emitted as Keras emits it (batch-major, sequence_lengths)",
+            },
+        ),
     ]
 }
+
+# Ops that are a whole fused layer by themselves (no remapper rewrite involved):
+# the fusion report lists them with the remapper's fused nodes. The TfmetalExt>
+# ops are this package's custom ops (tfmetal_ext.ops).
+FUSED_LAYER_OPS = frozenset(
+    {
+        "CudnnRNNV3",
+        "CudnnRNNBackpropV3",
+        "TfmetalExt>LayerNorm",
+        "TfmetalExt>LayerNormGrad",
+        "TfmetalExt>Softshrink",
+        "TfmetalExt>SoftshrinkGrad",
+        "TfmetalExt>MultiTensorAdam",
+    }
+)
 
 # Keras activation name -> the op name in `fused_ops`.
 ACTIVATION_OPS = {

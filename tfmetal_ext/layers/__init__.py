@@ -10,6 +10,8 @@ from tfmetal_ext.layers.dense import FusedDense
 from tfmetal_ext.layers.conv_bn import ConvBNAct
 from tfmetal_ext.layers.residual import FoldedResidualBlock, ResidualBlock
 from tfmetal_ext.layers.normalization import FusedBatchNorm, FusedLayerNorm
+from tfmetal_ext.layers.recurrent import FusedGRU, FusedLSTM
+from tfmetal_ext.layers.activations import Softshrink
 
 __all__ = [
     "ConvBNAct",
@@ -18,6 +20,9 @@ __all__ = [
     "FusedConv2D",
     "FusedDense",
     "FusedDepthwiseConv2D",
+    "FusedGRU",
     "FusedLayerNorm",
+    "FusedLSTM",
     "ResidualBlock",
+    "Softshrink",
 ]

@@ -16,11 +16,16 @@ class FusedAdamW(FusedAdam):
     ``ResourceApplyGradientDescent`` per decayed variable, ``lr * wd``
     computed once), then applies Adam (one ``ResourceApplyAdam``). Variables
     excluded with `exclude_from_weight_decay` are only updated by Adam.
+    With ``multi_tensor=True`` decay and Adam run inside one
+    ``TfmetalExt>MultiTensorAdam`` op per dtype and decay setting.
 
     Args:
         learning_rate: a float, a learning-rate schedule or a callable.
         weight_decay: the decoupled decay rate, a float >= 0.
         beta_1, beta_2, epsilon, amsgrad: as `FusedAdam`.
+        multi_tensor: as `FusedAdam`: one ``TfmetalExt>MultiTensorAdam`` op
+            per dtype (and per decayed/excluded set) does both the decay and
+            the Adam update.
         **kwargs: `keras.optimizers.Optimizer` arguments.
     """
 
@@ -32,6 +37,7 @@ class FusedAdamW(FusedAdam):
         beta_2=0.999,
         epsilon=1e-7,
         amsgrad=False,
+        multi_tensor=False,
         name="fused_adamw",
         **kwargs,
     ):
@@ -45,6 +51,7 @@ class FusedAdamW(FusedAdam):
             beta_2=beta_2,
             epsilon=epsilon,
             amsgrad=amsgrad,
+            multi_tensor=multi_tensor,
             weight_decay=float(weight_decay),
             name=name,
             **kwargs,

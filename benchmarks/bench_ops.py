@@ -1,0 +1,342 @@
+"""Custom ops (tfmetal_ext.ops) against stock Keras, forward+backward, one process.
+
+Sections (each a function returning rows; ``main`` runs them all, or those named
+with ``--sections``):
+
+- ``copy``: the machine's copy bandwidth, measured in the same run: numpy
+  ``np.copyto`` of a 256 MB float32 array into a preallocated one, on one thread
+  and split over all cores, and TF's ``DeepCopy`` op (a real copy on TF's thread
+  pool, into a freshly allocated output like any op's) of 64 MB. The best of
+  these is the reference bandwidth; GB/s count bytes read + bytes written.
+- ``layer_norm``: `FusedLayerNorm` (``TfmetalExt>LayerNorm`` + ``LayerNormGrad``)
+  vs `keras.layers.LayerNormalization`, one tf.function giving dx, dgamma and
+  dbeta; also the pure-TF reference the layer falls back to. Bytes moved by
+  ours: x read and y written forward, dy and x read and dx written backward
+  (5 tensors of x's size; the per-row statistics and parameters are small).
+- ``softshrink``: `tfmetal_ext.ops.softshrink` vs `keras.ops.soft_shrink` at 16M
+  float32 elements, forward+backward (bytes: x, y, dy, x, dx).
+- ``multi_tensor_adam``: `FusedAdam(multi_tensor=True)` (one ``TfmetalExt>MultiTensorAdam``
+  per step) vs `FusedAdam()` (one ``ResourceApplyAdam`` per variable) vs `keras.optimizers.Adam`,
+  one ``optimizer.apply`` step, at 100 variables of 64x64 and 40 of 512x512.
+
+Times are medians of per-round medians; rounds alternate stock and ours so both
+share the machine's noise. Ops: compute ops per step in the executed graph.
+
+    .venv/bin/python benchmarks/bench_ops.py [--repeats 15] [--rounds 3] [--sections copy,layer_norm,softshrink]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import median_time, write_results  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfmetal_ext import inspect, ops  # noqa: E402
+from tfmetal_ext.layers import FusedLayerNorm  # noqa: E402
+
+COLUMNS = (
+    "section", "case", "stock_ms", "ours_ms", "speedup", "reference_ms", "stock_ops", "ours_ops",
+    "ours_GBps", "copy_GBps", "of_copy_bandwidth",
+)
+MB = 1 << 20
+
+
+class Context:
+    """What the sections share: arguments, and the copy bandwidth once measured."""
+
+    def __init__(self, args):
+        self.repeats = args.repeats
+        self.rounds = args.rounds
+        self.copy_gbps = None
+
+    def alternate(self, *fns):
+        """Median of per-round medians for each fn, rounds alternating between them."""
+        times = [[] for _ in fns]
+        for _ in range(self.rounds):
+            for t, fn in zip(times, fns):
+                t.append(median_time(fn, repeats=self.repeats))
+        return [statistics.median(t) for t in times]
+
+
+def _gbps(nbytes, ms):
+    return nbytes / (ms * 1e-3) / 1e9
+
+
+def _num_ops(fn, *args):
+    return inspect.report_from_capture(inspect.capture_function(fn, *args)).num_ops
+
+
+def _bandwidth_columns(ctx, nbytes, ours_ms):
+    gbps = _gbps(nbytes, ours_ms)
+    row = {"ours_GBps": round(gbps, 1)}
+    if ctx.copy_gbps:
+        row.update(copy_GBps=round(ctx.copy_gbps, 1), of_copy_bandwidth=round(gbps / ctx.copy_gbps, 2))
+    return row
+
+
+# ----------------------------------------------------------------------------
+# Copy bandwidth.
+
+
+def bench_copy(ctx):
+    src = np.random.default_rng(0).random(64 * MB, dtype=np.float32)  # 256 MB
+    dst = np.empty_like(src)
+    nbytes = 2 * src.nbytes
+    threads = os.cpu_count() or 1
+    chunks = np.array_split(np.arange(src.size), threads)
+    bounds = [(int(c[0]), int(c[-1]) + 1) for c in chunks if len(c)]
+
+    def threaded_copy():
+        workers = [threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b])) for a, b in bounds]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+
+    tf_src = tf.constant(src[: 16 * MB])  # 64 MB
+    deep_copy = tf.function(lambda t: tf.raw_ops.DeepCopy(x=t), autograph=False)
+    one_ms, all_ms = ctx.alternate(lambda: np.copyto(dst, src), threaded_copy)
+    (tf_ms,) = ctx.alternate(lambda: deep_copy(tf_src))
+    measured = {
+        "np.copyto 256 MB, 1 thread": _gbps(nbytes, one_ms),
+        f"np.copyto 256 MB, {threads} threads": _gbps(nbytes, all_ms),
+        "tf DeepCopy 64 MB (fresh output)": _gbps(2 * tf_src.numpy().nbytes, tf_ms),
+    }
+    ctx.copy_gbps = max(measured.values())
+    ms = {"np.copyto 256 MB, 1 thread": one_ms, f"np.copyto 256 MB, {threads} threads": all_ms,
+          "tf DeepCopy 64 MB (fresh output)": tf_ms}
+    rows = [
+        {"section": "copy", "case": name, "ours_ms": round(ms[name], 2), "ours_GBps": round(gbps, 1)}
+        for name, gbps in measured.items()
+    ]
+    return rows, [f"copy bandwidth reference: the best copy above, {ctx.copy_gbps:.1f} GB/s (read + write)"]
+
+
+# ----------------------------------------------------------------------------
+# Layer norm.
+
+LAYER_NORM_CASES = [
+    ("float32", (4096, 1024)),
+    ("float32", (64, 128, 256)),
+    ("bfloat16", (4096, 1024)),
+    ("bfloat16", (64, 128, 256)),
+]
+
+
+def _layer_norm_step(layer):
+    @tf.function(autograph=False)
+    def step(x, dy):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        return tape.gradient(y, [x] + layer.trainable_variables, output_gradients=dy)
+
+    return step
+
+
+def _layer_norm_layers(dtype, shape):
+    policy = "float32" if dtype == "float32" else f"mixed_{dtype}"
+    rng = np.random.default_rng(0)
+    gamma = rng.uniform(0.5, 1.5, shape[-1]).astype("float32")
+    beta = rng.normal(size=shape[-1]).astype("float32")
+    layers = []
+    for cls in (keras.layers.LayerNormalization, FusedLayerNorm):
+        layer = cls(dtype=policy)
+        layer.build(shape)
+        layer.set_weights([gamma, beta])
+        layers.append(layer)
+    return layers
+
+
+def bench_layer_norm(ctx):
+    rows = []
+    for dtype, shape in LAYER_NORM_CASES:
+        stock_layer, ours_layer = _layer_norm_layers(dtype, shape)
+        rng = np.random.default_rng(1)
+        x = tf.constant(rng.normal(1.0, 2.0, shape), dtype)
+        dy = tf.constant(rng.normal(0.0, 1.0, shape), dtype)
+        stock, ours = _layer_norm_step(stock_layer), _layer_norm_step(ours_layer)
+        for got, want in zip(ours(x, dy), stock(x, dy)):  # same results before timing anything
+            want = tf.cast(want, tf.float32)
+            scale = float(tf.reduce_max(tf.abs(want)))
+            np.testing.assert_allclose(tf.cast(got, tf.float32), want, rtol=2e-2, atol=2e-2 * scale)
+        stock_ms, ours_ms = ctx.alternate(lambda: stock(x, dy), lambda: ours(x, dy))
+        os.environ["TFMETAL_EXT_REFERENCE_OPS"] = "1"  # the layer's fallback without the op library
+        try:
+            reference = _layer_norm_step(ours_layer)
+            reference(x, dy)
+            (reference_ms,) = ctx.alternate(lambda: reference(x, dy))
+        finally:
+            del os.environ["TFMETAL_EXT_REFERENCE_OPS"]
+        nbytes = 5 * x.shape.num_elements() * x.dtype.size
+        row = {
+            "section": "layer_norm",
+            "case": f"{dtype} {'x'.join(map(str, shape))}",
+            "stock_ms": round(stock_ms, 2),
+            "ours_ms": round(ours_ms, 2),
+            "speedup": round(stock_ms / ours_ms, 2),
+            "reference_ms": round(reference_ms, 2),
+            "stock_ops": _num_ops(stock, x, dy),
+            "ours_ops": _num_ops(ours, x, dy),
+        }
+        row.update(_bandwidth_columns(ctx, nbytes, ours_ms))
+        rows.append(row)
+        print(row, flush=True)
+    notes = [
+        "layer_norm: one step = forward + backward (dx, dgamma, dbeta); ours = FusedLayerNorm "
+        "(TfmetalExt>LayerNorm + TfmetalExt>LayerNormGrad); reference_ms = the same layer with "
+        "TFMETAL_EXT_REFERENCE_OPS=1 (its pure-TF fallback); bfloat16 = mixed_bfloat16 layers, bf16 x and dy.",
+        "layer_norm bytes moved by ours = 5 x size of x (x, y forward; dy, x, dx backward).",
+    ]
+    return rows, notes
+
+
+# ----------------------------------------------------------------------------
+# Softshrink.
+
+
+def bench_softshrink(ctx):
+    n = 16 * MB
+    rng = np.random.default_rng(2)
+    x = tf.constant(rng.normal(0.0, 1.0, n).astype("float32"))
+    dy = tf.constant(rng.normal(0.0, 1.0, n).astype("float32"))
+
+    def make(fn):
+        @tf.function(autograph=False)
+        def step(x, dy):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = fn(x)
+            return y, tape.gradient(y, x, output_gradients=dy)
+
+        return step
+
+    stock = make(lambda t: keras.ops.soft_shrink(t, 0.5))
+    ours = make(lambda t: ops.softshrink(t, 0.5))
+    for got, want in zip(ours(x, dy), stock(x, dy)):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+    stock_ms, ours_ms = ctx.alternate(lambda: stock(x, dy), lambda: ours(x, dy))
+    row = {
+        "section": "softshrink",
+        "case": "float32 16M",
+        "stock_ms": round(stock_ms, 2),
+        "ours_ms": round(ours_ms, 2),
+        "speedup": round(stock_ms / ours_ms, 2),
+        "stock_ops": _num_ops(stock, x, dy),
+        "ours_ops": _num_ops(ours, x, dy),
+    }
+    row.update(_bandwidth_columns(ctx, 5 * n * 4, ours_ms))
+    print(row, flush=True)
+    return [row], ["softshrink: one step = y and dx; bytes moved by ours = 5 x 64 MB (x, y; dy, x, dx)."]
+
+
+# ----------------------------------------------------------------------------
+# Multi-tensor Adam.
+
+MULTI_TENSOR_ADAM_CASES = [(100, (64, 64)), (40, (512, 512))]
+
+
+def _optimizer_step(make_opt, count, shape):
+    """``optimizer.apply`` on `count` float32 variables in a tf.function, fixed gradients."""
+    rng = np.random.default_rng(3)
+    variables = [keras.Variable(rng.standard_normal(shape).astype("float32")) for _ in range(count)]
+    grads = [tf.constant(rng.standard_normal(shape).astype("float32") * 1e-3) for _ in range(count)]
+    opt = make_opt()
+    opt.build(variables)
+
+    @tf.function
+    def step():
+        opt.apply(grads, variables)
+
+    step()
+    counts = inspect.report_from_capture(inspect.capture_function(lambda: opt.apply(grads, variables)))
+    return step, counts, variables
+
+
+def bench_multi_tensor_adam(ctx):
+    from tfmetal_ext.optimizers import FusedAdam
+
+    rows, notes = [], []
+    for count, shape in MULTI_TENSOR_ADAM_CASES:
+        size = f"{count} x {'x'.join(map(str, shape))} float32"
+        keras_step, keras_report, _ = _optimizer_step(keras.optimizers.Adam, count, shape)
+        per_var_step, per_var_report, per_var_vars = _optimizer_step(FusedAdam, count, shape)
+        multi_step, multi_report, multi_vars = _optimizer_step(lambda: FusedAdam(multi_tensor=True), count, shape)
+        # Same state after the same steps (one warm-up call each): bitwise.
+        for a, b in zip(multi_vars, per_var_vars):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        multi_ops = multi_report.ops_by_type.get("TfmetalExt>MultiTensorAdam", 0)
+        per_var_ops = per_var_report.ops_by_type.get("ResourceApplyAdam", 0)
+        assert multi_ops == 1 and per_var_ops == count, (multi_report.ops_by_type, per_var_report.ops_by_type)
+        keras_ms, per_var_ms, multi_ms = ctx.alternate(keras_step, per_var_step, multi_step)
+        for baseline, ms, report in (("FusedAdam (per-variable)", per_var_ms, per_var_report),
+                                     ("keras Adam", keras_ms, keras_report)):
+            row = {
+                "section": "multi_tensor_adam",
+                "case": f"{size}: multi_tensor vs {baseline}",
+                "stock_ms": round(ms, 3),
+                "ours_ms": round(multi_ms, 3),
+                "speedup": round(ms / multi_ms, 2),
+                "stock_ops": report.num_ops,
+                "ours_ops": multi_report.num_ops,
+            }
+            rows.append(row)
+            print(row, flush=True)
+        notes.append(
+            f"multi_tensor_adam {size}: per step 1 TfmetalExt>MultiTensorAdam (multi_tensor=True) vs "
+            f"{per_var_ops} ResourceApplyAdam (FusedAdam) vs {keras_report.num_ops} compute ops (keras Adam)."
+        )
+    notes.append(
+        "multi_tensor_adam: one step = optimizer.apply(grads, variables) in a tf.function with fixed gradients; "
+        "stock = the baseline named in the case; multi_tensor and per-variable FusedAdam results checked bitwise "
+        "equal."
+    )
+    return rows, notes
+
+
+# ----------------------------------------------------------------------------
+
+SECTIONS = {"copy": bench_copy, "layer_norm": bench_layer_norm, "softshrink": bench_softshrink,
+            "multi_tensor_adam": bench_multi_tensor_adam}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated, from: " + ", ".join(SECTIONS))
+    args = parser.parse_args(argv)
+    names = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown sections {unknown}; choose from {list(SECTIONS)}")
+    status = ops.status()
+    if not status.loaded:
+        raise SystemExit(f"the op library is not loaded: {status}")
+    ctx = Context(args)
+    start = time.monotonic()
+    rows, notes = [], [str(status)]
+    for name in names:
+        section_rows, section_notes = SECTIONS[name](ctx)
+        rows += section_rows
+        notes += section_notes
+    notes.append(
+        "speedup = stock_ms / ours_ms; of_copy_bandwidth = ours_GBps / copy_GBps; "
+        f"medians of {args.rounds} alternating rounds x {args.repeats} calls; total {time.monotonic() - start:.0f} s."
+    )
+    write_results("bench_ops", rows, list(COLUMNS), notes=notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,359 @@
+"""multi_tensor_adam: CPU kernel and pure-TF reference against numpy, bitwise against
+ResourceApplyAdam, argument and input errors, one op per call.
+
+The numpy reference repeats TF's ResourceApplyAdam operation by operation, each
+result rounded to the variable's dtype (via float32, as Eigen computes half and
+bfloat16 ops in float and rounds), so the op must match it bit for bit; a float64
+textbook Adam checks that this is Adam at all.
+"""
+
+import importlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+from tfmetal_ext import inspect, ops
+
+mta_module = importlib.import_module("tfmetal_ext.ops.multi_tensor_adam")
+
+DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
+NP_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+HYPER = dict(lr=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7)
+# Odd sizes, an empty variable, a scalar, and one larger than a thread-pool block.
+SHAPES = [(1,), (31,), (33,), (1000,), (0,), (), (7, 3, 5), (64, 64), (70001,)]
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def impl(request, monkeypatch):
+    """Runs a test with the compiled kernel and with the pure-TF reference."""
+    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
+    if request.param == "kernel":
+        assert ops.status().loaded, ops.status()
+    return request.param
+
+
+def lib():
+    library = ops._loader.load()
+    assert library is not None, ops.status()
+    return library
+
+
+# ----------------------------------------------------------------------------
+# numpy references
+
+
+def rounder(dtype):
+    """float64 array -> the nearest value of `dtype` (through float32, like Eigen) -> float64."""
+    target = NP_DTYPES[dtype]
+    return lambda x: np.asarray(x, np.float64).astype(np.float32).astype(target).astype(np.float64)
+
+
+def np_adam_step(state, g, scalars, dtype, amsgrad=False, decay_rate=None):
+    """One step of ResourceApplyAdam(WithAmsgrad), operation by operation in `dtype`."""
+    r = rounder(dtype)
+    var, m, v, vhat = state
+    lr, b1, b2, eps, b1p, b2p = (float(r(s)) for s in scalars)
+    alpha = r(r(lr * r(np.sqrt(r(1.0 - b2p)))) / r(1.0 - b1p))
+    if decay_rate is not None:
+        var = r(var - r(var * float(r(decay_rate))))
+    m = r(m + r(r(g - m) * r(1.0 - b1)))
+    v = r(v + r(r(r(g * g) - v) * r(1.0 - b2)))
+    base = v
+    if amsgrad:
+        vhat = np.where(vhat < v, v, vhat)
+        base = vhat
+    var = r(var - r(r(m * alpha) / r(r(np.sqrt(base)) + eps)))
+    return var, m, v, vhat
+
+
+def textbook_adam(var, g, steps, lr=0.01, b1=0.9, b2=0.999, eps=1e-7):
+    """Adam in float64 as Kingma & Ba write it ("epsilon hat" form), constant gradient."""
+    m = v = np.zeros_like(var)
+    for t in range(1, steps + 1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        var = var - lr * np.sqrt(1 - b2**t) / (1 - b1**t) * m / (np.sqrt(v) + eps)
+    return var
+
+
+def random_state(shapes, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    r = rounder(dtype)
+    var = [r(rng.normal(0, 1, s)) for s in shapes]
+    m = [r(rng.normal(0, 0.1, s)) for s in shapes]
+    v = [r(rng.uniform(0, 0.1, s)) for s in shapes]
+    vhat = [r(x + rng.uniform(0, 0.05, x.shape)) for x in v]
+    grads = [r(rng.normal(0, 1, s)) for s in shapes]
+    return var, m, v, vhat, grads
+
+
+def tf_variables(arrays, dtype):
+    return [tf.Variable(tf.constant(a, DTYPES[dtype])) for a in arrays]
+
+
+def scalars_for(step, dtype):
+    eps = HYPER["epsilon"] if dtype == "float32" else 1e-4  # 1e-7 is subnormal in half
+    return [HYPER["lr"], HYPER["beta_1"], HYPER["beta_2"], eps, HYPER["beta_1"] ** step, HYPER["beta_2"] ** step]
+
+
+def as_f64(variable):
+    return tf.cast(variable, tf.float64).numpy()
+
+
+def run_op(variables, ms, vs, grads, scalars, dtype, vhats=None, decay_rate=None):
+    """multi_tensor_adam with the scalars as tensors of `dtype` (as the optimizer passes them)."""
+    s = [tf.constant(x, DTYPES[dtype]) for x in scalars]
+    rate = None if decay_rate is None else tf.constant(decay_rate, DTYPES[dtype])
+    return ops.multi_tensor_adam(variables, ms, vs, grads, *s, vhats=vhats, weight_decay_rate=rate)
+
+
+# ----------------------------------------------------------------------------
+# Values
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("amsgrad, decay", [(False, False), (True, False), (False, True), (True, True)])
+def test_matches_numpy_bitwise(impl, dtype, amsgrad, decay):
+    var, m, v, vhat, grads = random_state(SHAPES, dtype)
+    tvars, tms, tvs, tvhats = (tf_variables(x, dtype) for x in (var, m, v, vhat))
+    tgrads = [tf.constant(g, DTYPES[dtype]) for g in grads]
+    rate = 4e-5 if decay else None
+    want = [(a, b, c, d) for a, b, c, d in zip(var, m, v, vhat)]
+    for step in (1, 2, 3):
+        scalars = scalars_for(step, dtype)
+        run_op(tvars, tms, tvs, tgrads, scalars, dtype, vhats=tvhats if amsgrad else None, decay_rate=rate)
+        want = [np_adam_step(w, g, scalars, dtype, amsgrad, rate) for w, g in zip(want, grads)]
+    for i, shape in enumerate(SHAPES):
+        got = (tvars[i], tms[i], tvs[i], tvhats[i])
+        for k, name in enumerate(("var", "m", "v", "vhat")):
+            assert tuple(got[k].shape) == shape
+            np.testing.assert_array_equal(as_f64(got[k]), want[i][k], err_msg=f"{name}[{i}] shape={shape}")
+    # The variables moved, and stay unchanged where the op must not touch them.
+    assert np.abs(as_f64(tvars[3]) - var[3]).max() > 1e-3
+    if not amsgrad:
+        np.testing.assert_array_equal(as_f64(tvhats[3]), vhat[3])
+
+
+def test_is_adam(impl):
+    # Against float64 Adam from zero moments, 5 steps with a constant gradient.
+    # (float32 only: in bfloat16, beta_2=0.999 rounds to 1, and half/bfloat16
+    # results are pinned bitwise to TF's own kernel above instead.)
+    rng = np.random.default_rng(1)
+    w0 = rounder("float32")(rng.normal(0, 1, 500))
+    g = rounder("float32")(rng.normal(0, 1, 500))
+    tvar = tf.Variable(tf.constant(w0, tf.float32))
+    tm, tv = (tf.Variable(tf.zeros(500)) for _ in range(2))
+    for step in range(1, 6):
+        run_op([tvar], [tm], [tv], [tf.constant(g, tf.float32)], scalars_for(step, "float32"), "float32")
+    want = textbook_adam(w0, g, 5)
+    np.testing.assert_allclose(as_f64(tvar), want, rtol=1e-5, atol=1e-6)
+    assert np.abs(want - w0).min() > 0.04  # every element moved about 5 * lr
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("amsgrad, decay", [(False, False), (True, True)])
+def test_bitwise_equal_to_resource_apply_adam(dtype, amsgrad, decay):
+    # The kernel against TF's own per-variable ops (the pure-TF reference),
+    # with non-finite gradients in the mix, over 4 steps, N = 100.
+    shapes = [(n % 37 + 1, (n * 7) % 13) for n in range(100)]
+    var, m, v, vhat, grads = random_state(shapes, dtype, seed=2)
+    grads[5][0, :] = np.inf
+    grads[6][0, :] = np.nan
+    rate = 1e-3 if decay else None
+    results = []
+    for reference in ("0", "1"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("TFMETAL_EXT_REFERENCE_OPS", reference)
+            tvars, tms, tvs, tvhats = (tf_variables(x, dtype) for x in (var, m, v, vhat))
+            tgrads = [tf.constant(g, DTYPES[dtype]) for g in grads]
+            for step in range(1, 5):
+                run_op(tvars, tms, tvs, tgrads, scalars_for(step, dtype), dtype,
+                       vhats=tvhats if amsgrad else None, decay_rate=rate)
+            results.append([[x.numpy() for x in group] for group in (tvars, tms, tvs, tvhats)])
+    kernel, reference = results
+    bits = np.uint32 if dtype == "float32" else np.uint16
+    for k, name in enumerate(("var", "m", "v", "vhat")):
+        for i in range(len(shapes)):
+            a, b = kernel[k][i], reference[k][i]
+            nan = np.isnan(a.astype(np.float32))
+            # Same NaNs; every other value in the same bits. (The sign of a
+            # NaN is not specified: Eigen's bfloat16 packets make it positive.)
+            np.testing.assert_array_equal(nan, np.isnan(b.astype(np.float32)), err_msg=f"{name}[{i}] NaNs differ")
+            np.testing.assert_array_equal(a[~nan].view(bits), b[~nan].view(bits), err_msg=f"{name}[{i}] bits differ")
+    assert np.isnan(kernel[0][6][0]).all() and np.isnan(kernel[0][5][0]).all()  # inf - inf in m / sqrt(v)
+
+
+def test_large_input_uses_all_elements(impl):
+    # Variables that span thread-pool blocks, with empty ones between them.
+    shapes = [(100003,), (0,), (7,), (65537,), (0,), (1,)]
+    var, m, v, vhat, grads = random_state(shapes, "float32", seed=3)
+    tvars, tms, tvs = (tf_variables(x, "float32") for x in (var, m, v))
+    run_op(tvars, tms, tvs, [tf.constant(g, tf.float32) for g in grads], scalars_for(1, "float32"), "float32")
+    for i in range(len(shapes)):
+        want = np_adam_step((var[i], m[i], v[i], vhat[i]), grads[i], scalars_for(1, "float32"), "float32")
+        np.testing.assert_array_equal(as_f64(tvars[i]), want[0])
+
+
+def test_eager_and_tf_function_agree(impl):
+    var, m, v, vhat, grads = random_state([(5, 3), (17,)], "float32", seed=4)
+    outs = []
+    for mode in ("eager", "function"):
+        tvars, tms, tvs = (tf_variables(x, "float32") for x in (var, m, v))
+        tgrads = [tf.constant(g, tf.float32) for g in grads]
+
+        def step(tvars=tvars, tms=tms, tvs=tvs, tgrads=tgrads):
+            run_op(tvars, tms, tvs, tgrads, scalars_for(1, "float32"), "float32")
+
+        (tf.function(step) if mode == "function" else step)()
+        outs.append([x.numpy() for x in tvars + tms + tvs])
+    for a, b in zip(*outs):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keras_variables_and_indexed_slices(impl):
+    var = keras.Variable(np.ones((4, 2), "float32"))
+    m, v = keras.Variable(np.zeros((4, 2), "float32")), keras.Variable(np.zeros((4, 2), "float32"))
+    grad = tf.IndexedSlices(tf.ones((1, 2)), tf.constant([2]), tf.constant([4, 2]))
+    ops.multi_tensor_adam([var], [m], [v], [grad], 0.1, 0.9, 0.999, 1e-7, 0.9, 0.999)
+    got = var.numpy()
+    assert got[2, 0] == pytest.approx(0.9, abs=1e-5)
+    np.testing.assert_array_equal(got[[0, 1, 3]], 1.0)  # zero gradient rows: m = v = 0, no move
+
+
+def test_empty_variable_list_is_a_no_op(impl):
+    assert ops.multi_tensor_adam([], [], [], [], 0.1, 0.9, 0.999, 1e-7, 0.9, 0.999) is None
+
+
+def test_only_empty_variables(impl):
+    tvars, tms, tvs = ([tf.Variable(tf.zeros((0, 3)))] for _ in range(3))
+    run_op(tvars, tms, tvs, [tf.zeros((0, 3))], scalars_for(1, "float32"), "float32")
+    assert tvars[0].shape == (0, 3)
+
+
+def test_pending_read_keeps_its_value():
+    # Copy-on-write: a tensor read before the update is not changed by it.
+    var = tf.Variable(np.ones(8, "float32"))
+    m, v = tf.Variable(np.zeros(8, "float32")), tf.Variable(np.zeros(8, "float32"))
+    before = var.read_value()
+    ops.multi_tensor_adam([var], [m], [v], [tf.ones(8)], 0.1, 0.9, 0.999, 1e-7, 0.9, 0.999)
+    np.testing.assert_array_equal(before.numpy(), np.ones(8))
+    assert np.all(var.numpy() < 1.0)
+
+
+# ----------------------------------------------------------------------------
+# One op per call
+
+
+def test_kernel_is_one_op_for_all_variables():
+    var, m, v, _, grads = random_state([(16, 16)] * 10, "float32", seed=5)
+    tvars, tms, tvs = (tf_variables(x, "float32") for x in (var, m, v))
+    tgrads = [tf.constant(g, tf.float32) for g in grads]
+    cap = inspect.capture_function(lambda: [run_op(tvars, tms, tvs, tgrads, scalars_for(1, "float32"), "float32")][:0])
+    counts = inspect.report_from_capture(cap).ops_by_type
+    assert counts.get("TfmetalExt>MultiTensorAdam") == 1
+    assert "ResourceApplyAdam" not in counts
+
+
+def test_reference_is_one_training_op_per_variable(monkeypatch):
+    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1")
+    var, m, v, _, grads = random_state([(4,)] * 6, "float32", seed=6)
+    tvars, tms, tvs = (tf_variables(x, "float32") for x in (var, m, v))
+    tgrads = [tf.constant(g, tf.float32) for g in grads]
+    cap = inspect.capture_function(lambda: [run_op(tvars, tms, tvs, tgrads, scalars_for(1, "float32"), "float32")][:0])
+    counts = inspect.report_from_capture(cap).ops_by_type
+    assert counts.get("ResourceApplyAdam") == 6 and "TfmetalExt>MultiTensorAdam" not in counts
+
+
+def test_kernel_registered_for_cpu_only_here():
+    # Devices without a kernel (CUDA, Apple GPUs until the Metal kernel) use
+    # the per-variable reference instead of failing placement.
+    lib()
+    assert mta_module._has_kernel("/job:localhost/replica:0/task:0/device:CPU:0")
+    assert mta_module._has_kernel("")
+    assert not mta_module._has_kernel("/device:GPU:0")
+
+
+# ----------------------------------------------------------------------------
+# Errors
+
+
+def _one(dtype=tf.float32, shape=(3,)):
+    return tf.Variable(tf.zeros(shape, dtype))
+
+
+def _call(**overrides):
+    """multi_tensor_adam on one float32 variable of shape (3,), with arguments replaced."""
+    args = dict(variables=[_one()], ms=[_one()], vs=[_one()], grads=[tf.zeros(3)])
+    args.update(overrides)
+    return ops.multi_tensor_adam(**args, lr=0.1, beta_1=0.9, beta_2=0.999, epsilon=1e-7, beta_1_power=0.9,
+                                 beta_2_power=0.999)
+
+
+f16 = tf.float16
+BAD_ARGUMENTS = {
+    "lengths": (lambda: _call(ms=[_one(), _one()]),
+                r"Received: len\(variables\)=1, len\(ms\)=2, len\(vs\)=1, len\(grads\)=1"),
+    "vhats_length": (lambda: _call(vhats=[]), r"Received: .*len\(vhats\)=0"),
+    "mixed_dtypes": (lambda: _call(variables=[_one(), _one(f16)], ms=[_one(), _one(f16)], vs=[_one(), _one(f16)],
+                                   grads=[tf.zeros(3), tf.zeros(3, f16)]), r"Received: variables\[1\].dtype=float16"),
+    "slot_dtype": (lambda: _call(ms=[_one(f16)]), r"Received: ms\[0\].dtype=float16"),
+    "float64": (lambda: _call(variables=[_one(tf.float64)], ms=[_one(tf.float64)], vs=[_one(tf.float64)],
+                              grads=[tf.zeros(3, tf.float64)]), r"Received: variables\[0\].dtype=float64"),
+    "grad_dtype": (lambda: _call(grads=[tf.zeros(3, f16)]), r"Received: grads\[0\].dtype=float16"),
+    "grad_shape": (lambda: _call(grads=[tf.zeros(4)]),
+                   r"Received: grads\[0\].shape=\(4,\), variables\[0\].shape=\(3,\)"),
+    "slot_shape": (lambda: _call(ms=[_one(shape=(4,))]), r"Received: grads\[0\].shape=\(3,\), ms\[0\].shape=\(4,\)"),
+    "not_a_variable": (lambda: _call(variables=[tf.zeros(3)]), r"Received: variables\[0\]=<tf.Tensor"),
+    "not_a_list": (lambda: _call(variables=_one()), r"Received: variables=<tf.Variable"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
+def test_bad_arguments(impl, case):
+    call, message = BAD_ARGUMENTS[case]
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def _raw(variables, ms, vs, grads, vhats=(), scalars=None, decay=()):
+    s = scalars if scalars is not None else [tf.constant(x) for x in (0.1, 0.9, 0.999, 1e-7, 0.9, 0.999)]
+    handles = [[x.handle for x in group] for group in (variables, ms, vs, vhats)]
+    return lib().tfmetal_ext_multi_tensor_adam(*handles, grads, *s, list(decay))
+
+
+def test_kernel_rejects_bad_input_and_changes_nothing():
+    a, b = _one(), _one(shape=(2, 2))
+    ma, mb, va, vb = _one(), _one(shape=(2, 2)), _one(), _one(shape=(2, 2))
+    a.assign([1.0, 2.0, 3.0])
+    # Shape mismatch in the second variable: an error naming it, and the
+    # first variable is left unchanged (everything is checked first).
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"variable 1: .*same shape.*grad \[3\]"):
+        _raw([a, b], [ma, mb], [va, vb], [tf.ones(3), tf.ones(3)])
+    np.testing.assert_array_equal(a.numpy(), [1.0, 2.0, 3.0])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"variable 0: .*m \[2,2\]"):
+        _raw([a], [mb], [va], [tf.ones(3)])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"var\[0\] has dtype half but T is float"):
+        _raw([_one(tf.float16)], [ma], [va], [tf.ones(3)])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"same variable is passed as var\[0\] and m\[0\]"):
+        _raw([a], [a], [va], [tf.ones(3)])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"beta2_power is not a scalar"):
+        bad = [tf.constant(x) for x in (0.1, 0.9, 0.999, 1e-7, 0.9)] + [tf.ones(2)]
+        _raw([a], [ma], [va], [tf.ones(3)], scalars=bad)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"vhat must hold 0 \(Adam\) or N"):
+        _raw([a, b], [ma, mb], [va, vb], [tf.ones(3), tf.ones((2, 2))], vhats=[_one()])
+    np.testing.assert_array_equal(a.numpy(), [1.0, 2.0, 3.0])
+
+
+def test_shape_function_rejects_mismatch_when_tracing():
+    a, ma, va = _one(), _one(), _one()
+
+    @tf.function
+    def step(g):
+        _raw([a], [ma], [va], [g])
+
+    with pytest.raises(ValueError, match="variable 0: var, m, v and grad shapes differ"):
+        step.get_concrete_function(tf.TensorSpec([4]))
+    step.get_concrete_function(tf.TensorSpec([None]))  # unknown size: checked at run time

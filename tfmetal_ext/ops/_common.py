@@ -1,0 +1,64 @@
+"""Shared by the op wrappers: the reference switch, dtype and argument checks."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import tensorflow as tf
+
+from tfmetal_ext.ops import _loader
+
+FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
+
+
+def use_reference() -> bool:
+    """``TFMETAL_EXT_REFERENCE_OPS=1`` forces the pure-TF references everywhere."""
+    return os.environ.get("TFMETAL_EXT_REFERENCE_OPS", "0").strip().lower() in ("1", "true", "yes")
+
+
+@tf.autograph.experimental.do_not_convert  # first use may be inside a tf.function
+def library():
+    """The loaded op module, or None when the references must be used."""
+    if use_reference():
+        return None
+    return _loader.load()
+
+
+def check_float(name, tensor):
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"`{name}` must be float32, float16 or bfloat16. Received: {name}.dtype={tensor.dtype.name}"
+        )
+
+
+def check_nonnegative(name, value):
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Argument `{name}` must be a float >= 0. Received: {name}={value!r}") from None
+    if not (math.isfinite(v) and v >= 0.0):
+        raise ValueError(f"Argument `{name}` must be a finite float >= 0. Received: {name}={value!r}")
+    return v
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_for_visible_devices(op_name, device_type="GPU"):
+    """The op has a kernel for the device type ops land on by default.
+
+    Where a GPU is visible but the library has no GPU kernel for the op (a
+    CUDA machine, or a Mac build without Metal kernels), the op would run on
+    the CPU with a copy each way; the pure-TF reference stays on the GPU.
+    """
+    if not tf.config.list_logical_devices(device_type):
+        return True
+    from tensorflow.python.framework import kernels
+
+    registered = kernels.get_registered_kernels_for_op(op_name)
+    return any(k.device_type == device_type for k in registered.kernel)
+
+
+def uses_kernel(op_name) -> bool:
+    """`op_name` runs as the custom op here (else its pure-TF reference)."""
+    return library() is not None and kernel_for_visible_devices(op_name)

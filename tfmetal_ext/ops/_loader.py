@@ -1,0 +1,325 @@
+"""Build-on-first-use of the custom-op library.
+
+The op sources (``custom_ops/``: registrations, CPU kernels, and on macOS
+arm64 the Metal kernels) ship with the package. The first time an op is used,
+they are compiled into one shared library in a cache directory keyed by the
+TensorFlow version, the compile and link flags, the compiler and a hash of the
+sources, so a library is only ever loaded into the TensorFlow it was built for
+(a library built for TF 2.19 does not load into 2.21). A file lock makes
+concurrent processes build once; the build goes to a temporary name and is
+renamed into place, and a checksum written beside it lets a corrupted or
+truncated entry be detected and rebuilt.
+
+Cache root: ``$TFMETAL_EXT_CACHE`` if set, else ``~/.cache/tfmetal_ext``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+logger = logging.getLogger("tfmetal_ext")
+
+LIBRARY_NAME = "libtfmetal_ext_ops.so"
+# -fno-math-errno: sqrt in a kernel loop otherwise needs a libm call path to
+# set errno, which stops GCC from vectorizing the loop (clang's default on macOS).
+_BUILD_FLAGS = ("-std=c++17", "-shared", "-fPIC", "-O3", "-fno-math-errno", "-Wall", "-Wno-sign-compare",
+               "-Wno-unused-function", "-Wno-deprecated-declarations")
+
+
+class BuildError(RuntimeError):
+    """The op library failed to compile; the message holds the compiler's output."""
+
+
+def sources_dir() -> Path:
+    """The ``custom_ops`` directory: installed package data, else the source tree."""
+    spec = importlib.util.find_spec("tfmetal_ext._custom_ops")
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0])
+        if (path / "ops").is_dir():
+            return path
+    path = Path(__file__).resolve().parents[2] / "custom_ops"
+    if (path / "ops").is_dir():
+        return path
+    raise FileNotFoundError("tfmetal_ext: the custom op sources (custom_ops/) are missing from this installation")
+
+
+def cache_root() -> Path:
+    root = os.environ.get("TFMETAL_EXT_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "tfmetal_ext"
+
+
+def is_macos_arm() -> bool:
+    return sys.platform == "darwin" and platform.machine() == "arm64"
+
+
+def find_compiler() -> str | None:
+    """The C++ compiler: ``$CXX``, else clang++ on macOS, else c++ / g++ / clang++."""
+    env = os.environ.get("CXX")
+    if env:
+        return shutil.which(env.split()[0]) and env
+    order = ("clang++", "c++") if sys.platform == "darwin" else ("c++", "g++", "clang++")
+    for name in order:
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _source_files(src: Path) -> list[Path]:
+    files = sorted(src.glob("include/**/*.h")) + sorted(src.glob("ops/*.cc")) + sorted(src.glob("cpu/*.cc"))
+    files += sorted(src.glob("cpu/*.h"))
+    if is_macos_arm():
+        files += sorted(src.glob("metal/*.h")) + sorted(src.glob("metal/*.metal")) + sorted(src.glob("metal/*.mm"))
+        files += sorted(src.glob("metal/*.py"))  # embed.py shapes the embedded kernel sources
+    return files
+
+
+def _translation_units(src: Path) -> list[Path]:
+    units = sorted(src.glob("ops/*.cc")) + sorted(src.glob("cpu/*.cc"))
+    if is_macos_arm():
+        units += sorted(src.glob("metal/*.mm"))
+    return units
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildPlan:
+    """What would be built, and where."""
+
+    compiler: str
+    tf_version: str
+    compile_flags: tuple
+    link_flags: tuple
+    sources: tuple
+    units: tuple
+    key: str
+    directory: Path
+
+    @property
+    def library(self) -> Path:
+        return self.directory / LIBRARY_NAME
+
+    @property
+    def metadata(self) -> Path:
+        return self.directory / "build.json"
+
+    @property
+    def with_metal(self) -> bool:
+        return any(str(u).endswith(".mm") for u in self.units)
+
+
+def _compiler_identity(compiler: str) -> str:
+    try:
+        out = subprocess.run(shlex.split(compiler) + ["--version"], capture_output=True, text=True, timeout=30)
+        return out.stdout.splitlines()[0] if out.stdout else compiler
+    except (OSError, subprocess.SubprocessError):
+        return compiler
+
+
+def plan(compiler: str | None = None) -> BuildPlan:
+    import tensorflow as tf
+
+    compiler = compiler or find_compiler()
+    if compiler is None:
+        raise BuildError("no C++ compiler found (set CXX, or install g++ / clang++)")
+    src = sources_dir()
+    compile_flags = tuple(tf.sysconfig.get_compile_flags())
+    link_flags = tuple(tf.sysconfig.get_link_flags())
+    files = _source_files(src)
+    digest = hashlib.sha256()
+    for part in (tf.__version__, _compiler_identity(compiler), platform.machine(), sys.platform,
+                 " ".join(compile_flags), " ".join(link_flags), " ".join(_BUILD_FLAGS)):
+        digest.update(part.encode() + b"\0")
+    for f in files:
+        digest.update(str(f.relative_to(src)).encode() + b"\0" + f.read_bytes() + b"\0")
+    key = digest.hexdigest()[:20]
+    directory = cache_root() / "ops" / f"tf{tf.__version__}-{key}"
+    return BuildPlan(compiler, tf.__version__, compile_flags, link_flags, tuple(files),
+                     tuple(_translation_units(src)), key, directory)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def entry_is_valid(p: BuildPlan) -> bool:
+    """The cached library exists and matches the checksum recorded when it was built."""
+    try:
+        meta = json.loads(p.metadata.read_text())
+        return p.library.is_file() and meta.get("sha256") == _sha256(p.library)
+    except (OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _compile(p: BuildPlan) -> None:
+    src = sources_dir()
+    p.directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=p.directory) as tmp:
+        unity = Path(tmp) / "unity.cc"
+        # One translation unit: TF's headers dominate compile time, so
+        # compiling them once makes the build several times faster.
+        unity.write_text("".join(f'#include "{u}"\n' for u in p.units if u.suffix == ".cc"))
+        out = Path(tmp) / LIBRARY_NAME
+        cmd = shlex.split(p.compiler) + list(_BUILD_FLAGS) + list(p.compile_flags)
+        cmd += ["-I", str(src / "include"), "-I", str(src), str(unity)]
+        if p.with_metal:
+            # Each <op>_metal.mm includes <op>_metal_source.h: its .metal file
+            # with the includes inlined, as a string (Metal compiles kernels at
+            # run time from one source string).
+            embedded = Path(tmp) / "metal_sources"
+            embed = _embed_module(src)
+            try:
+                embed.write_embedded_sources(embedded, sorted(src.glob("metal/*.metal")))
+            except embed.FlattenError as e:
+                raise BuildError(f"embedding the Metal kernel sources failed: {e}") from e
+            cmd += ["-I", str(embedded)]
+            cmd += ["-x", "objective-c++", "-fobjc-arc"] + [str(u) for u in p.units if u.suffix == ".mm"]
+            cmd += ["-framework", "Foundation", "-framework", "Metal", "-undefined", "dynamic_lookup"]
+        cmd += ["-o", str(out)] + list(p.link_flags)
+        logger.warning("tfmetal_ext: building the custom-op library for TensorFlow %s (once; cached in %s)",
+                       p.tf_version, p.directory)
+        start = time.monotonic()
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise BuildError(
+                "building the tfmetal_ext custom-op library failed.\ncommand: "
+                + " ".join(shlex.quote(c) for c in cmd) + "\n" + (result.stderr or result.stdout)[-20000:]
+            )
+        final_tmp = p.directory / f".{LIBRARY_NAME}.{os.getpid()}"
+        shutil.copyfile(out, final_tmp)
+        os.replace(final_tmp, p.library)
+    meta = {
+        "tf_version": p.tf_version,
+        "compiler": _compiler_identity(p.compiler),
+        "key": p.key,
+        "metal_kernels": p.with_metal,
+        "sources": [str(s.relative_to(src)) for s in p.sources],
+        "seconds": round(time.monotonic() - start, 1),
+        "sha256": _sha256(p.library),
+    }
+    tmp_meta = p.directory / f".build.json.{os.getpid()}"
+    tmp_meta.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp_meta, p.metadata)
+    logger.warning("tfmetal_ext: built %s in %.1f s", p.library, meta["seconds"])
+
+
+def _embed_module(src: Path):
+    """custom_ops/metal/embed.py of the sources being built (standard library only)."""
+    name = "tfmetal_ext_ops_embed"
+    path = src / "metal" / "embed.py"
+    module = sys.modules.get(name)
+    if module is None or Path(module.__file__) != path:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def build(force: bool = False, compiler: str | None = None) -> BuildPlan:
+    """Builds the library unless a valid cached build exists; returns the plan."""
+    p = plan(compiler)
+    with _file_lock(p.directory.with_suffix(".lock")):
+        if force or not entry_is_valid(p):
+            if p.directory.exists():
+                for stale in (p.library, p.metadata):
+                    with contextlib.suppress(FileNotFoundError):
+                        stale.unlink()
+            _compile(p)
+    return p
+
+
+# ----------------------------------------------------------------------------
+# Loading, once per process.
+
+
+@dataclasses.dataclass
+class _State:
+    module: object = None
+    plan: BuildPlan | None = None
+    error: str | None = None
+    attempted: bool = False
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def load():
+    """The loaded op module, building it first if needed; None if unavailable.
+
+    Unavailable (no compiler, or the build failed) means the pure-TF
+    references are used, with one warning saying why.
+    """
+    if _state.attempted:
+        return _state.module
+    with _lock:
+        if _state.attempted:
+            return _state.module
+        try:
+            _state.module, _state.plan = _load_or_rebuild()
+        except (BuildError, FileNotFoundError, OSError) as e:
+            _state.error = str(e)
+            warnings.warn(
+                "tfmetal_ext: custom ops unavailable, using the pure-TF reference implementations "
+                f"(correct, slower). Reason: {e}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        _state.attempted = True
+    return _state.module
+
+
+def _load_or_rebuild():
+    import tensorflow as tf
+
+    p = build()
+    try:
+        return tf.load_op_library(str(p.library)), p
+    except (tf.errors.NotFoundError, OSError) as e:
+        # A library that passed the checksum but does not load (e.g. a
+        # different TF with the same version string): rebuild once.
+        logger.warning("tfmetal_ext: cached op library did not load (%s); rebuilding", e)
+        p = build(force=True)
+        return tf.load_op_library(str(p.library)), p
+
+
+def state() -> _State:
+    return _state
+
+
+def reset_for_tests() -> None:
+    """Forgets the loaded module (a loaded library stays mapped in the process)."""
+    with _lock:
+        _state.module, _state.plan, _state.error, _state.attempted = None, None, None, False

@@ -1,0 +1,73 @@
+"""Pure-TF references of the custom ops: same semantics, any device, slower.
+
+Used when ``TFMETAL_EXT_REFERENCE_OPS=1``, when no compiler is available, and
+by the tests as the second reference beside numpy.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def softshrink(x, lambd):
+    lambd = tf.cast(lambd, x.dtype)
+    zero = tf.zeros_like(x)
+    inner = tf.where(tf.math.is_nan(x), x, zero)  # NaN propagates
+    return tf.where(x > lambd, x - lambd, tf.where(x < -lambd, x + lambd, inner))
+
+
+def softshrink_grad(dy, x, lambd):
+    lambd = tf.cast(lambd, x.dtype)
+    outside = tf.logical_or(x > lambd, x < -lambd)
+    return tf.where(outside, dy, tf.where(tf.math.is_nan(x), x, tf.zeros_like(dy)))
+
+
+def _layer_norm_stats(xf, epsilon):
+    """Per-row float32 (x - mean) and 1 / sqrt(var + epsilon), two-pass."""
+    centered = xf - tf.reduce_mean(xf, axis=-1, keepdims=True)
+    rstd = tf.math.rsqrt(tf.reduce_mean(tf.square(centered), axis=-1, keepdims=True) + epsilon)
+    return centered, rstd
+
+
+def layer_norm(x, gamma, beta, epsilon):
+    """Layer norm over the last axis in float32; gamma and beta are float32 vectors."""
+    centered, rstd = _layer_norm_stats(tf.cast(x, tf.float32), epsilon)
+    return tf.cast(centered * rstd * gamma + beta, x.dtype)
+
+
+def layer_norm_grad(dy, x, gamma, epsilon):
+    """(dx, dgamma, dbeta) of `layer_norm`; dgamma and dbeta are float32."""
+    centered, rstd = _layer_norm_stats(tf.cast(x, tf.float32), epsilon)
+    xhat = centered * rstd
+    dy = tf.cast(dy, tf.float32)
+    g = dy * gamma
+    dx = rstd * (
+        g - tf.reduce_mean(g, axis=-1, keepdims=True) - xhat * tf.reduce_mean(g * xhat, axis=-1, keepdims=True)
+    )
+    rows = list(range(x.shape.rank - 1)) if x.shape.rank is not None else tf.range(tf.rank(x) - 1)
+    return tf.cast(dx, x.dtype), tf.reduce_sum(dy * xhat, rows), tf.reduce_sum(dy, rows)
+
+
+def multi_tensor_adam(var_handles, m_handles, v_handles, vhat_handles, grads, lr, beta1, beta2, epsilon,
+                      beta1_power, beta2_power, weight_decay_rate, dtype, name=None):
+    """One ``ResourceApplyAdam`` (``...WithAmsgrad`` with vhats) per variable,
+    after ``ResourceApplyGradientDescent(delta=var)`` when decaying: the
+    per-variable ops TfmetalExt>MultiTensorAdam reproduces bitwise."""
+    updates = []
+    with tf.name_scope(name or "multi_tensor_adam"):
+        for i, (var, m, v, grad) in enumerate(zip(var_handles, m_handles, v_handles, grads)):
+            deps = []
+            if weight_decay_rate is not None:
+                delta = tf.raw_ops.ReadVariableOp(resource=var, dtype=dtype)
+                decay = tf.raw_ops.ResourceApplyGradientDescent(var=var, alpha=weight_decay_rate, delta=delta)
+                deps = [decay] if decay is not None else []
+            with tf.control_dependencies(deps):
+                args = dict(var=var, m=m, v=v, beta1_power=beta1_power, beta2_power=beta2_power, lr=lr,
+                            beta1=beta1, beta2=beta2, epsilon=epsilon, grad=grad)
+                if vhat_handles:
+                    updates.append(tf.raw_ops.ResourceApplyAdamWithAmsgrad(vhat=vhat_handles[i], **args))
+                else:
+                    updates.append(tf.raw_ops.ResourceApplyAdam(**args))
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*updates)
