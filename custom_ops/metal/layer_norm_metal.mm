@@ -41,44 +41,6 @@ constexpr NSUInteger kMaxRowThreads = 1024;
 // The kernels index within a row / count rows with 32-bit integers.
 constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
 
-struct StatusDeleter {
-  void operator()(TF_Status* s) const { TF_DeleteStatus(s); }
-};
-struct TensorDeleter {
-  void operator()(TF_Tensor* t) const { TF_DeleteTensor(t); }
-};
-using StatusPtr = std::unique_ptr<TF_Status, StatusDeleter>;
-using TensorPtr = std::unique_ptr<TF_Tensor, TensorDeleter>;
-
-bool Ok(const TF_Status* status) { return TF_GetCode(status) == TF_OK; }
-
-const char* KernelSuffix(TF_DataType dtype) {
-  switch (dtype) {
-    case TF_FLOAT: return "float";
-    case TF_HALF: return "half";
-    case TF_BFLOAT16: return "bfloat";
-    default: return nullptr;
-  }
-}
-
-std::vector<int64_t> Dims(const TF_Tensor* t) {
-  std::vector<int64_t> dims(static_cast<size_t>(TF_NumDims(t)));
-  for (size_t i = 0; i < dims.size(); ++i) dims[i] = TF_Dim(t, static_cast<int>(i));
-  return dims;
-}
-
-std::string ShapeString(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-TensorPtr Input(TF_OpKernelContext* ctx, int index, TF_Status* status) {
-  TF_Tensor* t = nullptr;
-  TF_GetInput(ctx, index, &t, status);
-  return TensorPtr(t);
-}
-
 TensorPtr Output(TF_OpKernelContext* ctx, int index, TF_DataType dtype, const std::vector<int64_t>& dims,
                  TF_Status* status) {
   int64_t count = 1;

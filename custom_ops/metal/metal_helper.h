@@ -48,10 +48,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "tensorflow/c/kernels.h"
+#include "tensorflow/c/tf_datatype.h"
 #include "tensorflow/c/tf_status.h"
 #include "tensorflow/c/tf_tensor.h"
 
@@ -85,6 +88,48 @@ inline id<MTLBuffer> TensorBuffer(const TF_Tensor* tensor) {
 // TF_INTERNAL status "tfmetal_ext: <what>: <error description>".
 void SetStatusFromNSError(TF_Status* status, NSError* error, const std::string& what);
 void SetStatus(TF_Status* status, TF_Code code, const std::string& message);
+
+// Small pieces every op's host file needs: owning pointers for C API objects,
+// the kernels' dtype suffix, shapes and message formatting.
+struct StatusDeleter {
+  void operator()(TF_Status* s) const { TF_DeleteStatus(s); }
+};
+struct TensorDeleter {
+  void operator()(TF_Tensor* t) const { TF_DeleteTensor(t); }
+};
+using StatusPtr = std::unique_ptr<TF_Status, StatusDeleter>;
+using TensorPtr = std::unique_ptr<TF_Tensor, TensorDeleter>;
+
+inline bool Ok(const TF_Status* status) { return TF_GetCode(status) == TF_OK; }
+
+// "float" / "half" / "bfloat": the dtype part of the kernels' host names; nullptr otherwise.
+inline const char* KernelSuffix(TF_DataType dtype) {
+  switch (dtype) {
+    case TF_FLOAT: return "float";
+    case TF_HALF: return "half";
+    case TF_BFLOAT16: return "bfloat";
+    default: return nullptr;
+  }
+}
+
+inline std::vector<int64_t> Dims(const TF_Tensor* t) {
+  std::vector<int64_t> dims(static_cast<size_t>(TF_NumDims(t)));
+  for (size_t i = 0; i < dims.size(); ++i) dims[i] = TF_Dim(t, static_cast<int>(i));
+  return dims;
+}
+
+inline std::string ShapeString(const std::vector<int64_t>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
+  return s + "]";
+}
+
+// Input `index` of the op (null with `status` set on failure), owned.
+inline TensorPtr Input(TF_OpKernelContext* ctx, int index, TF_Status* status) {
+  TF_Tensor* t = nullptr;
+  TF_GetInput(ctx, index, &t, status);
+  return TensorPtr(t);
+}
 
 // Compiled pipelines, cached per (device, kernel host name) for the process.
 class PipelineCache {

@@ -64,15 +64,6 @@ namespace {
 const MetalLibrarySource kLibrary{tfm_multi_tensor_adam_metal_source_name, tfm_multi_tensor_adam_metal_source};
 constexpr int64_t kMaxElementsPerDispatch = int64_t{1} << 30;
 
-struct StatusDeleter {
-  void operator()(TF_Status* s) const { TF_DeleteStatus(s); }
-};
-struct TensorDeleter {
-  void operator()(TF_Tensor* t) const { TF_DeleteTensor(t); }
-};
-using StatusPtr = std::unique_ptr<TF_Status, StatusDeleter>;
-using TensorPtr = std::unique_ptr<TF_Tensor, TensorDeleter>;
-
 // The experimental variable API of kernels_experimental.h, looked up in the
 // library that exports TF's kernel C API (see the top of the file).
 struct VariableApi {
@@ -111,17 +102,6 @@ struct LockDeleter {
 };
 using LockPtr = std::unique_ptr<TF_VariableInputLockHolder, LockDeleter>;
 
-bool Ok(const TF_Status* status) { return TF_GetCode(status) == TF_OK; }
-
-const char* KernelSuffix(TF_DataType dtype) {
-  switch (dtype) {
-    case TF_FLOAT: return "float";
-    case TF_HALF: return "half";
-    case TF_BFLOAT16: return "bfloat";
-    default: return nullptr;
-  }
-}
-
 const char* DtypeName(TF_DataType dtype) {
   switch (dtype) {
     case TF_FLOAT: return "float";
@@ -129,18 +109,6 @@ const char* DtypeName(TF_DataType dtype) {
     case TF_BFLOAT16: return "bfloat16";
     default: return "another dtype";
   }
-}
-
-std::vector<int64_t> Dims(const TF_Tensor* t) {
-  std::vector<int64_t> dims(static_cast<size_t>(TF_NumDims(t)));
-  for (size_t i = 0; i < dims.size(); ++i) dims[i] = TF_Dim(t, static_cast<int>(i));
-  return dims;
-}
-
-std::string ShapeString(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
-  return s + "]";
 }
 
 // "var[3]", "m[0]", ...: the user-facing name of resource input `index`.

@@ -29,45 +29,6 @@ namespace {
 const MetalLibrarySource kLibrary{tfm_softshrink_metal_source_name, tfm_softshrink_metal_source};
 constexpr int64_t kMaxElementsPerDispatch = int64_t{1} << 30;
 
-struct StatusDeleter {
-  void operator()(TF_Status* s) const { TF_DeleteStatus(s); }
-};
-struct TensorDeleter {
-  void operator()(TF_Tensor* t) const { TF_DeleteTensor(t); }
-};
-using StatusPtr = std::unique_ptr<TF_Status, StatusDeleter>;
-using TensorPtr = std::unique_ptr<TF_Tensor, TensorDeleter>;
-
-bool Ok(const TF_Status* status) { return TF_GetCode(status) == TF_OK; }
-
-// "float" / "half" / "bfloat": the dtype part of the kernels' host names.
-const char* KernelSuffix(TF_DataType dtype) {
-  switch (dtype) {
-    case TF_FLOAT: return "float";
-    case TF_HALF: return "half";
-    case TF_BFLOAT16: return "bfloat";
-    default: return nullptr;
-  }
-}
-
-std::vector<int64_t> Dims(const TF_Tensor* t) {
-  std::vector<int64_t> dims(static_cast<size_t>(TF_NumDims(t)));
-  for (size_t i = 0; i < dims.size(); ++i) dims[i] = TF_Dim(t, static_cast<int>(i));
-  return dims;
-}
-
-std::string ShapeString(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-TensorPtr Input(TF_OpKernelContext* ctx, int index, TF_Status* status) {
-  TF_Tensor* t = nullptr;
-  TF_GetInput(ctx, index, &t, status);
-  return TensorPtr(t);
-}
-
 struct SoftshrinkKernel {
   float lambd;
 };
