@@ -147,3 +147,43 @@ def randomize_batch_norm(layer, rng):
     layer.beta.assign(rng.normal(0.0, 0.5, c).astype("float32"))
     layer.moving_mean.assign(rng.normal(0.0, 0.5, c).astype("float32"))
     layer.moving_variance.assign(rng.uniform(0.5, 2.0, c).astype("float32"))
+
+
+# ----------------------------------------------------------------------------
+# Custom ops and their Metal kernels under emulation.
+
+
+def load_emu():
+    """The Metal emulation harness (``custom_ops/emu/emu.py``), loaded once by path.
+
+    It is a plain module beside the kernel sources, not part of the package's
+    import tree, so tests load it from the sources directory.
+    """
+    import importlib.util
+    import sys
+
+    from tfmetal_ext.ops import _loader
+
+    name = "tfmetal_ext_metal_emu"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _loader.sources_dir() / "emu" / "emu.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def compiled_ops():
+    """The compiled op library (its CPU kernels), whatever TFMETAL_EXT_REFERENCE_OPS says."""
+    from tfmetal_ext.ops import _loader
+
+    library = _loader.load()
+    assert library is not None, _loader.state().error
+    return library
+
+
+def threadgroup_size_1d(n, cap=256, width=32, max_total=1024):
+    """metal_helper's ThreadgroupSize1D: whole SIMD-groups, no more than the work, at most `cap`."""
+    limit = min(max_total, cap)
+    limit -= limit % width
+    return min(limit, -(-max(n, 1) // width) * width)

@@ -5,31 +5,21 @@ custom_ops/metal/. The last tests enforce the rule that every kernel
 instantiated by a custom_ops/metal/*.metal file is run by an emulation test.
 """
 
-import importlib.util
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tfmetal_ext.testing import load_emu
+
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = Path(__file__).resolve().parent / "emu_kernels"
 
 
-def _load_emu():
-    name = "tfmetal_ext_metal_emu"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "custom_ops" / "emu" / "emu.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-emu = _load_emu()
+emu = load_emu()
 
 ODD_SIZES = [1, 31, 32, 33, 1000, 100003]
 

@@ -15,8 +15,6 @@ threads), so the size sweep caps threadgroups at 128 threads and the
 threadgroup-size test runs 32, 256 and 1024 on one mid-size shape.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -24,7 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.ops import _loader
+from tfmetal_ext.testing import compiled_ops, load_emu
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
@@ -38,17 +36,7 @@ EPSILON = 1e-3
 SWEEP_CAP = 128  # threadgroup cap for the size sweep (the host's is 1024)
 
 
-def _load_emu():
-    name = "tfmetal_ext_metal_emu"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "custom_ops" / "emu" / "emu.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-emu = _load_emu()
+emu = load_emu()
 
 
 # No Keras here: skip the conftest's per-test Keras session reset and policy restore.
@@ -69,10 +57,7 @@ def lib():
 
 @pytest.fixture(scope="module")
 def cpu():
-    """The compiled op library (its CPU kernels), whatever TFMETAL_EXT_REFERENCE_OPS says."""
-    library = _loader.load()
-    assert library is not None, _loader.state().error
-    return library
+    return compiled_ops()
 
 
 # ----------------------------------------------------------------------------

@@ -11,8 +11,6 @@ and the coefficients computed on the GPU from the scalar tensors equal the
 ones the CPU kernel computes on the host.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -20,7 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.ops import _loader
+from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16), "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
@@ -31,17 +29,7 @@ SHAPES = [(1,), (31,), (32,), (0,), (33,), (1000,), (7, 3, 5), (100003,)]
 VARIANTS = {"adam": (False, None), "amsgrad": (True, None), "decay": (False, 4e-5), "amsgrad_decay": (True, 4e-5)}
 
 
-def _load_emu():
-    name = "tfmetal_ext_metal_emu"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "custom_ops" / "emu" / "emu.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-emu = _load_emu()
+emu = load_emu()
 
 
 # No Keras here: skip the conftest's per-test Keras session reset and policy restore.
@@ -62,21 +50,11 @@ def lib():
 
 @pytest.fixture(scope="module")
 def cpu():
-    """The compiled op library (its CPU kernel), whatever TFMETAL_EXT_REFERENCE_OPS says."""
-    library = _loader.load()
-    assert library is not None, _loader.state().error
-    return library
+    return compiled_ops()
 
 
 # ----------------------------------------------------------------------------
 # The host side, as multi_tensor_adam_metal.mm + metal_helper.mm do it.
-
-
-def threadgroup_1d(n, cap=256, width=32, max_total=1024):
-    """metal_helper's ThreadgroupSize1D."""
-    limit = min(max_total, cap)
-    limit -= limit % width
-    return min(limit, -(-max(n, 1) // width) * width)
 
 
 def metal_adam(lib, dtype, state, grads, scalars, amsgrad, decay_rate, chunk=1 << 30):
@@ -93,7 +71,7 @@ def metal_adam(lib, dtype, state, grads, scalars, amsgrad, decay_rate, chunk=1 <
             views = [a[start:start + count] for a in flat]
             params = np.array((count, int(amsgrad), int(decay_rate is not None)), PARAMS)
             lib.run(KERNELS[dtype], views + scalar_buffers + [decay_buffer, ("bytes", params)], grid=count,
-                    threadgroup=threadgroup_1d(count))
+                    threadgroup=threadgroup_size_1d(count))
 
 
 def cpu_adam(cpu, dtype, state, grads, scalars, amsgrad, decay_rate):

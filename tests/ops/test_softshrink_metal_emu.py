@@ -8,8 +8,6 @@ the CPU kernel bit for bit (same float math from tfmetal/softshrink.h, one
 round-to-nearest-even store per element) and with numpy.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.ops import _loader
+from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16), "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
@@ -28,17 +26,7 @@ TOLERANCE = {"float": 1e-6, "half": 1e-3, "bfloat": 8e-3}  # against float64 num
 PARAMS = np.dtype([("n", "<u4"), ("lambd", "<f4")])  # tfm_softshrink_params
 
 
-def _load_emu():
-    name = "tfmetal_ext_metal_emu"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "custom_ops" / "emu" / "emu.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-emu = _load_emu()
+emu = load_emu()
 
 
 # No Keras here: skip the conftest's per-test Keras session reset and policy restore.
@@ -59,21 +47,11 @@ def lib():
 
 @pytest.fixture(scope="module")
 def cpu():
-    """The compiled op library (its CPU kernels), whatever TFMETAL_EXT_REFERENCE_OPS says."""
-    library = _loader.load()
-    assert library is not None, _loader.state().error
-    return library
+    return compiled_ops()
 
 
 # ----------------------------------------------------------------------------
 # The host side, as softshrink_metal.mm + metal_helper.mm do it.
-
-
-def threadgroup_1d(n, cap=256, width=32, max_total=1024):
-    """metal_helper's ThreadgroupSize1D: whole SIMD-groups, no more than the work, at most cap."""
-    limit = min(max_total, cap)
-    limit -= limit % width
-    return min(limit, -(-max(n, 1) // width) * width)
 
 
 def dispatch(lib, name, buffers, lambd, chunk=1 << 30, uniform=False):
@@ -83,7 +61,7 @@ def dispatch(lib, name, buffers, lambd, chunk=1 << 30, uniform=False):
         count = min(chunk, n - start)
         views = [b[start:start + count] for b in buffers]
         params = np.array((count, lambd), PARAMS)
-        tg = threadgroup_1d(count)
+        tg = threadgroup_size_1d(count)
         if uniform:  # dispatchThreadgroups: full threadgroups, threads past the end exist
             lib.run(name, views + [("bytes", params)], threadgroups=-(-count // tg), threadgroup=tg)
         else:
@@ -257,7 +235,7 @@ def test_threadgroup_order_does_not_matter(lib, order):
     want = metal_forward(lib, "float", x, 0.5)
     y = np.full_like(x, np.nan)
     lib.run(FORWARD["float"], [x, y, ("bytes", np.array((x.size, 0.5), PARAMS))], grid=x.size,
-            threadgroup=threadgroup_1d(x.size), order=order, seed=1)
+            threadgroup=threadgroup_size_1d(x.size), order=order, seed=1)
     assert_same_bits(y, want)
 
 
