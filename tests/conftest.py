@@ -19,8 +19,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _restore_global_policy():
-    """Every test starts and ends with the float32 policy."""
+def _restore_global_policy(request):
+    """Every test starts and ends with the float32 policy (not `no_keras` tests)."""
+    if request.node.get_closest_marker("no_keras") is not None:
+        yield
+        return
     keras.mixed_precision.set_global_policy("float32")
     yield
     keras.mixed_precision.set_global_policy("float32")
@@ -35,6 +38,7 @@ def onednn():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_keras_session():
+def _fresh_keras_session(request):
     yield
-    keras.backend.clear_session()
+    if request.node.get_closest_marker("no_keras") is None:
+        keras.backend.clear_session()

@@ -25,15 +25,8 @@ ODD_SIZES = [1, 31, 32, 33, 1000, 100003]
 
 
 # These tests never touch Keras: skip the conftest's per-test Keras session
-# reset (it dominates their run time).
-@pytest.fixture(autouse=True)
-def _fresh_keras_session():
-    yield
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_policy():
-    yield
+# No Keras here: skip the conftest's per-test Keras session reset and policy restore.
+pytestmark = pytest.mark.no_keras
 
 
 # ---------------------------------------------------------------------------

@@ -40,15 +40,6 @@ def np_layer_norm_grad(dy, x, gamma, epsilon):
 DTYPES = {"float32": (tf.float32, 2e-5), "float16": (tf.float16, 2e-3), "bfloat16": (tf.bfloat16, 1.6e-2)}
 
 
-@pytest.fixture(params=["kernel", "reference"])
-def impl(request, monkeypatch):
-    """Runs a test with the compiled kernel and with the pure-TF reference."""
-    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
-    if request.param == "kernel":
-        assert ops.status().loaded, ops.status()
-    return request.param
-
-
 def rounded(x, tf_dtype):
     """x rounded to tf_dtype, as float64: the op's actual input."""
     return tf.cast(tf.cast(x, tf_dtype), tf.float64).numpy()

@@ -37,14 +37,7 @@ _RUN = subprocess.run  # test_macos_build_embeds_the_kernel_sources replaces sub
 
 
 # No Keras here: skip the conftest's per-test Keras session reset and policy restore.
-@pytest.fixture(autouse=True)
-def _fresh_keras_session():
-    yield
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_policy():
-    yield
+pytestmark = pytest.mark.no_keras
 
 
 def _clang():

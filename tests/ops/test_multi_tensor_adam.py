@@ -26,15 +26,6 @@ HYPER = dict(lr=0.01, beta_1=0.9, beta_2=0.999, epsilon=1e-7)
 SHAPES = [(1,), (31,), (33,), (1000,), (0,), (), (7, 3, 5), (64, 64), (70001,)]
 
 
-@pytest.fixture(params=["kernel", "reference"])
-def impl(request, monkeypatch):
-    """Runs a test with the compiled kernel and with the pure-TF reference."""
-    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
-    if request.param == "kernel":
-        assert ops.status().loaded, ops.status()
-    return request.param
-
-
 def lib():
     library = ops._loader.load()
     assert library is not None, ops.status()

@@ -33,14 +33,7 @@ emu = load_emu()
 
 
 # No Keras here: skip the conftest's per-test Keras session reset and policy restore.
-@pytest.fixture(autouse=True)
-def _fresh_keras_session():
-    yield
-
-
-@pytest.fixture(autouse=True)
-def _restore_global_policy():
-    yield
+pytestmark = pytest.mark.no_keras
 
 
 @pytest.fixture(scope="module")
