@@ -262,30 +262,9 @@ void Compute(void* kernel, TF_OpKernelContext* ctx) {
 }
 
 void RegisterKernels() {
-  struct OpKernel {
-    const char* op;
-    void* (*create)(TF_OpKernelConstruction*);
-    void (*compute)(void*, TF_OpKernelContext*);
-  };
-  const OpKernel ops[] = {
-      {"TfmetalExt>LayerNorm", &CreateLayerNorm, &Compute<&LayerNormCompute>},
-      {"TfmetalExt>LayerNormGrad", &CreateLayerNormGrad, &Compute<&LayerNormGradCompute>},
-  };
-  const TF_DataType dtypes[] = {TF_FLOAT, TF_HALF, TF_BFLOAT16};
-  StatusPtr status(TF_NewStatus());
-  for (const OpKernel& op : ops) {
-    for (TF_DataType dtype : dtypes) {
-      TF_KernelBuilder* builder = TF_NewKernelBuilder(op.op, "GPU", op.create, op.compute, &DeleteLayerNorm);
-      TF_KernelBuilder_TypeConstraint(builder, "T", dtype, status.get());
-      if (!Ok(status.get())) {
-        TF_DeleteKernelBuilder(builder);  // not registered: still ours
-        continue;
-      }
-      // A failure leaves the op without a GPU kernel for this dtype (TF then
-      // places it on the CPU).
-      TF_RegisterKernelBuilder((std::string(op.op) + "_GPU_" + KernelSuffix(dtype)).c_str(), builder, status.get());
-    }
-  }
+  RegisterFloatKernels("TfmetalExt>LayerNorm", &CreateLayerNorm, &Compute<&LayerNormCompute>, &DeleteLayerNorm);
+  RegisterFloatKernels("TfmetalExt>LayerNormGrad", &CreateLayerNormGrad, &Compute<&LayerNormGradCompute>,
+                       &DeleteLayerNorm);
 }
 
 // Registers the kernels when tf.load_op_library loads the op library.

@@ -124,6 +124,24 @@ inline std::string ShapeString(const std::vector<int64_t>& dims) {
   return s + "]";
 }
 
+// Registers `op`'s GPU kernel for T in {float, half, bfloat16}. A dtype that
+// fails to register leaves the op without a GPU kernel for it: TF then places
+// the op on the CPU. Registered builders belong to TF.
+inline void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstruction*),
+                                 void (*compute)(void*, TF_OpKernelContext*), void (*destroy)(void*)) {
+  const TF_DataType dtypes[] = {TF_FLOAT, TF_HALF, TF_BFLOAT16};
+  StatusPtr status(TF_NewStatus());
+  for (TF_DataType dtype : dtypes) {
+    TF_KernelBuilder* builder = TF_NewKernelBuilder(op, "GPU", create, compute, destroy);
+    TF_KernelBuilder_TypeConstraint(builder, "T", dtype, status.get());
+    if (!Ok(status.get())) {
+      TF_DeleteKernelBuilder(builder);  // not registered: still ours
+      continue;
+    }
+    TF_RegisterKernelBuilder((std::string(op) + "_GPU_" + KernelSuffix(dtype)).c_str(), builder, status.get());
+  }
+}
+
 // Input `index` of the op (null with `status` set on failure), owned.
 inline TensorPtr Input(TF_OpKernelContext* ctx, int index, TF_Status* status) {
   TF_Tensor* t = nullptr;

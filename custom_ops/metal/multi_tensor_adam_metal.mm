@@ -337,20 +337,9 @@ void Compute(void* kernel, TF_OpKernelContext* ctx) {
 
 void RegisterKernels() {
   if (!Variables().available()) return;  // this TF does not export the variable API
-  const TF_DataType dtypes[] = {TF_FLOAT, TF_HALF, TF_BFLOAT16};
-  StatusPtr status(TF_NewStatus());
-  for (TF_DataType dtype : dtypes) {
-    TF_KernelBuilder* builder = TF_NewKernelBuilder("TfmetalExt>MultiTensorAdam", "GPU", &Create, &Compute, &Delete);
-    TF_KernelBuilder_TypeConstraint(builder, "T", dtype, status.get());
-    if (!Ok(status.get())) {
-      TF_DeleteKernelBuilder(builder);  // not registered: still ours
-      continue;
-    }
-    // Resource handles live in host memory on every device (DT_RESOURCE);
-    // grads and scalars stay in device memory.
-    TF_RegisterKernelBuilder((std::string("TfmetalExt>MultiTensorAdam_GPU_") + KernelSuffix(dtype)).c_str(), builder,
-                             status.get());
-  }
+  // Resource handles live in host memory on every device (DT_RESOURCE);
+  // grads and scalars stay in device memory.
+  RegisterFloatKernels("TfmetalExt>MultiTensorAdam", &Create, &Compute, &Delete);
 }
 
 // Registers the kernel when tf.load_op_library loads the op library.

@@ -141,27 +141,8 @@ void Compute(void* kernel, TF_OpKernelContext* ctx) {
 }
 
 void RegisterKernels() {
-  struct OpCompute {
-    const char* op;
-    void (*compute)(void*, TF_OpKernelContext*);
-  };
-  const OpCompute ops[] = {{"TfmetalExt>Softshrink", &Compute<&SoftshrinkCompute>},
-                           {"TfmetalExt>SoftshrinkGrad", &Compute<&SoftshrinkGradCompute>}};
-  const TF_DataType dtypes[] = {TF_FLOAT, TF_HALF, TF_BFLOAT16};
-  StatusPtr status(TF_NewStatus());
-  for (const OpCompute& op : ops) {
-    for (TF_DataType dtype : dtypes) {
-      TF_KernelBuilder* builder = TF_NewKernelBuilder(op.op, "GPU", &Create, op.compute, &Delete);
-      TF_KernelBuilder_TypeConstraint(builder, "T", dtype, status.get());
-      if (!Ok(status.get())) {
-        TF_DeleteKernelBuilder(builder);  // not registered: still ours
-        continue;
-      }
-      // Registered builders belong to TF. A failure leaves the op without a
-      // GPU kernel for this dtype: TF then places it on the CPU.
-      TF_RegisterKernelBuilder((std::string(op.op) + "_GPU_" + KernelSuffix(dtype)).c_str(), builder, status.get());
-    }
-  }
+  RegisterFloatKernels("TfmetalExt>Softshrink", &Create, &Compute<&SoftshrinkCompute>, &Delete);
+  RegisterFloatKernels("TfmetalExt>SoftshrinkGrad", &Create, &Compute<&SoftshrinkGradCompute>, &Delete);
 }
 
 // Registers the kernels when tf.load_op_library loads the op library.
