@@ -13,7 +13,7 @@ import logging
 import numpy as np
 
 from tfmetal_ext import devices
-from tfmetal_ext.inspect.capture import Capture, capture_function, capture_predict, capture_train
+from tfmetal_ext.inspect.capture import Capture, capture_call, capture_function, capture_predict, capture_train
 from tfmetal_ext.inspect.catalog import PATTERNS, Expectation, FusionContext, register_rule
 from tfmetal_ext.inspect.report import (
     FallbackNode,

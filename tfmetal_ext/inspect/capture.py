@@ -182,6 +182,28 @@ def capture_function(fn, *args, jit_compile=None, **kwargs):
     return _keep_own(_to_capture(box[0], jit, "function"), [fresh])
 
 
+def capture_call(fn, *args, mode="function", jit_compile=False):
+    """Calls an existing function once under the capture window; returns ``(result, Capture)``.
+
+    Unlike `capture_function`, `fn` is called as it is (not re-traced), so
+    this captures the real call: e.g. the first step of a ``model.fit`` run,
+    with nothing extra computed. The function's graphs are exported only
+    when this call instantiates them (its first call), so call it on a fresh
+    function. An empty `Capture` (no functions) means nothing was instantiated.
+
+    Args:
+        fn: a `tf.function`, or a Python function wrapping them (Keras'
+            ``train_function``); the graphs kept are those of the
+            `tf.function`s found behind it.
+        *args: the arguments.
+        mode: recorded in the `Capture` (``"train"``, ``"predict"``, ...).
+        jit_compile: recorded in the `Capture`: whether the step is XLA compiled.
+    """
+    with _run_metadata() as box:
+        result = fn(*args)
+    return result, _keep_own(_to_capture(box[0], bool(jit_compile), mode), _tf_functions(fn))
+
+
 # ----------------------------------------------------------------------------
 # Keras models.
 
