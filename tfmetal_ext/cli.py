@@ -1,4 +1,8 @@
-"""The `tfmetal-ext` command line: `report`, `build-ops` and `version`."""
+"""The `tfmetal-ext` command line: `report`, `build-ops` and `version`.
+
+`doctor [--selftest] [--json]`: environment, configure() choice, custom-op status
+and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL).
+"""
 
 from __future__ import annotations
 
@@ -63,6 +67,25 @@ def _cmd_build_ops(args):
     return 0
 
 
+def _cmd_doctor(args):
+    from tfmetal_ext import doctor
+
+    try:
+        info = doctor.collect()
+        result = doctor.selftest() if args.selftest else None
+    except ValueError as e:  # e.g. a bad TFMETAL_EXT_SELFTEST_FAULT
+        print(f"tfmetal-ext doctor: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"doctor": info.to_dict(), "selftest": result.to_dict() if result else None}, indent=2))
+    else:
+        print(info)
+        if result is not None:
+            print()
+            print(result)
+    return 0 if result is None or result.passed else 1
+
+
 def _positive_int(text):
     value = int(text)
     if value < 1:
@@ -89,6 +112,10 @@ def build_parser():
     p = sub.add_parser("build-ops", help="build (or find in the cache) the custom-op library for this TensorFlow")
     p.add_argument("--force", action="store_true", help="rebuild even if a valid cached build exists")
     p.set_defaults(func=_cmd_build_ops)
+    p = sub.add_parser("doctor", help="environment, configure() choice, custom ops; --selftest checks fused kernels")
+    p.add_argument("--selftest", action="store_true", help="check each fused pattern on the device (exit 1 on FAIL)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_doctor)
     return parser
 
 

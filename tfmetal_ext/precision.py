@@ -1,8 +1,12 @@
-"""Mixed-precision policy and XLA choice for the current backend.
+"""Mixed-precision policy, XLA choice and safe unfused forms for the current backend.
 
 `configure()` is the one call a training script makes first: it picks the
 global Keras dtype policy that the backend's fused kernels run fastest in,
-decides whether XLA may be used, and says why.
+decides whether XLA may be used, and says why. `recommend()` makes the same
+decision without applying it. ``configure(avoid_fusions=[...])`` switches the
+layers and ops named in `SAFE_FORMS` to an unfused form, for a device whose
+fused kernel computes wrong values (``tfmetal-ext doctor --selftest`` finds
+those).
 """
 
 from __future__ import annotations
@@ -29,6 +33,33 @@ _VALID_POLICIES = (
 # The decision of the last configure() call; compile_kwargs() reads it.
 _last_config = None
 
+# Fusion patterns -> what our layers and ops emit instead while the pattern is avoided.
+SAFE_FORMS = {
+    "conv_bias_relu": (
+        "FusedConv2D, FusedDepthwiseConv2D, ConvBNAct.fold() and FoldedResidualBlock add the bias with "
+        "AddV2 instead of BiasAdd (conv + AddV2 + act): no _FusedConv2D on a GPU"
+    ),
+    "matmul_bias_relu": (
+        "FusedDense adds the bias with AddV2 instead of BiasAdd (MatMul + AddV2 + act): "
+        "no _FusedMatMul on a GPU"
+    ),
+    "fused_batch_norm": (
+        "FusedBatchNorm and ConvBNAct (so ResidualBlock) normalize with moments + Rsqrt/Mul/Add "
+        "instead of FusedBatchNormV3 (same statistics and moving-average update)"
+    ),
+    "softshrink": "tfmetal_ext.ops.softshrink (Softshrink) runs its pure-TF reference instead of TfmetalExt>Softshrink",
+    "layer_norm": (
+        "tfmetal_ext.ops.layer_norm (FusedLayerNorm) runs its pure-TF reference instead of TfmetalExt>LayerNorm"
+    ),
+    "multi_tensor_adam": (
+        "tfmetal_ext.ops.multi_tensor_adam and FusedAdam(multi_tensor=True) update with one "
+        "ResourceApplyAdam per variable instead of TfmetalExt>MultiTensorAdam"
+    ),
+}
+
+# The patterns avoided now; layers and op wrappers read it when traced.
+_avoided = frozenset()
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -38,28 +69,33 @@ class Config:
         backend: ``"metal"``, ``"cuda"`` or ``"cpu"``.
         policy: the global Keras dtype policy name now in force.
         jit_compile: the value to pass to ``model.compile(jit_compile=...)``.
-        reasons: human-readable reasons for each decision.
+        reasons: human-readable reasons for each decision, one per avoided
+            fusion included.
+        avoided_fusions: sorted names from `SAFE_FORMS` whose safe unfused
+            form the layers emit.
     """
 
     backend: str
     policy: str
     jit_compile: bool
     reasons: tuple
+    avoided_fusions: tuple = ()
 
     def compile_kwargs(self):
         """Keyword arguments for ``model.compile`` that follow this config."""
         return {"jit_compile": self.jit_compile}
 
     def __str__(self):
-        lines = [
-            f"backend={self.backend} policy={self.policy} jit_compile={self.jit_compile}"
-        ]
+        head = f"backend={self.backend} policy={self.policy} jit_compile={self.jit_compile}"
+        if self.avoided_fusions:
+            head += f" avoided_fusions={list(self.avoided_fusions)}"
+        lines = [head]
         lines += [f"  - {r}" for r in self.reasons]
         return "\n".join(lines)
 
 
-def _choose_policy(policy, caps):
-    """Returns (policy name, reasons)."""
+def _choose_policy(policy, caps, warn=True):
+    """Returns (policy name, reasons); `warn` also issues the warnings."""
     reasons = []
     if policy != _AUTO:
         reasons.append(f"policy {policy!r} set explicitly")
@@ -71,7 +107,8 @@ def _choose_policy(policy, caps):
                     "mixed_bfloat16 or float32 would"
                 )
                 reasons.append(msg)
-                warnings.warn(msg, stacklevel=3)
+                if warn:
+                    warnings.warn(msg, stacklevel=4)
         if caps.backend == "metal" and "bfloat16" in policy:
             reasons.append(
                 "bfloat16 on Metal: tensorflow-metal's _FusedConv2D has no bf16 "
@@ -94,15 +131,15 @@ def _choose_policy(policy, caps):
     return "float32", reasons
 
 
-def _choose_jit(jit_compile, caps):
-    """Returns (bool, reasons)."""
+def _choose_jit(jit_compile, caps, warn=True):
+    """Returns (bool, reasons); `warn` also issues the warnings."""
     if caps.backend == "metal":
-        if jit_compile is True:
+        if jit_compile is True and warn:
             warnings.warn(
                 "jit_compile=True was requested, but XLA does not run on Metal "
                 "(\"Could not find compiler for platform METAL\"); using "
                 "jit_compile=False.",
-                stacklevel=3,
+                stacklevel=4,
             )
         return False, [
             "Metal: XLA is never used (tensorflow-metal has no XLA compiler); "
@@ -134,36 +171,39 @@ def _layers_built_under_other_policy(policy_name):
     return count
 
 
-def configure(policy="auto", jit_compile="auto"):
-    """Sets the global Keras dtype policy for the current backend.
+def avoided_fusions():
+    """The fusion patterns whose safe unfused form is in use (names from `SAFE_FORMS`).
 
-    ``"auto"`` picks ``mixed_float16`` on Metal and CUDA, ``mixed_bfloat16`` on
-    CPUs with native bfloat16 and ``float32`` otherwise. Keras wraps the
-    optimizer in a `keras.optimizers.LossScaleOptimizer` by itself under
-    ``mixed_float16``, so loss scaling needs nothing more. On Metal, XLA is
-    never used. Calling it again with the same arguments changes nothing.
-
-    Args:
-        policy: ``"auto"`` or a Keras dtype policy name (``"float32"``,
-            ``"mixed_float16"``, ``"mixed_bfloat16"``, ...).
-        jit_compile: ``"auto"``, True or False: the XLA decision to report in
-            `Config.jit_compile` and `compile_kwargs()`.
-
-    Returns:
-        A `Config` with the backend, the policy, the jit_compile decision and
-        the reasons for each.
-
-    Raises:
-        ValueError: for an unknown policy or jit_compile value.
-
-    Example:
-
-    >>> cfg = tfmetal_ext.configure()
-    >>> model.compile(optimizer="adam", loss="mse", **cfg.compile_kwargs())
+    >>> tfmetal_ext.precision.avoided_fusions()
+    frozenset()
     """
-    global _last_config
-    import keras
+    return _avoided
 
+
+def _resolve_avoid(avoid_fusions):
+    """`avoid_fusions` as a frozenset of `SAFE_FORMS` names (None: the current set)."""
+    if avoid_fusions is None:
+        return _avoided
+    failed = getattr(avoid_fusions, "failed_patterns", None)
+    if failed is not None and hasattr(avoid_fusions, "checks"):  # a doctor.SelfTestResult
+        names = tuple(failed)
+    elif isinstance(avoid_fusions, (str, bytes)) or not hasattr(avoid_fusions, "__iter__"):
+        raise ValueError(
+            "`avoid_fusions` must be None, a list of names from tfmetal_ext.precision.SAFE_FORMS "
+            f"({', '.join(SAFE_FORMS)}), or a doctor.SelfTestResult. Received: avoid_fusions={avoid_fusions!r}"
+        )
+    else:
+        names = tuple(avoid_fusions)
+    unknown = [n for n in names if not isinstance(n, str) or n not in SAFE_FORMS]
+    if unknown:
+        raise ValueError(
+            f"Unknown fusion name(s) {unknown!r} in `avoid_fusions`; valid names: {', '.join(SAFE_FORMS)}. "
+            f"Received: avoid_fusions={avoid_fusions!r}"
+        )
+    return frozenset(names)
+
+
+def _check_arguments(policy, jit_compile):
     if not isinstance(policy, str) or (policy != _AUTO and policy not in _VALID_POLICIES):
         raise ValueError(
             f"`policy` must be 'auto' or one of {', '.join(_VALID_POLICIES)}. "
@@ -173,10 +213,98 @@ def configure(policy="auto", jit_compile="auto"):
         raise ValueError(
             f"`jit_compile` must be 'auto', True or False. Received: jit_compile={jit_compile!r}"
         )
-    caps = devices.capabilities()
-    chosen, policy_reasons = _choose_policy(policy, caps)
-    jit, jit_reasons = _choose_jit(jit_compile, caps)
 
+
+def _decide(policy, jit_compile, avoid_fusions, warn):
+    _check_arguments(policy, jit_compile)
+    avoided = _resolve_avoid(avoid_fusions)
+    caps = devices.capabilities()
+    chosen, policy_reasons = _choose_policy(policy, caps, warn=warn)
+    jit, jit_reasons = _choose_jit(jit_compile, caps, warn=warn)
+    reasons = list(policy_reasons) + list(jit_reasons)
+    if chosen == "mixed_float16":
+        reasons.append(
+            "loss scaling: Keras wraps the optimizer in LossScaleOptimizer under mixed_float16"
+        )
+    for name in sorted(avoided):
+        reasons.append(f"avoid_fusions: {name} -> {SAFE_FORMS[name]}")
+    return Config(
+        backend=caps.backend, policy=chosen, jit_compile=jit, reasons=tuple(reasons),
+        avoided_fusions=tuple(sorted(avoided)),
+    )
+
+
+def recommend(policy="auto", jit_compile="auto", avoid_fusions=None):
+    """What `configure()` would decide, without changing anything.
+
+    Same arguments, validation and result as `configure()`, but the global
+    Keras policy, the avoided fusions and the last configuration stay as they
+    are, and no warning is issued (the reasons say it all).
+
+    Returns:
+        A `Config`.
+
+    Raises:
+        ValueError: as `configure()`.
+
+    >>> tfmetal_ext.precision.recommend().policy in ("float32", "mixed_bfloat16", "mixed_float16")
+    True
+    """
+    return _decide(policy, jit_compile, avoid_fusions, warn=False)
+
+
+def configure(policy="auto", jit_compile="auto", avoid_fusions=None):
+    """Sets the global Keras dtype policy for the current backend.
+
+    ``"auto"`` picks ``mixed_float16`` on Metal and CUDA, ``mixed_bfloat16`` on
+    CPUs with native bfloat16 and ``float32`` otherwise. Keras wraps the
+    optimizer in a `keras.optimizers.LossScaleOptimizer` by itself under
+    ``mixed_float16``, so loss scaling needs nothing more. On Metal, XLA is
+    never used. Calling it again with the same arguments changes nothing.
+
+    `avoid_fusions` is the explicit switch for a device whose fused kernel
+    computes wrong values (``tfmetal-ext doctor --selftest`` checks each
+    pattern): for every named pattern the layers and ops emit the safe
+    unfused form described in `SAFE_FORMS` (e.g. ``matmul + b`` instead of
+    ``bias_add`` for ``"matmul_bias_relu"``), the returned `Config` lists it
+    in `avoided_fusions` and in its reasons, the fusion reports say
+    "avoided by configure(avoid_fusions=[...])", and a warning is logged
+    whenever the set changes. Layers read the set when they are traced, so
+    call `configure()` before building and compiling the model (a model
+    traced earlier keeps the graph it has until it is traced again).
+    Outputs are the same either way, within float rounding.
+
+    Args:
+        policy: ``"auto"`` or a Keras dtype policy name (``"float32"``,
+            ``"mixed_float16"``, ``"mixed_bfloat16"``, ...).
+        jit_compile: ``"auto"``, True or False: the XLA decision to report in
+            `Config.jit_compile` and `compile_kwargs()`.
+        avoid_fusions: None keeps the current set (empty at start); a list
+            of names from `SAFE_FORMS` (``"conv_bias_relu"``,
+            ``"matmul_bias_relu"``, ``"fused_batch_norm"``,
+            ``"softshrink"``, ``"layer_norm"``, ``"multi_tensor_adam"``)
+            replaces it, ``()`` clears it; a `tfmetal_ext.doctor.SelfTestResult`
+            sets it to the patterns that failed.
+
+    Returns:
+        A `Config` with the backend, the policy, the jit_compile decision,
+        the avoided fusions and the reasons for each.
+
+    Raises:
+        ValueError: for an unknown policy, jit_compile value or fusion name.
+
+    Example:
+
+    >>> cfg = tfmetal_ext.configure()
+    >>> model.compile(optimizer="adam", loss="mse", **cfg.compile_kwargs())
+    >>> result = tfmetal_ext.doctor.selftest()
+    >>> tfmetal_ext.configure(avoid_fusions=result)  # the failed patterns, if any
+    """
+    global _last_config, _avoided
+    import keras
+
+    config = _decide(policy, jit_compile, avoid_fusions, warn=True)
+    chosen = config.policy
     current = keras.mixed_precision.global_policy().name
     if current != chosen:
         stale = _layers_built_under_other_policy(chosen)
@@ -189,14 +317,15 @@ def configure(policy="auto", jit_compile="auto"):
             )
         keras.mixed_precision.set_global_policy(chosen)
         logger.info("global dtype policy: %s -> %s", current, chosen)
-    reasons = list(policy_reasons) + list(jit_reasons)
-    if chosen == "mixed_float16":
-        reasons.append(
-            "loss scaling: Keras wraps the optimizer in LossScaleOptimizer under mixed_float16"
+    avoided = frozenset(config.avoided_fusions)
+    if avoided != _avoided:
+        logger.warning(
+            "tfmetal_ext: avoided fusions %s -> %s (for layers and ops traced from now on)%s",
+            sorted(_avoided), sorted(avoided),
+            "".join(f"\n  {n}: {SAFE_FORMS[n]}" for n in sorted(avoided)),
         )
-    _last_config = Config(
-        backend=caps.backend, policy=chosen, jit_compile=jit, reasons=tuple(reasons)
-    )
+        _avoided = avoided
+    _last_config = config
     return _last_config
 
 

@@ -312,6 +312,48 @@ def expectation(layer, ctx):
     return None
 
 
+def avoided_reason(name):
+    """The row reason for a pattern switched off by ``configure(avoid_fusions=[name])``."""
+    from tfmetal_ext import precision
+
+    return f"avoided by configure(avoid_fusions=[{name!r}]): {precision.SAFE_FORMS[name]}"
+
+
+# Safe forms that add a bias with AddV2: CPU oneDNN counts a broadcast AddV2
+# as a BiasAdd and fuses it anyway (measured on TF 2.19 and 2.21).
+_ADDV2_SAFE_FORMS = ("conv_bias_relu", "matmul_bias_relu")
+
+
+def unless_avoided(name, rule):
+    """Wraps a layer rule so it reflects ``configure(avoid_fusions=[name])``.
+
+    While `name` (a `tfmetal_ext.precision.SAFE_FORMS` key) is avoided the
+    layer emits its safe form: nothing is expected to fuse and the row says
+    why, except where the safe form still fuses (an AddV2 bias on CPU with
+    oneDNN), where the expectation stays and a note says so.
+    """
+    from tfmetal_ext import precision
+
+    def wrapped(layer, ctx):
+        exp = rule(layer, ctx)
+        if exp is None or name not in precision.avoided_fusions():
+            return exp
+        if name in _ADDV2_SAFE_FORMS and ctx.backend == "cpu" and ctx.onednn:
+            note = (
+                f"avoided by configure(avoid_fusions=[{name!r}]): the bias is an AddV2, which "
+                "oneDNN still fuses as a BiasAdd on CPU"
+            )
+            return dataclasses.replace(exp, note="; ".join(n for n in (exp.note, note) if n))
+        return Expectation(
+            exp.pattern, None, None, exp.ideal_fused_ops, reason=avoided_reason(name),
+            match_layer=exp.match_layer, ideal_op=exp.ideal_op,
+        )
+
+    wrapped.__name__ = getattr(rule, "__name__", "rule")
+    wrapped.__doc__ = getattr(rule, "__doc__", None)
+    return wrapped
+
+
 # ----------------------------------------------------------------------------
 # Helpers shared by the rules.
 

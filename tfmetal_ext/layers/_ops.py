@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmetal_ext import precision
+
 # Keras activation name -> TF op emitting function, for the activations the
 # remapper can fuse into a contraction (+ BiasAdd). Anything else is applied
 # with keras.activations after the BiasAdd.
@@ -13,6 +15,27 @@ FUSABLE_ACTIVATIONS = {
     "elu": tf.nn.elu,
     "leaky_relu": lambda x: tf.nn.leaky_relu(x, alpha=0.2),  # keras.activations.leaky_relu default
 }
+
+
+def avoided(pattern):
+    """`pattern` (a `tfmetal_ext.precision.SAFE_FORMS` name) is avoided: emit its safe form.
+
+    Read when a layer is traced, so ``configure(avoid_fusions=...)`` applies to
+    every graph traced after it.
+    """
+    return pattern in precision.avoided_fusions()
+
+
+def add_bias(x, bias, pattern):
+    """``BiasAdd(x, bias)``, or ``AddV2(x, bias)`` while `pattern` is avoided.
+
+    A GPU remapper (TF's and tensorflow-metal's) fuses a contraction only with
+    a real BiasAdd, so the AddV2 keeps the fused kernel out; on CPU with oneDNN
+    a broadcast AddV2 still counts as a BiasAdd and fuses.
+    """
+    if avoided(pattern):
+        return tf.add(x, bias)
+    return tf.nn.bias_add(x, bias)
 
 
 # cuDNN's CUDNN_BN_MIN_EPSILON: FusedBatchNormV3 on GPU rejects smaller values
@@ -87,3 +110,35 @@ def fused_batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, m
         is_training=False,
     )
     return y, None
+
+
+def unfused_batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):
+    """`fused_batch_norm`'s math without FusedBatchNormV3: moments + Rsqrt/Mul/Add.
+
+    The safe form for ``configure(avoid_fusions=["fused_batch_norm"])``. Same
+    arguments and result as `fused_batch_norm`, with Keras' semantics: batch
+    statistics (biased variance) over every axis but the last in training,
+    moving statistics otherwise, updates ``moving * momentum + batch * (1 - momentum)``.
+    Computed in float32, the output cast back to the dtype of `x`.
+    """
+    xf = tf.cast(x, tf.float32)
+    if training:
+        axes = list(range(x.shape.rank - 1))
+        mean, variance = tf.nn.moments(xf, axes=axes)
+        updates = (
+            moving_mean * momentum + mean * (1.0 - momentum),
+            moving_variance * momentum + variance * (1.0 - momentum),
+        )
+    else:
+        mean, variance, updates = moving_mean, moving_variance, None
+    inv = tf.math.rsqrt(variance + epsilon) * gamma
+    y = (xf - mean) * inv + beta
+    return tf.cast(y, x.dtype), updates
+
+
+def batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):
+    """`fused_batch_norm`, or `unfused_batch_norm` while ``"fused_batch_norm"`` is avoided."""
+    fn = unfused_batch_norm if avoided("fused_batch_norm") else fused_batch_norm
+    return fn(
+        x, gamma, beta, moving_mean, moving_variance, epsilon=epsilon, momentum=momentum, training=training
+    )

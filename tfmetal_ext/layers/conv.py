@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
+from tfmetal_ext.layers import _ops
 
 
 def _conv_output_length(length, kernel, stride, dilation, padding):
@@ -88,7 +89,8 @@ class _FusedConvBase(keras.layers.Layer):
 
     def _bias_and_activation(self, outputs):
         if self.use_bias:
-            outputs = tf.nn.bias_add(outputs, self.bias, data_format="NHWC")
+            # NHWC: the bias broadcasts over the last axis either way.
+            outputs = _ops.add_bias(outputs, self.bias, "conv_bias_relu")
         return C.apply_activation(outputs, self.activation, self._activation_name)
 
     def get_config(self):
@@ -131,7 +133,11 @@ class FusedConv2D(_FusedConvBase):
     | CPU (oneDNN) | `_FusedConv2D[BiasAdd(, act)]`, float32/bfloat16; training: LeakyRelu leaves only `[BiasAdd]` |
     | CPU (no oneDNN) | `_FusedConv2D[BiasAdd(, act)]`, float32/float64 |
 
-    float16 on a CPU without native half fuses nothing. ``dilation_rate > 1``
+    float16 on a CPU without native half fuses nothing. While
+    ``tfmetal_ext.configure(avoid_fusions=["conv_bias_relu"])`` is in force
+    (set before tracing), the bias is added with AddV2 instead: nothing fuses
+    on a GPU, and on CPU with oneDNN the AddV2 still fuses as a BiasAdd.
+    ``dilation_rate > 1``
     is emitted as Keras does (SpaceToBatchND + Conv2D + BatchToSpaceND; CPU
     kernels without oneDNN have no dilated Conv2D gradient), so it does not
     fuse.
@@ -279,6 +285,9 @@ class FusedDepthwiseConv2D(_FusedConvBase):
     | CUDA | not fused |
     | CPU (oneDNN) | `_FusedDepthwiseConv2dNative[BiasAdd(, act)]`, float32/bfloat16 |
     | CPU (no oneDNN) | not fused |
+
+    With ``configure(avoid_fusions=["conv_bias_relu"])`` the bias is added
+    with AddV2 instead of BiasAdd (see `FusedConv2D`).
 
     ``dilation_rate > 1`` is emitted as Keras does (SpaceToBatchND around the
     convolution: the CPU DepthwiseConv2dNative kernel has no dilation without
@@ -437,5 +446,5 @@ def _fused_depthwise_rule(layer, ctx):
     return _dilation_block(layer, "depthwise_bias_act") or catalog._depthwise_rule(layer, ctx)
 
 
-catalog.register_rule(FusedConv2D, _fused_conv2d_rule)
-catalog.register_rule(FusedDepthwiseConv2D, _fused_depthwise_rule)
+catalog.register_rule(FusedConv2D, catalog.unless_avoided("conv_bias_relu", _fused_conv2d_rule))
+catalog.register_rule(FusedDepthwiseConv2D, catalog.unless_avoided("conv_bias_relu", _fused_depthwise_rule))

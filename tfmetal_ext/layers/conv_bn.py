@@ -46,6 +46,9 @@ class ConvBNAct(keras.layers.Layer):
     On CPU, float16 is not fused (the remapper skips half). `fold()` turns
     the layer into a `FusedConv2D` with the batch norm folded into kernel and
     bias (`_FusedConv2D[BiasAdd, act]` wherever conv + bias fuses).
+    ``tfmetal_ext.configure(avoid_fusions=["fused_batch_norm"])`` (set before
+    tracing) replaces FusedBatchNormV3 by moments + Rsqrt/Mul/Add, the same
+    math unfused.
 
     Args:
         filters: number of output channels, a positive integer.
@@ -173,9 +176,9 @@ class ConvBNAct(keras.layers.Layer):
         )
 
     def batch_norm(self, x, training=False):
-        """FusedBatchNormV3 of `x`; in training also assigns the moving statistics."""
+        """FusedBatchNormV3 of `x` (unfused while avoided); in training also assigns the moving statistics."""
         training = bool(training) and self.trainable
-        y, updates = _ops.fused_batch_norm(
+        y, updates = _ops.batch_norm(
             x, self.gamma, self.beta, self.moving_mean, self.moving_variance,
             epsilon=self.epsilon, momentum=self.momentum, training=training,
         )
@@ -314,4 +317,4 @@ def _conv_bn_act_rule(layer, ctx):
     return exp("_FusedBatchNormEx", (), gpu_reason)
 
 
-catalog.register_rule(ConvBNAct, _conv_bn_act_rule)
+catalog.register_rule(ConvBNAct, catalog.unless_avoided("fused_batch_norm", _conv_bn_act_rule))

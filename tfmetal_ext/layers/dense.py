@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
+from tfmetal_ext.layers import _ops
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
@@ -35,7 +36,10 @@ class FusedDense(keras.layers.Layer):
     | CPU (oneDNN) | `_FusedMatMul[BiasAdd(, act)]` incl. Tanh, Sigmoid, GeluExact/GeluApproximate (inference), float32/bfloat16; training: LeakyRelu and GELU leave only `[BiasAdd]` |
     | CPU (no oneDNN) | `_FusedMatMul[BiasAdd(, Relu/Relu6/Elu/LeakyRelu)]`, float32 |
 
-    float16 on a CPU without native half fuses nothing.
+    float16 on a CPU without native half fuses nothing. While
+    ``tfmetal_ext.configure(avoid_fusions=["matmul_bias_relu"])`` is in force
+    (set before tracing), the bias is added with AddV2 instead: nothing fuses
+    on a GPU, and on CPU with oneDNN the AddV2 still fuses as a BiasAdd.
 
     Args:
         units: output size, a positive int.
@@ -128,7 +132,7 @@ class FusedDense(keras.layers.Layer):
             flat = tf.reshape(inputs, [-1, self.kernel.shape[0]])
         outputs = tf.matmul(flat, self.kernel)
         if self.use_bias:
-            outputs = tf.nn.bias_add(outputs, self.bias)
+            outputs = _ops.add_bias(outputs, self.bias, "matmul_bias_relu")
         outputs = C.apply_activation(outputs, self.activation, self._activation_name)
         if rank > 2:
             # Back to (batch, ..., units); the activation already ran on the 2-D
@@ -166,4 +170,4 @@ def _fused_dense_rule(layer, ctx):
     return catalog._dense_rule(layer, ctx, act_name=name, reshape_blocks=False)
 
 
-catalog.register_rule(FusedDense, _fused_dense_rule)
+catalog.register_rule(FusedDense, catalog.unless_avoided("matmul_bias_relu", _fused_dense_rule))

@@ -38,7 +38,7 @@ from keras import constraints, initializers, regularizers
 
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
-from tfmetal_ext.layers._ops import check_batch_norm_args, fused_batch_norm
+from tfmetal_ext.layers._ops import batch_norm, check_batch_norm_args
 from tfmetal_ext.ops.layer_norm import LAYER_NORM_OP, layer_norm, uses_kernel
 
 
@@ -92,7 +92,10 @@ class FusedBatchNorm(keras.layers.Layer):
     | Metal  | FusedBatchNormV3                      | `_FusedBatchNormEx` float32/half                        |
 
     At inference on CPU (float32) a preceding ``Conv2D(use_bias=False)``
-    folds it into `_FusedConv2D[FusedBatchNorm(, Relu)]`.
+    folds it into `_FusedConv2D[FusedBatchNorm(, Relu)]`. While
+    ``tfmetal_ext.configure(avoid_fusions=["fused_batch_norm"])`` is in force
+    (set before tracing), it emits moments + Rsqrt/Mul/Add instead of
+    FusedBatchNormV3: same statistics and updates, nothing fused.
 
     Args:
         axis: the channels axis; only the last axis is supported.
@@ -219,7 +222,7 @@ class FusedBatchNorm(keras.layers.Layer):
         flat = len(x.shape) == 2
         if flat:  # FusedBatchNormV3 is 4-D only
             x = tf.reshape(x, [-1, 1, 1, channels])
-        y, updates = fused_batch_norm(
+        y, updates = batch_norm(
             x, gamma, beta, self.moving_mean.value, self.moving_variance.value,
             epsilon=self.epsilon, momentum=self.momentum, training=training,
         )
@@ -477,5 +480,5 @@ def _fused_layer_norm_rule(layer, ctx):
     return Expectation("layer_norm", None, None, None, reason=REASON_FUSED_LN)
 
 
-register_rule(FusedBatchNorm, _fused_batch_norm_rule)
-register_rule(FusedLayerNorm, _fused_layer_norm_rule)
+register_rule(FusedBatchNorm, catalog.unless_avoided("fused_batch_norm", _fused_batch_norm_rule))
+register_rule(FusedLayerNorm, catalog.unless_avoided("layer_norm", _fused_layer_norm_rule))

@@ -159,7 +159,7 @@ class ResidualBlock(_BaseResidualBlock):
         )
 
     def _tail_rule(self):
-        return _tail_rule
+        return catalog.unless_avoided("fused_batch_norm", _tail_rule)
 
     def call(self, inputs, training=False):
         x = inputs
@@ -294,7 +294,7 @@ class FoldedResidualBlock(_BaseResidualBlock):
         )
 
     def _tail_rule(self):
-        return _folded_tail_rule
+        return catalog.unless_avoided("conv_bias_relu", _folded_tail_rule)
 
     def call(self, inputs):
         x = inputs

@@ -9,7 +9,9 @@
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
 Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
-its pure-TF reference instead (same results, more ops).
+its pure-TF reference instead (same results, more ops); so does each op that
+``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
+``"layer_norm"``, ``"multi_tensor_adam"``).
 """
 
 from __future__ import annotations

@@ -59,6 +59,21 @@ def kernel_for_visible_devices(op_name, device_type="GPU"):
     return any(k.device_type == device_type for k in registered.kernel)
 
 
+# Custom op -> its name in tfmetal_ext.precision.SAFE_FORMS.
+SAFE_FORM_OF_OP = {
+    "TfmetalExt>Softshrink": "softshrink",
+    "TfmetalExt>LayerNorm": "layer_norm",
+    "TfmetalExt>MultiTensorAdam": "multi_tensor_adam",
+}
+
+
+def avoided(op_name) -> bool:
+    """``configure(avoid_fusions=[...])`` names the op: its pure-TF reference runs instead."""
+    from tfmetal_ext import precision
+
+    return SAFE_FORM_OF_OP.get(op_name) in precision.avoided_fusions()
+
+
 def uses_kernel(op_name) -> bool:
     """`op_name` runs as the custom op here (else its pure-TF reference)."""
-    return library() is not None and kernel_for_visible_devices(op_name)
+    return not avoided(op_name) and library() is not None and kernel_for_visible_devices(op_name)

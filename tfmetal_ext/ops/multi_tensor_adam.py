@@ -58,8 +58,9 @@ def multi_tensor_adam(
     TF 2.19 framework library exports and the 2.21 Linux wheel does not; it
     registers only where those symbols resolve at load time. Where the op has
     no kernel for the variables' device (CUDA, or Metal without that API),
-    without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, the same
-    update runs as one ``ResourceApplyAdam`` per variable.
+    without a compiler, with ``TFMETAL_EXT_REFERENCE_OPS=1``, or while
+    ``tfmetal_ext.configure(avoid_fusions=["multi_tensor_adam"])`` is in
+    force, the same update runs as one ``ResourceApplyAdam`` per variable.
 
     This is an update, not a differentiable function: it has no gradient.
 
@@ -156,7 +157,7 @@ def multi_tensor_adam(
         [h for h, _, _ in handles.get("vhats", [])],
         grad_tensors,
     )
-    lib = _common.library()
+    lib = None if _common.avoided(_OP_NAME) else _common.library()
     if lib is None or not _has_kernel(next(iter(devices), "")):
         return _reference.multi_tensor_adam(*args, *scalars, decay[0] if decay else None, dtype=dtype, name=name)
     return lib.tfmetal_ext_multi_tensor_adam(*args, *scalars, decay, name=name)

@@ -201,6 +201,10 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         """Why the multi-tensor op cannot be used here, or None."""
         if not self.multi_tensor:
             return "multi_tensor=False"
+        from tfmetal_ext import precision
+
+        if "multi_tensor_adam" in precision.avoided_fusions():
+            return "configure(avoid_fusions=['multi_tensor_adam']) avoids TfmetalExt>MultiTensorAdam"
         if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             return "the step is XLA-compiled and TfmetalExt>MultiTensorAdam has no XLA kernel"
         if tf.distribute.has_strategy():

@@ -1,0 +1,273 @@
+"""tfmetal_ext.doctor and `tfmetal-ext doctor`: environment report, self-test, fault injection."""
+
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+
+import keras
+import pytest
+import tensorflow as tf
+
+import tfmetal_ext
+from tfmetal_ext import cli, devices, doctor, precision
+
+
+@pytest.fixture(scope="module")
+def healthy():
+    """One self-test run of every check on this machine, without injected faults."""
+    saved = os.environ.pop(doctor.FAULT_ENV, None)
+    try:
+        return doctor.selftest()
+    finally:
+        if saved is not None:
+            os.environ[doctor.FAULT_ENV] = saved
+
+
+@pytest.fixture
+def clear_avoided():
+    yield
+    tfmetal_ext.configure("float32", avoid_fusions=())
+
+
+# ----------------------------------------------------------------------------
+# collect()
+
+
+def test_collect_reports_this_install():
+    info = doctor.collect()
+    assert info.tensorflow == tf.__version__ and info.keras == keras.__version__
+    assert info.python == platform.python_version()
+    assert info.tfmetal_ext == tfmetal_ext.__version__
+    assert info.backend in devices.BACKENDS
+    types = {d["device_type"] for d in info.physical_devices}
+    assert "CPU" in types
+    assert ("GPU" in types) == bool(tf.config.list_physical_devices("GPU"))
+    assert info.onednn == devices.capabilities().onednn
+    assert info.config["policy"] == precision.recommend().policy
+    assert info.config["reasons"] and all(isinstance(r, str) for r in info.config["reasons"])
+    assert {"built", "loaded", "library", "tf_version", "metal_kernels", "error"} <= set(info.ops)
+    if info.ops["loaded"]:
+        assert info.ops["tf_version"] == tf.__version__ and os.path.isfile(info.ops["library"])
+    assert info.avoided_fusions == []
+
+
+def test_collect_changes_nothing():
+    keras.mixed_precision.set_global_policy("float32")
+    before = (precision.avoided_fusions(), precision._last_config)
+    info = doctor.collect()
+    assert keras.mixed_precision.global_policy().name == "float32" == info.global_policy
+    assert (precision.avoided_fusions(), precision._last_config) == before
+
+
+def test_collect_str_and_json_round_trip():
+    info = doctor.collect()
+    text = str(info)
+    for section in ("Versions", "Devices", "configure() would choose", "Custom ops"):
+        assert f"\n{section}\n" in text
+    assert re.search(rf"^  tensorflow +{re.escape(tf.__version__)}$", text, re.M)
+    assert re.search(r"^  oneDNN +(on|off)$", text, re.M)
+    data = info.to_dict()
+    assert json.loads(json.dumps(data)) == data
+
+
+def test_collect_gives_the_pairing_fix(monkeypatch):
+    caps = devices.capabilities()
+    broken = devices.Capabilities(**{
+        **caps.to_dict(), "metal_plugin_version": "1.2.0", "pairing": devices.KNOWN_BROKEN,
+        "pairing_fix": devices.FIX_PAIRING_COMMAND,
+    })
+    monkeypatch.setattr(devices, "capabilities", lambda: broken)
+    info = doctor.collect()
+    assert info.pairing == "known-broken" and info.pairing_fix == devices.FIX_PAIRING_COMMAND
+    assert devices.FIX_PAIRING_COMMAND in str(info)
+
+
+def test_collect_lists_avoided_fusions(clear_avoided):
+    tfmetal_ext.configure("float32", avoid_fusions=["matmul_bias_relu"])
+    info = doctor.collect()
+    assert info.avoided_fusions == ["matmul_bias_relu"]
+    assert "matmul_bias_relu" in str(info)
+
+
+# ----------------------------------------------------------------------------
+# selftest() on this machine
+
+
+def test_selftest_passes_here(healthy):
+    assert [c.name for c in healthy.checks] == list(doctor.CHECKS)
+    assert healthy.passed and healthy.failed_patterns == ()
+    for c in healthy.checks:
+        assert c.status in ("PASS", "SKIP"), c
+        if c.status == "SKIP":
+            assert c.detail and c.fix, c
+        elif c.name != "cpu_fallback":
+            assert 0 <= c.max_abs_err <= c.tolerance, c
+            assert "float32" in c.dtypes
+    assert healthy.device == (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU"))[0].name
+
+
+def test_selftest_reports_what_fused(healthy):
+    # Conv2D + BiasAdd + Relu fuses on CPU with and without oneDNN, and on GPUs.
+    assert healthy.check("conv_bias_relu").fused.startswith("_FusedConv2D[BiasAdd")
+    if healthy.check("softshrink").status == "PASS":
+        assert "TfmetalExt>Softshrink" in healthy.check("softshrink").fused
+
+
+def test_selftest_matmul_fuses_with_onednn(healthy, onednn):
+    assert healthy.check("matmul_bias_relu").fused == "_FusedMatMul[BiasAdd, Relu]"
+
+
+def test_selftest_cpu_fallback_without_gpu(healthy):
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is present here: the check lists fallbacks instead")
+    assert healthy.check("cpu_fallback").detail.startswith("no GPU present: nothing can fall back")
+
+
+def test_selftest_str_and_json(healthy):
+    text = str(healthy)
+    for name in doctor.CHECKS:
+        assert any(line.split()[1:2] == [name] for line in text.splitlines()[1:-1]), name
+    assert " 0 failed, " in text.splitlines()[-1]
+    data = healthy.to_dict()
+    assert json.loads(json.dumps(data)) == data
+    assert data["passed"] is True and len(data["checks"]) == len(doctor.CHECKS)
+
+
+# ----------------------------------------------------------------------------
+# Fault injection (the test hook) and failures
+
+
+@pytest.mark.parametrize("name", doctor.CHECKS)
+def test_injected_fault_fails_exactly_that_check(monkeypatch, name):
+    other = "matmul_bias_relu" if name == "conv_bias_relu" else "conv_bias_relu"
+    monkeypatch.setenv(doctor.FAULT_ENV, name)
+    result = doctor.selftest(checks=[name, other])
+    failed = result.check(name)
+    if failed.status == "SKIP":  # a custom op without the library: nothing but the reference to check
+        pytest.skip(f"{name} skipped here: {failed.detail}")
+    assert failed.status == "FAIL" and failed.fix, failed
+    assert result.check(other).status == "PASS"
+    assert not result.passed
+    if name in precision.SAFE_FORMS:
+        assert failed.max_abs_err > failed.tolerance
+        assert f"avoid_fusions=[{name!r}]" in failed.fix
+        assert result.failed_patterns == (name,)
+    else:
+        assert result.failed_patterns == ()
+    text = str(result)
+    assert f"FAIL  {name}" in text and f"fix: {failed.fix}" in text
+
+
+def test_custom_op_failure_fix_says_report_it(monkeypatch):
+    monkeypatch.setenv(doctor.FAULT_ENV, "layer_norm")
+    check = doctor.selftest(checks=["layer_norm"]).check("layer_norm")
+    if check.status == "SKIP":
+        pytest.skip(check.detail)
+    assert "avoid_fusions=['layer_norm']" in check.fix and "report it" in check.fix
+
+
+def test_unknown_fault_name(monkeypatch):
+    monkeypatch.setenv(doctor.FAULT_ENV, "matmul_bias_relu,nope")
+    with pytest.raises(ValueError, match=r"nope.*valid names: conv_bias_relu, .*cpu_fallback"):
+        doctor.selftest(checks=["conv_bias_relu"])
+
+
+@pytest.mark.parametrize("bad", [["nope"], "conv_bias_relu", 3])
+def test_bad_checks_argument(bad):
+    with pytest.raises(ValueError, match=r"Received: checks="):
+        doctor.selftest(checks=bad)
+
+
+def test_crashing_check_fails_with_fix(monkeypatch):
+    def broken(dtype):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(doctor, "_matmul_case", broken)
+    check = doctor.selftest(checks=["matmul_bias_relu"]).check("matmul_bias_relu")
+    assert check.status == "FAIL" and "RuntimeError: no kernel" in check.detail
+    assert "avoid_fusions=['matmul_bias_relu']" in check.fix
+
+
+def test_custom_op_checks_skip_without_library(monkeypatch):
+    from tfmetal_ext.ops import _loader
+
+    monkeypatch.setattr(_loader, "load", lambda: None)
+    result = doctor.selftest(checks=["softshrink", "layer_norm", "multi_tensor_adam"])
+    for c in result.checks:
+        assert c.status == "SKIP" and c.fix == "tfmetal-ext build-ops" and "not loaded" in c.detail
+    assert result.passed
+
+
+def test_custom_op_checks_skip_with_forced_reference(monkeypatch):
+    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1")
+    check = doctor.selftest(checks=["softshrink"]).check("softshrink")
+    assert check.status == "SKIP" and "TFMETAL_EXT_REFERENCE_OPS" in check.detail
+
+
+def test_failed_result_feeds_configure(monkeypatch, clear_avoided):
+    monkeypatch.setenv(doctor.FAULT_ENV, "matmul_bias_relu,cpu_fallback")
+    result = doctor.selftest(checks=["matmul_bias_relu", "cpu_fallback"])
+    cfg = tfmetal_ext.configure("float32", avoid_fusions=result)
+    assert cfg.avoided_fusions == ("matmul_bias_relu",)
+    assert precision.avoided_fusions() == {"matmul_bias_relu"}
+
+
+@pytest.mark.metal
+def test_selftest_on_metal_runs_float16_and_checks_matmul(healthy):
+    assert healthy.device.endswith("GPU:0")
+    for name in ("conv_bias_relu", "matmul_bias_relu", "fused_batch_norm"):
+        assert healthy.check(name).dtypes == ("float32", "float16")
+    # The known Metal miscompute: if it is there, the fix must be the safe form.
+    check = healthy.check("matmul_bias_relu")
+    assert check.status == "PASS" or "avoid_fusions=['matmul_bias_relu']" in check.fix
+
+
+# ----------------------------------------------------------------------------
+# Command line
+
+
+def _run_cli(*args, env=None):
+    full_env = {k: v for k, v in os.environ.items() if k != doctor.FAULT_ENV}
+    full_env.update({"TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tfmetal_ext.cli", "doctor", *args],
+        capture_output=True, text=True, env=full_env, timeout=600,
+    )
+
+
+def test_cli_doctor_text_exits_0():
+    proc = _run_cli()
+    assert proc.returncode == 0, proc.stderr
+    assert "Custom ops" in proc.stdout and tf.__version__ in proc.stdout
+
+
+def test_cli_doctor_json_parses():
+    proc = _run_cli("--json")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["selftest"] is None
+    assert data["doctor"]["tensorflow"] == tf.__version__
+
+
+def test_cli_selftest_with_fault_exits_nonzero():
+    proc = _run_cli("--selftest", "--json", env={doctor.FAULT_ENV: "matmul_bias_relu"})
+    assert proc.returncode == 1, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["selftest"]["passed"] is False
+    assert data["selftest"]["failed_patterns"] == ["matmul_bias_relu"]
+
+
+def test_cli_selftest_in_process_exits_0(monkeypatch, capsys):
+    monkeypatch.delenv(doctor.FAULT_ENV, raising=False)
+    assert cli.main(["doctor", "--selftest"]) == 0
+    out = capsys.readouterr().out
+    assert "Self-test on" in out and "0 failed" in out
+
+
+def test_cli_bad_fault_env(monkeypatch, capsys):
+    monkeypatch.setenv(doctor.FAULT_ENV, "nope")
+    assert cli.main(["doctor", "--selftest"]) == 2
+    assert "valid names" in capsys.readouterr().err
