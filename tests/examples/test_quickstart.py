@@ -22,6 +22,10 @@ def test_quickstart_runs_and_prints_a_fusion_report():
     acc = float(out.split("test accuracy after 2 epochs:")[1].split()[0])
     assert acc > 0.5  # 10 classes: chance is 0.1
     assert "Fusion report (train" in out and "Placement report" in out
+    # The MetalCallback's summary, printed after the first step, and its per-epoch logs.
+    summary = out[out.index("MetalCallback:"):out.index("test accuracy")]
+    assert "backend " in summary and "ops per step" in summary and "CPU fallback" in summary
+    assert "median step time" in out and "examples/s" in out
     assert "_FusedMatMul[BiasAdd, Relu]" in out
     if "oneDNN=on" in out:  # BN + Relu -> _FusedBatchNormEx needs oneDNN on CPU
         assert "_FusedBatchNormEx" in out
