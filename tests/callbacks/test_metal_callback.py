@@ -413,6 +413,24 @@ def test_nonfinite_loss_stops_at_the_step():
     assert len(history.history["loss"]) == 1  # stopped within the first epoch
 
 
+def test_steps_per_execution_and_validation():
+    x, y = _nan_at(4, n=16)
+    model = _compile(_linear(), steps_per_execution=2)
+    lines = []
+    cb = MetalCallback(print_fn=lines.append, log_every_n_steps=4)
+    clean_x, clean_y = _data(16)
+    history = model.fit(clean_x, clean_y, batch_size=1, epochs=2, verbose=0, shuffle=False,
+                        validation_data=(clean_x[:4], clean_y[:4]), callbacks=[cb])
+    assert "ops per step" in cb.summary
+    assert len(history.history["step_time_ms"]) == 2 and "val_loss" in history.history
+    recorder = Recorder()
+    model.fit(x, y, batch_size=1, epochs=1, verbose=0, shuffle=False, callbacks=[cb, recorder])
+    # Sample 4 is step 5, run in the call covering steps 5-6.
+    assert cb.nonfinite_step == 6
+    assert any("steps 5-6" in line for line in lines)
+    assert recorder.batches_begun == 3
+
+
 def test_nonfinite_loss_warns_and_keeps_training():
     x, y = _nan_at(2)
     model = _compile(_linear())

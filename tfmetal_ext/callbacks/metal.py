@@ -484,8 +484,15 @@ class MetalCallback(keras.callbacks.Callback):
 
     def _nonfinite(self, step, loss):
         self.nonfinite_step = step
+        first = self._step  # the first step of this call (several with steps_per_execution > 1)
         epoch_step = step - self._epoch_base
-        where = f"step {step} (step {epoch_step} of the epoch)"
+        if first == step:
+            where = f"step {step} (step {epoch_step} of the epoch)"
+        else:
+            where = (
+                f"steps {first}-{step} (steps_per_execution={self._steps_per_call()}: the loss is "
+                "read once per call)"
+            )
         if self.on_nonfinite == "stop":
             self.model.stop_training = True
             msg = f"MetalCallback: non-finite loss ({loss}) at {where}; training stopped"
