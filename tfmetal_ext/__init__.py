@@ -1,18 +1,25 @@
 """tfmetal-ext: Keras 3 extensions that make TensorFlow fuse, on Apple-silicon GPUs and elsewhere.
 
-Public API: `configure`, `Config`, and the submodules `callbacks`, `devices`,
-`doctor`, `precision`, `inspect`, `layers`, `ops` and `optimizers`.
+Public API: `configure`, `Config`, `convert` (returns a converted model whose
+`conversion_report` is a `ConversionReport`), and the submodules `callbacks`, `devices`,
+`conversion`, `doctor`, `precision`, `inspect`, `layers`, `ops` and `optimizers`.
 """
 
-from tfmetal_ext import callbacks, devices, doctor, inspect, layers, ops, optimizers, precision
+from tfmetal_ext import callbacks, devices, inspect, layers, ops, optimizers, precision
+from tfmetal_ext import doctor
 from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
+from tfmetal_ext import conversion
+from tfmetal_ext.conversion import ConversionReport, convert
 
 __all__ = [
     "Config",
+    "ConversionReport",
     "__version__",
     "callbacks",
     "configure",
+    "conversion",
+    "convert",
     "devices",
     "doctor",
     "inspect",

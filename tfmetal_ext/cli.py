@@ -86,6 +86,33 @@ def _cmd_doctor(args):
     return 0 if result is None or result.passed else 1
 
 
+def _cmd_convert(args):
+    import keras
+
+    from tfmetal_ext import conversion
+
+    if not os.path.exists(args.input):
+        print(f"tfmetal-ext convert: no such file: {args.input}", file=sys.stderr)
+        return 2
+    try:
+        model = keras.saving.load_model(args.input)
+    except Exception as e:  # Keras raises several types for unreadable files
+        print(f"tfmetal-ext convert: cannot load {args.input}: {e}", file=sys.stderr)
+        return 2
+    try:
+        converted = conversion.convert(
+            model, inference=args.inference, verify=not args.no_verify, count_ops=not args.no_ops,
+            batch_size=args.batch,
+        )
+    except (ValueError, conversion.VerificationError) as e:
+        print(f"tfmetal-ext convert: {e}", file=sys.stderr)
+        return 1
+    converted.save(args.output)
+    print(converted.conversion_report)
+    print(f"saved {args.output}")
+    return 0
+
+
 def _positive_int(text):
     value = int(text)
     if value < 1:
@@ -116,6 +143,14 @@ def build_parser():
     p.add_argument("--selftest", action="store_true", help="check each fused pattern on the device (exit 1 on FAIL)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_doctor)
+    p = sub.add_parser("convert", help="rewrite a saved .keras model into fusion-first layers, verified")
+    p.add_argument("input", help="path to the stock .keras file")
+    p.add_argument("output", help="where to save the converted .keras file")
+    p.add_argument("--inference", action="store_true", help="fold batch norms into the convolutions (deployment)")
+    p.add_argument("--batch", type=_positive_int, default=2, help="batch size of verify's and op counting's inputs")
+    p.add_argument("--no-verify", action="store_true", help="skip comparing outputs and gradients with the stock model")
+    p.add_argument("--no-ops", action="store_true", help="skip counting ops per train step and inference call")
+    p.set_defaults(func=_cmd_convert)
     return parser
 
 
