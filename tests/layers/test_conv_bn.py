@@ -47,6 +47,7 @@ CONFIGS = [
     dict(filters=4, kernel_size=(1, 3), activation="elu"),
     dict(filters=4, kernel_size=1, strides=2, activation="leaky_relu"),
     dict(filters=3, kernel_size=3, activation=None),
+    dict(filters=6, kernel_size=1),  # pointwise: a MatMul in CPU training steps
 ]
 
 
@@ -199,6 +200,33 @@ def test_train_step_fuses_batchnorm_relu(onednn, policy, dtype):
     node = inspect.assert_fused(report, layer="cba", op="_FusedBatchNormEx", fused_ops=[])
     assert node.dtype == dtype
     assert report.row("cba").status == "fused"
+
+
+def _pointwise_model():
+    inp = keras.Input((8, 8, 4))
+    return keras.Model(inp, ConvBNAct(8, 1, name="cba")(inp))
+
+
+def test_pointwise_train_step_is_a_matmul_on_cpu(onednn):
+    # Training: the 1x1 product (forward and both backward products) as MatMul, BN + Relu still fused.
+    report = inspect.fusion_report(_pointwise_model(), mode="train")
+    ops = report.ops_by_type
+    assert "Conv2D" not in ops and "Conv2DBackpropFilter" not in ops and "Conv2DBackpropInput" not in ops
+    assert ops.get("MatMul", 0) + ops.get("_MklMatMul", 0) >= 2
+    inspect.assert_fused(report, layer="cba", op="_FusedBatchNormEx")
+    # Inference keeps Conv2D, which fuses with the batch norm.
+    predict = inspect.fusion_report(_pointwise_model(), mode="predict")
+    inspect.assert_fused(predict, layer="cba", op="_FusedConv2D", fused_ops=["FusedBatchNorm", "Relu"])
+
+
+def test_pointwise_matmul_with_unknown_spatial_size_matches_stock():
+    layer, stock, _ = _pair(dict(filters=5, kernel_size=1, activation="relu6"))
+    x = tf.constant(np.random.default_rng(3).normal(size=(2, 5, 6, 3)).astype("float32"))
+    spec = tf.TensorSpec((None, None, None, 3), tf.float32)
+    ours = tf.function(lambda t: layer(t, training=True), input_signature=[spec])
+    ref = tf.function(lambda t: stock(t, training=True), input_signature=[spec])
+    assert ours(x).shape == (2, 5, 6, 5)
+    assert_close(ours(x), ref(x), 1e-5)
 
 
 def test_train_step_other_activation_not_fused(onednn):
