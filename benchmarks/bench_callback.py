@@ -1,12 +1,12 @@
 """Per-step overhead of MetalCallback in `model.fit`, against the same fit without it, in one process.
 
-Two measurements per model, rounds alternating plain / with callback:
-- step interval: the median time between consecutive train-batch begins of one
-  long fit (a timer callback that only implements `on_train_batch_begin` is in
-  both runs; the fit's first steps, which include tracing and the callback's
-  one-time inspection, are skipped);
-- slope: (T(long fit) - T(short fit)) / (step difference), which cancels
-  everything that happens once per fit (setup, the one-time inspection).
+Three measurements per model:
+- step interval: the median time between consecutive train-batch begins of a
+  fit (a timer callback that only implements `on_train_batch_begin` is in both
+  runs; the fit's first steps, which include tracing and the callback's
+  one-time inspection, are skipped), over many rounds alternating plain / with
+  the callback, median across rounds; a callback with an empty batch-begin hook
+  runs in the same rounds to show the noise and Keras' own dispatch cost;
 
 - hooks: the callback's own per-step work, timed alone: its batch-begin hook and
   train-function wrapper around a step that returns at once (100k calls), as a
@@ -52,6 +52,13 @@ class BeginTimer(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self.times.append(time.perf_counter())
+
+
+class EmptyCallback(keras.callbacks.Callback):
+    """A callback doing nothing per step: what Keras' callback dispatch alone costs, for scale."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        pass
 
 
 def small_mlp():
@@ -121,50 +128,46 @@ def bench(builder, rounds, steps):
     rng = np.random.default_rng(0)
     x = rng.standard_normal((steps * batch,) + shape).astype("float32")
     y = rng.integers(0, 10, size=(steps * batch,)).astype("int32")
-    short = max(SKIP + 5, steps // 5)
     callback = tfmetal_ext.callbacks.MetalCallback(print_fn=lambda *_: None, log_every_n_steps=50)
-    runs = {"plain": None, "callback": callback}
-    results = {k: {"interval": [], "slope": []} for k in runs}
-    _fit(model, x, y, batch, short, None)  # trace once
-    for _ in range(rounds):
-        for name, cb in runs.items():
-            t_long, interval = _fit(model, x, y, batch, steps, cb)
-            t_short, _ = _fit(model, x, y, batch, short, cb)
-            results[name]["interval"].append(interval)
-            results[name]["slope"].append((t_long - t_short) * 1e3 / (steps - short))
+    runs = {"plain": None, "empty": EmptyCallback(), "callback": callback}
+    intervals = {k: [] for k in runs}
+    _fit(model, x, y, batch, SKIP + 5, None)  # trace once
+    order = list(runs)
+    for r in range(rounds):
+        for name in order[r % len(order):] + order[: r % len(order)]:  # rotate: no side always runs first
+            intervals[name].append(_fit(model, x, y, batch, steps, runs[name])[1])
     plain_ops = tfmetal_ext.inspect.fusion_report(model, mode="train", batch_size=batch).num_ops
     cb_ops = callback.fusion_report.num_ops
-    row = {"model": model.name, "batch": batch, "ops/step plain": plain_ops, "ops/step callback": cb_ops}
+    plain = statistics.median(intervals["plain"])
+    with_cb = statistics.median(intervals["callback"])
+    empty = statistics.median(intervals["empty"])
     hooks = hook_cost_us(model)
-    row["hooks us/step"] = hooks
-    for kind in ("interval", "slope"):
-        plain = statistics.median(results["plain"][kind])
-        with_cb = statistics.median(results["callback"][kind])
-        row[f"{kind} plain ms"] = plain
-        row[f"{kind} callback ms"] = with_cb
-        row[f"{kind} overhead %"] = (with_cb / plain - 1.0) * 100.0
-    row["hooks % of step"] = hooks / (row["interval plain ms"] * 1e3) * 100.0
-    return row
+    return {
+        "model": model.name, "batch": batch, "ops/step plain": plain_ops, "ops/step callback": cb_ops,
+        "step plain ms": plain, "step callback ms": with_cb, "end-to-end overhead %": (with_cb / plain - 1.0) * 100.0,
+        "empty callback %": (empty / plain - 1.0) * 100.0,
+        "hooks us/step": hooks, "hooks % of step": hooks / (plain * 1e3) * 100.0,
+    }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=150)
     args = parser.parse_args(argv)
     rows = [bench(builder, args.rounds, args.steps) for builder in MODELS]
     columns = [
         "model", "batch", "ops/step plain", "ops/step callback",
-        "interval plain ms", "interval callback ms", "interval overhead %",
-        "slope plain ms", "slope callback ms", "slope overhead %", "hooks us/step", "hooks % of step",
+        "step plain ms", "step callback ms", "end-to-end overhead %", "empty callback %", "hooks us/step",
+        "hooks % of step",
     ]
     write_results(
         "bench_callback", rows, columns,
         notes=[
-            f"{args.rounds} alternating rounds of a {args.steps}-step fit and a shorter one; medians across rounds",
-            "interval: median gap between train-batch begins, first steps of each fit skipped",
-            "slope: (T(long fit) - T(short fit)) / step difference: once-per-fit costs (incl. the inspection) cancel",
-            "overhead % = callback / plain - 1; negative values are noise",
+            f"{args.rounds} alternating rounds of a {args.steps}-step fit per side; step = median gap between "
+            f"train-batch begins (first {SKIP} steps of each fit skipped), median across rounds",
+            "end-to-end overhead % = callback / plain - 1; this host's noise is several percent either way",
+            "empty callback % = the same for a Keras callback with an empty batch-begin hook (noise and dispatch scale)",
             "hooks: the callback's per-step Python work alone (batch-begin hook + train-function wrapper, "
             "non-finite check and log_every_n_steps=50 on), 100k calls",
         ],
