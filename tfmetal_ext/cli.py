@@ -1,7 +1,8 @@
-"""The `tfmetal-ext` command line: `report`, `build-ops` and `version`.
+"""The `tfmetal-ext` command line: `version`, `report`, `build-ops`, `doctor` and `convert`.
 
 `doctor [--selftest] [--json]`: environment, configure() choice, custom-op status
 and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL).
+`convert IN.keras OUT.keras [--inference]`: a fusion-first, verified copy of a saved model.
 """
 
 from __future__ import annotations
@@ -28,18 +29,25 @@ def _cmd_version(args):
     return 0
 
 
-def _cmd_report(args):
+def _load_model(path, command):
+    """The Keras model saved at `path`, or None after printing why not (exit status 2)."""
     import keras
 
+    if not os.path.exists(path):
+        print(f"tfmetal-ext {command}: no such file: {path}", file=sys.stderr)
+        return None
+    try:
+        return keras.saving.load_model(path)
+    except Exception as e:  # Keras raises several types for unreadable files
+        print(f"tfmetal-ext {command}: cannot load {path}: {e}", file=sys.stderr)
+        return None
+
+
+def _cmd_report(args):
     from tfmetal_ext import inspect
 
-    if not os.path.exists(args.model):
-        print(f"tfmetal-ext report: no such file: {args.model}", file=sys.stderr)
-        return 2
-    try:
-        model = keras.saving.load_model(args.model)
-    except Exception as e:  # Keras raises several types for unreadable files
-        print(f"tfmetal-ext report: cannot load {args.model}: {e}", file=sys.stderr)
+    model = _load_model(args.model, "report")
+    if model is None:
         return 2
     kw = {"batch_size": args.batch}
     if args.mode == "train" and not getattr(model, "compiled", False):
@@ -87,17 +95,10 @@ def _cmd_doctor(args):
 
 
 def _cmd_convert(args):
-    import keras
-
     from tfmetal_ext import conversion
 
-    if not os.path.exists(args.input):
-        print(f"tfmetal-ext convert: no such file: {args.input}", file=sys.stderr)
-        return 2
-    try:
-        model = keras.saving.load_model(args.input)
-    except Exception as e:  # Keras raises several types for unreadable files
-        print(f"tfmetal-ext convert: cannot load {args.input}: {e}", file=sys.stderr)
+    model = _load_model(args.input, "convert")
+    if model is None:
         return 2
     try:
         converted = conversion.convert(
