@@ -141,6 +141,7 @@ def test_mobilenetv2_depthwise_and_relu6(tmp_path):
     # Conv2D -> BN -> ReLU(6.) folds into ConvBNAct(relu6).
     assert new.get_layer("Conv1").activation == "relu6"
     _assert_save_load(new, x, tmp_path)
+    _assert_fits(new, _x((32, 32, 3), batch=4), np.random.default_rng(1).random((4, 10)).astype("float32"))
     # Inference form: depthwise + BN + ReLU6 folded into one FusedDepthwiseConv2D.
     deploy = tfmetal_ext.convert(stock, inference=True, count_ops=False)
     _assert_same_outputs(stock, deploy, x)
