@@ -7,13 +7,14 @@ model's train step is timed with keras SGD (as stock) and with tfmetal_ext's Fus
 form (`convert(model)`) is timed for both; the inference form (`convert(model, inference=True)`,
 batch norms folded) for inference.
 
-    .venv/bin/python benchmarks/bench_convert.py [--repeats 7] [--models ResNet50,MobileNetV2] [--size 96] [--batch 16]
+    .venv/bin/python benchmarks/bench_convert.py [--rounds 9] [--repeats 5] [--models ResNet50,MobileNetV2] [--size 96] [--batch 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -53,7 +54,7 @@ def _ops(model, x, y, mode, optimizer_cls=keras.optimizers.SGD):
     return tfmetal_ext.inspect.fusion_report(model, x, mode=mode, **kw).num_ops
 
 
-def run(name, size, batch, repeats):
+def run(name, size, batch, repeats, rounds):
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, size, size, 3)).astype("float32")
@@ -77,39 +78,52 @@ def run(name, size, batch, repeats):
         "fused_opt": _train_fn(ours_fused_opt, x, y, tfmetal_ext.optimizers.FusedSGD),
     }
     infer = {k: _infer_fn(m, x) for k, m in (("stock", stock), ("ours", ours), ("deploy", deploy))}
-    # Alternate stock and ours twice and keep each side's best median, so drift on a shared host
-    # does not favour either side.
-    for _ in range(2):
-        for k in ("stock", "ours", "fused_opt"):
-            t = median_time(train[k], warmup=2, repeats=repeats)
-            res[k]["train_ms"] = min(res[k].get("train_ms", t), t)
-        for k in ("stock", "ours", "deploy"):
-            t = median_time(infer[k], warmup=2, repeats=repeats)
-            res[k]["infer_ms"] = min(res[k].get("infer_ms", t), t)
+    # Paired rounds: each round times every variant once (order rotated, so none always runs first) and
+    # the speed-ups are taken within the round; the reported figures are medians across rounds, so drift
+    # on a shared host between rounds cancels instead of deciding the ratio.
+    times = {("train", k): [] for k in train}
+    times.update({("infer", k): [] for k in infer})
+    for rnd in range(rounds):
+        keys = list(times)
+        for phase, k in keys[rnd % len(keys):] + keys[: rnd % len(keys)]:
+            fn = train[k] if phase == "train" else infer[k]
+            times[(phase, k)].append(median_time(fn, warmup=1, repeats=repeats))
+
+    def med(phase, k):
+        return statistics.median(times[(phase, k)])
+
+    def speedup(phase, k):
+        return statistics.median(a / b for a, b in zip(times[(phase, "stock")], times[(phase, k)]))
+
+    for k in train:
+        res[k]["train_ms"] = med("train", k)
+    for k in infer:
+        res[k]["infer_ms"] = med("infer", k)
     s, o, d, f = res["stock"], res["ours"], res["deploy"], res["fused_opt"]
     return dict(
         model=name, input=f"{size}x{size}x3", batch=batch, policy=keras.mixed_precision.global_policy().name,
         rewrites=len(r.rewrites), absorbed=len(r.absorbed), kept=len(r.kept),
         stock_train_ops=s["train_ops"], ours_train_ops=o["train_ops"], train_ops_ratio=o["train_ops"] / s["train_ops"],
         stock_infer_ops=s["infer_ops"], ours_infer_ops=o["infer_ops"], deploy_infer_ops=d["infer_ops"],
-        stock_train_ms=s["train_ms"], ours_train_ms=o["train_ms"], train_speedup=s["train_ms"] / o["train_ms"],
+        stock_train_ms=s["train_ms"], ours_train_ms=o["train_ms"], train_speedup=speedup("train", "ours"),
         fused_sgd_train_ops=f["train_ops"], fused_sgd_train_ops_ratio=f["train_ops"] / s["train_ops"],
-        fused_sgd_train_ms=f["train_ms"], fused_sgd_train_speedup=s["train_ms"] / f["train_ms"],
+        fused_sgd_train_ms=f["train_ms"], fused_sgd_train_speedup=speedup("train", "fused_opt"),
         stock_infer_ms=s["infer_ms"], ours_infer_ms=o["infer_ms"], deploy_infer_ms=d["infer_ms"],
-        infer_speedup=s["infer_ms"] / o["infer_ms"], deploy_infer_speedup=s["infer_ms"] / d["infer_ms"],
+        infer_speedup=speedup("infer", "ours"), deploy_infer_speedup=speedup("infer", "deploy"),
     )
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per variant per round")
+    parser.add_argument("--rounds", type=int, default=9, help="paired rounds")
     parser.add_argument("--models", default="ResNet50,MobileNetV2")
     parser.add_argument("--size", type=int, default=96)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--policy", default="float32")
     args = parser.parse_args(argv)
     keras.mixed_precision.set_global_policy(args.policy)
-    rows = [run(name, args.size, args.batch, args.repeats) for name in args.models.split(",")]
+    rows = [run(name, args.size, args.batch, args.repeats, args.rounds) for name in args.models.split(",")]
     columns = ["model", "input", "batch", "policy", "rewrites", "absorbed", "kept",
                "stock_train_ops", "ours_train_ops", "train_ops_ratio",
                "stock_infer_ops", "ours_infer_ops", "deploy_infer_ops",
@@ -120,7 +134,8 @@ def main(argv=None):
     write_results(name, rows, columns, notes=[
         "ops = compute nodes of the post-grappler graph per step (tfmetal_ext.inspect FusionReport.num_ops)",
         "ours = convert(model) (training form); deploy = convert(model, inference=True) (batch norms folded)",
-        "times are medians (ms), best of 2 alternating rounds; speedup = stock / ours; optimizer "
+        "times are medians (ms) across paired rounds (order rotated); speedup = median over rounds of "
+        "stock / ours within the round; optimizer "
         "keras SGD(0.01, momentum=0.9) for stock and ours",
         "fused_sgd = the converted model compiled with tfmetal_ext.optimizers.FusedSGD(0.01, momentum=0.9) "
         "(one ResourceApplyKerasMomentum per variable) instead of keras SGD",
