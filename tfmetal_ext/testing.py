@@ -187,3 +187,54 @@ def threadgroup_size_1d(n, cap=256, width=32, max_total=1024):
     limit = min(max_total, cap)
     limit -= limit % width
     return min(limit, -(-max(n, 1) // width) * width)
+
+
+# ----------------------------------------------------------------------------
+# numpy references of the custom ops, shared by the op tests and their Metal-emulation tests.
+
+
+def np_softshrink(x, lambd):
+    """Softshrink in float64; NaN propagates (the op's documented behaviour)."""
+    x = x.astype(np.float64)
+    y = np.where(x > lambd, x - lambd, np.where(x < -lambd, x + lambd, 0.0))
+    return np.where(np.isnan(x), x, y)
+
+
+def np_softshrink_grad(dy, x, lambd):
+    """Softshrink's gradient in float64: `dy` where ``|x| > lambd``, else 0; NaN propagates."""
+    x = x.astype(np.float64)
+    g = np.where(np.abs(x) > lambd, dy.astype(np.float64), 0.0)
+    return np.where(np.isnan(x), x, g)
+
+
+def np_adam_step(state, g, scalars, np_dtype, amsgrad=False, decay_rate=None):
+    """One ResourceApplyAdam(WithAmsgrad) step, operation by operation, each result rounded to `np_dtype`.
+
+    Args:
+        state: ``(var, m, v, vhat)`` arrays.
+        g: the gradient.
+        scalars: ``(lr, beta_1, beta_2, epsilon, beta_1_power, beta_2_power)``.
+        np_dtype: the numpy type values are rounded to (through float32, like Eigen).
+        amsgrad: use and update `vhat`.
+        decay_rate: decoupled weight decay applied first (``var -= var * decay_rate``), or None.
+
+    Returns:
+        The new ``(var, m, v, vhat)`` as float64 arrays.
+    """
+
+    def r(x):
+        return np.asarray(x, np.float64).astype(np.float32).astype(np_dtype).astype(np.float64)
+
+    var, m, v, vhat, g = (np.asarray(a).astype(np.float64) for a in (*state, g))
+    lr, b1, b2, eps, b1p, b2p = (float(r(s)) for s in scalars)
+    alpha = r(r(lr * r(np.sqrt(r(1.0 - b2p)))) / r(1.0 - b1p))
+    if decay_rate is not None:
+        var = r(var - r(var * float(r(decay_rate))))
+    m = r(m + r(r(g - m) * r(1.0 - b1)))
+    v = r(v + r(r(r(g * g) - v) * r(1.0 - b2)))
+    base = v
+    if amsgrad:
+        vhat = np.where(vhat < v, v, vhat)
+        base = vhat
+    var = r(var - r(r(m * alpha) / r(r(np.sqrt(base)) + eps)))
+    return var, m, v, vhat

@@ -15,7 +15,7 @@ import pytest
 import tensorflow as tf
 
 import keras
-from tfmetal_ext import inspect, ops
+from tfmetal_ext import inspect, ops, testing
 
 mta_module = importlib.import_module("tfmetal_ext.ops.multi_tensor_adam")
 
@@ -44,20 +44,7 @@ def rounder(dtype):
 
 def np_adam_step(state, g, scalars, dtype, amsgrad=False, decay_rate=None):
     """One step of ResourceApplyAdam(WithAmsgrad), operation by operation in `dtype`."""
-    r = rounder(dtype)
-    var, m, v, vhat = state
-    lr, b1, b2, eps, b1p, b2p = (float(r(s)) for s in scalars)
-    alpha = r(r(lr * r(np.sqrt(r(1.0 - b2p)))) / r(1.0 - b1p))
-    if decay_rate is not None:
-        var = r(var - r(var * float(r(decay_rate))))
-    m = r(m + r(r(g - m) * r(1.0 - b1)))
-    v = r(v + r(r(r(g * g) - v) * r(1.0 - b2)))
-    base = v
-    if amsgrad:
-        vhat = np.where(vhat < v, v, vhat)
-        base = vhat
-    var = r(var - r(r(m * alpha) / r(r(np.sqrt(base)) + eps)))
-    return var, m, v, vhat
+    return testing.np_adam_step(state, g, scalars, NP_DTYPES[dtype], amsgrad, decay_rate)
 
 
 def textbook_adam(var, g, steps, lr=0.01, b1=0.9, b2=0.999, eps=1e-7):

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmetal_ext import testing
 from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,27 +110,10 @@ def copy_state(state):
 
 
 def np_adam(state, grads, scalars, dtype, amsgrad, decay_rate):
-    """ResourceApplyAdam(WithAmsgrad) operation by operation, each result rounded to the dtype."""
-    t = DTYPES[dtype][0]
-
-    def r(x):
-        return np.asarray(x, np.float64).astype(np.float32).astype(t).astype(np.float64)
-
-    lr, b1, b2, eps, b1p, b2p = (float(r(s)) for s in scalars)
-    alpha = r(r(lr * r(np.sqrt(r(1.0 - b2p)))) / r(1.0 - b1p))
+    """ResourceApplyAdam(WithAmsgrad) per tensor, operation by operation, each result rounded to the dtype."""
     out = [[], [], [], []]
-    for var, m, v, vhat, g in zip(*state, grads):
-        var, m, v, vhat, g = (a.astype(np.float64) for a in (var, m, v, vhat, g))
-        if decay_rate is not None:
-            var = r(var - r(var * float(r(decay_rate))))
-        m = r(m + r(r(g - m) * r(1.0 - b1)))
-        v = r(v + r(r(r(g * g) - v) * r(1.0 - b2)))
-        base = v
-        if amsgrad:
-            vhat = np.where(vhat < v, v, vhat)
-            base = vhat
-        var = r(var - r(r(m * alpha) / r(r(np.sqrt(base)) + eps)))
-        for k, a in enumerate((var, m, v, vhat)):
+    for *tensor_state, g in zip(*state, grads):
+        for k, a in enumerate(testing.np_adam_step(tensor_state, g, scalars, DTYPES[dtype][0], amsgrad, decay_rate)):
             out[k].append(a)
     return out
 

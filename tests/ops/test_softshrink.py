@@ -5,21 +5,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext import inspect, ops
+from tfmetal_ext import inspect, ops, testing
 from tfmetal_ext.layers.activations import Softshrink
 from tfmetal_ext.testing import run_layer_test
 
 
-def np_softshrink(x, lambd):
-    x = x.astype(np.float64)
-    y = np.where(x > lambd, x - lambd, np.where(x < -lambd, x + lambd, 0.0))
-    return np.where(np.isnan(x), x, y)
-
-
-def np_softshrink_grad(dy, x, lambd):
-    x = x.astype(np.float64)
-    g = np.where(np.abs(x) > lambd, dy.astype(np.float64), 0.0)
-    return np.where(np.isnan(x), x, g)
+np_softshrink = testing.np_softshrink
+np_softshrink_grad = testing.np_softshrink_grad
 
 
 DTYPES = {"float32": (tf.float32, 1e-6), "float16": (tf.float16, 1e-3), "bfloat16": (tf.bfloat16, 8e-3)}

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmetal_ext import testing
 from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,16 +80,8 @@ def metal_grad(lib, dtype, dy, x, lambd, **kw):
 # References
 
 
-def np_softshrink(x, lambd):
-    x = x.astype(np.float64)
-    y = np.where(x > lambd, x - lambd, np.where(x < -lambd, x + lambd, 0.0))
-    return np.where(np.isnan(x), x, y)
-
-
-def np_softshrink_grad(dy, x, lambd):
-    x = x.astype(np.float64)
-    g = np.where(np.abs(x) > lambd, dy.astype(np.float64), 0.0)
-    return np.where(np.isnan(x), x, g)
+np_softshrink = testing.np_softshrink
+np_softshrink_grad = testing.np_softshrink_grad
 
 
 def random_input(dtype, n, seed, lambd=0.5):
