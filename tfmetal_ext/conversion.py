@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import warnings
 
 import keras
 import numpy as np
@@ -181,7 +182,8 @@ class ConversionReport:
 
 
 class VerificationError(AssertionError):
-    """The converted model's outputs or gradients differ from the stock model's beyond tolerance.
+    """The converted model's outputs or gradients differ from the stock model's beyond tolerance,
+    or there is nothing to compare (every output of the stock model is NaN or inf).
 
     Attributes:
         diffs: list of ``(what, relative_diff, tolerance)`` rows, in graph
@@ -323,6 +325,12 @@ def _np(v):
     return keras.ops.convert_to_numpy(v)
 
 
+def _same_bits(a, b):
+    """Bitwise equality of two variables' values (NaN payloads included, so NaN weights copy too)."""
+    a, b = np.asarray(_np(a)), np.asarray(_np(b))
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
 def _copy_identical(src, dst, pairs):
     """Copies `src`'s weights into `dst` one by one (same count, names, shapes); asserts bitwise equality."""
     sw, dw = src.weights, dst.weights
@@ -334,7 +342,7 @@ def _copy_identical(src, dst, pairs):
         if tuple(a.shape) != tuple(b.shape):
             raise RuntimeError(f"weight {a.path} {tuple(a.shape)} != {b.path} {tuple(b.shape)}")
         b.assign(a.value if hasattr(a, "value") else a)
-        if not np.array_equal(_np(a), _np(b)):
+        if not _same_bits(a, b):
             raise RuntimeError(f"weight {a.path} did not copy exactly into {b.path}")
         if a.trainable and b.trainable:
             pairs.append((a, b))
@@ -623,7 +631,7 @@ class _Converter:
                 mean = (mean.astype("float64") - _np(layer.bias).astype("float64")).astype("float32")
             new.moving_mean.assign(mean)
             for a, b in ((layer.kernel, new.kernel), (bn.gamma, new.gamma), (bn.beta, new.beta)):
-                if not np.array_equal(_np(a), _np(b)):
+                if not _same_bits(a, b):
                     raise RuntimeError(f"weight {a.path} did not copy exactly into {b.path}")
                 pairs.append((a, b))
 
@@ -832,16 +840,47 @@ def _rel_diff(a, b):
         return float("inf")
     if a.size == 0:
         return 0.0
-    both_nan = np.isnan(a) & np.isnan(b)
-    err = np.where(both_nan, 0.0, np.abs(a - b))
+    # Positions where both sides agree exactly (NaN with NaN, +inf with +inf) count as equal; one-sided
+    # non-finite values give NaN or inf, which fail every tolerance.
+    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    with np.errstate(invalid="ignore"):
+        err = np.where(same, 0.0, np.abs(a - b))
     return float(np.max(err) / max(float(np.max(np.abs(np.where(np.isfinite(a), a, 0.0)))), 1e-6))
 
 
+def _check_finite(ref, model, report):
+    """Verification means little where the stock model's own outputs are NaN or inf: say so, or refuse."""
+    bad = sum(int(np.sum(~np.isfinite(r))) for r in ref)
+    total = sum(r.size for r in ref)
+    if not bad:
+        return
+    msg = (f"{bad} of {total} output values of {model.name!r} on the synthetic verification inputs are "
+           "NaN or inf (in the stock model itself)")
+    if bad == total:
+        raise VerificationError(
+            f"convert(verify=True): cannot verify the conversion: every output value of {model.name!r} on "
+            "the synthetic verification inputs is NaN or inf (in the stock model itself), so there is "
+            "nothing to compare. Check the model's weights (e.g. moving statistics after a diverged run), "
+            "or pass verify=False to convert without checking.",
+            diffs=[], report=report,
+        )
+    note = msg + "; there the conversion was only checked to give the same non-finite values"
+    report.notes.append(note)
+    warnings.warn(f"convert(verify=True): {note}.", RuntimeWarning, stacklevel=4)
+
+
 def _rel_l2(a, b):
+    """||a - b|| / ||a|| over the finite entries of `a`; inf unless `b` has the same non-finite entries."""
     a = np.asarray(a, dtype="float64")
     b = np.asarray(b, dtype="float64")
     if a.shape != b.shape:
         return float("inf")
+    fin = np.isfinite(a)
+    if not np.all(fin):
+        same = (a == b) | (np.isnan(a) & np.isnan(b))
+        if not np.all(same[~fin]):
+            return float("inf")
+        a, b = a[fin], b[fin]
     return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(a)), 1e-12))
 
 
@@ -907,6 +946,7 @@ def _verify(model, new, conv, report, inference, batch_size, tolerance, seed):
     x = synthetic_inputs(model, batch_size=batch_size, seed=seed)
     tol = _tol(OUTPUT_RTOL, model.dtype_policy.name, tolerance)
     ref = _as_list(model(x, training=False))
+    _check_finite(ref, model, report)
     got = _as_list(new(x, training=False))
     worst = max(_rel_diff(a, b) for a, b in zip(ref, got))
     report.max_output_diff = worst
@@ -955,11 +995,13 @@ def _verify(model, new, conv, report, inference, batch_size, tolerance, seed):
     finally:
         for v, value in state:
             v.assign(value)
-    rows, clean = [], []
+    rows, clean, nonfinite = [], [], []
     for a, b, ga, gb, gp, gq in zip(stock_vars, new_vars, g_ref, g_new, g_pert, g_perm):
         if ga is None and gb is None:
             continue
         ga, gb, gp, gq = (np.zeros(a.shape) if g is None else _np(g) for g in (ga, gb, gp, gq))
+        if not np.all(np.isfinite(ga)):
+            nonfinite.append(a.path)
         noise = max(_rel_l2(ga, gp), _rel_l2(ga, gq))
         noise = noise if np.isfinite(noise) else float("inf")
         rows.append((a.path, _rel_l2(ga, gb), max(gtol, NOISE_FACTOR * noise)))
@@ -972,6 +1014,11 @@ def _verify(model, new, conv, report, inference, batch_size, tolerance, seed):
             f"{len(rows) - len(clean)} of {len(rows)} weight gradients are dominated by rounding noise in the "
             "stock model itself (true gradient ~0); compared against that noise only"
         )
+    if nonfinite:
+        note = (f"{len(nonfinite)} of {len(rows)} weight gradients of the stock model itself have NaN or inf "
+                f"entries (first: {nonfinite[0]}); only their finite entries were compared")
+        report.notes.append(note)
+        warnings.warn(f"convert(verify=True): {note}.", RuntimeWarning, stacklevel=3)
     bad = [r for r in rows if not r[1] <= r[2]]
     if bad:
         lines = [f"  {w:<48} rel diff {d:.3g} (tolerance {t:.3g})" for w, d, t in bad][:25]

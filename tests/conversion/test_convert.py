@@ -455,6 +455,59 @@ def test_verify_compares_training_gradients(monkeypatch):
     assert "training gradients" in msg and "c1/kernel" in msg
 
 
+def test_verify_refuses_when_every_stock_output_is_nan():
+    stock = _small_cnn()
+    # A negative moving variance (e.g. from a corrupted checkpoint) makes every inference output NaN.
+    stock.get_layer("bn1").moving_variance.assign(np.full((8,), -1.0, "float32"))
+    assert np.all(np.isnan(_np(stock(_x((16, 16, 3)), training=False))))
+    with pytest.raises(conversion.VerificationError, match="nothing to compare") as info:
+        tfmetal_ext.convert(stock, count_ops=False)
+    assert "verify=False" in str(info.value)
+    new = tfmetal_ext.convert(stock, verify=False, count_ops=False)
+    assert new.conversion_report.verified is None and _count(new, fl.ConvBNAct) == 1
+
+
+def test_verify_with_some_nan_outputs_warns_and_still_catches_a_wrong_conversion(monkeypatch):
+    def nan_column_cnn():
+        stock = _small_cnn()
+        k = _np(stock.get_layer("fc").kernel)
+        k[:, 0] = np.nan  # output 0 is NaN, outputs 1..3 are finite
+        stock.get_layer("fc").kernel.assign(k)
+        return stock
+
+    stock = nan_column_cnn()
+    with pytest.warns(RuntimeWarning, match="NaN or inf") as record:
+        new = tfmetal_ext.convert(stock, count_ops=False)
+    text = " ".join(str(w.message) for w in record)
+    assert "2 of 8 output values" in text and "weight gradients" in text  # batch 2, 1 of 4 outputs NaN
+    report = new.conversion_report
+    assert report.verified is True and any("output values" in n for n in report.notes)
+    x = _x((16, 16, 3), batch=4)
+    np.testing.assert_array_equal(np.isnan(_np(new(x))), np.isnan(_np(stock(x))))
+    ref, got = _np(stock(x, training=False)), _np(new(x, training=False))
+    np.testing.assert_allclose(got[:, 1:], ref[:, 1:], rtol=0, atol=1e-4 * np.max(np.abs(ref[:, 1:])))
+
+    # The finite outputs are still compared: the relu6 sabotage is caught despite the NaN column.
+    real = conversion._activation_of
+    monkeypatch.setattr(conversion, "_activation_of",
+                        lambda layer: "relu6" if type(layer) is L.ReLU else real(layer))
+    stock = nan_column_cnn()
+    stock.get_layer("c2").kernel.assign(np.full((3, 3, 8, 8), 1.0, "float32"))
+    with pytest.warns(RuntimeWarning), pytest.raises(conversion.VerificationError, match="c2 \\[FusedConv2D\\]"):
+        tfmetal_ext.convert(stock, count_ops=False)
+
+
+def test_diff_measures_treat_only_matching_non_finite_values_as_equal():
+    nan, inf = float("nan"), float("inf")
+    assert conversion._rel_diff([1.0, nan, inf], [1.0, nan, inf]) == 0.0
+    for b in ([1.0, 2.0, inf], [1.0, nan, -inf], [1.0, nan, 3.0]):
+        assert not conversion._rel_diff([1.0, nan, inf], b) <= 1.0
+    assert conversion._rel_diff([1.0, 2.0], [1.0, 2.5]) == pytest.approx(0.25)
+    assert conversion._rel_l2([3.0, nan, 4.0], [3.0, nan, 4.0]) == 0.0
+    assert conversion._rel_l2([3.0, nan, 4.0], [3.0, 0.0, 4.0]) == float("inf")
+    assert conversion._rel_l2([3.0, inf, 4.0], [3.0, inf, 4.5]) == pytest.approx(0.1)
+
+
 class _Subclassed(keras.Model):
     def __init__(self):
         super().__init__()
