@@ -1076,7 +1076,11 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
         verify: run both models on random inputs of the model's input spec
             (inference mode) and, for the training form, compare one training
             step's gradients (MSE against random targets, dropout off);
-            raises `VerificationError` on a mismatch.
+            raises `VerificationError` on a mismatch. Where the stock
+            model's own outputs or gradients are NaN or inf, the converted
+            model must give the same non-finite values and the finite ones
+            are compared (with a `RuntimeWarning` and a report note); if every
+            output is non-finite there is nothing to compare and it raises.
         count_ops: count compute ops per train step and per inference call
             of both models with `tfmetal_ext.inspect.fusion_report` (costs a
             few seconds for big models; uncompiled models are counted with
@@ -1096,8 +1100,9 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
         ValueError: if `model` is not a built Functional or Sequential model
             (``... Received: model=...``).
         VerificationError: (an `AssertionError`) when verify finds outputs or
-            gradients that differ beyond tolerance; the message lists the
-            per-layer (or per-weight) differences.
+            gradients that differ beyond tolerance (the message lists the
+            per-layer or per-weight differences), or when every output of
+            the stock model on the verification inputs is NaN or inf.
 
     Example:
 
