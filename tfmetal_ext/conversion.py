@@ -833,6 +833,17 @@ class _Converter:
 # Verification.
 
 
+def _agree(a, b):
+    """Where two arrays hold exactly the same value, NaN with NaN and +inf with +inf included."""
+    return (a == b) | (np.isnan(a) & np.isnan(b))
+
+
+def _warn_partial(report, note, stacklevel):
+    """A verification that could only compare part of the values: a report note and a RuntimeWarning."""
+    report.notes.append(note)
+    warnings.warn(f"convert(verify=True): {note}.", RuntimeWarning, stacklevel=stacklevel + 1)
+
+
 def _rel_diff(a, b):
     a = np.asarray(a, dtype="float64")
     b = np.asarray(b, dtype="float64")
@@ -840,11 +851,9 @@ def _rel_diff(a, b):
         return float("inf")
     if a.size == 0:
         return 0.0
-    # Positions where both sides agree exactly (NaN with NaN, +inf with +inf) count as equal; one-sided
-    # non-finite values give NaN or inf, which fail every tolerance.
-    same = (a == b) | (np.isnan(a) & np.isnan(b))
+    # One-sided non-finite values give NaN or inf, which fail every tolerance.
     with np.errstate(invalid="ignore"):
-        err = np.where(same, 0.0, np.abs(a - b))
+        err = np.where(_agree(a, b), 0.0, np.abs(a - b))
     return float(np.max(err) / max(float(np.max(np.abs(np.where(np.isfinite(a), a, 0.0)))), 1e-6))
 
 
@@ -854,8 +863,6 @@ def _check_finite(ref, model, report):
     total = sum(r.size for r in ref)
     if not bad:
         return
-    msg = (f"{bad} of {total} output values of {model.name!r} on the synthetic verification inputs are "
-           "NaN or inf (in the stock model itself)")
     if bad == total:
         raise VerificationError(
             f"convert(verify=True): cannot verify the conversion: every output value of {model.name!r} on "
@@ -864,9 +871,9 @@ def _check_finite(ref, model, report):
             "or pass verify=False to convert without checking.",
             diffs=[], report=report,
         )
-    note = msg + "; there the conversion was only checked to give the same non-finite values"
-    report.notes.append(note)
-    warnings.warn(f"convert(verify=True): {note}.", RuntimeWarning, stacklevel=4)
+    _warn_partial(report, f"{bad} of {total} output values of {model.name!r} on the synthetic verification "
+                  "inputs are NaN or inf (in the stock model itself); there the conversion was only checked "
+                  "to give the same non-finite values", stacklevel=4)
 
 
 def _rel_l2(a, b):
@@ -877,8 +884,7 @@ def _rel_l2(a, b):
         return float("inf")
     fin = np.isfinite(a)
     if not np.all(fin):
-        same = (a == b) | (np.isnan(a) & np.isnan(b))
-        if not np.all(same[~fin]):
+        if not np.all(_agree(a, b)[~fin]):
             return float("inf")
         a, b = a[fin], b[fin]
     return float(np.linalg.norm(a - b) / max(float(np.linalg.norm(a)), 1e-12))
@@ -1015,10 +1021,9 @@ def _verify(model, new, conv, report, inference, batch_size, tolerance, seed):
             "stock model itself (true gradient ~0); compared against that noise only"
         )
     if nonfinite:
-        note = (f"{len(nonfinite)} of {len(rows)} weight gradients of the stock model itself have NaN or inf "
-                f"entries (first: {nonfinite[0]}); only their finite entries were compared")
-        report.notes.append(note)
-        warnings.warn(f"convert(verify=True): {note}.", RuntimeWarning, stacklevel=3)
+        _warn_partial(report, f"{len(nonfinite)} of {len(rows)} weight gradients of the stock model itself "
+                      f"have NaN or inf entries (first: {nonfinite[0]}); only their finite entries were compared",
+                      stacklevel=3)
     bad = [r for r in rows if not r[1] <= r[2]]
     if bad:
         lines = [f"  {w:<48} rel diff {d:.3g} (tolerance {t:.3g})" for w, d, t in bad][:25]
