@@ -1,0 +1,111 @@
+"""The shape of a backend table: what one backend has and fuses."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+TRAIN, PREDICT = "train", "predict"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """How one catalog pattern fuses on one backend.
+
+    Attributes:
+        summary: the conditions in words (shown in `inspect.PATTERNS`).
+        dtypes: compute dtypes whose nodes fuse; empty: never fuses here.
+        acts: activation ops (``fused_ops`` names) a contraction absorbs.
+        train_acts: the activations absorbed in a training step (the
+            gradient of the others needs the pre-activation); None: as `acts`.
+        modes: the modes in which the pattern fuses.
+        train_partial: what fuses for sure in a training step where `modes`
+            has only predict (e.g. ``("BiasAdd",)``), with `train_reason`.
+        train_reason: why a training step falls short.
+        requires_act: the pattern fuses only with one of these activations.
+        no_1x1: 1x1 filters are not fused.
+        needs: a `FusionContext` flag that must be true (``"cublaslt"``),
+            with `why_not` as the reason when it is false.
+        train_dtypes: the dtypes that fuse in training, when narrower.
+        train_channels_multiple: training fuses only when channels are a
+            multiple of this.
+        why_not: the reason when nothing fuses here (dtypes empty or `needs`
+            unmet); defaults to a generic one.
+        note: a caveat worth reading even when fused.
+    """
+
+    summary: str
+    dtypes: tuple = ()
+    acts: tuple = ()
+    train_acts: tuple | None = None
+    modes: tuple = (TRAIN, PREDICT)
+    train_partial: tuple | None = None
+    train_reason: str | None = None
+    requires_act: tuple = ()
+    no_1x1: bool = False
+    needs: str | None = None
+    train_dtypes: tuple | None = None
+    train_channels_multiple: int = 1
+    why_not: str | None = None
+    note: str | None = None
+
+    @property
+    def fuses(self):
+        return bool(self.dtypes)
+
+    def acts_in(self, mode):
+        if mode == TRAIN and self.train_acts is not None:
+            return self.train_acts
+        return self.acts
+
+    def dtypes_in(self, mode):
+        if mode == TRAIN and self.train_dtypes is not None:
+            return self.train_dtypes
+        return self.dtypes
+
+
+def never(summary, why_not=None):
+    """A pattern that does not fuse on a backend."""
+    return Fusion(summary, why_not=why_not)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What one backend has and fuses.
+
+    Attributes:
+        key: ``"cpu_onednn"``, ``"cpu"``, ``"cuda"`` or ``"metal"`` (the
+            `FusionContext.support_key` that selects it).
+        device: the `devices.backend()` value it serves.
+        label: how reasons name it (``"CPU without oneDNN"``).
+        fusions: catalog pattern name -> `Fusion`.
+        kernels: op -> dtypes it has kernels for, where known (None: not
+            recorded; TF's full registry applies).
+        half_needs_native: float16 nodes fuse only on a CPU with native fp16.
+        source: where the facts come from.
+    """
+
+    key: str
+    device: str
+    label: str
+    fusions: types.MappingProxyType
+    kernels: types.MappingProxyType | None = None
+    half_needs_native: bool = False
+    source: str = ""
+
+    def fusion(self, pattern):
+        """The `Fusion` of `pattern` here (a never-fusing one when the table has no row)."""
+        return self.fusions.get(pattern) or never("not fused")
+
+    def has_kernel(self, op, dtype=None):
+        """Whether `op` (for `dtype`) has a kernel here; None when the table does not record it."""
+        if self.kernels is None:
+            return None
+        dtypes = self.kernels.get(op)
+        if dtypes is None:
+            return False
+        return dtype is None or dtype in dtypes
+
+
+def backend(key, device, label, fusions, **kw):
+    return Backend(key, device, label, types.MappingProxyType(dict(fusions)), **kw)

@@ -1,0 +1,123 @@
+"""TensorFlow on a CPU, with oneDNN (``cpu_onednn``) and without (``cpu``).
+
+Sources: TF 2.21 ``tensorflow/core/grappler/optimizers/remapper.cc`` (the
+CPU conditions: oneDNN-only fusions, ``IsCpuCompatible*``, half skipped
+without AVX512_FP16/AMX_FP16/AVX_NE_CONVERT), re-measured on TF 2.19 and
+2.21 with the tests in ``tests/inspect`` and ``tests/layers`` on an AVX-512
+CPU (oneDNN on) and with ``TF_ENABLE_ONEDNN_OPTS=0``. oneDNN is on by
+default in x86-64 Linux wheels only on CPUs with AVX-512 features; an
+AVX2-only CPU, and (as far as we know) TF's macOS arm64 wheel, run the
+no-oneDNN path.
+"""
+
+from tfmetal_ext.backends._table import PREDICT, Fusion, backend, never
+from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
+
+F32_BF16 = ("float32", "bfloat16")
+_CUSTOM = ("float32", "float16", "bfloat16")
+_NO_LEAKY = tuple(a for a in ACTS if a != "LeakyRelu")
+
+ONEDNN = backend(
+    "cpu_onednn", "cpu", "CPU with oneDNN",
+    {
+        "conv2d_bias_act": Fusion(
+            "[BiasAdd(, act)] float32, bfloat16; training: LeakyRelu not fused (its gradient needs the pre-activation)",
+            dtypes=F32_BF16, acts=ACTS, train_acts=_NO_LEAKY,
+        ),
+        "matmul_bias_act": Fusion(
+            "[BiasAdd(, act)] float32, bfloat16; Tanh and Sigmoid too; training: LeakyRelu not fused",
+            dtypes=F32_BF16, acts=ACTS + ("Tanh", "Sigmoid"), train_acts=_NO_LEAKY + ("Tanh", "Sigmoid"),
+        ),
+        "matmul_bias_gelu": Fusion(
+            "[BiasAdd, GeluExact|GeluApproximate], inference only",
+            dtypes=F32_BF16, acts=("GeluExact", "GeluApproximate"), train_acts=(),
+            train_reason="training: the GELU gradient needs the pre-activation, so only BiasAdd fuses",
+        ),
+        "depthwise_bias_act": Fusion(
+            # Measured on TF 2.21 oneDNN: LeakyRelu does not fuse into the depthwise conv.
+            "[BiasAdd(, Relu|Relu6|Elu)] float32, bfloat16",
+            dtypes=F32_BF16, acts=("Relu", "Relu6", "Elu"),
+        ),
+        "conv2d_bias_add_relu": Fusion(
+            "[BiasAdd, Add, Relu], inference", dtypes=F32_BF16, acts=("Relu",), modes=(PREDICT,),
+            train_partial=("BiasAdd",),
+            train_reason=(
+                "training step: the remapper fuses the residual Add+Relu into the conv only "
+                "in some graphs (seen both ways on TF 2.21); BiasAdd fuses either way"
+            ),
+        ),
+        "conv2d_batchnorm_act": Fusion(
+            "[FusedBatchNorm(, act)] float32, inference", dtypes=("float32",), acts=ACTS, modes=(PREDICT,),
+        ),
+        "batchnorm_act": Fusion(
+            "yes, without side input", dtypes=F32_BF16, acts=("Relu",), requires_act=("Relu",),
+        ),
+        "batchnorm_grad_relugrad": never("not fused"),
+        "custom_layer_norm": Fusion(
+            "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
+            dtypes=_CUSTOM,
+        ),
+        "custom_softshrink": Fusion(
+            "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
+            dtypes=_CUSTOM,
+        ),
+        "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
+        "cudnn_rnn": never(
+            "no kernel (GPU-only op); FusedLSTM/FusedGRU hoist the input projection into one _FusedMatMul[BiasAdd]",
+            why_not="no fused RNN kernel on CPU (CudnnRNNV3 is GPU-only)",
+        ),
+    },
+    half_needs_native=True,
+    source=__doc__,
+)
+
+EIGEN = backend(
+    "cpu", "cpu", "CPU without oneDNN",
+    {
+        "conv2d_bias_act": Fusion(
+            "[BiasAdd(, act)] float32/float64, NHWC; no bfloat16; training: LeakyRelu not fused",
+            dtypes=("float32", "float64"), acts=ACTS, train_acts=_NO_LEAKY,
+        ),
+        "matmul_bias_act": Fusion(
+            "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32; training: LeakyRelu not fused",
+            dtypes=("float32",), acts=ACTS, train_acts=_NO_LEAKY,
+        ),
+        "matmul_bias_gelu": never("not fused"),
+        "depthwise_bias_act": never("not fused", why_not="no fused depthwise kernel"),
+        "conv2d_bias_add_relu": never("only [BiasAdd]", why_not="no Conv2D+BiasAdd+Add+Relu fusion"),
+        "conv2d_batchnorm_act": Fusion(
+            "[FusedBatchNorm(, act)] float32, inference", dtypes=("float32",), acts=ACTS, modes=(PREDICT,),
+        ),
+        "batchnorm_act": never("not fused", why_not="no _FusedBatchNormEx kernel"),
+        "batchnorm_grad_relugrad": never("not fused"),
+        "custom_layer_norm": Fusion(
+            "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
+            dtypes=_CUSTOM,
+        ),
+        "custom_softshrink": Fusion(
+            "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
+            dtypes=_CUSTOM,
+        ),
+        "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
+        "cudnn_rnn": never(
+            "no kernel (GPU-only op); the input projection fuses as _FusedMatMul[BiasAdd] (float32)",
+            why_not="no fused RNN kernel on CPU (CudnnRNNV3 is GPU-only)",
+        ),
+    },
+    half_needs_native=True,
+    source=__doc__,
+)
+
+
+def precision(caps):
+    """The policy a CPU computes fastest in, and why."""
+    if caps.cpu_bf16 and caps.onednn:
+        return "mixed_bfloat16", (
+            "CPU with native bfloat16 (AVX512_BF16/AMX/FEAT_BF16) and oneDNN: mixed_bfloat16 "
+            "(fuses like float32 under oneDNN)"
+        )
+    if caps.cpu_bf16:
+        return "float32", (
+            "CPU with native bfloat16 but oneDNN off: float32 (TF's own CPU kernels fuse float32 only)"
+        )
+    return "float32", "CPU without native bfloat16: float32"

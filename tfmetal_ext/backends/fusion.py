@@ -1,0 +1,261 @@
+"""The fusion table: names and maps every part of tfmetal-ext reads.
+
+One home for:
+
+* `ACTIVATION_OPS`: Keras activation name -> the op name in a fused node's
+  ``fused_ops`` attribute, and which of them a contraction can absorb
+  (`CONTRACTION_ACTIVATIONS`; per backend, the backend tables narrow it);
+* the fused-op names the remapper and the Metal plugins emit;
+* `CUSTOM_OPS`: this package's custom ops (``TfmetalExt>...``) and their
+  gradient ops;
+* `STOCK_TO_FUSED` / `OPTIMIZER_TO_FUSED`: which tfmetal_ext class replaces which
+  stock Keras class (`convert()` and `MetalCallback` both read it);
+* `SAFE_FORMS`: the patterns ``configure(avoid_fusions=...)`` can switch to
+  an unfused form, what that form is, and which fused ops imply it.
+
+Which pattern fuses where (per backend, dtype, mode and capability) lives in
+the backend tables beside this module (`tfmetal_ext.backends.cpu`, ``cuda``,
+``metal``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+# ----------------------------------------------------------------------------
+# Activations.
+
+# Keras activation name -> the op name in `fused_ops`.
+ACTIVATION_OPS = types.MappingProxyType(
+    {
+        "relu": "Relu",
+        "relu6": "Relu6",
+        "elu": "Elu",
+        "leaky_relu": "LeakyRelu",
+        "tanh": "Tanh",
+        "sigmoid": "Sigmoid",
+        "gelu": "GeluExact",
+        "gelu_approximate": "GeluApproximate",
+    }
+)
+
+# The activations every remapper (TF's on CPU and GPU, both Metal plugins)
+# absorbs into Conv2D/MatMul + BiasAdd. Layers that promise a fused
+# activation (ConvBNAct, ResidualBlock) accept exactly these.
+CONTRACTION_ACTIVATIONS = ("relu", "relu6", "elu", "leaky_relu")
+CONTRACTION_ACTIVATION_OPS = tuple(ACTIVATION_OPS[a] for a in CONTRACTION_ACTIVATIONS)
+
+# keras.activations.leaky_relu's default negative slope (the layers emit
+# tf.nn.leaky_relu with it, so the remapper sees the single LeakyRelu op).
+LEAKY_RELU_ALPHA = 0.2
+
+
+def activation_op(name):
+    """The ``fused_ops`` name of a Keras activation name (None for ``"linear"``/None)."""
+    if name in (None, "linear"):
+        return None
+    return ACTIVATION_OPS.get(name, name)
+
+
+# ----------------------------------------------------------------------------
+# Op names.
+
+FUSED_CONV2D = "_FusedConv2D"
+FUSED_MATMUL = "_FusedMatMul"
+FUSED_DEPTHWISE = "_FusedDepthwiseConv2dNative"
+FUSED_BATCH_NORM_EX = "_FusedBatchNormEx"
+FUSED_BATCH_NORM_GRAD_EX = "_FusedBatchNormGradEx"
+FUSED_BATCH_NORM = "FusedBatchNormV3"
+FUSED_BATCH_NORM_GRAD = "FusedBatchNormGradV3"
+CUDNN_RNN = "CudnnRNNV3"
+CUDNN_RNN_GRAD = "CudnnRNNBackpropV3"
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomOp:
+    """One of this package's custom ops.
+
+    Attributes:
+        name: the registered op name (``"TfmetalExt>Softshrink"``).
+        grad: the gradient op's name, or None when the op has none.
+        safe_form: its `SAFE_FORMS` key (the pure-TF reference runs instead).
+    """
+
+    name: str
+    grad: str | None
+    safe_form: str
+
+    @property
+    def op_names(self):
+        return (self.name,) + ((self.grad,) if self.grad else ())
+
+
+CUSTOM_OPS = types.MappingProxyType(
+    {
+        "softshrink": CustomOp("TfmetalExt>Softshrink", "TfmetalExt>SoftshrinkGrad", "softshrink"),
+        "layer_norm": CustomOp("TfmetalExt>LayerNorm", "TfmetalExt>LayerNormGrad", "layer_norm"),
+        "multi_tensor_adam": CustomOp("TfmetalExt>MultiTensorAdam", None, "multi_tensor_adam"),
+    }
+)
+CUSTOM_OP_PREFIX = "TfmetalExt>"
+
+SOFTSHRINK_OP = CUSTOM_OPS["softshrink"].name
+SOFTSHRINK_GRAD_OP = CUSTOM_OPS["softshrink"].grad
+LAYER_NORM_OP = CUSTOM_OPS["layer_norm"].name
+LAYER_NORM_GRAD_OP = CUSTOM_OPS["layer_norm"].grad
+MULTI_TENSOR_ADAM_OP = CUSTOM_OPS["multi_tensor_adam"].name
+
+# Ops that are a whole fused layer by themselves (no remapper rewrite
+# involved): the fusion report lists them beside the remapper's fused nodes.
+FUSED_LAYER_OPS = frozenset(
+    {CUDNN_RNN, CUDNN_RNN_GRAD} | {n for op in CUSTOM_OPS.values() for n in op.op_names}
+)
+
+
+def is_fused_op(op):
+    """`op` is a fused node type: a remapper ``_Fused*`` op or one of `FUSED_LAYER_OPS`."""
+    return op.startswith("_Fused") or op in FUSED_LAYER_OPS
+
+
+# ----------------------------------------------------------------------------
+# Stock Keras class -> tfmetal_ext class.
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """A tfmetal_ext class that replaces a stock Keras class.
+
+    Attributes:
+        stock: the stock class name in ``keras.layers`` / ``keras.optimizers``.
+        fused: the tfmetal_ext class name in ``tfmetal_ext.layers`` /
+            ``tfmetal_ext.optimizers``.
+        advice: what to tell a user of the stock class (defaults to the
+            fused class's full name).
+    """
+
+    stock: str
+    fused: str
+    module: str = "tfmetal_ext.layers"
+    advice: str | None = None
+
+    @property
+    def qualified(self):
+        return f"{self.module}.{self.fused}"
+
+    @property
+    def suggestion(self):
+        return self.advice or self.qualified
+
+
+def _table(*rows):
+    return types.MappingProxyType({r.stock: r for r in rows})
+
+
+STOCK_TO_FUSED = _table(
+    Replacement("Conv2D", "FusedConv2D"),
+    Replacement("DepthwiseConv2D", "FusedDepthwiseConv2D"),
+    Replacement("Dense", "FusedDense"),
+    Replacement(
+        "BatchNormalization", "FusedBatchNorm",
+        advice="tfmetal_ext.layers.FusedBatchNorm (or ConvBNAct after a conv)",
+    ),
+    Replacement("LayerNormalization", "FusedLayerNorm"),
+    Replacement("LSTM", "FusedLSTM"),
+    Replacement("GRU", "FusedGRU"),
+)
+
+OPTIMIZER_TO_FUSED = _table(
+    Replacement("Adam", "FusedAdam", module="tfmetal_ext.optimizers"),
+    Replacement("AdamW", "FusedAdamW", module="tfmetal_ext.optimizers"),
+    Replacement("SGD", "FusedSGD", module="tfmetal_ext.optimizers"),
+)
+
+
+# ----------------------------------------------------------------------------
+# Safe forms: configure(avoid_fusions=[name]).
+
+
+@dataclasses.dataclass(frozen=True)
+class SafeForm:
+    """An unfused form the layers and ops emit while a pattern is avoided.
+
+    Attributes:
+        name: the `configure(avoid_fusions=...)` name.
+        description: what the layers and ops emit instead.
+        implies: fused op names whose failure (or CPU fallback) this safe
+            form fixes.
+        bias_as_addv2: the safe form adds a bias with AddV2 (which CPU
+            oneDNN still counts as a BiasAdd and fuses).
+        custom_op: the `CUSTOM_OPS` key when the safe form replaces a custom
+            op by its pure-TF reference.
+    """
+
+    name: str
+    description: str
+    implies: tuple = ()
+    bias_as_addv2: bool = False
+    custom_op: str | None = None
+
+
+def _safe_forms(*forms):
+    return types.MappingProxyType({f.name: f for f in forms})
+
+
+SAFE_FORMS = _safe_forms(
+    SafeForm(
+        "conv_bias_relu",
+        "FusedConv2D, FusedDepthwiseConv2D, ConvBNAct.fold() and FoldedResidualBlock add the bias with "
+        "AddV2 instead of BiasAdd (conv + AddV2 + act): no _FusedConv2D on a GPU",
+        implies=(FUSED_CONV2D,),
+        bias_as_addv2=True,
+    ),
+    SafeForm(
+        "matmul_bias_relu",
+        "FusedDense adds the bias with AddV2 instead of BiasAdd (MatMul + AddV2 + act): "
+        "no _FusedMatMul on a GPU",
+        implies=(FUSED_MATMUL,),
+        bias_as_addv2=True,
+    ),
+    SafeForm(
+        "fused_batch_norm",
+        "FusedBatchNorm and ConvBNAct (so ResidualBlock) normalize with moments + Rsqrt/Mul/Add "
+        "instead of FusedBatchNormV3 (same statistics and moving-average update)",
+        implies=(FUSED_BATCH_NORM, FUSED_BATCH_NORM_GRAD, FUSED_BATCH_NORM_EX),
+    ),
+    SafeForm(
+        "softshrink",
+        f"tfmetal_ext.ops.softshrink (Softshrink) runs its pure-TF reference instead of {SOFTSHRINK_OP}",
+        implies=CUSTOM_OPS["softshrink"].op_names,
+        custom_op="softshrink",
+    ),
+    SafeForm(
+        "layer_norm",
+        f"tfmetal_ext.ops.layer_norm (FusedLayerNorm) runs its pure-TF reference instead of {LAYER_NORM_OP}",
+        implies=CUSTOM_OPS["layer_norm"].op_names,
+        custom_op="layer_norm",
+    ),
+    SafeForm(
+        "multi_tensor_adam",
+        "tfmetal_ext.ops.multi_tensor_adam and FusedAdam(multi_tensor=True) update with one "
+        f"ResourceApplyAdam per variable instead of {MULTI_TENSOR_ADAM_OP}",
+        implies=CUSTOM_OPS["multi_tensor_adam"].op_names,
+        custom_op="multi_tensor_adam",
+    ),
+)
+
+
+def safe_form_for_op(op):
+    """The `SafeForm` that avoids fused op `op`, or None."""
+    for form in SAFE_FORMS.values():
+        if op in form.implies:
+            return form
+    return None
+
+
+def safe_form_fix(name):
+    """The fix for a failed or falling-back pattern `name` (a `SAFE_FORMS` key)."""
+    return (
+        f"tfmetal_ext.configure(avoid_fusions=[{name!r}]) before building the model: "
+        f"{SAFE_FORMS[name].description}"
+    )
