@@ -29,7 +29,7 @@
 #include "tensorflow/c/tf_status.h"
 #include "tensorflow/c/tf_tensor.h"
 
-namespace tfmetal {
+namespace tfmetal_ext {
 namespace {
 
 const MetalLibrarySource kLibrary{tfm_layer_norm_metal_source_name, tfm_layer_norm_metal_source};
@@ -40,14 +40,6 @@ constexpr NSUInteger kElementsPerThread = 4;
 constexpr NSUInteger kMaxRowThreads = 1024;
 // The kernels index within a row / count rows with 32-bit integers.
 constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
-
-TensorPtr Output(TF_OpKernelContext* ctx, int index, TF_DataType dtype, const std::vector<int64_t>& dims,
-                 TF_Status* status) {
-  int64_t count = 1;
-  for (int64_t d : dims) count *= d;
-  return TensorPtr(TF_AllocateOutput(ctx, index, dtype, dims.data(), static_cast<int>(dims.size()),
-                                     static_cast<size_t>(count) * TF_DataTypeSize(dtype), status));
-}
 
 // rows (product of all but the last dimension) and C of x, as the CPU kernel
 // defines them; errors for rank 0 and for sizes the kernels cannot index.
@@ -88,17 +80,6 @@ bool CheckVector(const TF_Tensor* t, const char* name, int64_t n, const char* wh
   return true;
 }
 
-// The dtype's kernel name ("<kernel>_<dtype>"), or "" with `status` set.
-std::string KernelName(const char* kernel, TF_DataType dtype, TF_Status* status) {
-  const char* suffix = KernelSuffix(dtype);
-  if (suffix == nullptr) {
-    SetStatus(status, TF_INVALID_ARGUMENT, std::string(kernel) + ": unsupported dtype " + std::to_string(dtype) +
-                                               " (float32, float16 or bfloat16)");
-    return std::string();
-  }
-  return std::string(kernel) + "_" + suffix;
-}
-
 // ---------------------------------------------------------------------------
 // TfmetalExt>LayerNorm
 
@@ -113,14 +94,8 @@ void* CreateLayerNorm(TF_OpKernelConstruction* ctx) {
   if (Ok(status.get()) && !(std::isfinite(epsilon) && epsilon > 0.0f)) {
     SetStatus(status.get(), TF_INVALID_ARGUMENT, "epsilon must be finite and > 0, got " + std::to_string(epsilon));
   }
-  if (!Ok(status.get())) {
-    TF_OpKernelConstruction_Failure(ctx, status.get());
-    return nullptr;
-  }
-  return new LayerNormKernel{epsilon};
+  return NewKernelOrFail(ctx, status.get(), LayerNormKernel{epsilon});
 }
-
-void DeleteLayerNorm(void* kernel) { delete static_cast<LayerNormKernel*>(kernel); }
 
 void LayerNormCompute(const LayerNormKernel& kernel, TF_OpKernelContext* ctx, TF_Status* status) {
   TensorPtr x = Input(ctx, 0, status);
@@ -135,7 +110,7 @@ void LayerNormCompute(const LayerNormKernel& kernel, TF_OpKernelContext* ctx, TF
   if (!CheckVector(gamma.get(), "gamma", channels, "the last dimension of x", status)) return;
   if (!CheckVector(beta.get(), "beta", channels, "the last dimension of x", status)) return;
   const TF_DataType dtype = TF_TensorType(x.get());
-  const std::string name = KernelName("layer_norm", dtype, status);
+  const std::string name = KernelName("layer_norm", "", dtype, status);
   if (!Ok(status)) return;
   TensorPtr y = Output(ctx, 0, dtype, dims, status);
   if (!Ok(status)) return;
@@ -178,21 +153,17 @@ void LayerNormGradCompute(const LayerNormKernel&, TF_OpKernelContext* ctx, TF_St
     in[i] = Input(ctx, i, status);
     if (!Ok(status)) return;
   }
+  if (!CheckSameShape(in[0].get(), "dy", in[1].get(), "x", status)) return;
   const std::vector<int64_t> dims = Dims(in[1].get());
-  if (Dims(in[0].get()) != dims) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "dy and x must have the same shape, got " +
-                                               ShapeString(Dims(in[0].get())) + " and " + ShapeString(dims));
-    return;
-  }
   int64_t rows = 0, channels = 0;
   if (!RowsAndChannels(dims, &rows, &channels, status)) return;
   if (!CheckVector(in[2].get(), "gamma", channels, "the last dimension of x", status)) return;
   if (!CheckVector(in[3].get(), "mean", rows, "the number of rows of x", status)) return;
   if (!CheckVector(in[4].get(), "rstd", rows, "the number of rows of x", status)) return;
   const TF_DataType dtype = TF_TensorType(in[1].get());
-  const std::string dx_name = KernelName("layer_norm_grad", dtype, status);
+  const std::string dx_name = KernelName("layer_norm", "grad", dtype, status);
   if (!Ok(status)) return;
-  const std::string param_name = KernelName("layer_norm_param_grad", dtype, status);
+  const std::string param_name = KernelName("layer_norm", "param_grad", dtype, status);
   if (!Ok(status)) return;
   // dx is not forwarded from dy: layer_norm_param_grad reads dy after (or
   // while) layer_norm_grad writes dx.
@@ -254,24 +225,10 @@ void LayerNormGradCompute(const LayerNormKernel&, TF_OpKernelContext* ctx, TF_St
       });
 }
 
-template <void (*Run)(const LayerNormKernel&, TF_OpKernelContext*, TF_Status*)>
-void Compute(void* kernel, TF_OpKernelContext* ctx) {
-  StatusPtr status(TF_NewStatus());
-  Run(*static_cast<LayerNormKernel*>(kernel), ctx, status.get());
-  if (!Ok(status.get())) TF_OpKernelContext_Failure(ctx, status.get());
-}
-
-void RegisterKernels() {
-  RegisterFloatKernels("TfmetalExt>LayerNorm", &CreateLayerNorm, &Compute<&LayerNormCompute>, &DeleteLayerNorm);
-  RegisterFloatKernels("TfmetalExt>LayerNormGrad", &CreateLayerNormGrad, &Compute<&LayerNormGradCompute>,
-                       &DeleteLayerNorm);
-}
-
-// Registers the kernels when tf.load_op_library loads the op library.
-struct Registrar {
-  Registrar() { RegisterKernels(); }
-};
-Registrar registrar;
+const KernelRegistrar registrar([] {
+  RegisterFloatKernels<LayerNormKernel, &LayerNormCompute>("TfmetalExt>LayerNorm", &CreateLayerNorm);
+  RegisterFloatKernels<LayerNormKernel, &LayerNormGradCompute>("TfmetalExt>LayerNormGrad", &CreateLayerNormGrad);
+});
 
 }  // namespace
-}  // namespace tfmetal
+}  // namespace tfmetal_ext

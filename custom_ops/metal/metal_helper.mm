@@ -10,7 +10,7 @@
 #include <mutex>
 #include <unordered_map>
 
-namespace tfmetal {
+namespace tfmetal_ext {
 namespace {
 
 std::string Describe(NSError* error) {
@@ -86,6 +86,97 @@ void SetStatus(TF_Status* status, TF_Code code, const std::string& message) {
 
 void SetStatusFromNSError(TF_Status* status, NSError* error, const std::string& what) {
   SetStatus(status, TF_INTERNAL, what + ": " + Describe(error));
+}
+
+const char* DtypeName(TF_DataType dtype) {
+  switch (dtype) {
+    case TF_FLOAT: return "float";
+    case TF_DOUBLE: return "double";
+    case TF_INT32: return "int32";
+    case TF_UINT8: return "uint8";
+    case TF_INT16: return "int16";
+    case TF_INT8: return "int8";
+    case TF_STRING: return "string";
+    case TF_COMPLEX64: return "complex64";
+    case TF_INT64: return "int64";
+    case TF_BOOL: return "bool";
+    case TF_QINT8: return "qint8";
+    case TF_QUINT8: return "quint8";
+    case TF_QINT32: return "qint32";
+    case TF_BFLOAT16: return "bfloat16";
+    case TF_QINT16: return "qint16";
+    case TF_QUINT16: return "quint16";
+    case TF_UINT16: return "uint16";
+    case TF_COMPLEX128: return "complex128";
+    case TF_HALF: return "half";
+    case TF_RESOURCE: return "resource";
+    case TF_VARIANT: return "variant";
+    case TF_UINT32: return "uint32";
+    case TF_UINT64: return "uint64";
+    case TF_FLOAT8_E5M2: return "float8_e5m2";
+    case TF_FLOAT8_E4M3FN: return "float8_e4m3fn";
+    case TF_FLOAT8_E4M3FNUZ: return "float8_e4m3fnuz";
+    case TF_FLOAT8_E4M3B11FNUZ: return "float8_e4m3b11fnuz";
+    case TF_FLOAT8_E5M2FNUZ: return "float8_e5m2fnuz";
+    case TF_INT4: return "int4";
+    case TF_UINT4: return "uint4";
+    default: return "unknown";  // a dtype newer than these headers
+  }
+}
+
+std::string KernelName(const char* op, const char* variant, TF_DataType dtype, TF_Status* status) {
+  const std::string base = variant[0] == '\0' ? std::string(op) : std::string(op) + "_" + variant;
+  const char* suffix = KernelSuffix(dtype);
+  if (suffix == nullptr) {
+    SetStatus(status, TF_INVALID_ARGUMENT,
+              base + ": unsupported dtype " + DtypeName(dtype) + " (float, half or bfloat16)");
+    return std::string();
+  }
+  return base + "_" + suffix;
+}
+
+bool CheckSameShape(const TF_Tensor* a, const char* a_name, const TF_Tensor* b, const char* b_name,
+                    TF_Status* status) {
+  const std::vector<int64_t> a_dims = Dims(a);
+  const std::vector<int64_t> b_dims = Dims(b);
+  if (a_dims == b_dims) return true;
+  SetStatus(status, TF_INVALID_ARGUMENT, std::string(a_name) + " and " + b_name + " must have the same shape, got " +
+                                             ShapeString(a_dims) + " and " + ShapeString(b_dims));
+  return false;
+}
+
+TensorPtr Output(TF_OpKernelContext* ctx, int index, TF_DataType dtype, const std::vector<int64_t>& dims,
+                 TF_Status* status) {
+  int64_t count = 1;
+  for (int64_t d : dims) count *= d;
+  return TensorPtr(TF_AllocateOutput(ctx, index, dtype, dims.data(), static_cast<int>(dims.size()),
+                                     static_cast<size_t>(count) * TF_DataTypeSize(dtype), status));
+}
+
+TensorPtr ForwardInputOrAllocateOutput(TF_OpKernelContext* ctx, int input, int output,
+                                       const std::vector<int64_t>& dims, TF_Status* status) {
+  const int candidates[] = {input};
+  int forwarded = -1;
+  return TensorPtr(TF_ForwardInputOrAllocateOutput(ctx, candidates, 1, output, dims.data(),
+                                                   static_cast<int>(dims.size()), &forwarded, status));
+}
+
+// ---------------------------------------------------------------------------
+// Registration
+
+void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstruction*),
+                          void (*compute)(void*, TF_OpKernelContext*), void (*destroy)(void*)) {
+  const TF_DataType dtypes[] = {TF_FLOAT, TF_HALF, TF_BFLOAT16};
+  StatusPtr status(TF_NewStatus());
+  for (TF_DataType dtype : dtypes) {
+    TF_KernelBuilder* builder = TF_NewKernelBuilder(op, "GPU", create, compute, destroy);
+    TF_KernelBuilder_TypeConstraint(builder, "T", dtype, status.get());
+    if (!Ok(status.get())) {
+      TF_DeleteKernelBuilder(builder);  // not registered: still ours
+      continue;
+    }
+    TF_RegisterKernelBuilder((std::string(op) + "_GPU_" + KernelSuffix(dtype)).c_str(), builder, status.get());
+  }
 }
 
 id<TF_MetalStream> GetMetalStream(TF_OpKernelContext* ctx, TF_Status* status) {
@@ -252,4 +343,4 @@ void Commit(id<TF_MetalStream> stream, id<MTLCommandBuffer> command_buffer, cons
 }
 
 }  // namespace internal
-}  // namespace tfmetal
+}  // namespace tfmetal_ext

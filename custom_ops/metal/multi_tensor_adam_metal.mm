@@ -58,11 +58,10 @@
 #include "tensorflow/c/tf_status.h"
 #include "tensorflow/c/tf_tensor.h"
 
-namespace tfmetal {
+namespace tfmetal_ext {
 namespace {
 
 const MetalLibrarySource kLibrary{tfm_multi_tensor_adam_metal_source_name, tfm_multi_tensor_adam_metal_source};
-constexpr int64_t kMaxElementsPerDispatch = int64_t{1} << 30;
 
 // The experimental variable API of kernels_experimental.h, looked up in the
 // library that exports TF's kernel C API (see the top of the file).
@@ -101,15 +100,6 @@ struct LockDeleter {
   void operator()(TF_VariableInputLockHolder* h) const { Variables().release_locks(h); }
 };
 using LockPtr = std::unique_ptr<TF_VariableInputLockHolder, LockDeleter>;
-
-const char* DtypeName(TF_DataType dtype) {
-  switch (dtype) {
-    case TF_FLOAT: return "float";
-    case TF_HALF: return "half";
-    case TF_BFLOAT16: return "bfloat16";
-    default: return "another dtype";
-  }
-}
 
 // "var[3]", "m[0]", ...: the user-facing name of resource input `index`.
 std::string InputName(int index, int n) {
@@ -154,6 +144,7 @@ struct AdamKernel {
   int num_vhat = 0;
   int num_decay = 0;
   TF_DataType dtype = TF_FLOAT;
+  std::string kernel_name;  // multi_tensor_adam_<dtype>
 };
 
 void* Create(TF_OpKernelConstruction* ctx) {
@@ -172,20 +163,12 @@ void* Create(TF_OpKernelConstruction* ctx) {
     SetStatus(status.get(), TF_INVALID_ARGUMENT,
               "weight_decay_rate must hold 0 or 1 scalar, got " + std::to_string(num_decay));
   }
-  if (Ok(status.get()) && KernelSuffix(k.dtype) == nullptr) {
-    SetStatus(status.get(), TF_INVALID_ARGUMENT, std::string("unsupported dtype ") + DtypeName(k.dtype));
-  }
-  if (!Ok(status.get())) {
-    TF_OpKernelConstruction_Failure(ctx, status.get());
-    return nullptr;
-  }
+  if (Ok(status.get())) k.kernel_name = KernelName("multi_tensor_adam", "", k.dtype, status.get());
   k.n = n;
   k.num_vhat = num_vhat;
   k.num_decay = num_decay;
-  return new AdamKernel(k);
+  return NewKernelOrFail(ctx, status.get(), k);
 }
-
-void Delete(void* kernel) { delete static_cast<AdamKernel*>(kernel); }
 
 // Refuses a variable passed twice (its elements would be updated by racing
 // threads), as the CPU kernel does, from the serialized resource handles.
@@ -223,21 +206,17 @@ void Run(const AdamKernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
                                              "weight_decay_rate"};
   std::vector<TensorPtr> scalars(static_cast<size_t>(num_scalars));
   for (int s = 0; s < num_scalars; ++s) {
-    TF_Tensor* t = nullptr;
-    TF_GetInput(ctx, scalar_start + s, &t, status);
-    scalars[s].reset(t);
+    scalars[s] = Input(ctx, scalar_start + s, status);
     if (!Ok(status)) return;
-    if (TF_NumDims(t) != 0) {
+    if (TF_NumDims(scalars[s].get()) != 0) {
       SetStatus(status, TF_INVALID_ARGUMENT,
-                std::string(kScalarNames[s]) + " is not a scalar: " + ShapeString(Dims(t)));
+                std::string(kScalarNames[s]) + " is not a scalar: " + ShapeString(Dims(scalars[s].get())));
       return;
     }
   }
   std::vector<TensorPtr> grads(static_cast<size_t>(n));
   for (int i = 0; i < n; ++i) {
-    TF_Tensor* t = nullptr;
-    TF_GetInput(ctx, grad_start + i, &t, status);
-    grads[i].reset(t);
+    grads[i] = Input(ctx, grad_start + i, status);
     if (!Ok(status)) return;
   }
   if (!CheckDistinctVariables(ctx, num_resources, n, status)) return;
@@ -293,11 +272,10 @@ void Run(const AdamKernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
   }
   if (total == 0) return;
 
-  const std::string name = std::string("multi_tensor_adam_") + KernelSuffix(k.dtype);
-  const NSUInteger element_size = TF_DataTypeSize(k.dtype);
+  const size_t element_size = TF_DataTypeSize(k.dtype);
   const uint32_t amsgrad = k.num_vhat ? 1u : 0u;
   const uint32_t has_decay = k.num_decay ? 1u : 0u;
-  EncodeKernel(ctx, kLibrary, name.c_str(), status,
+  EncodeKernel(ctx, kLibrary, k.kernel_name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
                  // The scalars, bound once: bindings persist across the dispatches of an encoder.
                  [encoder setBuffer:TensorBuffer(scalars[0].get()) offset:0 atIndex:5];  // device const T* lr [[buffer(5)]]
@@ -310,43 +288,29 @@ void Run(const AdamKernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
                  // placeholder the kernel does not read (p.has_decay == 0).
                  [encoder setBuffer:TensorBuffer(scalars[has_decay ? 6 : 0].get()) offset:0 atIndex:11];
                  for (int i = 0; i < n; ++i) {
-                   const int64_t count = TF_TensorElementCount(grads[i].get());
                    // Without AMSGrad var is vhat's placeholder (not read: p.amsgrad == 0).
                    TF_Tensor* vhat = vars[(amsgrad ? 3 * n : 0) + i].get();
-                   for (int64_t start = 0; start < count; start += kMaxElementsPerDispatch) {
-                     const NSUInteger offset = static_cast<NSUInteger>(start) * element_size;
-                     const tfm_multi_tensor_adam_params params{
-                         static_cast<uint32_t>(std::min(count - start, kMaxElementsPerDispatch)), amsgrad, has_decay};
+                   // Nothing is dispatched for an empty variable.
+                   DispatchChunked1D(encoder, pipeline, TF_TensorElementCount(grads[i].get()), element_size,
+                                     [&](NSUInteger offset, uint32_t count) {
+                     const tfm_multi_tensor_adam_params params{count, amsgrad, has_decay};
                      [encoder setBuffer:TensorBuffer(vars[i].get()) offset:offset atIndex:0];  // device T* var [[buffer(0)]]
                      [encoder setBuffer:TensorBuffer(vars[n + i].get()) offset:offset atIndex:1];  // device T* m [[buffer(1)]]
                      [encoder setBuffer:TensorBuffer(vars[2 * n + i].get()) offset:offset atIndex:2];  // device T* v [[buffer(2)]]
                      [encoder setBuffer:TensorBuffer(vhat) offset:offset atIndex:3];  // device T* vhat [[buffer(3)]]
                      [encoder setBuffer:TensorBuffer(grads[i].get()) offset:offset atIndex:4];  // device const T* grad [[buffer(4)]]
                      SetBytes(encoder, params, 12);  // constant tfm_multi_tensor_adam_params& p [[buffer(12)]]
-                     DispatchThreads1D(encoder, pipeline, params.n);
-                   }
+                   });
                  }
                });
 }
 
-void Compute(void* kernel, TF_OpKernelContext* ctx) {
-  StatusPtr status(TF_NewStatus());
-  Run(*static_cast<AdamKernel*>(kernel), ctx, status.get());
-  if (!Ok(status.get())) TF_OpKernelContext_Failure(ctx, status.get());
-}
-
-void RegisterKernels() {
+// Resource handles live in host memory on every device (DT_RESOURCE); grads
+// and scalars stay in device memory.
+const KernelRegistrar registrar([] {
   if (!Variables().available()) return;  // this TF does not export the variable API
-  // Resource handles live in host memory on every device (DT_RESOURCE);
-  // grads and scalars stay in device memory.
-  RegisterFloatKernels("TfmetalExt>MultiTensorAdam", &Create, &Compute, &Delete);
-}
-
-// Registers the kernel when tf.load_op_library loads the op library.
-struct Registrar {
-  Registrar() { RegisterKernels(); }
-};
-Registrar registrar;
+  RegisterFloatKernels<AdamKernel, &Run>("TfmetalExt>MultiTensorAdam", &Create);
+});
 
 }  // namespace
-}  // namespace tfmetal
+}  // namespace tfmetal_ext

@@ -2,17 +2,14 @@
 // TfmetalExt>SoftshrinkGrad, registered through TF's C kernel API for the
 // tensorflow-metal PluggableDevice. Objective-C++ with ARC, macOS arm64 only.
 //
-// Thin by design: check the inputs, allocate the output, bind the buffers,
-// dispatch (metal_helper does the stream, pipelines and sizing). The kernels
-// are in softshrink.h; one thread per element, dispatched in chunks of at
-// most 2^30 elements (buffer offsets) so the 32-bit element index of the
-// kernel never overflows.
+// Thin by design: check the inputs, allocate the output, bind the buffers
+// (metal_helper does registration, the stream, pipelines, sizing and the
+// chunking of large tensors). The kernels are in softshrink.h; one thread per
+// element.
 #include "metal/metal_helper.h"
 
-#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,11 +20,10 @@
 #include "tensorflow/c/tf_status.h"
 #include "tensorflow/c/tf_tensor.h"
 
-namespace tfmetal {
+namespace tfmetal_ext {
 namespace {
 
 const MetalLibrarySource kLibrary{tfm_softshrink_metal_source_name, tfm_softshrink_metal_source};
-constexpr int64_t kMaxElementsPerDispatch = int64_t{1} << 30;
 
 struct SoftshrinkKernel {
   float lambd;
@@ -40,55 +36,30 @@ void* Create(TF_OpKernelConstruction* ctx) {
   if (Ok(status.get()) && !(std::isfinite(lambd) && lambd >= 0.0f)) {
     SetStatus(status.get(), TF_INVALID_ARGUMENT, "lambd must be finite and >= 0, got " + std::to_string(lambd));
   }
-  if (!Ok(status.get())) {
-    TF_OpKernelConstruction_Failure(ctx, status.get());
-    return nullptr;
-  }
-  return new SoftshrinkKernel{lambd};
-}
-
-void Delete(void* kernel) { delete static_cast<SoftshrinkKernel*>(kernel); }
-
-// The dtype's kernel name ("<op>_<dtype>"), or "" with `status` set.
-std::string KernelName(const char* op, TF_DataType dtype, TF_Status* status) {
-  const char* suffix = KernelSuffix(dtype);
-  if (suffix == nullptr) {
-    SetStatus(status, TF_INVALID_ARGUMENT, std::string(op) + ": unsupported dtype " + std::to_string(dtype) +
-                                               " (float32, float16 or bfloat16)");
-    return std::string();
-  }
-  return std::string(op) + "_" + suffix;
+  return NewKernelOrFail(ctx, status.get(), SoftshrinkKernel{lambd});
 }
 
 void SoftshrinkCompute(const SoftshrinkKernel& kernel, TF_OpKernelContext* ctx, TF_Status* status) {
   TensorPtr x = Input(ctx, 0, status);
   if (!Ok(status)) return;
   const TF_DataType dtype = TF_TensorType(x.get());
-  const std::string name = KernelName("softshrink", dtype, status);
+  const std::string name = KernelName("softshrink", "", dtype, status);
   if (!Ok(status)) return;
-  const std::vector<int64_t> dims = Dims(x.get());
-  const int candidates[] = {0};  // y may reuse x's buffer (elementwise, same thread reads then writes)
-  int forwarded = -1;
-  TensorPtr y(TF_ForwardInputOrAllocateOutput(ctx, candidates, 1, 0, dims.data(), static_cast<int>(dims.size()),
-                                              &forwarded, status));
+  TensorPtr y = ForwardInputOrAllocateOutput(ctx, 0, 0, Dims(x.get()), status);  // y may reuse x's buffer
   if (!Ok(status)) return;
   const int64_t n = TF_TensorElementCount(x.get());
   if (n == 0) return;  // Metal rejects empty dispatches
-  const NSUInteger element_size = TF_DataTypeSize(dtype);
   const float lambd = kernel.lambd;
   TF_Tensor* x_t = x.get();
   TF_Tensor* y_t = y.get();
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
-                   const NSUInteger offset = static_cast<NSUInteger>(start) * element_size;
-                   const tfm_softshrink_params params{
-                       static_cast<uint32_t>(std::min(n - start, kMaxElementsPerDispatch)), lambd};
+                 DispatchChunked1D(encoder, pipeline, n, TF_DataTypeSize(dtype), [&](NSUInteger offset, uint32_t count) {
+                   const tfm_softshrink_params params{count, lambd};
                    [encoder setBuffer:TensorBuffer(x_t) offset:offset atIndex:0];  // device const T* x [[buffer(0)]]
                    [encoder setBuffer:TensorBuffer(y_t) offset:offset atIndex:1];  // device T* y [[buffer(1)]]
                    SetBytes(encoder, params, 2);  // constant tfm_softshrink_params& p [[buffer(2)]]
-                   DispatchThreads1D(encoder, pipeline, params.n);
-                 }
+                 });
                });
 }
 
@@ -97,59 +68,34 @@ void SoftshrinkGradCompute(const SoftshrinkKernel& kernel, TF_OpKernelContext* c
   if (!Ok(status)) return;
   TensorPtr x = Input(ctx, 1, status);
   if (!Ok(status)) return;
-  const std::vector<int64_t> dims = Dims(x.get());
-  if (Dims(dy.get()) != dims) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "dy and x must have the same shape, got " + ShapeString(Dims(dy.get())) +
-                                               " and " + ShapeString(dims));
-    return;
-  }
+  if (!CheckSameShape(dy.get(), "dy", x.get(), "x", status)) return;
   const TF_DataType dtype = TF_TensorType(x.get());
-  const std::string name = KernelName("softshrink_grad", dtype, status);
+  const std::string name = KernelName("softshrink", "grad", dtype, status);
   if (!Ok(status)) return;
-  const int candidates[] = {0};  // dx may reuse dy's buffer
-  int forwarded = -1;
-  TensorPtr dx(TF_ForwardInputOrAllocateOutput(ctx, candidates, 1, 0, dims.data(), static_cast<int>(dims.size()),
-                                               &forwarded, status));
+  TensorPtr dx = ForwardInputOrAllocateOutput(ctx, 0, 0, Dims(x.get()), status);  // dx may reuse dy's buffer
   if (!Ok(status)) return;
   const int64_t n = TF_TensorElementCount(x.get());
   if (n == 0) return;
-  const NSUInteger element_size = TF_DataTypeSize(dtype);
   const float lambd = kernel.lambd;
   TF_Tensor* dy_t = dy.get();
   TF_Tensor* x_t = x.get();
   TF_Tensor* dx_t = dx.get();
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
-                   const NSUInteger offset = static_cast<NSUInteger>(start) * element_size;
-                   const tfm_softshrink_params params{
-                       static_cast<uint32_t>(std::min(n - start, kMaxElementsPerDispatch)), lambd};
+                 DispatchChunked1D(encoder, pipeline, n, TF_DataTypeSize(dtype), [&](NSUInteger offset, uint32_t count) {
+                   const tfm_softshrink_params params{count, lambd};
                    [encoder setBuffer:TensorBuffer(dy_t) offset:offset atIndex:0];  // device const T* dy [[buffer(0)]]
                    [encoder setBuffer:TensorBuffer(x_t) offset:offset atIndex:1];   // device const T* x [[buffer(1)]]
                    [encoder setBuffer:TensorBuffer(dx_t) offset:offset atIndex:2];  // device T* dx [[buffer(2)]]
                    SetBytes(encoder, params, 3);  // constant tfm_softshrink_params& p [[buffer(3)]]
-                   DispatchThreads1D(encoder, pipeline, params.n);
-                 }
+                 });
                });
 }
 
-template <void (*Run)(const SoftshrinkKernel&, TF_OpKernelContext*, TF_Status*)>
-void Compute(void* kernel, TF_OpKernelContext* ctx) {
-  StatusPtr status(TF_NewStatus());
-  Run(*static_cast<SoftshrinkKernel*>(kernel), ctx, status.get());
-  if (!Ok(status.get())) TF_OpKernelContext_Failure(ctx, status.get());
-}
-
-void RegisterKernels() {
-  RegisterFloatKernels("TfmetalExt>Softshrink", &Create, &Compute<&SoftshrinkCompute>, &Delete);
-  RegisterFloatKernels("TfmetalExt>SoftshrinkGrad", &Create, &Compute<&SoftshrinkGradCompute>, &Delete);
-}
-
-// Registers the kernels when tf.load_op_library loads the op library.
-struct Registrar {
-  Registrar() { RegisterKernels(); }
-};
-Registrar registrar;
+const KernelRegistrar registrar([] {
+  RegisterFloatKernels<SoftshrinkKernel, &SoftshrinkCompute>("TfmetalExt>Softshrink", &Create);
+  RegisterFloatKernels<SoftshrinkKernel, &SoftshrinkGradCompute>("TfmetalExt>SoftshrinkGrad", &Create);
+});
 
 }  // namespace
-}  // namespace tfmetal
+}  // namespace tfmetal_ext
