@@ -490,9 +490,9 @@ def test_signposts_bracket_each_profiled_step(monkeypatch, tmp_path):
         def end(self, token, step):
             events.append(("end", step, token))
 
-    from tfmetal_ext.callbacks import metal
+    from tfmetal_ext.callbacks import _signpost
 
-    monkeypatch.setattr(metal.Signposts, "for_this_host", classmethod(lambda cls: FakeSignposts()))
+    monkeypatch.setattr(_signpost.Signposts, "for_this_host", classmethod(lambda cls: FakeSignposts()))
     x, y = _data(24)
     model = _compile(_ours())
     cb = MetalCallback(report=None, profile_steps=(2, 4), profile_dir=str(tmp_path))

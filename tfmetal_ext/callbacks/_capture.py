@@ -1,0 +1,181 @@
+"""The first train step: a wrapper around ``model.train_function``, the step's capture, its reports and summary."""
+
+from __future__ import annotations
+
+from tfmetal_ext.backends.fusion import STOCK_TO_FUSED
+from tfmetal_ext.callbacks._model import find_layer, is_stock
+
+# Fusion-report statuses a summary lists (with "unexpected"); "partial" gets no replacement advice.
+_UNFUSED_STATUSES = ("missed", "not fused", "partial", "unexpected")
+
+
+def layer_advice(layer_class):
+    """What to use instead of the stock Keras layer class named `layer_class`, or None."""
+    row = STOCK_TO_FUSED.get(layer_class)
+    return row.suggestion if row is not None else None
+
+
+class TrainStepWrapper:
+    """Wraps ``model.train_function`` for one fit and captures its first call.
+
+    Per-step work happens in the wrapper rather than in `on_train_batch_end`:
+    a callback with batch-end hooks makes Keras convert every step's logs on
+    the main thread, while the wrapper's `after` reads only what it needs,
+    can set ``stop_training`` before Keras checks it, and adds its figures to
+    the step's logs.
+
+    Args:
+        before: called with no argument before every call.
+        after: called with the call's logs after every call.
+        on_captured: called with the first call's `Capture` when
+            `install(..., capture_first=True)`.
+    """
+
+    def __init__(self, before, after, on_captured):
+        self._before = before
+        self._after = after
+        self._on_captured = on_captured
+        self._installed = None  # (the wrapped function, the wrapper)
+
+    def install(self, model, capture_first):
+        """Replaces ``model.train_function`` by the wrapper (nothing when fit made none)."""
+        from tfmetal_ext.inspect import capture as capture_mod
+
+        fn = model.train_function
+        if fn is None:
+            return
+        fn = getattr(fn, "_tfmetal_ext_inner", fn)  # left wrapped by a fit that raised
+        if capture_first:
+            traced = any(f._list_all_concrete_functions() for f in capture_mod._tf_functions(fn))
+            if traced:  # cached from an earlier fit: a fresh function is captured when instantiated
+                model.make_train_function(force=True)
+                fn = model.train_function
+        jit = getattr(model, "jit_compile", False) is True
+        pending = [capture_first]
+        before, after, on_captured = self._before, self._after, self._on_captured
+
+        def train_step_with_checks(iterator):
+            before()
+            if pending[0]:
+                pending[0] = False
+                logs, cap = capture_mod.capture_call(fn, iterator, mode="train", jit_compile=jit)
+                on_captured(cap)
+            else:
+                logs = fn(iterator)
+            after(logs)
+            return logs
+
+        train_step_with_checks._tfmetal_ext_inner = fn
+        model.train_function = train_step_with_checks
+        self._installed = (model, fn, train_step_with_checks)
+
+    def remove(self):
+        """Puts the wrapped function back (unless something replaced the wrapper since)."""
+        if self._installed is not None:
+            model, fn, wrapper = self._installed
+            if model.train_function is wrapper:
+                model.train_function = fn
+            self._installed = None
+
+
+class FirstStepReport:
+    """The fusion and placement reports of the captured step, and the summary made from them.
+
+    Args:
+        report: ``"summary"``, ``"full"`` or None (see `MetalCallback`).
+        check_fallback: make the placement report.
+        strict: make the fusion report even when nothing is printed.
+        print_fn: where the printed lines go.
+    """
+
+    def __init__(self, report="summary", check_fallback=True, strict=False, print_fn=print):
+        self.report = report
+        self.check_fallback = check_fallback
+        self.strict = strict
+        self.print_fn = print_fn
+
+    @property
+    def wanted(self):
+        """The first step needs capturing: something is printed or checked."""
+        return self.report is not None or self.strict or self.check_fallback
+
+    def reports(self, cap, model, findings):
+        """``(fusion_report, placement_report)`` of `cap`; None where not asked for or not captured.
+
+        A step that was not captured is noted in `findings` (a `Findings`).
+        """
+        from tfmetal_ext import inspect
+
+        if not cap.functions:
+            findings.add("the train step's graph was not captured (instantiated before this fit)")
+            return None, None
+        fusion = inspect.report_from_capture(cap, model) if self.report is not None or self.strict else None
+        placement = inspect.placement_from_capture(cap, model) if self.check_fallback else None
+        return fusion, placement
+
+    def publish(self, model, findings, fusion_report, placement_report):
+        """Prints the summary (or the full reports) as `report` asks; returns ``(summary, strict problems)``."""
+        lines, problems = summarize(model, findings, fusion_report, placement_report)
+        summary = "\n".join(lines)
+        if self.report == "summary":
+            self.print_fn(summary)
+        elif self.report == "full":
+            self.print_fn("\n".join(lines[: 1 + len(findings)]))
+            for report in (fusion_report, placement_report):
+                if report is not None:
+                    self.print_fn(str(report))
+        return summary, problems
+
+
+def summarize(model, findings, fusion_report, placement_report):
+    """The summary's lines (a header, `findings`, then the reports') and what `strict` raises on."""
+    lines = ["MetalCallback:"] + [f"  {f}" for f in findings]
+    problems = []
+    if fusion_report is not None:
+        lines += _fusion_lines(model, fusion_report, problems)
+    if placement_report is not None:
+        lines += _placement_lines(model, placement_report, problems)
+    return lines, problems
+
+
+def _stock_advice(model, path):
+    layer = find_layer(model, path)
+    return layer_advice(type(layer).__name__) if layer is not None and is_stock(layer) else None
+
+
+def _fusion_lines(model, fr, problems):
+    counts = {}
+    for n in fr.fused:
+        if not n.backward:
+            counts[n.label()] = counts.get(n.label(), 0) + 1
+    fused = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
+    lines = [f"  train step: {fr.num_ops} ops per step; fused (forward): {fused}"]
+    for r in fr.layers:
+        if r.status not in _UNFUSED_STATUSES:
+            continue
+        advice = ""
+        layer = find_layer(model, r.path)
+        repl = layer_advice(r.layer_class) if r.status != "partial" and layer is not None and is_stock(layer) else None
+        if repl:
+            advice = f" -> use {repl}"
+            problems.append(f"{r.path} ({r.layer_class}) is not fused{advice}")
+        if r.status == "missed":
+            problems.append(f"{r.path}: expected fusion missing ({r.reason})")
+        lines.append(f"  {r.status}: {r.path} ({r.layer_class}, {r.pattern}): {r.reason or ''}{advice}")
+    lines += [f"  note: {note}" for note in fr.notes]
+    return lines
+
+
+def _placement_lines(model, pr, problems):
+    if not pr.gpu_present:
+        return ["  CPU fallback: none possible (no GPU present)"]
+    if not pr.fallbacks:
+        return ["  CPU fallback: none"]
+    lines = [f"  CPU fallback: {len(pr.fallbacks)} op(s) ran on the CPU:"]
+    for f in pr.fallbacks:
+        repl = _stock_advice(model, f.layer) if f.layer else None
+        fix = f" -> use {repl}" if repl else " (no tfmetal_ext replacement; the op has no GPU kernel)"
+        where = f"{f.op} in {f.layer or '(no layer)'}"
+        lines.append(f"    {where}{fix}")
+        problems.append(f"{where} fell back to the CPU")
+    return lines

@@ -1,0 +1,107 @@
+"""Train-begin findings: backend and pairing, dtype policy, XLA on Metal, the optimizer."""
+
+from __future__ import annotations
+
+import warnings
+
+from tfmetal_ext import devices, precision
+from tfmetal_ext.backends.fusion import OPTIMIZER_TO_FUSED
+from tfmetal_ext.callbacks._errors import MetalCallbackError, PerformanceWarning
+from tfmetal_ext.callbacks._model import is_stock, leaf_layers
+
+
+class Findings:
+    """The train-begin checks of one run, one line each.
+
+    Args:
+        strict: raise `MetalCallbackError` where a check would otherwise warn
+            about ``jit_compile=True`` on Metal.
+
+    Attributes:
+        lines: the findings in order; `add` appends (later parts add theirs).
+    """
+
+    def __init__(self, strict=False):
+        self.strict = strict
+        self.lines = []
+
+    def add(self, text, warn=False):
+        """Records `text`; with `warn`, also issues it as a `PerformanceWarning`."""
+        self.lines.append(text)
+        if warn:
+            warnings.warn(f"MetalCallback: {text}", PerformanceWarning, stacklevel=4)  # at the caller of check()
+
+    def check(self, model, caps):
+        """Runs every train-begin check of `model` against the capabilities `caps`."""
+        self._environment(caps)
+        self._policy(model, caps)
+        self._xla(model, caps)
+        self._optimizer(model)
+
+    def _environment(self, caps):
+        metal = caps.metal_plugin_version or "not installed"
+        self.add(
+            f"backend {caps.backend}; TensorFlow {caps.tf_version}, Keras {caps.keras_version}, "
+            f"tensorflow-metal {metal} (pairing: {caps.pairing})"
+        )
+        if caps.pairing == devices.KNOWN_BROKEN:
+            self.add(
+                f"TensorFlow {caps.tf_version} with tensorflow-metal {metal} is a known-broken pairing; "
+                f"fix: {caps.pairing_fix}",
+                warn=True,
+            )
+
+    def _policy(self, model, caps):
+        model_policy = model.dtype_policy.name
+        recommended = precision.recommend()
+        if model_policy != recommended.policy:
+            why = "; ".join(r for r in recommended.reasons if "jit" not in r.lower() and "XLA" not in r)
+            self.add(f"dtype policy: model {model_policy}, configure() would choose {recommended.policy} ({why})")
+        else:
+            self.add(f"dtype policy: {model_policy} (what configure() chooses here)")
+        avoided = sorted(precision.avoided_fusions())
+        if avoided:
+            self.add(
+                f"avoided fusions (configure(avoid_fusions=...)): {', '.join(avoided)}: "
+                "those layers emit their safe unfused form"
+            )
+        if caps.backend == "metal":
+            f32 = [
+                l.name
+                for l in leaf_layers(model)
+                if l.weights and getattr(l.dtype_policy, "compute_dtype", None) == "float32"
+            ]
+            if f32:
+                shown = ", ".join(f32[:5]) + (f", ... ({len(f32)} in all)" if len(f32) > 5 else "")
+                self.add(
+                    f"{len(f32)} layer(s) compute in float32 on Metal ({shown}): half kernels are faster; "
+                    "call tfmetal_ext.configure() (mixed_float16) before building the model",
+                    warn=True,
+                )
+        elif caps.backend == "cpu" and not caps.cpu_fp16:
+            if any(getattr(l.dtype_policy, "compute_dtype", None) == "float16" for l in leaf_layers(model)):
+                self.add(
+                    "float16 compute on a CPU without native float16: the remapper skips half nodes, so "
+                    "nothing fuses; use mixed_bfloat16 or float32 (tfmetal_ext.configure() picks)",
+                    warn=True,
+                )
+
+    def _xla(self, model, caps):
+        if caps.backend == "metal" and getattr(model, "jit_compile", False) is True:
+            text = (
+                "jit_compile=True on Metal: tensorflow-metal has no XLA compiler (\"Could not find compiler "
+                "for platform METAL\"); compile with jit_compile=False so the remapper fuses"
+            )
+            if self.strict:
+                raise MetalCallbackError(text)
+            self.add(text, warn=True)
+
+    def _optimizer(self, model):
+        opt = getattr(model, "optimizer", None)
+        inner = getattr(opt, "inner_optimizer", opt)  # LossScaleOptimizer wraps the real one
+        row = OPTIMIZER_TO_FUSED.get(type(inner).__name__) if inner is not None else None
+        if row is not None and is_stock(inner):
+            self.add(
+                f"optimizer: stock keras {row.stock} issues many small ops per variable per step; "
+                f"{row.qualified} takes the same arguments and runs one fused op per variable"
+            )

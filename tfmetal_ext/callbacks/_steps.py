@@ -1,0 +1,44 @@
+"""Global step numbers across a fit's epochs, per call of the train function."""
+
+from __future__ import annotations
+
+
+class StepCounter:
+    """Numbers a fit's steps from 1 across epochs.
+
+    One call of the train function runs `per_call` steps
+    (``steps_per_execution``): `first` to `last`.
+    """
+
+    def __init__(self):
+        self.first = 0  # the first step of the current call
+        self.per_call = 1
+        self.epoch_base = 0  # steps run in the epochs before this one
+        self._began = False  # a call began this epoch
+
+    def batch_begin(self, batch, per_call):
+        """Keras' `batch` (0-based within the epoch) begins a call of `per_call` steps."""
+        self.first = self.epoch_base + batch + 1
+        self.per_call = per_call
+        self._began = True
+
+    @property
+    def last(self):
+        """The last step the current call runs."""
+        return self.first + self.per_call - 1
+
+    def in_epoch(self, step):
+        """`step`'s 1-based number within its epoch."""
+        return step - self.epoch_base
+
+    def epoch_last(self, total=None):
+        """The epoch's last step so far: the current call's, cut at the epoch's `total` steps."""
+        if total:
+            return self.epoch_base + min(total, self.last - self.epoch_base)
+        return self.last
+
+    def epoch_end(self, total=None):
+        """Closes the epoch (of `total` steps, when known): the next numbers follow on."""
+        if self._began:
+            self.epoch_base = self.epoch_last(total)
+        self._began = False
