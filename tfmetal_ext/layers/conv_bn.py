@@ -24,6 +24,46 @@ def _pair(value, name):
     return value
 
 
+def fold_batch_norm(kernel, bias, gamma, beta, mean, variance, epsilon):
+    """Kernel and bias of a convolution (or matmul) followed by an inference-mode batch norm, as one.
+
+    With ``s = gamma / sqrt(variance + epsilon)``: ``kernel * s`` and
+    ``(bias - mean) * s + beta``, computed in float64. The batch norm's channels
+    are the kernel's trailing, contiguous output channels: the last axis of a
+    Conv2D or Dense kernel, ``in * multiplier`` of a depthwise kernel.
+
+    Args:
+        kernel: the contraction's kernel (array or variable).
+        bias: its bias, or None when it has none.
+        gamma: the batch norm's scale, or None (``scale=False``: ones).
+        beta: its offset, or None (``center=False``: zeros).
+        mean: its moving mean.
+        variance: its moving variance.
+        epsilon: its epsilon.
+
+    Returns:
+        ``(kernel, bias)`` as numpy float32 arrays, the kernel in its own shape.
+
+    >>> import numpy as np
+    >>> k, b = fold_batch_norm(np.ones((1, 1, 2, 3)), None, None, None, np.zeros(3), np.ones(3), 0.0)
+    >>> b.tolist()
+    [0.0, 0.0, 0.0]
+    """
+    import numpy as np
+
+    def f64(value):
+        return keras.ops.convert_to_numpy(value).astype("float64")
+
+    kernel, mean = f64(kernel), f64(mean)
+    channels = mean.shape[-1]
+    gamma = np.ones(channels) if gamma is None else f64(gamma)
+    beta = np.zeros(channels) if beta is None else f64(beta)
+    scale = gamma / np.sqrt(f64(variance) + epsilon)
+    folded = (kernel.reshape(-1, channels) * scale).reshape(kernel.shape)
+    shift = -mean if bias is None else f64(bias) - mean
+    return folded.astype("float32"), (shift * scale + beta).astype("float32")
+
+
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
 class ConvBNAct(keras.layers.Layer):
     """2D convolution without bias, batch normalization and an activation, fused.
@@ -240,16 +280,9 @@ class ConvBNAct(keras.layers.Layer):
 
     def folded_weights(self):
         """Kernel and bias with the batch norm (moving statistics) folded in, as numpy float32."""
-        import numpy as np
-
-        gamma, beta, mean, var = (
-            keras.ops.convert_to_numpy(w).astype("float64")
-            for w in (self.gamma, self.beta, self.moving_mean, self.moving_variance)
+        return fold_batch_norm(
+            self.kernel, None, self.gamma, self.beta, self.moving_mean, self.moving_variance, self.epsilon
         )
-        scale = gamma / np.sqrt(var + self.epsilon)
-        kernel = keras.ops.convert_to_numpy(self.kernel).astype("float64") * scale
-        bias = beta - mean * scale
-        return kernel.astype("float32"), bias.astype("float32")
 
     def fold(self, name=None):
         """An inference-only `FusedConv2D` equal to this layer in inference mode.
