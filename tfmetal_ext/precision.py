@@ -14,9 +14,11 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import types
 import warnings
 
-from tfmetal_ext import devices
+from tfmetal_ext import backends, devices
+from tfmetal_ext.backends import fusion as _fusion
 
 logger = logging.getLogger("tfmetal_ext")
 
@@ -33,29 +35,9 @@ _VALID_POLICIES = (
 # The decision of the last configure() call; compile_kwargs() reads it.
 _last_config = None
 
-# Fusion patterns -> what our layers and ops emit instead while the pattern is avoided.
-SAFE_FORMS = {
-    "conv_bias_relu": (
-        "FusedConv2D, FusedDepthwiseConv2D, ConvBNAct.fold() and FoldedResidualBlock add the bias with "
-        "AddV2 instead of BiasAdd (conv + AddV2 + act): no _FusedConv2D on a GPU"
-    ),
-    "matmul_bias_relu": (
-        "FusedDense adds the bias with AddV2 instead of BiasAdd (MatMul + AddV2 + act): "
-        "no _FusedMatMul on a GPU"
-    ),
-    "fused_batch_norm": (
-        "FusedBatchNorm and ConvBNAct (so ResidualBlock) normalize with moments + Rsqrt/Mul/Add "
-        "instead of FusedBatchNormV3 (same statistics and moving-average update)"
-    ),
-    "softshrink": "tfmetal_ext.ops.softshrink (Softshrink) runs its pure-TF reference instead of TfmetalExt>Softshrink",
-    "layer_norm": (
-        "tfmetal_ext.ops.layer_norm (FusedLayerNorm) runs its pure-TF reference instead of TfmetalExt>LayerNorm"
-    ),
-    "multi_tensor_adam": (
-        "tfmetal_ext.ops.multi_tensor_adam and FusedAdam(multi_tensor=True) update with one "
-        "ResourceApplyAdam per variable instead of TfmetalExt>MultiTensorAdam"
-    ),
-}
+# Fusion patterns -> what our layers and ops emit instead while the pattern is
+# avoided (a read-only view of tfmetal_ext.backends.fusion.SAFE_FORMS).
+SAFE_FORMS = types.MappingProxyType({name: form.description for name, form in _fusion.SAFE_FORMS.items()})
 
 # The patterns avoided now; layers and op wrappers read it when traced.
 _avoided = frozenset()
@@ -115,20 +97,9 @@ def _choose_policy(policy, caps, warn=True):
                 "kernel; mixed_float16 fuses"
             )
         return policy, reasons
-    if caps.backend == "metal":
-        reasons.append("Metal GPU: mixed_float16 (half kernels, fused conv/matmul in half)")
-        return "mixed_float16", reasons
-    if caps.backend == "cuda":
-        reasons.append("CUDA GPU: mixed_float16 (tensor cores, cuDNN half kernels)")
-        return "mixed_float16", reasons
-    if caps.cpu_bf16:
-        reasons.append(
-            "CPU with native bfloat16 (AVX512_BF16/AMX/FEAT_BF16): mixed_bfloat16 "
-            "(fuses like float32 under oneDNN)"
-        )
-        return "mixed_bfloat16", reasons
-    reasons.append("CPU without native bfloat16: float32")
-    return "float32", reasons
+    chosen, why = backends.precision(caps)
+    reasons.append(why)
+    return chosen, reasons
 
 
 def _choose_jit(jit_compile, caps, warn=True):

@@ -185,3 +185,52 @@ def test_capture_ignores_functions_instantiated_between_windows():
     second = inspect.capture_function(body)
     for cap in (first, second):
         assert inspect.report_from_capture(cap).ops_by_type.get("Sin") == 1
+
+
+# ----------------------------------------------------------------------------
+# Keras' default names: TF uniquifies a reused scope the same way Keras numbers layers.
+
+
+def _index_with(names):
+    index = report_mod.LayerIndex()
+    index._children = {"": {n: n for n in names}}
+    index.layers = {n: None for n in names}
+    return index
+
+
+@pytest.mark.no_keras
+@pytest.mark.parametrize(
+    "scopes, want",
+    [
+        # As written: each layer's own name.
+        (("conv2d", "conv2d_1"), {"conv2d": "conv2d", "conv2d_1": "conv2d_1"}),
+        # Every scope uniquified once (what a Sequential's train and predict steps show).
+        (("conv2d_1", "conv2d_1_2"), {"conv2d_1": "conv2d", "conv2d_1_2": "conv2d_1"}),
+    ],
+)
+def test_default_names_resolve_by_the_whole_graph(scopes, want):
+    index = _index_with(["conv2d", "conv2d_1"])
+    index.observe([f"sequential_1/{s}/Relu" for s in scopes])
+    assert {s: index.layer_of(f"sequential_1/{s}/Relu") for s in scopes} == want
+
+
+def test_default_layer_names_credit_each_conv_to_itself():
+    # keras-io's MNIST convnet, as written: default names, pooling between the convs.
+    model = keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10, activation="softmax"),
+        ]
+    )
+    model.compile(optimizer="adam", loss="categorical_crossentropy")
+    first, second = model.layers[0].name, model.layers[2].name
+    for mode in ("predict", "train"):
+        report = inspect.fusion_report(model, mode=mode)
+        convs = [f for f in report.fused if f.op == "_FusedConv2D" and not f.backward]
+        assert sorted(f.layer for f in convs) == sorted([first, second]), (mode, convs)
+        assert report.row(first).status == "fused" and report.row(second).status == "fused", str(report)

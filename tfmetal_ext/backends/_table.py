@@ -29,6 +29,7 @@ class Fusion:
         train_dtypes: the dtypes that fuse in training, when narrower.
         train_channels_multiple: training fuses only when channels are a
             multiple of this.
+        side_input: a batch norm also absorbs an Add side input (residual).
         why_not: the reason when nothing fuses here (dtypes empty or `needs`
             unmet); defaults to a generic one.
         note: a caveat worth reading even when fused.
@@ -46,6 +47,7 @@ class Fusion:
     needs: str | None = None
     train_dtypes: tuple | None = None
     train_channels_multiple: int = 1
+    side_input: bool = True
     why_not: str | None = None
     note: str | None = None
 

@@ -50,7 +50,7 @@ ONEDNN = backend(
             "[FusedBatchNorm(, act)] float32, inference", dtypes=("float32",), acts=ACTS, modes=(PREDICT,),
         ),
         "batchnorm_act": Fusion(
-            "yes, without side input", dtypes=F32_BF16, acts=("Relu",), requires_act=("Relu",),
+            "yes, without side input", dtypes=F32_BF16, acts=("Relu",), requires_act=("Relu",), side_input=False,
         ),
         "batchnorm_grad_relugrad": never("not fused"),
         "custom_layer_norm": Fusion(

@@ -48,7 +48,7 @@ KERNELS = types.MappingProxyType(
 )
 
 METAL = backend(
-    "metal", "metal", "tensorflow-metal",
+    "metal", "metal", "Metal",
     {
         "conv2d_bias_act": Fusion(
             "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32/half (tensorflow-metal plugin remapper); no bfloat16",

@@ -1,13 +1,14 @@
-"""The pattern catalog: every fusion this package targets, per backend and dtype.
+"""The pattern catalog and the layer rules: what each layer should become in the graph that runs.
 
-Two parts:
-
-* `PATTERNS`: each fusion with the fused op it becomes and the conditions per
-  backend (REFERENCE.md sections 1 and 4; the CPU rows re-measured on TF 2.21).
+* `PATTERNS`: every fusion this package targets, with the fused op it
+  becomes and the conditions per backend. The facts live in the backend
+  tables (`tfmetal_ext.backends`); this module only reads them.
 * Layer rules: for a Keras layer and a `FusionContext` (backend, oneDNN,
   dtype, train or predict, XLA), the `Expectation` of what the graph that runs
   should contain, with the reason whenever that is less than the full pattern.
-  Later layer families register their own rules with `register_rule`.
+  Layer families register their own rules with `register_rule`, built from
+  the public helpers here (`fusion_for`, `dtype_block`, `contraction_rule`,
+  `conv2d_rule`, `dense_rule`, `depthwise_rule`, `input_rank`, `act_op`).
 """
 
 from __future__ import annotations
@@ -15,203 +16,18 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from tfmetal_ext import backends
+from tfmetal_ext.backends import fusion as _fusion
 
-@dataclasses.dataclass(frozen=True)
-class Pattern:
-    """A fusion pattern.
+PATTERNS = backends.PATTERNS
+Pattern = backends.Pattern
 
-    Attributes:
-        name: catalog key, e.g. ``"conv2d_bias_act"``.
-        description: the unfused subgraph it replaces.
-        fused_op: the op the remapper emits.
-        support: per backend (``"cpu_onednn"``, ``"cpu"``, ``"cuda"``,
-            ``"metal"``), the fused_ops lists and conditions, in words.
-    """
-
-    name: str
-    description: str
-    fused_op: str
-    support: dict
-
-
-PATTERNS = {
-    p.name: p
-    for p in [
-        Pattern(
-            "conv2d_bias_act",
-            "Conv2D + BiasAdd [+ Relu|Relu6|Elu|LeakyRelu]",
-            "_FusedConv2D",
-            {
-                "cpu_onednn": "[BiasAdd(, act)] float32, bfloat16; training: LeakyRelu not fused (its gradient needs the pre-activation)",
-                "cpu": "[BiasAdd(, act)] float32/float64, NHWC; no bfloat16",
-                "cuda": "needs an activation; Relu only by default, float32/half, not 1x1 filters",
-                "metal": "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32/half (tensorflow-metal plugin remapper); no bfloat16",
-            },
-        ),
-        Pattern(
-            "matmul_bias_act",
-            "MatMul + BiasAdd [+ Relu|Relu6|Elu|LeakyRelu|Tanh|Sigmoid]",
-            "_FusedMatMul",
-            {
-                "cpu_onednn": "[BiasAdd(, act)] float32, bfloat16; Tanh and Sigmoid too; training: LeakyRelu not fused",
-                "cpu": "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32",
-                "cuda": "only with TF_USE_CUBLASLT=1",
-                "metal": "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32/half; relu(bias_add(matmul)) reported to miscompute in graph mode",
-            },
-        ),
-        Pattern(
-            "matmul_bias_gelu",
-            "MatMul + BiasAdd + GELU subgraph",
-            "_FusedMatMul",
-            {
-                "cpu_onednn": "[BiasAdd, GeluExact|GeluApproximate], inference only",
-                "cpu": "not fused",
-                "cuda": "half with cuDNN runtime fusion",
-                "metal": "not fused",
-            },
-        ),
-        Pattern(
-            "depthwise_bias_act",
-            "DepthwiseConv2dNative + BiasAdd + act",
-            "_FusedDepthwiseConv2dNative",
-            {
-                "cpu_onednn": "[BiasAdd(, act)] float32, bfloat16",
-                "cpu": "not fused",
-                "cuda": "not fused",
-                "metal": "not fused",
-            },
-        ),
-        Pattern(
-            "conv2d_bias_add_relu",
-            "Conv2D + BiasAdd + Add(residual) + Relu",
-            "_FusedConv2D",
-            {
-                "cpu_onednn": "[BiasAdd, Add, Relu], inference",
-                "cpu": "only [BiasAdd]",
-                "cuda": "not fused",
-                "metal": "not fused",
-            },
-        ),
-        Pattern(
-            "conv2d_batchnorm_act",
-            "Conv2D + FusedBatchNormV3 [+ act], inference",
-            "_FusedConv2D",
-            {
-                "cpu_onednn": "[FusedBatchNorm(, act)] float32",
-                "cpu": "[FusedBatchNorm(, act)] float32",
-                "cuda": "not fused",
-                "metal": "not fused",
-            },
-        ),
-        Pattern(
-            "batchnorm_act",
-            "FusedBatchNormV3 [+ Add side input] + Relu",
-            "_FusedBatchNormEx",
-            {
-                "cpu_onednn": "yes, without side input",
-                "cpu": "not fused",
-                "cuda": "float32/half; training needs half, NHWC, channels % 4 == 0",
-                "metal": "float32/half (kernel present in tensorflow-metal)",
-            },
-        ),
-        Pattern(
-            "batchnorm_grad_relugrad",
-            "FusedBatchNormGradV3 + ReluGrad",
-            "_FusedBatchNormGradEx",
-            {
-                "cpu_onednn": "not fused",
-                "cpu": "not fused",
-                "cuda": "training only, half, NHWC, channels % 4 == 0",
-                "metal": "not fused",
-            },
-        ),
-        Pattern(
-            "batch_norm",
-            "Keras BatchNormalization (moments + Rsqrt/Mul/Sub/Add)",
-            "",
-            {k: "not fused: Keras 3 never emits FusedBatchNormV3" for k in ("cpu_onednn", "cpu", "cuda", "metal")},
-        ),
-        Pattern(
-            "layer_norm",
-            "Keras LayerNormalization (moments + Rsqrt + Mul/Add)",
-            "",
-            {k: "not fused: no remapper pattern on any device" for k in ("cpu_onednn", "cpu", "cuda", "metal")},
-        ),
-        Pattern(
-            "custom_layer_norm",
-            "layer norm over the last axis (FusedLayerNorm)",
-            "TfmetalExt>LayerNorm",
-            {
-                "cpu_onednn": "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
-                "cpu": "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
-                "cuda": "no CUDA kernel: the pure-TF reference runs (18 ops fwd+bwd)",
-                "metal": "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)",
-            },
-        ),
-        Pattern(
-            "custom_softshrink",
-            "softshrink activation (Softshrink layer; keras.ops.soft_shrink is several elementwise ops)",
-            "TfmetalExt>Softshrink",
-            {
-                "cpu_onednn": "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
-                "cpu": "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
-                "cuda": "no CUDA kernel: the op runs on the CPU (copies each way); use the reference there",
-                "metal": "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)",
-            },
-        ),
-        Pattern(
-            "multi_tensor_adam",
-            "Adam update of every variable of one dtype (FusedAdam(multi_tensor=True))",
-            "TfmetalExt>MultiTensorAdam",
-            {
-                "cpu_onednn": "one op per step and dtype group",
-                "cpu": "one op per step and dtype group",
-                "cuda": "no CUDA kernel: one ResourceApplyAdam per variable",
-                "metal": "Metal kernel where TF exports the resource-variable C API (TF 2.19 yes, 2.21 Linux wheel no); else one ResourceApplyAdam per variable",
-            },
-        ),
-        Pattern(
-            "cudnn_rnn",
-            "a whole LSTM/GRU recurrence (tanh/sigmoid, no recurrent dropout, GRU reset_after=True)",
-            "CudnnRNNV3",
-            {
-                "cpu_onednn": "no kernel (GPU-only op); FusedLSTM/FusedGRU hoist the input projection into one _FusedMatMul[BiasAdd]",
-                "cpu": "no kernel (GPU-only op); the input projection fuses as _FusedMatMul[BiasAdd] (float32)",
-                "cuda": "cuDNN: float32, float16, float64 (bfloat16 kernels registered, cuDNN support varies); masks must be right-padded (sequence_lengths)",
-                "metal": "tensorflow-metal kernel: float32, float16, bfloat16; emitted as Keras emits it (batch-major, sequence_lengths)",
-            },
-        ),
-    ]
-}
-
-# Ops that are a whole fused layer by themselves (no remapper rewrite involved):
-# the fusion report lists them with the remapper's fused nodes. The TfmetalExt>
-# ops are this package's custom ops (tfmetal_ext.ops).
-FUSED_LAYER_OPS = frozenset(
-    {
-        "CudnnRNNV3",
-        "CudnnRNNBackpropV3",
-        "TfmetalExt>LayerNorm",
-        "TfmetalExt>LayerNormGrad",
-        "TfmetalExt>Softshrink",
-        "TfmetalExt>SoftshrinkGrad",
-        "TfmetalExt>MultiTensorAdam",
-    }
-)
+# Ops that are a whole fused layer by themselves (the fusion report lists
+# them with the remapper's fused nodes).
+FUSED_LAYER_OPS = _fusion.FUSED_LAYER_OPS
 
 # Keras activation name -> the op name in `fused_ops`.
-ACTIVATION_OPS = {
-    "relu": "Relu",
-    "relu6": "Relu6",
-    "elu": "Elu",
-    "leaky_relu": "LeakyRelu",
-    "tanh": "Tanh",
-    "sigmoid": "Sigmoid",
-    "gelu": "GeluExact",
-    "gelu_approximate": "GeluApproximate",
-}
-_CONTRACTION_ACTS = ("Relu", "Relu6", "Elu", "LeakyRelu")
-_ONEDNN_MATMUL_ACTS = _CONTRACTION_ACTS + ("Tanh", "Sigmoid")
+ACTIVATION_OPS = _fusion.ACTIVATION_OPS
 
 REASON_XLA = "XLA compiled: grappler not applied"
 REASON_HALF_CPU = "float16 on CPU: remapper skips half"
@@ -314,23 +130,17 @@ def expectation(layer, ctx):
 
 def avoided_reason(name):
     """The row reason for a pattern switched off by ``configure(avoid_fusions=[name])``."""
-    from tfmetal_ext import precision
-
-    return f"avoided by configure(avoid_fusions=[{name!r}]): {precision.SAFE_FORMS[name]}"
-
-
-# Safe forms that add a bias with AddV2: CPU oneDNN counts a broadcast AddV2
-# as a BiasAdd and fuses it anyway (measured on TF 2.19 and 2.21).
-_ADDV2_SAFE_FORMS = ("conv_bias_relu", "matmul_bias_relu")
+    return f"avoided by configure(avoid_fusions=[{name!r}]): {_fusion.SAFE_FORMS[name].description}"
 
 
 def unless_avoided(name, rule):
     """Wraps a layer rule so it reflects ``configure(avoid_fusions=[name])``.
 
-    While `name` (a `tfmetal_ext.precision.SAFE_FORMS` key) is avoided the
-    layer emits its safe form: nothing is expected to fuse and the row says
-    why, except where the safe form still fuses (an AddV2 bias on CPU with
-    oneDNN), where the expectation stays and a note says so.
+    While `name` (a `tfmetal_ext.backends.fusion.SAFE_FORMS` key) is avoided
+    the layer emits its safe form: nothing is expected to fuse and the row
+    says why, except where the safe form still fuses (an AddV2 bias on CPU
+    with oneDNN, which counts it as a BiasAdd: measured on TF 2.19 and 2.21),
+    where the expectation stays and a note says so.
     """
     from tfmetal_ext import precision
 
@@ -338,7 +148,7 @@ def unless_avoided(name, rule):
         exp = rule(layer, ctx)
         if exp is None or name not in precision.avoided_fusions():
             return exp
-        if name in _ADDV2_SAFE_FORMS and ctx.backend == "cpu" and ctx.onednn:
+        if _fusion.SAFE_FORMS[name].bias_as_addv2 and ctx.backend == "cpu" and ctx.onednn:
             note = (
                 f"avoided by configure(avoid_fusions=[{name!r}]): the bias is an AddV2, which "
                 "oneDNN still fuses as a BiasAdd on CPU"
@@ -355,7 +165,22 @@ def unless_avoided(name, rule):
 
 
 # ----------------------------------------------------------------------------
-# Helpers shared by the rules.
+# Public helpers for rules: they read the backend tables.
+
+
+def table(ctx):
+    """The `tfmetal_ext.backends.Backend` table that `ctx` selects."""
+    return backends.table(ctx.support_key)
+
+
+def fusion_for(ctx, pattern):
+    """The `tfmetal_ext.backends.Fusion` row of `pattern` on the backend of `ctx`."""
+    return table(ctx).fusion(pattern)
+
+
+def where(ctx):
+    """How reasons name the backend of `ctx` (``"CPU without oneDNN"``, ``"CUDA"``, ``"Metal"``)."""
+    return table(ctx).label
 
 
 def activation_name(layer):
@@ -374,70 +199,114 @@ def activation_name(layer):
     return name
 
 
-def _dtype_block(ctx, dtype, cpu_dtypes):
-    """A reason the remapper will not touch nodes of `dtype` here, or None."""
+def act_op(layer):
+    """The ``fused_ops`` name of a layer's activation, or None when it is linear."""
+    return _fusion.activation_op(activation_name(layer))
+
+
+def dtype_block(ctx, dtype, pattern):
+    """A reason the nodes of `pattern` in `dtype` cannot fuse under `ctx`, or None.
+
+    XLA first (grappler never sees the step), then half on a CPU without
+    native fp16 (the remapper skips it), then the dtypes the backend table
+    lists for the pattern (CPU only: GPU rows give their own reasons).
+    """
     if ctx.xla:
         return REASON_XLA
-    if ctx.backend == "cpu":
-        if dtype == "float16" and not ctx.cpu_fp16:
-            return REASON_HALF_CPU
-        if dtype not in cpu_dtypes:
-            where = "CPU with oneDNN" if ctx.onednn else "CPU without oneDNN"
-            return f"{dtype} on {where}: no fused kernel for this dtype"
+    if ctx.backend != "cpu":
+        return None
+    t = table(ctx)
+    if dtype == "float16" and t.half_needs_native and not ctx.cpu_fp16:
+        return REASON_HALF_CPU
+    f = t.fusion(pattern)
+    if f.fuses and dtype not in f.dtypes_in(ctx.mode):
+        return f"{dtype} on {t.label}: no fused kernel for this dtype"
     return None
 
 
-def _contraction_rule(pattern, op, layer, ctx, *, act_op, cpu_acts, gpu_acts_note=None):
-    """Expectation for a contraction (+ bias) (+ activation) layer."""
+def _not_fused_reason(ctx, f):
+    return f"{where(ctx)}: {f.why_not or 'not fused'}"
+
+
+def contraction_rule(pattern, op, layer, ctx, *, act=None, one_by_one=False):
+    """Expectation for a contraction (+ bias) (+ activation) layer, from the backend table.
+
+    Args:
+        pattern: the catalog pattern (``"conv2d_bias_act"``, ...).
+        op: the fused op (``"_FusedConv2D"``, ...).
+        layer: the layer (its ``use_bias`` and ``compute_dtype`` are read).
+        ctx: the `FusionContext`.
+        act: the activation's ``fused_ops`` name, or None for linear.
+        one_by_one: the filter is 1x1 (some backends do not fuse those).
+    """
     dtype = layer.compute_dtype
-    ideal = ("BiasAdd",) + ((act_op,) if act_op else ())
+    ideal = ("BiasAdd",) + ((act,) if act else ())
+
+    def exp(o, ops, reason=None, note=None):
+        return Expectation(pattern, o, ops, ideal, reason=reason, note=note)
+
     if not getattr(layer, "use_bias", True):
-        return Expectation(pattern, None, None, ideal, reason="use_bias=False: no BiasAdd to fuse")
-    cpu_dtypes = ("float32", "bfloat16") if ctx.onednn else ("float32", "float64")
-    if ctx.backend == "cpu" and not ctx.onednn and op == "_FusedMatMul":
-        cpu_dtypes = ("float32",)
-    blocked = _dtype_block(ctx, dtype, cpu_dtypes)
+        return exp(None, None, "use_bias=False: no BiasAdd to fuse")
+    blocked = dtype_block(ctx, dtype, pattern)
     if blocked:
-        return Expectation(pattern, None, None, ideal, reason=blocked)
-    if ctx.backend == "cpu":
-        if act_op is None:
-            return Expectation(pattern, op, ("BiasAdd",), ideal)
-        if act_op not in cpu_acts:
-            return Expectation(
-                pattern, op, ("BiasAdd",), ideal,
-                reason=f"{act_op} has no fused kernel here: applied unfused after the BiasAdd",
+        return exp(None, None, blocked)
+    f = fusion_for(ctx, pattern)
+    if f.needs and not getattr(ctx, f.needs, False):
+        return exp(None, None, _not_fused_reason(ctx, f))
+    if not f.fuses:
+        return exp(None, None, _not_fused_reason(ctx, f))
+    if dtype not in f.dtypes:
+        return exp(None, None, f"{dtype} on {where(ctx)}: no fused kernel for this dtype")
+    if f.requires_act and act not in f.requires_act:
+        return exp(None, None, f"{where(ctx)}: {op} needs a {'/'.join(f.requires_act)} activation")
+    if f.no_1x1 and one_by_one:
+        return exp(None, None, f"{where(ctx)}: 1x1 filters are not fused")
+    if act is None:
+        return exp(op, ("BiasAdd",))
+    if act not in f.acts:
+        return exp(op, ("BiasAdd",), f"{act} has no fused kernel here: applied unfused after the BiasAdd")
+    if act not in f.acts_in(ctx.mode):
+        return exp(
+            op, ("BiasAdd",),
+            f.train_reason or f"training: {act}Grad needs the pre-activation, so only BiasAdd fuses",
+        )
+    return exp(op, ideal, note=f.note if act == "Relu" else None)
+
+
+def batch_norm_ex_block(ctx, dtype, channels):
+    """A reason FusedBatchNormV3 + Relu cannot become ``_FusedBatchNormEx`` here, or None.
+
+    Checks the backend table's dtypes (narrower in training on CUDA) and the
+    channel multiple a training step needs; the caller has checked XLA, half
+    on CPU and the activation.
+    """
+    f = fusion_for(ctx, "batchnorm_act")
+    if not f.fuses:
+        return f"{where(ctx)}: {f.why_not or 'no _FusedBatchNormEx kernel'}"
+    if dtype not in f.dtypes:
+        return f"{dtype} on {where(ctx)}: no _FusedBatchNormEx kernel"
+    if ctx.mode == "train":
+        if dtype not in f.dtypes_in("train") or (channels or 0) % f.train_channels_multiple:
+            need = "/".join(f.dtypes_in("train"))
+            return (
+                f"{where(ctx)} training: _FusedBatchNormEx needs {need} and channels % "
+                f"{f.train_channels_multiple} == 0"
             )
-        if ctx.mode == "train" and act_op == "LeakyRelu":
-            return Expectation(
-                pattern, op, ("BiasAdd",), ideal,
-                reason="training: LeakyReluGrad needs the pre-activation, so only BiasAdd fuses",
-            )
-        return Expectation(pattern, op, ideal, ideal)
-    if ctx.backend == "metal":
-        if dtype == "bfloat16":
-            return Expectation(pattern, None, None, ideal, reason="bfloat16 on Metal: no fused kernel")
-        if act_op is not None and act_op not in _CONTRACTION_ACTS:
-            return Expectation(
-                pattern, op, ("BiasAdd",), ideal,
-                reason=f"{act_op}: tensorflow-metal fuses only Relu/Relu6/Elu/LeakyRelu",
-            )
-        note = gpu_acts_note if act_op == "Relu" else None
-        return Expectation(pattern, op, ideal, ideal, note=note)
-    return None  # CUDA handled by the callers
+    return None
+
+
+def conv_batch_norm_fuses(ctx, dtype):
+    """Conv2D + FusedBatchNormV3 fuse into one ``_FusedConv2D`` here (inference only)."""
+    f = fusion_for(ctx, "conv2d_batchnorm_act")
+    return not ctx.xla and f.fuses and ctx.mode in f.modes and dtype in f.dtypes
 
 
 # ----------------------------------------------------------------------------
 # Rules for stock Keras layers.
 
 
-def _act_op(layer):
-    name = activation_name(layer)
-    if name == "linear":
-        return None
-    return ACTIVATION_OPS.get(name, name)
-
-
-def _conv2d_rule(layer, ctx):
+def conv2d_rule(layer, ctx):
+    """Conv2D (+ BiasAdd) (+ activation)."""
     if getattr(layer, "data_format", "channels_last") != "channels_last":
         return Expectation(
             "conv2d_bias_act", None, None, None,
@@ -445,26 +314,14 @@ def _conv2d_rule(layer, ctx):
         )
     if getattr(layer, "groups", 1) != 1:
         return None
-    act_op = _act_op(layer)
-    pattern = "conv2d_bias_act"
-    if ctx.backend == "cuda" and not ctx.xla and getattr(layer, "use_bias", True):
-        ideal = ("BiasAdd",) + ((act_op,) if act_op else ())
-        if act_op != "Relu":
-            return Expectation(
-                pattern, None, None, ideal,
-                reason="CUDA: _FusedConv2D needs a Relu activation (others need cuDNN runtime fusion)",
-            )
-        if tuple(layer.kernel_size) == (1, 1):
-            return Expectation(pattern, None, None, ideal, reason="CUDA: 1x1 filters are not fused")
-        if layer.compute_dtype not in ("float32", "float16"):
-            return Expectation(pattern, None, None, ideal, reason=f"CUDA: no fused kernel for {layer.compute_dtype}")
-        return Expectation(pattern, "_FusedConv2D", ideal, ideal)
-    return _contraction_rule(
-        pattern, "_FusedConv2D", layer, ctx, act_op=act_op, cpu_acts=_CONTRACTION_ACTS
+    return contraction_rule(
+        "conv2d_bias_act", _fusion.FUSED_CONV2D, layer, ctx, act=act_op(layer),
+        one_by_one=tuple(getattr(layer, "kernel_size", ())) == (1, 1),
     )
 
 
-def _input_rank(layer):
+def input_rank(layer):
+    """The rank of the layer's (first) input when it was built, or None."""
     shapes = getattr(layer, "_build_shapes_dict", None) or {}
     for shape in shapes.values():
         try:
@@ -474,67 +331,39 @@ def _input_rank(layer):
     return None
 
 
-def _dense_rule(layer, ctx, *, act_name=None, reshape_blocks=True):
-    """Dense rule; `act_name` overrides the activation name, `reshape_blocks=False`
-    for layers that keep MatMul + BiasAdd adjacent on rank > 2 inputs."""
+def dense_rule(layer, ctx, *, act_name=None, reshape_blocks=True):
+    """Dense (+ BiasAdd) (+ activation, GELU included).
+
+    Args:
+        act_name: overrides the layer's activation name.
+        reshape_blocks: rank > 2 inputs are reshaped between MatMul and
+            BiasAdd (stock Keras), so nothing fuses; False for layers that keep
+            them adjacent.
+    """
     name = act_name or activation_name(layer)
-    act_op = None if name == "linear" else ACTIVATION_OPS.get(name, name)
-    gelu = act_op in ("GeluExact", "GeluApproximate")
+    act = _fusion.activation_op(name)
+    gelu = act in ("GeluExact", "GeluApproximate")
     pattern = "matmul_bias_gelu" if gelu else "matmul_bias_act"
-    ideal = ("BiasAdd",) + ((act_op,) if act_op else ())
-    rank = _input_rank(layer)
+    ideal = ("BiasAdd",) + ((act,) if act else ())
+    rank = input_rank(layer)
     if reshape_blocks and getattr(layer, "use_bias", True) and rank is not None and rank > 2 and not ctx.xla:
         return Expectation(
             pattern, None, None, ideal,
             reason=f"input rank {rank}: Keras reshapes between MatMul and BiasAdd, so nothing fuses",
         )
-    if ctx.backend == "cuda" and not ctx.xla and getattr(layer, "use_bias", True):
-        if not ctx.cublaslt:
-            return Expectation(pattern, None, None, ideal, reason="CUDA: _FusedMatMul needs TF_USE_CUBLASLT=1")
-        return Expectation(pattern, "_FusedMatMul", ideal, ideal)
-    if gelu:
-        if ctx.backend == "cpu" and ctx.onednn and not ctx.xla and getattr(layer, "use_bias", True):
-            blocked = _dtype_block(ctx, layer.compute_dtype, ("float32", "bfloat16"))
-            if blocked:
-                return Expectation(pattern, None, None, ideal, reason=blocked)
-            if ctx.mode == "train":
-                return Expectation(
-                    pattern, "_FusedMatMul", ("BiasAdd",), ideal,
-                    reason="training: the GELU gradient needs the pre-activation, so only BiasAdd fuses",
-                )
-            return Expectation(pattern, "_FusedMatMul", ideal, ideal)
-        exp = _contraction_rule(
-            pattern, "_FusedMatMul", layer, ctx, act_op=None, cpu_acts=()
-        )
-        if exp is not None and exp.op is not None:
-            return dataclasses.replace(
-                exp, ideal_fused_ops=ideal, reason=f"{name}: fused only by CPU oneDNN; only BiasAdd fuses here"
-            )
-        return dataclasses.replace(exp, ideal_fused_ops=ideal) if exp else None
-    cpu_acts = _ONEDNN_MATMUL_ACTS if ctx.onednn else _CONTRACTION_ACTS
-    return _contraction_rule(
-        pattern, "_FusedMatMul", layer, ctx, act_op=act_op, cpu_acts=cpu_acts,
-        gpu_acts_note=(
-            "tensorflow-metal is reported to miscompute relu(bias_add(matmul)) in graph "
-            "mode; check with `tfmetal-ext doctor --selftest`"
-        ),
-    )
+    if gelu and not fusion_for(ctx, pattern).fuses:
+        # No GELU fusion here: at best MatMul + BiasAdd fuse, the GELU stays apart.
+        exp = contraction_rule("matmul_bias_act", _fusion.FUSED_MATMUL, layer, ctx, act=None)
+        exp = dataclasses.replace(exp, pattern=pattern, ideal_fused_ops=ideal)
+        if exp.op is not None:
+            return dataclasses.replace(exp, reason=f"{name}: fused only by CPU oneDNN; only BiasAdd fuses here")
+        return exp
+    return contraction_rule(pattern, _fusion.FUSED_MATMUL, layer, ctx, act=act)
 
 
-def _depthwise_rule(layer, ctx):
-    act_op = _act_op(layer)
-    pattern = "depthwise_bias_act"
-    ideal = ("BiasAdd",) + ((act_op,) if act_op else ())
-    if not getattr(layer, "use_bias", True):
-        return Expectation(pattern, None, None, ideal, reason="use_bias=False: no BiasAdd to fuse")
-    if ctx.backend != "cpu" or not ctx.onednn:
-        where = "CPU without oneDNN" if ctx.backend == "cpu" else ctx.backend
-        return Expectation(pattern, None, None, ideal, reason=f"{where}: no fused depthwise kernel")
-    # Measured on TF 2.21 oneDNN: LeakyRelu does not fuse into the depthwise conv.
-    return _contraction_rule(
-        pattern, "_FusedDepthwiseConv2dNative", layer, ctx, act_op=act_op,
-        cpu_acts=("Relu", "Relu6", "Elu"),
-    )
+def depthwise_rule(layer, ctx):
+    """DepthwiseConv2D (+ BiasAdd) (+ activation)."""
+    return contraction_rule("depthwise_bias_act", _fusion.FUSED_DEPTHWISE, layer, ctx, act=act_op(layer))
 
 
 def _batchnorm_rule(layer, ctx):
@@ -550,26 +379,47 @@ def _residual_rule(layer, ctx):
     conv = _residual_conv(layer)
     if conv is None:
         return None
+    return residual_rule(conv, ctx, "Relu", match_layer=conv.name)
+
+
+def residual_rule(conv, ctx, act, *, match_layer=None, inference_only=False):
+    """Conv2D + BiasAdd + Add(shortcut) + `act`, for the conv feeding a residual Add.
+
+    Args:
+        conv: the conv layer (its ``compute_dtype`` is read).
+        act: the activation after the Add (``fused_ops`` name).
+        match_layer: the layer whose weights the fused node reads, when not
+            the one the row is for.
+        inference_only: the block exists only for inference (a folded
+            block), so a train step is not expected to fuse the Add.
+    """
     pattern = "conv2d_bias_add_relu"
-    ideal = ("BiasAdd", "Add", "Relu")
-    blocked = _dtype_block(ctx, conv.compute_dtype, ("float32", "bfloat16"))
+    ideal = ("BiasAdd", "Add", act)
+
+    def exp(op, ops, reason=None):
+        return Expectation(pattern, op, ops, ideal, reason=reason, match_layer=match_layer)
+
+    blocked = dtype_block(ctx, conv.compute_dtype, pattern)
     if blocked:
-        return Expectation(pattern, None, None, ideal, reason=blocked, match_layer=conv.name)
-    if ctx.backend != "cpu" or not ctx.onednn:
-        where = "CPU without oneDNN" if ctx.backend == "cpu" else ctx.backend
-        return Expectation(
-            pattern, None, None, ideal, match_layer=conv.name,
-            reason=f"{where}: no Conv2D+BiasAdd+Add+Relu fusion",
+        return exp(None, None, blocked)
+    f = fusion_for(ctx, pattern)
+    bias_only = fusion_for(ctx, "conv2d_bias_act")
+    if not f.fuses:
+        if (
+            inference_only and bias_only.fuses and not bias_only.requires_act
+            and conv.compute_dtype in bias_only.dtypes
+        ):
+            return exp(_fusion.FUSED_CONV2D, ("BiasAdd",), f"{where(ctx)}: only Conv2D + BiasAdd fuse")
+        return exp(None, None, _not_fused_reason(ctx, f))
+    if act not in f.acts:
+        return exp(_fusion.FUSED_CONV2D, ("BiasAdd",), f"{act}: Conv2D + BiasAdd + Add fuses only with Relu")
+    if ctx.mode not in f.modes:
+        reason = (
+            "a folded block is inference-only; in a train step only BiasAdd is sure to fuse"
+            if inference_only else f.train_reason
         )
-    if ctx.mode == "train":
-        return Expectation(
-            pattern, "_FusedConv2D", ("BiasAdd",), ideal, match_layer=conv.name,
-            reason=(
-                "training step: the remapper fuses the residual Add+Relu into the conv only "
-                "in some graphs (seen both ways on TF 2.21); BiasAdd fuses either way"
-            ),
-        )
-    return Expectation(pattern, "_FusedConv2D", ideal, ideal, match_layer=conv.name)
+        return exp(_fusion.FUSED_CONV2D, f.train_partial, reason)
+    return exp(_fusion.FUSED_CONV2D, ideal)
 
 
 def _residual_conv(add_layer):
@@ -602,10 +452,10 @@ def _residual_conv(add_layer):
 def _register_keras_rules():
     import keras
 
-    register_rule(keras.layers.Conv2D, _conv2d_rule)
+    register_rule(keras.layers.Conv2D, conv2d_rule)
     register_rule(keras.layers.Conv2DTranspose, lambda layer, ctx: None)
-    register_rule(keras.layers.DepthwiseConv2D, _depthwise_rule)
-    register_rule(keras.layers.Dense, _dense_rule)
+    register_rule(keras.layers.DepthwiseConv2D, depthwise_rule)
+    register_rule(keras.layers.Dense, dense_rule)
     register_rule(keras.layers.BatchNormalization, _batchnorm_rule)
     register_rule(keras.layers.LayerNormalization, _layernorm_rule)
     register_rule(keras.layers.Add, _residual_rule)

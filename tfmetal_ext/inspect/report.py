@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 
 # Nodes that are not compute: excluded from `num_ops`.
@@ -40,6 +41,7 @@ class LayerIndex:
     def __init__(self, model=None):
         self.layers = {}  # path -> layer
         self._children = {}  # container path -> {child name: child path}
+        self._scopes = {}  # container path -> {scope component: child path}, set by observe()
         if model is not None:
             self._walk(model, "")
 
@@ -56,13 +58,40 @@ class LayerIndex:
         """(layer, path) of every layer that is not itself a container of layers."""
         return [(layer, path) for path, layer in self.layers.items() if not _sublayers(layer)]
 
+    def observe(self, node_names):
+        """Resolves the name scopes in `node_names` (one executed graph) to layer paths.
+
+        TensorFlow uniquifies a scope opened twice in one graph (``conv2d`` ->
+        ``conv2d_1``), and Keras' default names have the same shape, so a scope
+        ``conv2d_1`` may be layer ``conv2d``'s second scope or layer
+        ``conv2d_1``'s first. Seeing every scope of the graph at once decides it:
+        a scope that can only be one layer's goes to that layer, and an
+        ambiguous one goes to the candidate layer that has no scope yet (the
+        exact name when that does not decide). Called by the report builders
+        before `layer_of`.
+        """
+        parts = [n.lstrip("^").split(":")[0].split("/")[:-1] for n in node_names]
+        self._scopes = {}
+        pending = {"": [p for p in parts if p]}
+        while pending:
+            container, seqs = pending.popitem()
+            children = self._children.get(container, {})
+            mapping = _assign_scopes({part for seq in seqs for part in seq}, children)
+            self._scopes[container] = mapping
+            for seq in seqs:
+                for i, part in enumerate(seq):
+                    path = mapping.get(part)
+                    if path is not None and path in self._children:
+                        pending.setdefault(path, []).append(seq[i + 1:])
+        return self
+
     def layer_of(self, node_name):
         """The path of the innermost layer in a node name's scopes, or None.
 
-        Keras opens a name scope per layer call and TensorFlow uniquifies a
-        scope opened twice (``conv1`` -> ``conv1_1``), so a trailing ``_N`` is
-        stripped when the exact component is not a layer name. Without a model,
-        the innermost scope under the top-level model scope is used.
+        After `observe`, scopes resolve as it decided. Before, a trailing
+        ``_N`` is stripped when the exact component is not a layer name.
+        Without a model, the innermost scope under the top-level model scope
+        is used.
         """
         name = node_name.lstrip("^").split(":")[0]
         parts = name.split("/")[:-1]  # the last component is the op itself
@@ -71,13 +100,43 @@ class LayerIndex:
             return _SUFFIX.sub("", parts[-1]) if len(parts) > 1 else None
         container, found = "", None
         for part in parts:
-            children = self._children.get(container, {})
-            path = children.get(part) or children.get(_SUFFIX.sub("", part))
+            scopes = self._scopes.get(container)
+            if scopes is not None:
+                path = scopes.get(part)
+            else:
+                children = self._children.get(container, {})
+                path = children.get(part) or children.get(_SUFFIX.sub("", part))
             if path is not None:
                 found = path
                 if path in self._children:
                     container = path
         return found
+
+
+def _assign_scopes(scopes, children):
+    """Scope component -> child layer path, for the components seen under one container."""
+    candidates = {}
+    for scope in scopes:
+        names = [n for n in children if scope == n or re.fullmatch(re.escape(n) + r"_\d+", scope)]
+        if names:
+            candidates[scope] = names
+    assigned, taken = {}, set()
+    for scope, names in candidates.items():
+        if len(names) == 1:
+            assigned[scope] = names[0]
+            taken.add(names[0])
+    ambiguous = sorted((s for s in candidates if s not in assigned), key=lambda s: (len(s), s))
+    for scope in ambiguous:
+        names = candidates[scope]
+        free = [n for n in names if n not in taken]
+        if len(free) == 1:
+            pick = free[0]
+        else:
+            pool = free or names
+            pick = scope if scope in pool else pool[0]
+        assigned[scope] = pick
+        taken.add(pick)
+    return {scope: children[name] for scope, name in assigned.items()}
 
 
 def _sublayers(layer):
@@ -298,17 +357,14 @@ def _short_device(device):
 
 
 def build_fusion_report(capture, index, ctx, policy=None, notes=()):
+    index.observe(n.name for n in capture.nodes())
     counts = collections.Counter()
     fused = []
     for node in capture.nodes():
         if node.op in NON_COMPUTE_OPS:
             continue
         counts[node.op] += 1
-        if (
-            node.op.startswith("_Fused")
-            or node.op in catalog.FUSED_LAYER_OPS
-            or "fused_ops" in node.attr and node.attr["fused_ops"].list.s
-        ):
+        if fusion.is_fused_op(node.op) or "fused_ops" in node.attr and node.attr["fused_ops"].list.s:
             weight_layers = [index.layer_of(i) for i in list(node.input)[1:3] if not i.startswith("^")]
             own = index.layer_of(node.name)
             layers = []  # layer paths, the weights' layer first
@@ -408,6 +464,7 @@ def build_placement_report(capture, index, gpu_present=None):
     by_device = collections.Counter()
     fallbacks = []
     nodes = list(capture.partition_nodes())
+    index.observe(n.name for n in nodes)
     devices_seen = {_short_device(n.device) for n in nodes}
     if gpu_present is None:
         gpu_present = any(d.startswith("GPU") for d in devices_seen)

@@ -5,16 +5,18 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfmetal_ext import precision
+from tfmetal_ext.backends import fusion
 
-# Keras activation name -> TF op emitting function, for the activations the
-# remapper can fuse into a contraction (+ BiasAdd). Anything else is applied
-# with keras.activations after the BiasAdd.
-FUSABLE_ACTIVATIONS = {
+# Keras activation name -> the single TF op a remapper absorbs into a
+# contraction (+ BiasAdd): one emitter for each of fusion.CONTRACTION_ACTIVATIONS.
+# Anything else is applied with keras.activations after the BiasAdd.
+_EMITTERS = {
     "relu": tf.nn.relu,
     "relu6": tf.nn.relu6,
     "elu": tf.nn.elu,
-    "leaky_relu": lambda x: tf.nn.leaky_relu(x, alpha=0.2),  # keras.activations.leaky_relu default
+    "leaky_relu": lambda x: tf.nn.leaky_relu(x, alpha=fusion.LEAKY_RELU_ALPHA),
 }
+FUSABLE_ACTIVATIONS = {name: _EMITTERS[name] for name in fusion.CONTRACTION_ACTIVATIONS}
 
 
 def avoided(pattern):

@@ -429,7 +429,7 @@ class FusedDepthwiseConv2D(_FusedConvBase):
 
 def _dilation_block(layer, pattern):
     if max(layer.dilation_rate) > 1 and getattr(layer, "use_bias", True):
-        act = catalog._act_op(layer)
+        act = catalog.act_op(layer)
         ideal = ("BiasAdd",) + ((act,) if act else ())
         return catalog.Expectation(
             pattern, None, None, ideal,
@@ -439,11 +439,11 @@ def _dilation_block(layer, pattern):
 
 
 def _fused_conv2d_rule(layer, ctx):
-    return _dilation_block(layer, "conv2d_bias_act") or catalog._conv2d_rule(layer, ctx)
+    return _dilation_block(layer, "conv2d_bias_act") or catalog.conv2d_rule(layer, ctx)
 
 
 def _fused_depthwise_rule(layer, ctx):
-    return _dilation_block(layer, "depthwise_bias_act") or catalog._depthwise_rule(layer, ctx)
+    return _dilation_block(layer, "depthwise_bias_act") or catalog.depthwise_rule(layer, ctx)
 
 
 catalog.register_rule(FusedConv2D, catalog.unless_avoided("conv_bias_relu", _fused_conv2d_rule))

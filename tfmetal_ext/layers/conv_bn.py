@@ -5,10 +5,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _ops
 
-_ACTIVATIONS = ("relu", "relu6", "elu", "leaky_relu", "linear")
+_ACTIVATIONS = fusion.CONTRACTION_ACTIVATIONS + ("linear",)
 _PADDINGS = ("same", "valid")
 
 
@@ -356,31 +357,28 @@ def _conv_bn_act_rule(layer, ctx):
     def exp(op, fused_ops, reason=None):
         return catalog.Expectation(pattern, op, fused_ops, ideal, reason=reason, ideal_op=ideal_op)
 
-    blocked = catalog._dtype_block(ctx, dtype, ("float32", "bfloat16"))
+    blocked = catalog.dtype_block(ctx, dtype, "batchnorm_act")
     if blocked:
         return exp(None, None, blocked)
-    relu_only = f"{act_op or 'no activation'}: FusedBatchNormV3 fuses only with Relu (_FusedBatchNormEx)"
-    if ctx.backend == "cpu":
-        if ctx.mode == "predict" and dtype == "float32":
-            return exp("_FusedConv2D", ideal)
-        if not ctx.onednn:
-            return exp(None, None, f"CPU without oneDNN: {dtype} conv + batch norm is not fused in {ctx.mode}")
-        why = "bfloat16: Conv2D + FusedBatchNorm fuses only in float32" if ctx.mode == "predict" else None
-        if act_op != "Relu":
-            return exp(None, None, "; ".join(r for r in (why, relu_only) if r))
-        return exp("_FusedBatchNormEx", (), why)
-    # GPU (CUDA, Metal): no conv + batch norm fusion; batch norm + Relu -> _FusedBatchNormEx.
-    if act_op != "Relu":
-        return exp(None, None, relu_only)
-    gpu_reason = f"{ctx.backend}: Conv2D + FusedBatchNorm is fused only on CPU" if ctx.mode == "predict" else None
-    if ctx.backend == "metal" and dtype == "bfloat16":
-        return exp(None, None, "bfloat16 on Metal: no fused kernel")
-    if ctx.backend == "cuda":
-        if dtype == "bfloat16":
-            return exp(None, None, "CUDA: _FusedBatchNormEx has no bfloat16 kernel")
-        if ctx.mode == "train" and (dtype != "float16" or layer.filters % 4):
-            return exp(None, None, "CUDA training: _FusedBatchNormEx needs float16 and channels % 4 == 0")
-    return exp("_FusedBatchNormEx", (), gpu_reason)
+    if ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype):
+        return exp("_FusedConv2D", ideal)
+    bn = catalog.fusion_for(ctx, "batchnorm_act")
+    if not bn.fuses:
+        return exp(None, None, f"{catalog.where(ctx)}: {dtype} conv + batch norm is not fused in {ctx.mode}")
+    why = None
+    if ctx.mode == "predict":
+        cb = catalog.fusion_for(ctx, "conv2d_batchnorm_act")
+        why = (
+            f"{dtype}: Conv2D + FusedBatchNorm fuses only in {'/'.join(cb.dtypes)}" if cb.fuses
+            else f"{catalog.where(ctx)}: {cb.why_not}"
+        )
+    if act_op not in bn.requires_act:
+        relu_only = f"{act_op or 'no activation'}: FusedBatchNormV3 fuses only with Relu (_FusedBatchNormEx)"
+        return exp(None, None, "; ".join(r for r in (why if ctx.backend == "cpu" else None, relu_only) if r))
+    blocked = catalog.batch_norm_ex_block(ctx, dtype, layer.filters)
+    if blocked:
+        return exp(None, None, blocked)
+    return exp("_FusedBatchNormEx", (), why)
 
 
 catalog.register_rule(ConvBNAct, catalog.unless_avoided("fused_batch_norm", _conv_bn_act_rule))

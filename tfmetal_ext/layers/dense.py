@@ -167,7 +167,7 @@ class FusedDense(keras.layers.Layer):
 def _fused_dense_rule(layer, ctx):
     name = C.catalog_activation_name(layer._activation_name, layer.activation)
     # Rank > 2 inputs are flattened before the MatMul, so they fuse like 2-D ones.
-    return catalog._dense_rule(layer, ctx, act_name=name, reshape_blocks=False)
+    return catalog.dense_rule(layer, ctx, act_name=name, reshape_blocks=False)
 
 
 catalog.register_rule(FusedDense, catalog.unless_avoided("matmul_bias_relu", _fused_dense_rule))

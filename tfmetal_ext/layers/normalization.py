@@ -32,6 +32,8 @@ hand-written custom-gradient form (the fastest composite above).
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import tensorflow as tf
 from keras import constraints, initializers, regularizers
@@ -441,35 +443,21 @@ def _fused_batch_norm_rule(layer, ctx):
     dtype = layer.compute_dtype
     if ctx.xla:
         return Expectation("batchnorm_act", None, None, None, reason=catalog.REASON_XLA)
-    if (
-        ctx.mode == "predict" and ctx.backend == "cpu" and dtype == "float32"
-        and _bias_free_conv_before(layer) is not None
-    ):
+    if ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype) and _bias_free_conv_before(layer) is not None:
         ops = ("FusedBatchNorm", "Relu") if relu else ("FusedBatchNorm",)
         return Expectation("conv2d_batchnorm_act", "_FusedConv2D", ops, ops)
     if not relu:
         return Expectation("batchnorm_act", None, None, None, reason=REASON_NO_RELU)
-    if catalog._input_rank(layer) == 2:
+    if catalog.input_rank(layer) == 2:
         return Expectation("batchnorm_act", None, None, None, reason=REASON_FLAT)
-    fused = Expectation("batchnorm_act", "_FusedBatchNormEx", (), ())
     training = ctx.mode == "train" and layer.trainable
-    if ctx.backend == "cpu":
-        if not ctx.onednn:
-            return Expectation("batchnorm_act", None, None, (), reason="CPU without oneDNN: no _FusedBatchNormEx kernel")
-        blocked = catalog._dtype_block(ctx, dtype, ("float32", "bfloat16"))
-        return Expectation("batchnorm_act", None, None, (), reason=blocked) if blocked else fused
-    if dtype not in ("float32", "float16"):
-        return Expectation(
-            "batchnorm_act", None, None, (), reason=f"{dtype} on {ctx.backend}: no _FusedBatchNormEx kernel"
-        )
-    if ctx.backend == "cuda" and training:
-        channels = layer.moving_mean.shape[0] if layer.moving_mean is not None else 0
-        if dtype != "float16" or channels % 4:
-            return Expectation(
-                "batchnorm_act", None, None, (),
-                reason="CUDA training: _FusedBatchNormEx needs float16 and channels % 4 == 0",
-            )
-    return fused
+    channels = layer.moving_mean.shape[0] if layer.moving_mean is not None else 0
+    blocked = catalog.dtype_block(ctx, dtype, "batchnorm_act") or catalog.batch_norm_ex_block(
+        dataclasses.replace(ctx, mode="train" if training else "predict"), dtype, channels
+    )
+    if blocked:
+        return Expectation("batchnorm_act", None, None, (), reason=blocked)
+    return Expectation("batchnorm_act", "_FusedBatchNormEx", (), ())
 
 
 def _fused_layer_norm_rule(layer, ctx):

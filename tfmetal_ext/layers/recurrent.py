@@ -530,7 +530,7 @@ def _fused_rnn_rule(layer, ctx):
         reason = "use_cudnn=False: the generic loop runs"
     else:
         reason = f"{ctx.backend} without a CUDA build: the generic loop runs"
-    blocked = catalog._dtype_block(ctx, layer.compute_dtype, ("float32", "bfloat16") if ctx.onednn else ("float32",))
+    blocked = catalog.dtype_block(ctx, layer.compute_dtype, "matmul_bias_act")
     if not layer.use_bias or blocked or ctx.backend != "cpu":
         why = "use_bias=False" if not layer.use_bias else blocked
         return Expectation("cudnn_rnn", None, None, (), reason=reason + (f"; {why}" if why else ""), ideal_op="CudnnRNNV3")

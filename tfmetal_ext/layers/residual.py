@@ -5,11 +5,12 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _ops
 from tfmetal_ext.layers.conv_bn import ConvBNAct
 
-_ACTIVATIONS = ("relu", "relu6", "elu", "leaky_relu")
+_ACTIVATIONS = fusion.CONTRACTION_ACTIVATIONS
 EXPANSION = 4  # bottleneck output channels = EXPANSION * filters (ResNet-50/101/152)
 
 
@@ -319,55 +320,27 @@ def _tail_rule(layer, ctx):
         return catalog.Expectation(pattern, op, fused_ops, ideal, reason=reason, ideal_op=ideal_op)
 
     dtype = layer.compute_dtype
-    blocked = catalog._dtype_block(ctx, dtype, ("float32", "bfloat16"))
+    blocked = catalog.dtype_block(ctx, dtype, pattern)
     if blocked:
         return exp(None, None, blocked)
+    bn = catalog.fusion_for(ctx, pattern)
     if act_op != "Relu":
         return exp(None, None, f"{act_op}: FusedBatchNormV3 + Add fuses only with Relu")
-    if ctx.backend == "cpu":
-        why = "CPU: no FusedBatchNormV3 + side input kernel; fold() the block for _FusedConv2D[BiasAdd, Add, Relu]"
-        if ctx.mode == "predict" and dtype == "float32":
+    if not (bn.fuses and bn.side_input):
+        why = (
+            f"{catalog.where(ctx)}: no FusedBatchNormV3 + side input kernel; fold() the block for "
+            "_FusedConv2D[BiasAdd, Add, Relu]"
+        )
+        if ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype):
             return exp("_FusedConv2D", ("FusedBatchNorm",), why + "; conv + batch norm fuse, add + relu stay separate")
         return exp(None, None, why)
-    if ctx.backend == "metal" and dtype == "bfloat16":
-        return exp(None, None, "bfloat16 on Metal: no fused kernel")
-    if ctx.backend == "cuda":
-        if dtype == "bfloat16":
-            return exp(None, None, "CUDA: _FusedBatchNormEx has no bfloat16 kernel")
-        if ctx.mode == "train" and (dtype != "float16" or layer.filters % 4):
-            return exp(None, None, "CUDA training: _FusedBatchNormEx needs float16 and channels % 4 == 0")
+    blocked = catalog.batch_norm_ex_block(ctx, dtype, layer.filters)
+    if blocked:
+        return exp(None, None, blocked)
     return exp("_FusedBatchNormEx", ())
 
 
 def _folded_tail_rule(layer, ctx):
     """Last FusedConv2D of a FoldedResidualBlock: Conv2D + BiasAdd + Add(shortcut) + act."""
-    act_op = catalog.ACTIVATION_OPS[layer._residual_activation]
-    pattern = "conv2d_bias_add_relu"
-    ideal = ("BiasAdd", "Add", act_op)
-    blocked = catalog._dtype_block(ctx, layer.compute_dtype, ("float32", "bfloat16"))
-    if blocked:
-        return catalog.Expectation(pattern, None, None, ideal, reason=blocked)
-    if ctx.backend == "cpu" and ctx.onednn:
-        if act_op != "Relu":
-            return catalog.Expectation(
-                pattern, "_FusedConv2D", ("BiasAdd",), ideal,
-                reason=f"{act_op}: Conv2D + BiasAdd + Add fuses only with Relu",
-            )
-        if ctx.mode == "train":
-            return catalog.Expectation(
-                pattern, "_FusedConv2D", ("BiasAdd",), ideal,
-                reason="a folded block is inference-only; in a train step only BiasAdd is sure to fuse",
-            )
-        return catalog.Expectation(pattern, "_FusedConv2D", ideal, ideal)
-    if ctx.backend == "cpu":
-        return catalog.Expectation(
-            pattern, "_FusedConv2D", ("BiasAdd",), ideal, reason="CPU without oneDNN: only Conv2D + BiasAdd fuse"
-        )
-    if ctx.backend == "metal" and layer.compute_dtype != "bfloat16":
-        return catalog.Expectation(
-            pattern, "_FusedConv2D", ("BiasAdd",), ideal,
-            reason="metal: no Conv2D + BiasAdd + Add + Relu fusion; Conv2D + BiasAdd fuse",
-        )
-    return catalog.Expectation(
-        pattern, None, None, ideal, reason=f"{ctx.backend}: no Conv2D + BiasAdd + Add + Relu fusion"
-    )
+    act = catalog.ACTIVATION_OPS[layer._residual_activation]
+    return catalog.residual_rule(layer, ctx, act, inference_only=True)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import math
 import os
+import types
 
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _loader
 
 FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
@@ -59,12 +61,8 @@ def kernel_for_visible_devices(op_name, device_type="GPU"):
     return any(k.device_type == device_type for k in registered.kernel)
 
 
-# Custom op -> its name in tfmetal_ext.precision.SAFE_FORMS.
-SAFE_FORM_OF_OP = {
-    "TfmetalExt>Softshrink": "softshrink",
-    "TfmetalExt>LayerNorm": "layer_norm",
-    "TfmetalExt>MultiTensorAdam": "multi_tensor_adam",
-}
+# Custom op -> its safe-form name (tfmetal_ext.backends.fusion.SAFE_FORMS).
+SAFE_FORM_OF_OP = types.MappingProxyType({op.name: op.safe_form for op in fusion.CUSTOM_OPS.values()})
 
 
 def avoided(op_name) -> bool:

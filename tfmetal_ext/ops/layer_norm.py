@@ -6,10 +6,11 @@ import math
 
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common, _reference
 
-LAYER_NORM_OP = "TfmetalExt>LayerNorm"
-LAYER_NORM_GRAD_OP = "TfmetalExt>LayerNormGrad"
+LAYER_NORM_OP = fusion.LAYER_NORM_OP
+LAYER_NORM_GRAD_OP = fusion.LAYER_NORM_GRAD_OP
 
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader

@@ -6,9 +6,10 @@ import functools
 
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common, _reference
 
-_OP_NAME = "TfmetalExt>MultiTensorAdam"
+_OP_NAME = fusion.MULTI_TENSOR_ADAM_OP
 
 # An update op (no outputs), like ResourceApplyAdam.
 tf.no_gradient(_OP_NAME)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common, _reference
 
 
@@ -39,7 +40,7 @@ def softshrink(x, lambd=0.5, name=None):
     return _common.library().tfmetal_ext_softshrink(x, lambd=lambd, name=name)
 
 
-SOFTSHRINK_OP = "TfmetalExt>Softshrink"
+SOFTSHRINK_OP = fusion.SOFTSHRINK_OP
 
 
 def uses_kernel() -> bool:
@@ -58,7 +59,7 @@ def _with_reference_gradient(x, lambd):
     return fn(x)
 
 
-@tf.RegisterGradient("TfmetalExt>Softshrink")
+@tf.RegisterGradient(SOFTSHRINK_OP)
 def _softshrink_grad(op, dy):
     lib = _common.library() or _loaded_library()
     return lib.tfmetal_ext_softshrink_grad(dy, op.inputs[0], lambd=op.get_attr("lambd"))
