@@ -190,7 +190,8 @@ def threadgroup_size_1d(n, cap=256, width=32, max_total=1024):
 
 
 # ----------------------------------------------------------------------------
-# numpy references of the custom ops, shared by the op tests and their Metal-emulation tests.
+# numpy references of the custom ops, shared by the op tests, their Metal-emulation tests and
+# `tfmetal_ext.doctor.selftest()`.
 
 
 def np_softshrink(x, lambd):
@@ -205,6 +206,30 @@ def np_softshrink_grad(dy, x, lambd):
     x = x.astype(np.float64)
     g = np.where(np.abs(x) > lambd, dy.astype(np.float64), 0.0)
     return np.where(np.isnan(x), x, g)
+
+
+def np_layer_norm(x, gamma, beta, epsilon):
+    """Layer norm over the last axis in float64."""
+    if x.shape[-1] == 0:
+        return x.astype(np.float64)
+    x = x.astype(np.float64)
+    mean = x.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + epsilon)
+    return (x - mean) * rstd * gamma + beta
+
+
+def np_layer_norm_grad(dy, x, gamma, epsilon):
+    """``(dx, dgamma, dbeta)`` of `np_layer_norm` in float64."""
+    x, dy = x.astype(np.float64), dy.astype(np.float64)
+    if x.shape[-1] == 0:  # empty rows: no gradient to sum
+        return x, np.zeros(0), np.zeros(0)
+    mean = x.mean(-1, keepdims=True)
+    rstd = 1.0 / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + epsilon)
+    xhat = (x - mean) * rstd
+    g = dy * gamma
+    dx = rstd * (g - g.mean(-1, keepdims=True) - xhat * (g * xhat).mean(-1, keepdims=True))
+    rows = tuple(range(x.ndim - 1))
+    return dx, (dy * xhat).sum(rows), dy.sum(rows)
 
 
 def np_adam_step(state, g, scalars, np_dtype, amsgrad=False, decay_rate=None):
