@@ -12,6 +12,7 @@ import keras
 
 import tfmetal_ext
 from tfmetal_ext import conversion
+from tfmetal_ext.conversion import planners
 from tfmetal_ext import layers as fl
 
 L = keras.layers
@@ -416,9 +417,9 @@ def test_report_counts_ops_and_prints_every_rewrite():
 
 def test_verify_reports_the_first_layer_that_differs(monkeypatch):
     stock = _small_cnn()
-    real = conversion._activation_of
+    real = planners.activation_of
     # Sabotage: ReLU layers claim to be relu6, so the folded conv computes something else.
-    monkeypatch.setattr(conversion, "_activation_of",
+    monkeypatch.setattr(planners, "activation_of",
                         lambda layer: "relu6" if type(layer) is L.ReLU else real(layer))
     stock.get_layer("c2").kernel.assign(np.full((3, 3, 8, 8), 1.0, "float32"))  # outputs above 6
     with pytest.raises(conversion.VerificationError) as info:
@@ -432,10 +433,10 @@ def test_verify_reports_the_first_layer_that_differs(monkeypatch):
 
 def test_verify_compares_training_gradients(monkeypatch):
     stock = _small_cnn()
-    orig = conversion._Converter._plan_conv
+    orig = planners.PLANNERS[L.Conv2D]
 
-    def bad_plan(self, g, node, shared, depthwise):
-        plan, reason = orig(self, g, node, shared, depthwise)
+    def bad_plan(ctx, node):
+        plan, reason = orig(ctx, node)
         if plan.rewrite is not None and plan.rewrite.new_class == "ConvBNAct":
             make = plan.make
 
@@ -448,7 +449,7 @@ def test_verify_compares_training_gradients(monkeypatch):
             plan.make = make_bad
         return plan, reason
 
-    monkeypatch.setattr(conversion._Converter, "_plan_conv", bad_plan)
+    monkeypatch.setitem(planners.PLANNERS, L.Conv2D, bad_plan)
     with pytest.raises(conversion.VerificationError) as info:
         tfmetal_ext.convert(stock, count_ops=False)
     msg = str(info.value)
@@ -488,8 +489,8 @@ def test_verify_with_some_nan_outputs_warns_and_still_catches_a_wrong_conversion
     np.testing.assert_allclose(got[:, 1:], ref[:, 1:], rtol=0, atol=1e-4 * np.max(np.abs(ref[:, 1:])))
 
     # The finite outputs are still compared: the relu6 sabotage is caught despite the NaN column.
-    real = conversion._activation_of
-    monkeypatch.setattr(conversion, "_activation_of",
+    real = planners.activation_of
+    monkeypatch.setattr(planners, "activation_of",
                         lambda layer: "relu6" if type(layer) is L.ReLU else real(layer))
     stock = nan_column_cnn()
     stock.get_layer("c2").kernel.assign(np.full((3, 3, 8, 8), 1.0, "float32"))
@@ -499,13 +500,13 @@ def test_verify_with_some_nan_outputs_warns_and_still_catches_a_wrong_conversion
 
 def test_diff_measures_treat_only_matching_non_finite_values_as_equal():
     nan, inf = float("nan"), float("inf")
-    assert conversion._rel_diff([1.0, nan, inf], [1.0, nan, inf]) == 0.0
+    assert conversion.verify.rel_diff([1.0, nan, inf], [1.0, nan, inf]) == 0.0
     for b in ([1.0, 2.0, inf], [1.0, nan, -inf], [1.0, nan, 3.0]):
-        assert not conversion._rel_diff([1.0, nan, inf], b) <= 1.0
-    assert conversion._rel_diff([1.0, 2.0], [1.0, 2.5]) == pytest.approx(0.25)
-    assert conversion._rel_l2([3.0, nan, 4.0], [3.0, nan, 4.0]) == 0.0
-    assert conversion._rel_l2([3.0, nan, 4.0], [3.0, 0.0, 4.0]) == float("inf")
-    assert conversion._rel_l2([3.0, inf, 4.0], [3.0, inf, 4.5]) == pytest.approx(0.1)
+        assert not conversion.verify.rel_diff([1.0, nan, inf], b) <= 1.0
+    assert conversion.verify.rel_diff([1.0, 2.0], [1.0, 2.5]) == pytest.approx(0.25)
+    assert conversion.verify.rel_l2([3.0, nan, 4.0], [3.0, nan, 4.0]) == 0.0
+    assert conversion.verify.rel_l2([3.0, nan, 4.0], [3.0, 0.0, 4.0]) == float("inf")
+    assert conversion.verify.rel_l2([3.0, inf, 4.0], [3.0, inf, 4.5]) == pytest.approx(0.1)
 
 
 class _Subclassed(keras.Model):

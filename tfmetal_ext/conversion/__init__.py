@@ -1,0 +1,172 @@
+"""Convert an existing Keras model into one built from tfmetal_ext's fusion-first layers, verified.
+
+>>> model = keras.applications.ResNet50(weights=None, input_shape=(96, 96, 3))
+>>> fused = tfmetal_ext.convert(model)            # training form, verified
+>>> print(fused.conversion_report)
+>>> deploy = tfmetal_ext.convert(model, inference=True)   # batch norms folded into the convolutions
+
+The converter walks the functional graph of a Functional or Sequential model
+(nested models recursively), decides per call of each layer what replaces it,
+and rebuilds the graph with the same layer names, input and output names,
+trainable flags, dtype policies and weights:
+
+| stock layers | becomes |
+|---|---|
+| Conv2D (+ Activation/ReLU) | `FusedConv2D` (activation folded in) |
+| DepthwiseConv2D (+ Activation/ReLU) | `FusedDepthwiseConv2D` |
+| Dense (+ Activation/ReLU) | `FusedDense` |
+| Conv2D -> BatchNormalization (-> Activation/ReLU) | `ConvBNAct` (conv bias moved into the moving mean) |
+| Conv2D/DepthwiseConv2D -> BatchNormalization (-> act), ``inference=True`` | `FusedConv2D`/`FusedDepthwiseConv2D` with the batch norm folded in |
+| BatchNormalization (2-D or 4-D input, last axis) | `FusedBatchNorm` |
+| LayerNormalization (last axis) | `FusedLayerNorm` |
+| LSTM / GRU (tanh/sigmoid, no recurrent dropout, GRU reset_after) | `FusedLSTM` / `FusedGRU` |
+| anything else | kept (a fresh copy with the same config and weights), listed in the report with the reason |
+
+A layer is absorbed into the one before it only when nothing else reads the
+tensor between them (no other consumer, not a model output), its own output is
+not an output of the top-level model (output names stay), both are called once, and they share
+the dtype policy and trainable flag. A shared layer
+(called more than once) is converted once and the new layer is shared the
+same way; it is never merged with its neighbours.
+
+Modules: `planners` (what replaces each layer call: the planner registry,
+keyed by layer class, `register_planner`), `rebuild` (the graph walk that
+makes the new model), `graph` (consumers and call counts of one graph),
+`weights` (weight copies and batch-norm folding), `verify` (outputs and
+gradients against the stock model, `VerificationError`) and `report`
+(`ConversionReport`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import keras
+
+from tfmetal_ext.conversion.planners import register_planner
+from tfmetal_ext.conversion.rebuild import Converter
+from tfmetal_ext.conversion.report import NO_COUNTERPART, ConversionReport, Kept, Rewrite, count_ops as _count_ops
+from tfmetal_ext.conversion.verify import (
+    GRAD_RTOL,
+    MIN_GRAD_BATCH,
+    NOISE_FACTOR,
+    OUTPUT_RTOL,
+    VerificationError,
+    verify_conversion,
+)
+
+logger = logging.getLogger("tfmetal_ext")
+
+__all__ = [
+    "GRAD_RTOL",
+    "MIN_GRAD_BATCH",
+    "NOISE_FACTOR",
+    "NO_COUNTERPART",
+    "OUTPUT_RTOL",
+    "ConversionReport",
+    "Kept",
+    "Rewrite",
+    "VerificationError",
+    "convert",
+    "register_planner",
+]
+
+
+def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2, tolerance=None, seed=0):
+    """Returns an equivalent model built from tfmetal_ext's fusion-first layers.
+
+    Walks the layer graph of a Functional or Sequential model (nested models
+    recursively) and rewrites Conv2D, DepthwiseConv2D, Dense,
+    Conv2D -> BatchNormalization (-> Activation) chains, BatchNormalization,
+    LayerNormalization, LSTM and GRU into `tfmetal_ext.layers`, folding
+    separate activation layers into the layer before them when nothing else
+    reads the pre-activation tensor. Layer names, input/output names,
+    trainable flags, dtype policies and weights are preserved (weights copied
+    bitwise where the mapping is the identity). Layers that cannot be
+    converted are kept (copied) and listed with the reason. A compiled model's
+    compile configuration is applied to the result.
+
+    Args:
+        model: a built `keras.Model` made with the functional API or a
+            `keras.Sequential`.
+        inference: also fold batch norms into the preceding convolution's
+            kernel and bias (the deployment form; not for training).
+        verify: run both models on random inputs of the model's input spec
+            (inference mode) and, for the training form, compare one training
+            step's gradients (MSE against random targets, dropout off);
+            raises `VerificationError` on a mismatch. Where the stock
+            model's own outputs or gradients are NaN or inf, the converted
+            model must give the same non-finite values and the finite ones
+            are compared (with a `RuntimeWarning` and a report note); if every
+            output is non-finite there is nothing to compare and it raises.
+        count_ops: count compute ops per train step and per inference call
+            of both models with `tfmetal_ext.inspect.fusion_report` (costs a
+            few seconds for big models; uncompiled models are counted with
+            Adam and MSE).
+        batch_size: batch size of the random inputs of verify and op counts.
+        tolerance: relative tolerance of verify's output comparison
+            (gradients: 20x), instead of the per-dtype defaults in
+            `OUTPUT_RTOL` / `GRAD_RTOL`.
+        seed: seed of the random inputs.
+
+    Returns:
+        The converted `keras.Model` (a `keras.Sequential` for a Sequential
+        input); its `conversion_report` attribute holds the
+        `ConversionReport`.
+
+    Raises:
+        ValueError: if `model` is not a built Functional or Sequential model
+            (``... Received: model=...``).
+        VerificationError: (an `AssertionError`) when verify finds outputs or
+            gradients that differ beyond tolerance (the message lists the
+            per-layer or per-weight differences), or when every output of
+            the stock model on the verification inputs is NaN or inf.
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3),
+    ...                           keras.layers.BatchNormalization(), keras.layers.ReLU(),
+    ...                           keras.layers.Flatten()])
+    >>> fused = tfmetal_ext.convert(model, count_ops=False)
+    >>> [type(l).__name__ for l in fused.layers]
+    ['ConvBNAct', 'Flatten']
+    """
+    from keras.src.models.functional import Functional
+
+    if not isinstance(model, keras.Model):
+        raise ValueError(f"Expected a Functional or Sequential keras.Model. Received: model={model!r}")
+    if isinstance(model, keras.Sequential) and getattr(model, "_functional", None) is None:
+        raise ValueError(
+            "Only a built Sequential model (with an Input, or called once) can be converted. "
+            f"Received: model={model.name!r} (not built)"
+        )
+    if not isinstance(model, (keras.Sequential, Functional)):
+        raise ValueError(
+            "convert() walks the layer graph of a Functional or Sequential model; a subclassed model "
+            f"has no graph to walk. Received: model={model.name!r} ({type(model).__name__})"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not tolerance > 0):
+        raise ValueError(f"`tolerance` must be a positive number or None. Received: tolerance={tolerance!r}")
+    report = ConversionReport(model=model.name, inference=bool(inference))
+    conv = Converter(bool(inference), report)
+    new = conv.convert_model(model)
+    if getattr(model, "compiled", False):
+        try:
+            new.compile_from_config(model.get_compile_config())
+            report.notes.append("compiled with the source model's compile config (fresh optimizer state)")
+        except Exception as e:  # custom losses / metrics may not deserialize
+            report.notes.append(f"not compiled: the compile config could not be applied ({e})")
+    if inference:
+        report.notes.append("inference form: batch norms are folded; train the training form instead")
+    if verify:
+        verify_conversion(model, new, conv, report, bool(inference), batch_size, tolerance, seed)
+        report.verified = True
+    if count_ops:
+        report.ops_before = _count_ops(model, batch_size, report, "stock")
+        report.ops_after = _count_ops(new, batch_size, report, "converted")
+    object.__setattr__(new, "conversion_report", report)  # plain attribute, not tracked by Keras
+    logger.info("%s", report)
+    return new

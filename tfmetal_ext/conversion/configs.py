@@ -1,0 +1,106 @@
+"""Stock layer configurations: what a fused class is built from, and why a configuration cannot be."""
+
+from __future__ import annotations
+
+import keras
+
+CONV_KEYS = (
+    "filters", "kernel_size", "strides", "padding", "data_format", "dilation_rate", "groups", "activation",
+    "use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer", "bias_regularizer",
+    "activity_regularizer", "kernel_constraint", "bias_constraint",
+)
+DEPTHWISE_KEYS = (
+    "kernel_size", "strides", "padding", "depth_multiplier", "data_format", "dilation_rate", "activation",
+    "use_bias", "depthwise_initializer", "bias_initializer", "depthwise_regularizer", "bias_regularizer",
+    "activity_regularizer", "depthwise_constraint", "bias_constraint",
+)
+DENSE_KEYS = (
+    "units", "activation", "use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
+    "bias_regularizer", "kernel_constraint", "bias_constraint",
+)
+BN_KEYS = (
+    "axis", "momentum", "epsilon", "center", "scale", "beta_initializer", "gamma_initializer",
+    "moving_mean_initializer", "moving_variance_initializer", "beta_regularizer", "gamma_regularizer",
+    "beta_constraint", "gamma_constraint", "synchronized", "renorm", "renorm_clipping", "renorm_momentum",
+)
+LN_KEYS = (
+    "axis", "epsilon", "center", "scale", "rms_scaling", "beta_initializer", "gamma_initializer",
+    "beta_regularizer", "gamma_regularizer", "beta_constraint", "gamma_constraint",
+)
+RNN_KEYS = (
+    "units", "activation", "recurrent_activation", "use_bias", "kernel_initializer", "recurrent_initializer",
+    "bias_initializer", "unit_forget_bias", "kernel_regularizer", "recurrent_regularizer", "bias_regularizer",
+    "activity_regularizer", "kernel_constraint", "recurrent_constraint", "bias_constraint", "dropout",
+    "recurrent_dropout", "seed", "return_sequences", "return_state", "go_backwards", "stateful", "unroll",
+    "zero_output_for_mask", "reset_after",
+)
+
+
+def common_kwargs(layer):
+    return {"name": layer.name, "dtype": layer.dtype_policy, "trainable": layer.trainable}
+
+
+def make_layer(cls, layer, keys, **overrides):
+    """``cls`` built from `layer`'s config (`keys`), or the ValueError with the fused layer's own reason."""
+    config = layer.get_config()
+    kwargs = {k: config[k] for k in keys if k in config}
+    if "activity_regularizer" in keys and layer.activity_regularizer is not None:
+        kwargs["activity_regularizer"] = keras.regularizers.serialize(layer.activity_regularizer)
+    kwargs.update(common_kwargs(layer))
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def unsupported(layer, cls, keys, overrides=None):
+    """Why `layer` cannot become `cls` (quantized, LoRA, or a configuration `cls` rejects), or None."""
+    if getattr(layer, "quantization_mode", None):
+        return f"quantized ({layer.quantization_mode}) layers are kept"
+    if getattr(layer, "lora_enabled", False):
+        return "LoRA-enabled layers are kept"
+    try:  # a throwaway instance: does the fused layer accept this configuration?
+        make_layer(cls, layer, keys, **(overrides or {}))
+    except ValueError as e:
+        return f"{cls.__name__} does not support this configuration: {e}"
+    return None
+
+
+def last_axis_only(axis, rank):
+    axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
+    return [a + rank if a < 0 else a for a in axes] == [rank - 1]
+
+
+def node_input_shape(node):
+    return tuple(node.input_tensors[0].shape) if node.input_tensors else ()
+
+
+def bn_reason(bn, input_shape):
+    """Why `bn` cannot become FusedBatchNorm / join ConvBNAct, or None."""
+    rank = len(input_shape)
+    if rank not in (2, 4):
+        return f"FusedBatchNorm takes 2-D or 4-D inputs (FusedBatchNormV3 is NHWC); this input is {rank}-D"
+    if not last_axis_only(bn.axis, rank):
+        return f"axis={bn.axis} is not the last (channels_last) axis"
+    return None
+
+
+def conv_bn_reason(conv, bn):
+    """Why a stock Conv2D -> BatchNormalization pair cannot become one ConvBNAct, or None."""
+    if max(conv.dilation_rate) > 1:
+        return "dilation_rate > 1"
+    if not (bn.center and bn.scale):
+        return "batch norm without center/scale"
+    if bn.beta_constraint is not None or bn.gamma_constraint is not None:
+        return "batch norm weight constraints"
+    if conv.activity_regularizer is not None:
+        return "activity regularizer on the conv"
+    if conv.use_bias and (conv.bias_regularizer is not None or conv.bias_constraint is not None):
+        return "conv bias with a regularizer or constraint"
+    from tfmetal_ext.layers import _ops
+
+    try:
+        _ops.check_batch_norm_args(float(bn.momentum), float(bn.epsilon))
+    except ValueError as e:
+        return str(e)
+    if any(getattr(bn, k, None) for k in ("renorm", "synchronized")):
+        return "batch renormalization / synchronized batch norm"
+    return None

@@ -1,0 +1,363 @@
+"""What replaces each layer call: the planner registry, keyed by layer class, and the planners.
+
+A planner is ``fn(ctx, node) -> (Plan, reason) | None``: `ctx` is the
+`PlanContext` of the graph being walked, `node` one call of a layer of the
+class it is registered for. It returns the `Plan` for that call (``reason``
+is the `Kept` reason of a kept layer, else None), or None to leave the layer
+to the default classification (kept, with the reason). Adding a stock ->
+fused mapping is one registration (given its `STOCK_TO_FUSED` row):
+
+>>> @register_planner(keras.layers.UnitNormalization)
+... def _unit_norm(ctx, node):
+...     return plan_same_weights(ctx, node, keras.layers.UnitNormalization, ("axis",))
+
+Which fused class replaces a stock class comes from
+`tfmetal_ext.backends.fusion.STOCK_TO_FUSED`, which activations fold into a
+contraction from `tfmetal_ext.backends.fusion` (`CONTRACTION_ACTIVATIONS`,
+`ACTIVATION_OPS`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import keras
+
+from tfmetal_ext import layers as fl
+from tfmetal_ext.backends.fusion import ACTIVATION_OPS, CONTRACTION_ACTIVATIONS, LEAKY_RELU_ALPHA, STOCK_TO_FUSED
+from tfmetal_ext.conversion import configs, weights
+from tfmetal_ext.conversion.report import NO_COUNTERPART, Rewrite
+from tfmetal_ext.inspect.catalog import activation_name
+
+L = keras.layers
+
+# Activations a FusedConv2D / FusedDepthwiseConv2D / ConvBNAct absorbs (one op right after the
+# BiasAdd / batch norm, which every remapper fuses).
+CONV_ACTIVATIONS = CONTRACTION_ACTIVATIONS
+# FusedDense also emits every other activation of the table as one op after the BiasAdd: those
+# that are stock Keras activations (``gelu_approximate`` is FusedDense's own name, no stock layer's).
+DENSE_ACTIVATIONS = CONTRACTION_ACTIVATIONS + tuple(
+    a for a in ACTIVATION_OPS if a not in CONTRACTION_ACTIVATIONS and hasattr(keras.activations, a)
+)
+
+# ----------------------------------------------------------------------------
+# The registry.
+
+PLANNERS = {}  # layer class -> planner
+
+
+def register_planner(*classes):
+    """Decorator: registers ``fn(ctx, node)`` as the planner of every call of a layer of `classes`.
+
+    A stock Keras class (defined in ``keras.*``) finds the planner of the
+    nearest class in its MRO; any other class only its own, so a user's
+    subclass of a stock layer is kept (its call is its own) unless a planner
+    is registered for that subclass itself.
+
+    Raises:
+        ValueError: if one of `classes` already has a planner.
+    """
+
+    def register(fn):
+        for cls in classes:
+            if cls in PLANNERS:
+                raise ValueError(
+                    f"{cls.__name__} already has a planner ({PLANNERS[cls].__name__}). Received: classes={classes!r}"
+                )
+        for cls in classes:
+            PLANNERS[cls] = fn
+        return fn
+
+    return register
+
+
+def _is_stock_class(cls):
+    return cls.__module__.startswith("keras.")
+
+
+def planner_for(cls):
+    """The planner registered for layer class `cls`, or None."""
+    if not _is_stock_class(cls):
+        return PLANNERS.get(cls)
+    return next((PLANNERS[c] for c in cls.__mro__ if c in PLANNERS), None)
+
+
+def fused_class(stock):
+    """The tfmetal_ext class that replaces stock class `stock` (`STOCK_TO_FUSED`)."""
+    replacement = STOCK_TO_FUSED[stock.__name__]
+    return getattr(importlib.import_module(replacement.module), replacement.fused)
+
+
+# ----------------------------------------------------------------------------
+# Plans.
+
+
+@dataclasses.dataclass
+class Plan:
+    kind: str  # "replace" | "keep" (a copy) | "model" (nested) | "op" (keras.ops)
+    nodes: list  # the head node, then absorbed nodes
+    make: object = None  # () -> new layer (replace)
+    copy: object = None  # (new_layer, pairs) -> None, after the new layer is built
+    rewrite: Rewrite | None = None
+    layer_key: int | None = None  # id of the stock layer whose new layer is shared between calls
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanContext:
+    """What a planner knows besides its node: the graph, the form being made, the name prefix."""
+
+    graph: object  # the `graph.Graph` being walked
+    inference: bool
+    prefix: str = ""  # ``outer/`` inside a nested model
+
+    def label(self, name):
+        return f"{self.prefix}{name}"
+
+    def calls(self, layer):
+        return self.graph.calls[id(layer)]
+
+    def replace(self, nodes, new_class, make, copy, note=""):
+        """A ``replace`` plan of `nodes` (head first) by ``make()``, named after the head."""
+        layer = nodes[0].operation
+        src = tuple(self.label(n.operation.name) for n in nodes)
+        rw = Rewrite(src, self.label(layer.name), new_class, note)
+        return Plan("replace", nodes, make=make, copy=copy, rewrite=rw, layer_key=id(layer)), None
+
+
+def keep(node, reason):
+    return Plan("keep", [node], layer_key=id(node.operation)), reason
+
+
+def plan(ctx, node):
+    """The `Plan` for `node` (and the reason when it is kept)."""
+    layer = node.operation
+    if isinstance(layer, keras.Model):
+        from keras.src.models.functional import Functional
+
+        walkable = getattr(layer, "_functional", None) is not None if isinstance(layer, keras.Sequential) \
+            else isinstance(layer, Functional)
+        if walkable:
+            return Plan("model", [node], layer_key=id(layer)), None
+        return keep(node, f"subclassed model ({type(layer).__name__}): no layer graph to walk")
+    if not isinstance(layer, keras.layers.Layer):  # a keras.ops operation in the graph: stateless
+        return Plan("op", [node], layer_key=id(layer)), None
+    planner = planner_for(type(layer))
+    planned = planner(ctx, node) if planner is not None else None
+    if planned is not None:
+        return planned
+    if type(layer).__module__.startswith("tfmetal_ext."):
+        return keep(node, "already a tfmetal_ext layer")
+    if not _is_stock_class(type(layer)):
+        base = next((c.__name__ for c in type(layer).__mro__[1:] if _is_stock_class(c)), "Layer")
+        return keep(
+            node, f"subclassed layer ({type(layer).__module__}.{type(layer).__name__}, a {base} subclass): "
+                  "its call is its own, so it is kept as is",
+        )
+    return keep(node, NO_COUNTERPART)
+
+
+# ----------------------------------------------------------------------------
+# Activations.
+
+
+def activation_of(layer):
+    """The activation name a standalone activation layer computes, or None if it is not one we fold."""
+    if type(layer) is L.Activation:
+        return activation_name(layer)
+    if type(layer) is L.ReLU:
+        if float(layer.negative_slope or 0) != 0 or float(layer.threshold or 0) != 0:
+            return None
+        if layer.max_value is None:
+            return "relu"
+        return "relu6" if float(layer.max_value) == 6.0 else None
+    if type(layer) is L.LeakyReLU:
+        return "leaky_relu" if abs(float(layer.negative_slope) - LEAKY_RELU_ALPHA) < 1e-12 else None
+    if type(layer) is L.ELU:
+        return "elu" if float(layer.alpha) == 1.0 else None
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Shared planning steps.
+
+
+def plan_same_weights(ctx, node, stock, keys, overrides=None):
+    """`node`'s layer replaced alone by `stock`'s fused class, the weights copied one to one."""
+    layer = node.operation
+    cls = fused_class(stock)
+    reason = configs.unsupported(layer, cls, keys, overrides)
+    if reason:
+        return keep(node, reason)
+    calls = ctx.calls(layer)
+    note = f"shared: called {calls} times, converted once" if calls > 1 else ""
+    return ctx.replace([node], cls.__name__, lambda: configs.make_layer(cls, layer, keys, **(overrides or {})),
+                       lambda new, pairs: weights.copy_identical(layer, new, pairs), note)
+
+
+def _absorb_activation(ctx, node, allowed):
+    """The activation node right after `node` that can fold into it, and its name (or None, None)."""
+    nxt = ctx.graph.next_layer(node)
+    act = activation_of(nxt.operation) if nxt is not None else None
+    if act in allowed:
+        return nxt, act
+    return None, None
+
+
+def plan_contraction(ctx, node, stock, keys, acts):
+    """A conv / dense layer replaced by `stock`'s fused class, with the activation after it folded in."""
+    layer = node.operation
+    cls = fused_class(stock)
+    reason = configs.unsupported(layer, cls, keys)
+    if reason:
+        return keep(node, reason)
+    shared = ctx.graph.shared(layer)
+    act_node, act = (None, None)
+    if not shared and activation_name(layer) == "linear":
+        act_node, act = _absorb_activation(ctx, node, acts)
+    overrides = {"activation": act} if act else {}
+    note = f"shared: called {ctx.calls(layer)} times, converted once" if shared else ""
+    if act_node:
+        note = f"activation {act!r} folded in"
+    return ctx.replace([node] + ([act_node] if act_node else []), cls.__name__,
+                       lambda: configs.make_layer(cls, layer, keys, **overrides),
+                       lambda new, pairs: weights.copy_identical(layer, new, pairs), note)
+
+
+# ----------------------------------------------------------------------------
+# The planners.
+
+
+@register_planner(L.Dense)
+def _dense(ctx, node):
+    return plan_contraction(ctx, node, L.Dense, configs.DENSE_KEYS, DENSE_ACTIVATIONS)
+
+
+@register_planner(L.Conv2D)
+def _conv2d(ctx, node):
+    return _plan_conv(ctx, node, L.Conv2D, configs.CONV_KEYS)
+
+
+@register_planner(L.DepthwiseConv2D)
+def _depthwise_conv2d(ctx, node):
+    return _plan_conv(ctx, node, L.DepthwiseConv2D, configs.DEPTHWISE_KEYS)
+
+
+def _plan_conv(ctx, node, stock, keys):
+    """A conv, merged with the batch norm after it when there is one (ConvBNAct, or folded)."""
+    layer = node.operation
+    cls = fused_class(stock)
+    reason = configs.unsupported(layer, cls, keys)
+    if reason:
+        return keep(node, reason)
+    bn_node = None if ctx.graph.shared(layer) or activation_name(layer) != "linear" else ctx.graph.next_layer(node)
+    if bn_node is None or not (
+        type(bn_node.operation) is L.BatchNormalization
+        and configs.bn_reason(bn_node.operation, tuple(node.outputs[0].shape)) is None
+    ):
+        return plan_contraction(ctx, node, stock, keys, CONV_ACTIVATIONS)
+    if ctx.inference:
+        return _plan_fold(ctx, node, bn_node, cls, keys)
+    if stock is not L.Conv2D:
+        return plan_contraction(ctx, node, stock, keys, CONV_ACTIVATIONS)
+    why_not = configs.conv_bn_reason(layer, bn_node.operation)
+    if why_not:
+        plan_, _ = plan_contraction(ctx, node, stock, keys, CONV_ACTIVATIONS)
+        plan_.rewrite.note = (plan_.rewrite.note + "; " if plan_.rewrite.note else "") + f"not ConvBNAct: {why_not}"
+        return plan_, None
+    return _plan_conv_bn(ctx, node, bn_node)
+
+
+def _plan_conv_bn(ctx, node, bn_node):
+    """Conv2D -> BatchNormalization (-> activation) as one ConvBNAct (training form)."""
+    layer, bn = node.operation, bn_node.operation
+    act_node, act = _absorb_activation(ctx, bn_node, CONV_ACTIVATIONS)
+
+    def make():
+        return fl.ConvBNAct(
+            layer.filters, layer.kernel_size, strides=layer.strides, padding=layer.padding,
+            activation=act or "linear", momentum=float(bn.momentum), epsilon=float(bn.epsilon),
+            kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
+            kernel_regularizer=keras.regularizers.serialize(layer.kernel_regularizer),
+            kernel_constraint=keras.constraints.serialize(layer.kernel_constraint),
+            gamma_initializer=keras.initializers.serialize(bn.gamma_initializer),
+            beta_initializer=keras.initializers.serialize(bn.beta_initializer),
+            moving_mean_initializer=keras.initializers.serialize(bn.moving_mean_initializer),
+            moving_variance_initializer=keras.initializers.serialize(bn.moving_variance_initializer),
+            gamma_regularizer=keras.regularizers.serialize(bn.gamma_regularizer),
+            beta_regularizer=keras.regularizers.serialize(bn.beta_regularizer),
+            **configs.common_kwargs(layer),
+        )
+
+    note = "conv bias moved into the moving mean (exact)" if layer.use_bias else ""
+    return ctx.replace([node, bn_node] + ([act_node] if act_node else []), "ConvBNAct", make,
+                       lambda new, pairs: weights.copy_conv_bn(layer, bn, new, pairs), note)
+
+
+def _plan_fold(ctx, node, bn_node, cls, keys):
+    """Conv -> BatchNormalization (-> activation) as one fused conv with the batch norm folded in."""
+    layer, bn = node.operation, bn_node.operation
+    act_node, act = _absorb_activation(ctx, bn_node, CONV_ACTIVATIONS)
+    overrides = {"use_bias": True}
+    note = "batch norm folded into kernel and bias (inference only)"
+    if act:
+        overrides["activation"] = act
+        note += f", activation {act!r} folded in"
+    return ctx.replace([node, bn_node] + ([act_node] if act_node else []), cls.__name__,
+                       lambda: configs.make_layer(cls, layer, keys, **overrides),
+                       lambda new, pairs: weights.copy_folded(layer, bn, new), note)
+
+
+@register_planner(L.BatchNormalization)
+def _batch_norm(ctx, node):
+    reason = configs.bn_reason(node.operation, configs.node_input_shape(node))
+    if reason:
+        return keep(node, reason)
+    return plan_same_weights(ctx, node, L.BatchNormalization, configs.BN_KEYS)
+
+
+@register_planner(L.LayerNormalization)
+def _layer_norm(ctx, node):
+    ln = node.operation
+    if not configs.last_axis_only(ln.axis, len(configs.node_input_shape(node))):
+        return keep(node, f"axis={ln.axis}: FusedLayerNorm normalizes the last axis only")
+    return plan_same_weights(ctx, node, L.LayerNormalization, configs.LN_KEYS, overrides={"axis": -1})
+
+
+@register_planner(L.LSTM)
+def _lstm(ctx, node):
+    return plan_same_weights(ctx, node, L.LSTM, tuple(k for k in configs.RNN_KEYS if k != "reset_after"))
+
+
+@register_planner(L.GRU)
+def _gru(ctx, node):
+    return plan_same_weights(ctx, node, L.GRU, tuple(k for k in configs.RNN_KEYS if k != "unit_forget_bias"))
+
+
+@register_planner(L.Activation, L.ReLU, L.LeakyReLU, L.ELU)
+def _activation(ctx, node):
+    """A standalone activation layer no contraction absorbed: kept, saying why."""
+    layer = node.operation
+    act = activation_of(layer)
+    if act not in DENSE_ACTIVATIONS:
+        return keep(node, f"activation {act or type(layer).__name__!r} is never fused into a "
+                          "contraction; kept as a separate layer")
+    return keep(node, f"activation {act!r}: no fusable layer right before it (or the "
+                      "pre-activation tensor has other consumers, or it is a model output)")
+
+
+@register_planner(fl.ConvBNAct, fl.ResidualBlock)
+def _refold(ctx, node):
+    """A tfmetal_ext ConvBNAct / ResidualBlock of an already converted model: its own `fold()`."""
+    if not ctx.inference:
+        return None
+    layer = node.operation
+
+    def make():
+        new = layer.fold(name=layer.name)
+        new.trainable = layer.trainable
+        return new
+
+    new_class = fused_class(L.Conv2D).__name__ if type(layer) is fl.ConvBNAct else fl.FoldedResidualBlock.__name__
+    return ctx.replace([node], new_class, make, lambda new, pairs: None,
+                       f"{type(layer).__name__}.fold(): batch norm folded into kernel and bias (inference only)")

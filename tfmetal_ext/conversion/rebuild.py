@@ -1,0 +1,178 @@
+"""The rebuild: a model's graph walked call by call, each call planned (`planners`) and re-made."""
+
+from __future__ import annotations
+
+import inspect
+
+import keras
+
+from tfmetal_ext.conversion import planners, weights
+from tfmetal_ext.conversion.graph import Graph
+from tfmetal_ext.conversion.report import Kept
+
+
+def _call_kwargs_reason(node, cls):
+    """Why a call of `node` cannot be passed to `cls` (a non-None argument its call does not take)."""
+    accepted = inspect.signature(cls.call).parameters
+    # `training` only matters to layers that take it; the others behave the same either way.
+    extra = [k for k, v in node.arguments.kwargs.items()
+             if v is not None and k not in accepted and k != "training"]
+    if extra:
+        return f"called with {', '.join(extra)}, which {cls.__name__} does not take"
+    return None
+
+
+def _not_walkable(model):
+    return ValueError(
+        "convert() walks the layer graph of a Functional or Sequential model; a subclassed "
+        f"model has no graph to walk. Received: model={getattr(model, 'name', model)!r} ({type(model).__name__})"
+    )
+
+
+class Converter:
+    """Rebuilds one Functional or Sequential model (nested ones by a `Converter` of their own).
+
+    Args:
+        inference: make the inference form (batch norms folded).
+        report: the `ConversionReport` every rewrite, kept layer and note goes to.
+        prefix: the ``outer/`` prefix of a nested model's layer labels.
+
+    Attributes:
+        pairs: ``(stock variable, new variable)`` pairs whose gradients must match.
+        new_layers: id of a stock layer -> its new layer (a shared layer is made once).
+        graph: after `convert_model`, ``(new inputs, correspondences)``: per new layer call,
+            ``(label, class name, stock output tensor, new output tensor)``, for verification.
+    """
+
+    def __init__(self, inference, report, prefix=""):
+        self.inference = inference
+        self.report = report
+        self.prefix = prefix
+        self.pairs = []
+        self.new_layers = {}
+        self.graph = None
+
+    def _label(self, name):
+        return f"{self.prefix}{name}"
+
+    def convert_model(self, model):
+        """A converted copy of a Functional or Sequential model (same name)."""
+        from keras.src.models.functional import Functional
+
+        if isinstance(model, keras.Sequential):
+            fn = getattr(model, "_functional", None)
+            if fn is None:
+                raise ValueError(
+                    "Only a built Sequential model (with an Input or called once) can be converted. "
+                    f"Received: model={model.name!r} (not built)"
+                )
+        elif isinstance(model, Functional):
+            fn = model
+        else:
+            raise _not_walkable(model)
+        ins, outs, corr = self.convert_functional(fn)
+        self.graph = (ins, corr)
+        if fn is model:
+            return keras.Model(ins, outs, name=model.name, trainable=model.trainable)
+        inp = fn.inputs[0]._keras_history.operation
+        layers = [type(inp).from_config(inp.get_config())]
+        seen = set()
+        for _, _, _, t in corr:
+            new_layer = t._keras_history.operation
+            if id(new_layer) not in seen:
+                seen.add(id(new_layer))
+                layers.append(new_layer)
+        return keras.Sequential(layers, name=model.name, trainable=model.trainable)
+
+    def convert_functional(self, fn):
+        """Rebuilds functional graph `fn`; returns (new inputs struct, new outputs struct, correspondences)."""
+        # A nested model's output names are invisible to the outer graph: only the top level keeps them.
+        ctx = planners.PlanContext(Graph(fn, keep_output_names=not self.prefix), self.inference, self.prefix)
+        tensors = {}
+        new_inputs = []
+        for kt in fn.inputs:
+            inp_layer = kt._keras_history.operation
+            clone = type(inp_layer).from_config(inp_layer.get_config())
+            tensors[id(kt)] = clone.output
+            new_inputs.append(clone.output)
+        absorbed = set()
+        corr = []
+        for node in ctx.graph.nodes:
+            if id(node) in absorbed:
+                continue
+            plan, reason = planners.plan(ctx, node)
+            if plan.kind == "replace":
+                why = _call_kwargs_reason(node, type(plan.make()))
+                if why:
+                    plan, reason = planners.keep(node, why)
+            absorbed.update(id(n) for n in plan.nodes[1:])
+            out, new_layer = self._call(plan, reason, node, tensors)
+            last = plan.nodes[-1]
+            for old, new in zip(last.outputs, keras.tree.flatten(out)):
+                tensors[id(old)] = new
+            label = self._label(new_layer.name)
+            if last.operation.name != new_layer.name:
+                label += f" (stock: {last.operation.name} output)"
+            corr.append((label, type(new_layer).__name__, last.outputs[0], keras.tree.flatten(out)[0]))
+        in_struct = keras.tree.pack_sequence_as(fn._inputs_struct, new_inputs)
+        out_struct = keras.tree.map_structure(lambda t: tensors[id(t)], fn._outputs_struct)
+        return in_struct, out_struct, corr
+
+    def _call(self, plan, reason, node, tensors):
+        """Calls the new layer of `plan` (made on its first call) on the new tensors of `node`'s inputs."""
+        new_layer = self.new_layers.get(plan.layer_key)
+        first = new_layer is None
+        if first:
+            new_layer, kind = self._instantiate(plan, reason)
+            self.new_layers[plan.layer_key] = new_layer
+        args, kwargs = node.arguments.fill_in(tensors)
+        if plan.kind == "replace":
+            accepted = inspect.signature(new_layer.call).parameters
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted or (v is not None and k != "training")}
+        for n in plan.nodes[1:]:
+            if "training" in n.arguments.kwargs:
+                kwargs["training"] = n.arguments.kwargs["training"]
+        out = new_layer(*args, **kwargs)
+        if first:
+            self._after_build(plan, kind, new_layer)
+        return out, new_layer
+
+    def _instantiate(self, plan, reason):
+        """The new layer of `plan` and how its weights are set: the plan's kind, or ``"reuse"``."""
+        layer = plan.nodes[0].operation
+        if plan.kind == "replace":
+            self.report.rewrites.append(plan.rewrite)
+            return plan.make(), plan.kind
+        if plan.kind == "model":
+            sub = Converter(self.inference, self.report, prefix=f"{self.prefix}{layer.name}/")
+            new = sub.convert_model(layer)
+            self.pairs += sub.pairs
+            return new, plan.kind
+        if plan.kind == "op":
+            self.report.notes.append(f"{self._label(layer.name)}: Keras operation {type(layer).__name__} reused as is")
+            return layer, plan.kind
+        # keep: a fresh copy with the same config (weights copied once built), else the layer itself
+        self.report.kept.append(Kept(self._label(layer.name), type(layer).__name__, reason))
+        try:
+            return type(layer).from_config(layer.get_config()), plan.kind
+        except Exception as e:  # arbitrary user code
+            self.report.notes.append(
+                f"{self._label(layer.name)}: could not be re-created from its config ({type(e).__name__}: {e}); "
+                "the converted model uses the same layer object (shared weights)"
+            )
+            return layer, "reuse"
+
+    def _after_build(self, plan, kind, new_layer):
+        layer = plan.nodes[0].operation
+        if kind == "replace":
+            plan.copy(new_layer, self.pairs)
+        elif kind == "keep":
+            try:
+                weights.copy_identical(layer, new_layer, self.pairs)
+            except Exception as e:
+                raise RuntimeError(
+                    f"could not copy the weights of kept layer {self._label(layer.name)!r} into its copy: {e}"
+                ) from e
+            new_layer.trainable = layer.trainable
+        elif kind == "reuse":
+            self.pairs += [(w, w) for w in layer.trainable_weights]

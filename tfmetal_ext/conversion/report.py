@@ -1,0 +1,138 @@
+"""What `convert` did: `ConversionReport`, its `Rewrite` and `Kept` rows, and the op counts."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+NO_COUNTERPART = "no fusion-first counterpart (kept as a copy with the same config and weights)"
+
+
+@dataclasses.dataclass
+class Rewrite:
+    """One rewrite: stock layer(s) `source` replaced by layer `name` of class `new_class`."""
+
+    source: tuple
+    name: str
+    new_class: str
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Kept:
+    """A layer kept as it is, and why."""
+
+    name: str
+    class_name: str
+    reason: str
+
+
+@dataclasses.dataclass
+class ConversionReport:
+    """What `convert` did.
+
+    Attributes:
+        model: name of the converted model.
+        inference: whether the deployment (batch norm folded) form was made.
+        rewrites: every `Rewrite`, nested models' ones with ``outer/inner`` names.
+        kept: every layer kept as it is (`Kept`), with the reason.
+        ops_before, ops_after: compute ops per step after grappler, keyed
+            ``"train"`` (one `model.fit` step) and ``"predict"`` (one inference
+            call), from `tfmetal_ext.inspect.fusion_report(...).num_ops`;
+            empty when ops were not counted.
+        verified: None when not verified, else True (a mismatch raises).
+        max_output_diff: largest relative output difference found by verify.
+        max_grad_diff: largest relative gradient difference (training form).
+        notes: anything else worth knowing (compile config copied, ...).
+    """
+
+    model: str
+    inference: bool = False
+    rewrites: list = dataclasses.field(default_factory=list)
+    kept: list = dataclasses.field(default_factory=list)
+    ops_before: dict = dataclasses.field(default_factory=dict)
+    ops_after: dict = dataclasses.field(default_factory=dict)
+    verified: bool | None = None
+    max_output_diff: float | None = None
+    max_grad_diff: float | None = None
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def absorbed(self):
+        """Names of the stock layers that were merged into another layer."""
+        return [s for r in self.rewrites for s in r.source[1:]]
+
+    def rewrite_for(self, name):
+        """The `Rewrite` whose source includes stock layer `name` (KeyError if none)."""
+        for r in self.rewrites:
+            if name in r.source:
+                return r
+        raise KeyError(name)
+
+    def kept_names(self):
+        return [k.name for k in self.kept]
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    def __str__(self):
+        form = "inference form, batch norms folded" if self.inference else "training form"
+        lines = [
+            f"Conversion of {self.model!r} ({form}): {len(self.rewrites)} rewrites "
+            f"({len(self.absorbed)} layers absorbed), {len(self.kept)} layers kept"
+        ]
+        for mode, label in (("train", "ops per train step"), ("predict", "ops per inference call")):
+            if mode in self.ops_before and mode in self.ops_after:
+                b, a = self.ops_before[mode], self.ops_after[mode]
+                lines.append(f"{label}: {b} -> {a} ({a / max(b, 1):.2f}x)")
+        if self.verified:
+            v = f"verified: outputs max rel diff {self.max_output_diff:.2g}"
+            if self.max_grad_diff is not None:
+                v += f", training gradients max rel diff {self.max_grad_diff:.2g}"
+            lines.append(v)
+        elif self.verified is None:
+            lines.append("not verified (verify=False)")
+        if self.rewrites:
+            lines.append("rewrites:")
+            width = max(len(" + ".join(r.source)) for r in self.rewrites)
+            for r in self.rewrites:
+                note = f"  ({r.note})" if r.note else ""
+                lines.append(f"  {' + '.join(r.source):<{width}} -> {r.name} [{r.new_class}]{note}")
+        lines += _kept_lines(self.kept)
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _kept_lines(kept):
+    """The report's ``kept:`` section: one row per reason, plain copies counted per class."""
+    by_reason = collections.defaultdict(list)
+    for k in kept:
+        by_reason[k.reason].append(k)
+    lines = ["kept:"] if kept else []
+    for reason, rows in by_reason.items():
+        if reason == NO_COUNTERPART:
+            plain = collections.Counter(k.class_name for k in rows)
+            classes = ", ".join(f"{n} x{c}" for n, c in sorted(plain.items()))
+            lines.append(f"  {len(rows)} layers with {NO_COUNTERPART}: {classes}")
+        elif len(rows) <= 3:
+            lines += [f"  {k.name} [{k.class_name}]: {reason}" for k in rows]
+        else:
+            names = ", ".join(k.name for k in rows[:3])
+            lines.append(f"  {len(rows)} layers ({names}, ...) [{rows[0].class_name}]: {reason}")
+    return lines
+
+
+def count_ops(model, batch_size, report, key):
+    """Compute ops per train step and per inference call of `model` (notes in `report` where not counted)."""
+    from tfmetal_ext import inspect
+
+    counts = {}
+    for mode in ("train", "predict"):
+        kw = {"batch_size": batch_size}
+        if mode == "train" and not getattr(model, "compiled", False):
+            kw.update(optimizer="adam", loss="mse")
+        try:
+            counts[mode] = inspect.fusion_report(model, mode=mode, **kw).num_ops
+        except Exception as e:  # counting is informative only
+            report.notes.append(f"{key} ops per {mode} step not counted: {type(e).__name__}: {e}")
+    return counts
