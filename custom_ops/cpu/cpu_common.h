@@ -1,22 +1,67 @@
-// Helpers shared by the CPU kernels: the TF CPU thread pool and dtype conversion.
+// Helpers shared by the CPU kernels: the TF names they use, the TF CPU thread
+// pool, dtype conversion and kernel registration.
+//
+// The CPU kernel files are compiled as one unity translation unit (with the op
+// registration files; see tfmetal_ext/ops/_loader.py), all in namespace
+// tfmetal_ext: each file keeps its helpers in an unnamed namespace, so a name
+// two files define alike is a compile error, not a silent clash.
 #ifndef TFMETAL_CPU_COMMON_H_
 #define TFMETAL_CPU_COMMON_H_
 
 #include <cstdint>
 
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
 #include "tensorflow/core/platform/threadpool.h"
 
 namespace tfmetal_ext {
+
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Status;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace errors = ::tensorflow::errors;
 
 // Runs fn(begin, end) over [0, n) on TF's intra-op CPU thread pool, in
 // blocks sized from `cost_per_unit` (cycles per element), so small inputs
 // stay on the calling thread.
 template <typename Fn>
-void ParallelFor(::tensorflow::OpKernelContext* ctx, int64_t n, int64_t cost_per_unit, Fn&& fn) {
+void ParallelFor(OpKernelContext* ctx, int64_t n, int64_t cost_per_unit, Fn&& fn) {
   if (n <= 0) return;
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   workers->ParallelFor(n, cost_per_unit, [&fn](int64_t begin, int64_t end) { fn(begin, end); });
+}
+
+// ParallelFor with `scratch_floats` floats of scratch per thread:
+// fn(begin, end, scratch), where no two threads share a scratch (nullptr when
+// scratch_floats == 0). The scratch is one temp tensor, allocated before any
+// work starts: an allocation failure is returned (for OP_REQUIRES_OK), it
+// never aborts a worker thread.
+template <typename Fn>
+Status ParallelForWithScratch(OpKernelContext* ctx, int64_t n, int64_t cost_per_unit, int64_t scratch_floats,
+                              Fn&& fn) {
+  if (n <= 0) return Status();
+  auto* workers = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  Tensor scratch;
+  float* base = nullptr;
+  if (scratch_floats > 0) {
+    // One slice per thread that may run a shard: the pool's NumThreads() and
+    // the calling thread.
+    TensorShape shape;
+    TF_RETURN_IF_ERROR(TensorShape::BuildTensorShape({(workers->NumThreads() + 1) * scratch_floats}, &shape));
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(::tensorflow::DT_FLOAT, shape, &scratch));
+    base = scratch.flat<float>().data();
+  }
+  // The slice of the thread running the shard: CurrentThreadId() is in
+  // [0, NumThreads()) on a pool thread and -1 elsewhere (as TF's
+  // ParallelForWithWorkerId numbers them; its signature differs across TF versions).
+  workers->ParallelFor(n, cost_per_unit, [&fn, workers, base, scratch_floats](int64_t begin, int64_t end) {
+    fn(begin, end, base != nullptr ? base + (workers->CurrentThreadId() + 1) * scratch_floats : nullptr);
+  });
+  return Status();
 }
 
 template <typename T>
@@ -26,5 +71,15 @@ template <typename T>
 inline T FromFloat(float v) { return static_cast<T>(v); }
 
 }  // namespace tfmetal_ext
+
+// Registers the CPU kernel Kernel<T> for T in {float, half, bfloat16} (the
+// "T" attr of every op here). `builder` is Name("TfmetalExt>Op") with the
+// op's HostMemory(...) inputs, if any.
+#define TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(builder, Kernel)   \
+  TFMETAL_EXT_REGISTER_CPU_KERNEL_FOR_T(builder, Kernel, float)   \
+  TFMETAL_EXT_REGISTER_CPU_KERNEL_FOR_T(builder, Kernel, ::Eigen::half) \
+  TFMETAL_EXT_REGISTER_CPU_KERNEL_FOR_T(builder, Kernel, ::Eigen::bfloat16)
+#define TFMETAL_EXT_REGISTER_CPU_KERNEL_FOR_T(builder, Kernel, T) \
+  REGISTER_KERNEL_BUILDER(builder.Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"), Kernel<T>);
 
 #endif  // TFMETAL_CPU_COMMON_H_

@@ -3,7 +3,8 @@
 // Rows are independent and contiguous, so both ops split rows over TF's CPU
 // thread pool, and a row (a few KB) stays in L1 between its passes: each
 // input is read from memory once and each output written once. Half inputs
-// are widened to float32 once per row into a scratch buffer.
+// are widened to float32 once per row into a per-thread scratch buffer (one
+// temp tensor, so running out of memory fails the op instead of the process).
 //
 // Every row loop vectorizes (checked with -fopt-info-vec): row sums use
 // kLanes independent accumulators (no -ffast-math needed), and the half
@@ -17,7 +18,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <type_traits>
 
 #include "cpu/cpu_common.h"
@@ -28,15 +28,7 @@
 #include "tfmetal/layer_norm.h"
 
 namespace tfmetal_ext {
-namespace layer_norm_cpu {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Status;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-namespace errors = ::tensorflow::errors;
+namespace {
 
 constexpr int kLanes = 16;
 // Gradient blocks: at most kMaxBlocks, each of at least kMinBlockElements
@@ -69,19 +61,17 @@ TFMETAL_LN_INLINE float RowSumShifted(const float* __restrict x, int64_t n, floa
   return ReduceLanes(acc);
 }
 
+TFMETAL_LN_INLINE float SquaredDeviation(float x, float mean) {
+  const float d = x - mean;
+  return d * d;
+}
+
 TFMETAL_LN_INLINE float RowSumSquaredDeviations(const float* __restrict x, int64_t n, float mean) {
   float acc[kLanes] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const float d = x[i + j] - mean;
-      acc[j] += d * d;
-    }
-  }
-  for (int j = 0; i + j < n; ++j) {
-    const float d = x[i + j] - mean;
-    acc[j] += d * d;
-  }
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += SquaredDeviation(x[i + j], mean);
+  for (int j = 0; i + j < n; ++j) acc[j] += SquaredDeviation(x[i + j], mean);
   return ReduceLanes(acc);
 }
 
@@ -192,6 +182,20 @@ TFMETAL_LN_INLINE void ForwardRow(const float* __restrict x, int64_t n, float in
   *rstd_out = rstd;
 }
 
+// The first pass of BackwardRow over column c: dy * gamma and dy * gamma * xhat
+// summed into lane j, dy * xhat and dy added into dgamma / dbeta.
+TFMETAL_LN_INLINE void BackwardColumn(const float* __restrict dy, const float* __restrict x,
+                                      const float* __restrict gamma, float mean, float rstd, int64_t c, int j,
+                                      float* __restrict sum_g, float* __restrict sum_gx, float* __restrict dgamma,
+                                      float* __restrict dbeta) {
+  const float xhat = layer_norm_xhat(x[c], mean, rstd);
+  const float g = dy[c] * gamma[c];
+  sum_g[j] += g;
+  sum_gx[j] += g * xhat;
+  dgamma[c] += dy[c] * xhat;
+  dbeta[c] += dy[c];
+}
+
 // dx of one row, and the row's dy * xhat and dy added into dgamma / dbeta.
 template <typename T>
 TFMETAL_LN_INLINE void BackwardRow(const float* __restrict dy, const float* __restrict x, int64_t n, float inv_n,
@@ -200,26 +204,9 @@ TFMETAL_LN_INLINE void BackwardRow(const float* __restrict dy, const float* __re
   float sum_g[kLanes] = {};
   float sum_gx[kLanes] = {};
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) {
-      const int64_t c = i + j;
-      const float xhat = layer_norm_xhat(x[c], mean, rstd);
-      const float g = dy[c] * gamma[c];
-      sum_g[j] += g;
-      sum_gx[j] += g * xhat;
-      dgamma[c] += dy[c] * xhat;
-      dbeta[c] += dy[c];
-    }
-  }
-  for (int j = 0; i + j < n; ++j) {
-    const int64_t c = i + j;
-    const float xhat = layer_norm_xhat(x[c], mean, rstd);
-    const float g = dy[c] * gamma[c];
-    sum_g[j] += g;
-    sum_gx[j] += g * xhat;
-    dgamma[c] += dy[c] * xhat;
-    dbeta[c] += dy[c];
-  }
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) BackwardColumn(dy, x, gamma, mean, rstd, i + j, j, sum_g, sum_gx, dgamma, dbeta);
+  for (int j = 0; i + j < n; ++j) BackwardColumn(dy, x, gamma, mean, rstd, i + j, j, sum_g, sum_gx, dgamma, dbeta);
   const float mean_g = ReduceLanes(sum_g) * inv_n;
   const float mean_gx = ReduceLanes(sum_gx) * inv_n;
   for (int64_t c = 0; c < n; ++c) {
@@ -242,11 +229,15 @@ struct ForwardArgs {
   float epsilon;
 };
 
+// Floats of scratch per thread: a row widened to float (none for float).
 template <typename T>
-TFMETAL_LN_INLINE void ForwardRowsImpl(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
-  std::unique_ptr<float[]> scratch(std::is_same<T, float>::value ? nullptr : new float[a.n]);
+constexpr int64_t ForwardScratch(int64_t n) { return std::is_same<T, float>::value ? 0 : n; }
+
+// `scratch`: ForwardScratch<T>(a.n) floats of this thread's own.
+template <typename T>
+TFMETAL_LN_INLINE void ForwardRowsImpl(const ForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
   for (int64_t r = begin; r < end; ++r) {
-    const float* xr = RowAsFloat(a.x + r * a.n, a.n, scratch.get());
+    const float* xr = RowAsFloat(a.x + r * a.n, a.n, scratch);
     ForwardRow<T>(xr, a.n, a.inv_n, a.epsilon, a.gamma, a.beta, a.y + r * a.n, a.mean + r, a.rstd + r);
   }
 }
@@ -268,12 +259,16 @@ struct BackwardArgs {
   float inv_n;
 };
 
+// Floats of scratch per thread: dy's and x's rows widened to float (none for float).
 template <typename T>
-TFMETAL_LN_INLINE void BackwardBlocksImpl(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
+constexpr int64_t BackwardScratch(int64_t n) { return std::is_same<T, float>::value ? 0 : 2 * n; }
+
+// `scratch`: BackwardScratch<T>(a.n) floats of this thread's own.
+template <typename T>
+TFMETAL_LN_INLINE void BackwardBlocksImpl(const BackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
   const int64_t n = a.n;
-  std::unique_ptr<float[]> scratch(std::is_same<T, float>::value ? nullptr : new float[2 * n]);
-  float* dy_scratch = scratch.get();
-  float* x_scratch = scratch ? scratch.get() + n : nullptr;
+  float* dy_scratch = scratch;
+  float* x_scratch = scratch != nullptr ? scratch + n : nullptr;
   for (int64_t block = begin; block < end; ++block) {
     float* dgamma = a.partial + block * 2 * n;
     float* dbeta = dgamma + n;
@@ -292,23 +287,27 @@ TFMETAL_LN_INLINE void BackwardBlocksImpl(const BackwardArgs<T>& a, int64_t begi
 // Both give the same results: the summation order is the same, and the
 // compiler does not contract to FMA under -std=c++17.
 template <typename T>
-void ForwardRowsBaseline(const ForwardArgs<T>& a, int64_t begin, int64_t end) { ForwardRowsImpl(a, begin, end); }
+void ForwardRowsBaseline(const ForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
+  ForwardRowsImpl(a, begin, end, scratch);
+}
 
 template <typename T>
-void BackwardBlocksBaseline(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
-  BackwardBlocksImpl(a, begin, end);
+void BackwardBlocksBaseline(const BackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
+  BackwardBlocksImpl(a, begin, end, scratch);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define TFMETAL_LN_AVX2 1
 template <typename T>
-__attribute__((target("avx2"))) void ForwardRowsAvx2(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
-  ForwardRowsImpl(a, begin, end);
+__attribute__((target("avx2"))) void ForwardRowsAvx2(const ForwardArgs<T>& a, int64_t begin, int64_t end,
+                                                     float* scratch) {
+  ForwardRowsImpl(a, begin, end, scratch);
 }
 
 template <typename T>
-__attribute__((target("avx2"))) void BackwardBlocksAvx2(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
-  BackwardBlocksImpl(a, begin, end);
+__attribute__((target("avx2"))) void BackwardBlocksAvx2(const BackwardArgs<T>& a, int64_t begin, int64_t end,
+                                                        float* scratch) {
+  BackwardBlocksImpl(a, begin, end, scratch);
 }
 
 // TFMETAL_EXT_CPU_BASELINE=1 runs the baseline loops (the tests compare them
@@ -323,19 +322,19 @@ inline bool HasAvx2() {
 #endif
 
 template <typename T>
-void ForwardRows(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
+void ForwardRows(const ForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
 #ifdef TFMETAL_LN_AVX2
-  if (HasAvx2()) return ForwardRowsAvx2(a, begin, end);
+  if (HasAvx2()) return ForwardRowsAvx2(a, begin, end, scratch);
 #endif
-  ForwardRowsBaseline(a, begin, end);
+  ForwardRowsBaseline(a, begin, end, scratch);
 }
 
 template <typename T>
-void BackwardBlocks(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
+void BackwardBlocks(const BackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
 #ifdef TFMETAL_LN_AVX2
-  if (HasAvx2()) return BackwardBlocksAvx2(a, begin, end);
+  if (HasAvx2()) return BackwardBlocksAvx2(a, begin, end, scratch);
 #endif
-  BackwardBlocksBaseline(a, begin, end);
+  BackwardBlocksBaseline(a, begin, end, scratch);
 }
 
 // x must have rank >= 1; rows = the product of all but the last dimension.
@@ -397,7 +396,10 @@ class LayerNormOp : public OpKernel {
       }
       return;
     }
-    ParallelFor(ctx, rows, kForwardCost * channels, [&a](int64_t begin, int64_t end) { ForwardRows(a, begin, end); });
+    OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, rows, kForwardCost * channels, ForwardScratch<T>(channels),
+                                               [&a](int64_t begin, int64_t end, float* scratch) {
+                                                 ForwardRows(a, begin, end, scratch);
+                                               }));
   }
 
  private:
@@ -451,8 +453,10 @@ class LayerNormGradOp : public OpKernel {
     Tensor partial_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, TensorShape({blocks * 2 * n}), &partial_t));
     a.partial = partial_t.flat<float>().data();
-    ParallelFor(ctx, blocks, kBackwardCost * a.rows_per_block * n,
-                [&a](int64_t begin, int64_t end) { BackwardBlocks(a, begin, end); });
+    OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, blocks, kBackwardCost * a.rows_per_block * n,
+                                               BackwardScratch<T>(n), [&a](int64_t begin, int64_t end, float* scratch) {
+                                                 BackwardBlocks(a, begin, end, scratch);
+                                               }));
     // The block partials, added in block order.
     const float* partial = a.partial;
     ParallelFor(ctx, n, 2 * blocks, [=](int64_t begin, int64_t end) {
@@ -470,18 +474,8 @@ class LayerNormGradOp : public OpKernel {
   }
 };
 
-#define TFMETAL_REGISTER_LAYER_NORM(T)                                                              \
-  REGISTER_KERNEL_BUILDER(                                                                          \
-      Name("TfmetalExt>LayerNorm").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),         \
-      LayerNormOp<T>);                                                                              \
-  REGISTER_KERNEL_BUILDER(                                                                          \
-      Name("TfmetalExt>LayerNormGrad").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),     \
-      LayerNormGradOp<T>);
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>LayerNorm"), LayerNormOp)
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>LayerNormGrad"), LayerNormGradOp)
 
-TFMETAL_REGISTER_LAYER_NORM(float)
-TFMETAL_REGISTER_LAYER_NORM(Eigen::half)
-TFMETAL_REGISTER_LAYER_NORM(Eigen::bfloat16)
-#undef TFMETAL_REGISTER_LAYER_NORM
-
-}  // namespace layer_norm_cpu
+}  // namespace
 }  // namespace tfmetal_ext

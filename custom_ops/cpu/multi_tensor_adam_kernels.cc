@@ -32,14 +32,9 @@
 #include "tfmetal/adam.h"
 
 namespace tfmetal_ext {
-namespace multi_tensor_adam_cpu {
+namespace {
 
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
 using ::tensorflow::Var;
-namespace errors = ::tensorflow::errors;
 
 // R::round for each T: float -> T -> float (see tfmetal/adam.h).
 template <typename T>
@@ -77,9 +72,9 @@ class ExclusiveLocks {
 // TF's PrepareToUpdateVariable for a POD dtype: if the variable's buffer is
 // shared (a read still holds it) or the variable is in copy-on-read mode,
 // replace it with a private copy. Requires the variable's lock.
-::tensorflow::Status PrepareToUpdate(OpKernelContext* ctx, Var* var) {
+Status PrepareToUpdate(OpKernelContext* ctx, Var* var) {
   Tensor* tensor = var->tensor();
-  if (!var->copy_on_read_mode.load() && tensor->RefCountIsOne()) return ::tensorflow::Status();
+  if (!var->copy_on_read_mode.load() && tensor->RefCountIsOne()) return Status();
   ::tensorflow::AllocatorAttributes attr;
   attr.set_gpu_compatible(true);
   attr.set_nic_compatible(true);
@@ -89,7 +84,7 @@ class ExclusiveLocks {
     std::memcpy(const_cast<char*>(copy.tensor_data().data()), tensor->tensor_data().data(), tensor->TotalBytes());
   }
   *tensor = copy;
-  return ::tensorflow::Status();
+  return Status();
 }
 
 // "var[3]", "m[0]", ...: the user-facing name of resource input `index`.
@@ -151,9 +146,9 @@ class MultiTensorAdamOp : public OpKernel {
     std::vector<::tensorflow::core::RefCountPtr<Var>> refs(num_resources);
     std::vector<std::pair<Var*, int>> by_address(num_resources);
     for (int i = 0; i < num_resources; ++i) {
-      ::tensorflow::Status s = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, i), &refs[i]);
+      Status s = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, i), &refs[i]);
       if (!s.ok()) {
-        ::tensorflow::errors::AppendToMessage(&s, "(MultiTensorAdam input ", InputName(i, n), ")");
+        errors::AppendToMessage(&s, "(MultiTensorAdam input ", InputName(i, n), ")");
         ctx->CtxFailureWithWarning(__FILE__, __LINE__, s);
         return;
       }
@@ -259,20 +254,10 @@ class MultiTensorAdamOp : public OpKernel {
   int num_decay_ = 0;
 };
 
-#define TFMETAL_REGISTER_MULTI_TENSOR_ADAM(T)                    \
-  REGISTER_KERNEL_BUILDER(Name("TfmetalExt>MultiTensorAdam")     \
-                              .Device(::tensorflow::DEVICE_CPU)  \
-                              .HostMemory("var")                 \
-                              .HostMemory("m")                   \
-                              .HostMemory("v")                   \
-                              .HostMemory("vhat")                \
-                              .TypeConstraint<T>("T"),           \
-                          MultiTensorAdamOp<T>);
+// Resource handles live in host memory on every device.
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(
+    Name("TfmetalExt>MultiTensorAdam").HostMemory("var").HostMemory("m").HostMemory("v").HostMemory("vhat"),
+    MultiTensorAdamOp)
 
-TFMETAL_REGISTER_MULTI_TENSOR_ADAM(float)
-TFMETAL_REGISTER_MULTI_TENSOR_ADAM(Eigen::half)
-TFMETAL_REGISTER_MULTI_TENSOR_ADAM(Eigen::bfloat16)
-#undef TFMETAL_REGISTER_MULTI_TENSOR_ADAM
-
-}  // namespace multi_tensor_adam_cpu
+}  // namespace
 }  // namespace tfmetal_ext

@@ -8,36 +8,24 @@
 #include "tfmetal/softshrink.h"
 
 namespace tfmetal_ext {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-
 namespace {
 
-// Reads and checks the `lambd` attr; on error sets ctx's status (kernel
-// construction then fails with InvalidArgument) and returns 0.
-float GetLambd(OpKernelConstruction* ctx) {
-  float lambd = 0.0f;
-  ::tensorflow::Status s = ctx->GetAttr("lambd", &lambd);
-  if (!s.ok()) {
-    ctx->CtxFailure(__FILE__, __LINE__, s);
-    return 0.0f;
+// Both kernels' attr: `lambd`, checked at construction (InvalidArgument).
+class SoftshrinkOpBase : public OpKernel {
+ protected:
+  explicit SoftshrinkOpBase(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("lambd", &lambd_));
+    OP_REQUIRES(ctx, std::isfinite(lambd_) && lambd_ >= 0.0f,
+                errors::InvalidArgument("lambd must be finite and >= 0, got ", lambd_));
   }
-  if (!(std::isfinite(lambd) && lambd >= 0.0f)) {
-    ctx->CtxFailure(__FILE__, __LINE__,
-                    ::tensorflow::errors::InvalidArgument("lambd must be finite and >= 0, got ", lambd));
-  }
-  return lambd;
-}
 
-}  // namespace
+  float lambd_ = 0.0f;
+};
 
 template <typename T>
-class SoftshrinkOp : public OpKernel {
+class SoftshrinkOp : public SoftshrinkOpBase {
  public:
-  explicit SoftshrinkOp(OpKernelConstruction* ctx) : OpKernel(ctx), lambd_(GetLambd(ctx)) {}
+  explicit SoftshrinkOp(OpKernelConstruction* ctx) : SoftshrinkOpBase(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
@@ -50,22 +38,19 @@ class SoftshrinkOp : public OpKernel {
       for (int64_t i = begin; i < end; ++i) out[i] = FromFloat<T>(softshrink_forward(ToFloat(in[i]), lambd));
     });
   }
-
- private:
-  const float lambd_;
 };
 
 template <typename T>
-class SoftshrinkGradOp : public OpKernel {
+class SoftshrinkGradOp : public SoftshrinkOpBase {
  public:
-  explicit SoftshrinkGradOp(OpKernelConstruction* ctx) : OpKernel(ctx), lambd_(GetLambd(ctx)) {}
+  explicit SoftshrinkGradOp(OpKernelConstruction* ctx) : SoftshrinkOpBase(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
     const Tensor& x = ctx->input(1);
     OP_REQUIRES(ctx, dy.shape() == x.shape(),
-                ::tensorflow::errors::InvalidArgument("dy and x must have the same shape, got ",
-                                                      dy.shape().DebugString(), " and ", x.shape().DebugString()));
+                errors::InvalidArgument("dy and x must have the same shape, got ", dy.shape().DebugString(), " and ",
+                                        x.shape().DebugString()));
     Tensor* dx = nullptr;
     OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &dx));
     const T* g = dy.flat<T>().data();
@@ -77,22 +62,10 @@ class SoftshrinkGradOp : public OpKernel {
         out[i] = FromFloat<T>(softshrink_backward(ToFloat(g[i]), ToFloat(in[i]), lambd));
     });
   }
-
- private:
-  const float lambd_;
 };
 
-#define TFMETAL_REGISTER_SOFTSHRINK(T)                                                               \
-  REGISTER_KERNEL_BUILDER(                                                                           \
-      Name("TfmetalExt>Softshrink").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),         \
-      SoftshrinkOp<T>);                                                                              \
-  REGISTER_KERNEL_BUILDER(                                                                           \
-      Name("TfmetalExt>SoftshrinkGrad").Device(::tensorflow::DEVICE_CPU).TypeConstraint<T>("T"),     \
-      SoftshrinkGradOp<T>);
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>Softshrink"), SoftshrinkOp)
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>SoftshrinkGrad"), SoftshrinkGradOp)
 
-TFMETAL_REGISTER_SOFTSHRINK(float)
-TFMETAL_REGISTER_SOFTSHRINK(Eigen::half)
-TFMETAL_REGISTER_SOFTSHRINK(Eigen::bfloat16)
-#undef TFMETAL_REGISTER_SOFTSHRINK
-
+}  // namespace
 }  // namespace tfmetal_ext

@@ -8,7 +8,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace tfmetal_ext {
-namespace layer_norm_shape {
+namespace {
 
 using ::tensorflow::Status;
 using ::tensorflow::shape_inference::DimensionHandle;
@@ -16,7 +16,7 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
 // `name` must be a vector of `want` elements (when both are known).
-Status CheckVector(InferenceContext* c, int input, const char* name, DimensionHandle want, const char* what) {
+Status CheckVectorShape(InferenceContext* c, int input, const char* name, DimensionHandle want, const char* what) {
   ShapeHandle s = c->input(input);
   if (!c->RankKnown(s)) return Status();
   if (c->Rank(s) != 1) {
@@ -32,7 +32,7 @@ Status CheckVector(InferenceContext* c, int input, const char* name, DimensionHa
 }
 
 // Checks x's rank (>= 1) and gives its last dimension C and its number of rows.
-Status RowsAndChannels(InferenceContext* c, ShapeHandle x, DimensionHandle* channels, DimensionHandle* rows) {
+Status InferRowsAndChannels(InferenceContext* c, ShapeHandle x, DimensionHandle* channels, DimensionHandle* rows) {
   *channels = c->UnknownDim();
   *rows = c->UnknownDim();
   if (!c->RankKnown(x)) return Status();
@@ -48,35 +48,35 @@ Status RowsAndChannels(InferenceContext* c, ShapeHandle x, DimensionHandle* chan
   return Status();
 }
 
-Status ForwardShape(InferenceContext* c) {
+Status LayerNormShape(InferenceContext* c) {
   DimensionHandle channels, rows;
-  TF_RETURN_IF_ERROR(RowsAndChannels(c, c->input(0), &channels, &rows));
-  TF_RETURN_IF_ERROR(CheckVector(c, 1, "gamma", channels, "the last dimension of x"));
-  TF_RETURN_IF_ERROR(CheckVector(c, 2, "beta", channels, "the last dimension of x"));
+  TF_RETURN_IF_ERROR(InferRowsAndChannels(c, c->input(0), &channels, &rows));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 1, "gamma", channels, "the last dimension of x"));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 2, "beta", channels, "the last dimension of x"));
   c->set_output(0, c->input(0));
   c->set_output(1, c->Vector(rows));
   c->set_output(2, c->Vector(rows));
   return Status();
 }
 
-Status GradShape(InferenceContext* c) {
+Status LayerNormGradShape(InferenceContext* c) {
   ShapeHandle x;
   if (!c->Merge(c->input(0), c->input(1), &x).ok()) {
     return ::tensorflow::errors::InvalidArgument("dy and x must have the same shape, got ",
                                                  c->DebugString(c->input(0)), " and ", c->DebugString(c->input(1)));
   }
   DimensionHandle channels, rows;
-  TF_RETURN_IF_ERROR(RowsAndChannels(c, x, &channels, &rows));
-  TF_RETURN_IF_ERROR(CheckVector(c, 2, "gamma", channels, "the last dimension of x"));
-  TF_RETURN_IF_ERROR(CheckVector(c, 3, "mean", rows, "the number of rows of x"));
-  TF_RETURN_IF_ERROR(CheckVector(c, 4, "rstd", rows, "the number of rows of x"));
+  TF_RETURN_IF_ERROR(InferRowsAndChannels(c, x, &channels, &rows));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 2, "gamma", channels, "the last dimension of x"));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 3, "mean", rows, "the number of rows of x"));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 4, "rstd", rows, "the number of rows of x"));
   c->set_output(0, x);
   c->set_output(1, c->Vector(channels));
   c->set_output(2, c->Vector(channels));
   return Status();
 }
 
-}  // namespace layer_norm_shape
+}  // namespace
 
 REGISTER_OP("TfmetalExt>LayerNorm")
     .Input("x: T")
@@ -87,7 +87,7 @@ REGISTER_OP("TfmetalExt>LayerNorm")
     .Output("rstd: float")
     .Attr("T: {float, half, bfloat16}")
     .Attr("epsilon: float = 0.001")
-    .SetShapeFn(layer_norm_shape::ForwardShape)
+    .SetShapeFn(LayerNormShape)
     .Doc(R"doc(
 Layer normalization over the last axis of x (C = its size; rows = the other elements).
 y = (x - mean) * rstd * gamma + beta with per-row mean and rstd = 1 / sqrt(var + epsilon),
@@ -106,7 +106,7 @@ REGISTER_OP("TfmetalExt>LayerNormGrad")
     .Output("dgamma: float")
     .Output("dbeta: float")
     .Attr("T: {float, half, bfloat16}")
-    .SetShapeFn(layer_norm_shape::GradShape)
+    .SetShapeFn(LayerNormGradShape)
     .Doc(R"doc(
 Gradient of TfmetalExt>LayerNorm given its saved mean and rstd: dx, and dgamma / dbeta summed
 over the rows in float32. The sums use a fixed partition of the rows, so the result does not

@@ -4,7 +4,7 @@
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace tfmetal_ext {
-namespace multi_tensor_adam_op {
+namespace {
 
 using ::tensorflow::Status;
 using ::tensorflow::shape_inference::InferenceContext;
@@ -18,7 +18,7 @@ Status MergeHandleShape(InferenceContext* c, int index, ShapeHandle* shape) {
   return c->Merge(*shape, (*handle_data)[0].shape, shape);
 }
 
-Status ShapeFn(InferenceContext* c) {
+Status MultiTensorAdamShape(InferenceContext* c) {
   int n = 0, num_vhat = 0, num_decay = 0;
   TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
   TF_RETURN_IF_ERROR(c->GetAttr("num_vhat", &num_vhat));
@@ -49,6 +49,8 @@ Status ShapeFn(InferenceContext* c) {
   return Status();
 }
 
+}  // namespace
+
 REGISTER_OP("TfmetalExt>MultiTensorAdam")
     .Input("var: N * resource")
     .Input("m: N * resource")
@@ -67,7 +69,7 @@ REGISTER_OP("TfmetalExt>MultiTensorAdam")
     .Attr("num_decay: int >= 0 = 0")
     .Attr("T: {float, half, bfloat16}")
     .SetIsStateful()
-    .SetShapeFn(ShapeFn)
+    .SetShapeFn(MultiTensorAdamShape)
     .Doc(R"doc(
 Adam update of N resource variables (all of dtype T) and their slots in one op.
 
@@ -83,5 +85,4 @@ first (decoupled weight decay, as ResourceApplyGradientDescent with delta = var)
 var, m, v (and vhat) must be distinct variables.
 )doc");
 
-}  // namespace multi_tensor_adam_op
 }  // namespace tfmetal_ext
