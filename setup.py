@@ -38,7 +38,7 @@ setup(
         "numpy",
     ],
     extras_require={
-        # The known-good pairing (REFERENCE.md section 4): tensorflow-metal 1.2 fails to load with TF >= 2.20.
+        # The known-good pairing (tfmetal_ext.devices): tensorflow-metal 1.2 fails to load with TF >= 2.20.
         "metal": [
             f"tensorflow-metal==1.2.* ; {_MAC_ARM}",
             f"tensorflow>=2.16,<2.20 ; {_MAC_ARM}",

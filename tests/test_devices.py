@@ -41,7 +41,7 @@ def test_backend_on_this_host_matches_tensorflow():
     assert (devices.backend() != "cpu") == has_gpu
 
 
-# Pairings as listed in REFERENCE.md section 4 (user reports), written out independently of the table.
+# Pairings as users reported them (tensorflow-metal 1.1/1.2 threads), written out independently of the table.
 @pytest.mark.parametrize(
     "tf_version,metal,verdict",
     [

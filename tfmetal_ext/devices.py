@@ -30,7 +30,9 @@ KNOWN_BROKEN = "known-broken"
 UNKNOWN = "unknown"
 NOT_APPLICABLE = "not-applicable"  # no tensorflow-metal installed
 
-# The one place in code for TF / tensorflow-metal pairings (REFERENCE.md section 4).
+# The one place in code for TF / tensorflow-metal pairings, from user reports (Apple Developer
+# Forums' tensorflow-metal threads, tensorflow/tensorflow issues): 1.2.0 (2025-01-31) is the last
+# release; with TF 2.20/2.21 it fails to load (missing _pywrap_tensorflow_internal.so / AttrValue symbol).
 # Each row: (tensorflow-metal version prefix, TF "major.minor" versions, verdict).
 # A TF entry may name a patch release ("2.18.0") when only that release was reported.
 _PAIRINGS = (

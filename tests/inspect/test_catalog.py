@@ -1,6 +1,7 @@
 """The catalog's expectations for backends absent here (Metal, CUDA, CPU without oneDNN).
 
-Expected values come from REFERENCE.md sections 1 and 4, not from running the code.
+Expected values come from TF's remapper conditions (remapper.cc) and tensorflow-metal's published
+kernels and patterns, written out here, not from running the code.
 """
 
 import keras

@@ -1,4 +1,4 @@
-"""Fusion verification on stock Keras models (REFERENCE.md section 1, CPU rows).
+"""Fusion verification on stock Keras models (TF remapper, CPU rows of the backend tables).
 
 Each test builds the stock Keras pattern, captures the graph that ran, and asserts the exact
 fused op and `fused_ops`, plus a negative twin that must not fuse.
