@@ -141,8 +141,6 @@ class MetalCallback(keras.callbacks.Callback):
         self.profile_dir = os.fspath(profile_dir) if profile_dir is not None else DEFAULT_PROFILE_DIR
         self.strict = strict
         self._print = print_fn or print
-        self._inspection = FirstStepReport(report, check_fallback, strict, self._print)
-        self._wrapper = TrainStepWrapper(self._before_step, self._after_step, self._on_first_step_captured)
         self._profiler = StepProfiler(self.profile_steps, self.profile_dir)
         self._reset()
 
@@ -150,6 +148,7 @@ class MetalCallback(keras.callbacks.Callback):
     # Per-run state: one instance serves several fits.
 
     def _reset(self):
+        # The parts are made from the public attributes as they are now, so changes between fits apply.
         self.fusion_report = None
         self.placement_report = None
         self.summary = None
@@ -158,6 +157,8 @@ class MetalCallback(keras.callbacks.Callback):
         self._steps = StepCounter()
         self._timer = StepTimer(self.log_every_n_steps)
         self._nonfinite = NonFiniteLoss(self.on_nonfinite, self._print)
+        self._inspection = FirstStepReport(self.report, self.check_fallback, self.strict, self._print)
+        self._wrapper = TrainStepWrapper(self._before_step, self._after_step, self._on_first_step_captured)
 
     @property
     def nonfinite_step(self):
