@@ -1,5 +1,7 @@
 """tfmetal_ext.doctor and `tfmetal-ext doctor`: environment report, self-test, fault injection."""
 
+import dataclasses
+import functools
 import json
 import os
 import platform
@@ -8,22 +10,31 @@ import subprocess
 import sys
 
 import keras
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import tfmetal_ext
-from tfmetal_ext import cli, devices, doctor, precision
+from tfmetal_ext import cli, devices, doctor, precision, testing
+from tfmetal_ext.backends import fusion
+from tfmetal_ext.doctor import checks
+from tfmetal_ext.ops import _reference
 
 
 @pytest.fixture(scope="module")
 def healthy():
     """One self-test run of every check on this machine, without injected faults."""
-    saved = os.environ.pop(doctor.FAULT_ENV, None)
-    try:
-        return doctor.selftest()
-    finally:
-        if saved is not None:
-            os.environ[doctor.FAULT_ENV] = saved
+    return doctor.selftest()
+
+
+@pytest.fixture
+def faulty_selftest(monkeypatch):
+    """Makes `doctor.selftest` (as the CLI calls it) inject faults into the named checks."""
+
+    def inject(*names):
+        monkeypatch.setattr(doctor, "selftest", functools.partial(doctor.selftest, faults=names))
+
+    return inject
 
 
 @pytest.fixture
@@ -113,7 +124,7 @@ def test_selftest_reports_what_fused(healthy):
     # Conv2D + BiasAdd + Relu fuses on CPU with and without oneDNN, and on GPUs.
     assert healthy.check("conv_bias_relu").fused.startswith("_FusedConv2D[BiasAdd")
     if healthy.check("softshrink").status == "PASS":
-        assert "TfmetalExt>Softshrink" in healthy.check("softshrink").fused
+        assert fusion.SOFTSHRINK_OP in healthy.check("softshrink").fused
 
 
 def test_selftest_matmul_fuses_with_onednn(healthy, onednn):
@@ -137,21 +148,112 @@ def test_selftest_str_and_json(healthy):
 
 
 # ----------------------------------------------------------------------------
+# The check registry
+
+
+def test_registry_declares_every_check_once():
+    assert doctor.CHECKS == tuple(checks.REGISTRY) == (
+        "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
+        "multi_tensor_adam", "cpu_fallback",
+    )
+    for name, check in checks.REGISTRY.items():
+        assert check.name == name and check.fix and callable(check.case), check
+
+
+@pytest.mark.parametrize("name", sorted(fusion.SAFE_FORMS))
+def test_fixes_come_from_the_safe_forms(name):
+    check = checks.REGISTRY[name]
+    assert check.fix.startswith(fusion.safe_form_fix(name))
+    if name in fusion.CUSTOM_OPS:  # our own op computing wrong values is our bug
+        assert check.op is fusion.CUSTOM_OPS[name] and check.fix.endswith(checks.REPORT_IT)
+    else:
+        assert check.op is None and check.fix == fusion.safe_form_fix(name)
+
+
+@pytest.mark.parametrize("op", sorted({op for form in fusion.SAFE_FORMS.values() for op in form.implies}))
+def test_fallback_fix_of_each_fused_op_is_its_safe_form(op):
+    assert checks.fallback_fix(op, "fc") == fusion.safe_form_fix(fusion.safe_form_for_op(op).name)
+
+
+def test_fallback_fix_of_an_unknown_op_names_the_layer():
+    fix = checks.fallback_fix("SomeOp", "fc")
+    assert fix.startswith("SomeOp has no kernel on this GPU") and "layer fc" in fix
+
+
+def test_one_registration_adds_a_check(monkeypatch):
+    monkeypatch.setattr(checks, "REGISTRY", dict(checks.REGISTRY))
+
+    @checks.register("square", fix="nothing to fix")
+    def square(dtype):
+        x = tf.constant([[1.0, -2.0, 3.0]], dtype)
+        return (lambda x: x * x), (x,), np.array([[1.0, 4.0, 9.0]])
+
+    result = doctor.selftest(checks=["square"], faults=["square"])
+    assert result.check("square").status == "FAIL" and result.check("square").fix == "nothing to fix"
+    assert result.failed_patterns == ()  # no safe form: nothing for configure()
+    assert doctor.selftest(checks=["square"]).check("square").status == "PASS"
+
+
+def test_register_rejects_duplicates_and_checks_without_fix(monkeypatch):
+    monkeypatch.setattr(checks, "REGISTRY", dict(checks.REGISTRY))
+    with pytest.raises(ValueError, match=r"registered already.*Received: name='softshrink'"):
+        checks.register("softshrink")(lambda dtype: None)
+    with pytest.raises(ValueError, match=r"no safe form.*Received: fix=None"):
+        checks.register("new_pattern")
+    with pytest.raises(ValueError, match=r"Received: kind='graph'"):
+        checks.register("new_pattern", kind="graph", fix="-")
+    assert "new_pattern" not in checks.REGISTRY
+
+
+class _WrongSoftshrinkLibrary:
+    """An op library whose softshrink kernels shrink by 0.6 whatever `lambd` they are given."""
+
+    @staticmethod
+    def tfmetal_ext_softshrink(x, lambd):
+        return _reference.softshrink(x, 0.6)
+
+    @staticmethod
+    def tfmetal_ext_softshrink_grad(dy, x, lambd):
+        return _reference.softshrink_grad(dy, x, 0.6)
+
+
+def test_miscomputing_custom_op_fails_by_its_error(monkeypatch):
+    from tfmetal_ext.ops import _common, _loader
+
+    monkeypatch.delenv("TFMETAL_EXT_REFERENCE_OPS", raising=False)
+    monkeypatch.setattr(_loader, "load", lambda: _WrongSoftshrinkLibrary)
+    monkeypatch.setattr(_common, "kernel_for_visible_devices", lambda op_name, device_type="GPU": True)
+    _, (x, dy), _ = checks.REGISTRY["softshrink"].case("float32")
+    x, dy, lambd = np.asarray(x, np.float64), np.asarray(dy, np.float64), checks.SOFTSHRINK_LAMBDA
+    want = max(
+        np.abs(testing.np_softshrink(x, 0.6) - testing.np_softshrink(x, lambd)).max(),
+        np.abs(testing.np_softshrink_grad(dy, x, 0.6) - testing.np_softshrink_grad(dy, x, lambd)).max(),
+    )
+    check = doctor.selftest(checks=["softshrink"]).check("softshrink")
+    assert check.status == "FAIL" and check.fused is None, check
+    assert check.fix.startswith(fusion.safe_form_fix("softshrink"))
+    if check.dtypes == ("float32",):  # on Metal and CUDA the float16 run may be the worst
+        assert check.max_abs_err == pytest.approx(want, rel=1e-5)
+    else:
+        assert check.max_abs_err > check.tolerance
+
+
+# ----------------------------------------------------------------------------
 # Fault injection (the test hook) and failures
 
 
 @pytest.mark.parametrize("name", doctor.CHECKS)
 def test_injected_fault_fails_exactly_that_check(monkeypatch, name):
     other = "matmul_bias_relu" if name == "conv_bias_relu" else "conv_bias_relu"
-    monkeypatch.setenv(doctor.FAULT_ENV, name)
-    result = doctor.selftest(checks=[name, other])
+    result = doctor.selftest(checks=[name, other], faults=[name])
     failed = result.check(name)
     if failed.status == "SKIP":  # a custom op without the library: nothing but the reference to check
         pytest.skip(f"{name} skipped here: {failed.detail}")
     assert failed.status == "FAIL" and failed.fix, failed
     assert result.check(other).status == "PASS"
     assert not result.passed
-    if name in precision.SAFE_FORMS:
+    assert "fault injected by selftest(faults=...)" in failed.detail
+    if name in fusion.SAFE_FORMS:
         assert failed.max_abs_err > failed.tolerance
         assert f"avoid_fusions=[{name!r}]" in failed.fix
         assert result.failed_patterns == (name,)
@@ -161,18 +263,22 @@ def test_injected_fault_fails_exactly_that_check(monkeypatch, name):
     assert f"FAIL  {name}" in text and f"fix: {failed.fix}" in text
 
 
-def test_custom_op_failure_fix_says_report_it(monkeypatch):
-    monkeypatch.setenv(doctor.FAULT_ENV, "layer_norm")
-    check = doctor.selftest(checks=["layer_norm"]).check("layer_norm")
+def test_custom_op_failure_fix_says_report_it():
+    check = doctor.selftest(checks=["layer_norm"], faults=["layer_norm"]).check("layer_norm")
     if check.status == "SKIP":
         pytest.skip(check.detail)
     assert "avoid_fusions=['layer_norm']" in check.fix and "report it" in check.fix
 
 
-def test_unknown_fault_name(monkeypatch):
-    monkeypatch.setenv(doctor.FAULT_ENV, "matmul_bias_relu,nope")
-    with pytest.raises(ValueError, match=r"nope.*valid names: conv_bias_relu, .*cpu_fallback"):
-        doctor.selftest(checks=["conv_bias_relu"])
+@pytest.mark.parametrize("bad", [["matmul_bias_relu", "nope"], "matmul_bias_relu"])
+def test_bad_faults_argument(bad):
+    with pytest.raises(ValueError, match=r"`faults`.*conv_bias_relu.*cpu_fallback.*Received: faults="):
+        doctor.selftest(checks=["conv_bias_relu"], faults=bad)
+
+
+def test_library_reads_no_fault_env(monkeypatch):
+    monkeypatch.setenv("TFMETAL_EXT_SELFTEST_FAULT", "conv_bias_relu")
+    assert doctor.selftest(checks=["conv_bias_relu"]).check("conv_bias_relu").status == "PASS"
 
 
 @pytest.mark.parametrize("bad", [["nope"], "conv_bias_relu", 3])
@@ -185,7 +291,9 @@ def test_crashing_check_fails_with_fix(monkeypatch):
     def broken(dtype):
         raise RuntimeError("no kernel")
 
-    monkeypatch.setattr(doctor, "_matmul_case", broken)
+    monkeypatch.setitem(
+        checks.REGISTRY, "matmul_bias_relu", dataclasses.replace(checks.REGISTRY["matmul_bias_relu"], case=broken)
+    )
     check = doctor.selftest(checks=["matmul_bias_relu"]).check("matmul_bias_relu")
     assert check.status == "FAIL" and "RuntimeError: no kernel" in check.detail
     assert "avoid_fusions=['matmul_bias_relu']" in check.fix
@@ -207,9 +315,8 @@ def test_custom_op_checks_skip_with_forced_reference(monkeypatch):
     assert check.status == "SKIP" and "TFMETAL_EXT_REFERENCE_OPS" in check.detail
 
 
-def test_failed_result_feeds_configure(monkeypatch, clear_avoided):
-    monkeypatch.setenv(doctor.FAULT_ENV, "matmul_bias_relu,cpu_fallback")
-    result = doctor.selftest(checks=["matmul_bias_relu", "cpu_fallback"])
+def test_failed_result_feeds_configure(clear_avoided):
+    result = doctor.selftest(checks=["matmul_bias_relu", "cpu_fallback"], faults=["matmul_bias_relu", "cpu_fallback"])
     cfg = tfmetal_ext.configure("float32", avoid_fusions=result)
     assert cfg.avoided_fusions == ("matmul_bias_relu",)
     assert precision.avoided_fusions() == {"matmul_bias_relu"}
@@ -229,12 +336,10 @@ def test_selftest_on_metal_runs_float16_and_checks_matmul(healthy):
 # Command line
 
 
-def _run_cli(*args, env=None):
-    full_env = {k: v for k, v in os.environ.items() if k != doctor.FAULT_ENV}
-    full_env.update({"TF_CPP_MIN_LOG_LEVEL": "3", **(env or {})})
+def _run_cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "tfmetal_ext.cli", "doctor", *args],
-        capture_output=True, text=True, env=full_env, timeout=600,
+        capture_output=True, text=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, timeout=600,
     )
 
 
@@ -252,22 +357,23 @@ def test_cli_doctor_json_parses():
     assert data["doctor"]["tensorflow"] == tf.__version__
 
 
-def test_cli_selftest_with_fault_exits_nonzero():
-    proc = _run_cli("--selftest", "--json", env={doctor.FAULT_ENV: "matmul_bias_relu"})
-    assert proc.returncode == 1, proc.stderr
-    data = json.loads(proc.stdout)
+def test_cli_selftest_with_fault_exits_1(faulty_selftest, capsys):
+    faulty_selftest("matmul_bias_relu")
+    assert cli.main(["doctor", "--selftest", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
     assert data["selftest"]["passed"] is False
     assert data["selftest"]["failed_patterns"] == ["matmul_bias_relu"]
 
 
-def test_cli_selftest_in_process_exits_0(monkeypatch, capsys):
-    monkeypatch.delenv(doctor.FAULT_ENV, raising=False)
+def test_cli_selftest_with_fault_prints_fail_and_fix(faulty_selftest, capsys):
+    faulty_selftest("cpu_fallback")
+    assert cli.main(["doctor", "--selftest"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^  FAIL  cpu_fallback +1 op\(s\) .*InjectedFault \(fc\)", out, re.M)
+    assert "fix: InjectedFault has no kernel on this GPU" in out and "1 failed" in out
+
+
+def test_cli_selftest_in_process_exits_0(capsys):
     assert cli.main(["doctor", "--selftest"]) == 0
     out = capsys.readouterr().out
     assert "Self-test on" in out and "0 failed" in out
-
-
-def test_cli_bad_fault_env(monkeypatch, capsys):
-    monkeypatch.setenv(doctor.FAULT_ENV, "nope")
-    assert cli.main(["doctor", "--selftest"]) == 2
-    assert "valid names" in capsys.readouterr().err

@@ -1,0 +1,293 @@
+"""The self-test checks: one registry, one `@register` per check.
+
+A check is a `Check`: its name, the case that builds it and, where it is
+not the safe form's, its fix. Adding a check is one decorated case function
+here; `selftest()` runs what `REGISTRY` holds, in order.
+
+Two kinds:
+
+* `NUMERIC`: ``case(dtype) -> (fn, args, reference)``. `selftest()` runs
+  ``fn(*args)`` as a fresh graph-mode `tf.function` (grappler fuses it) and
+  compares its outputs with `reference` (eager unfused ops on the same device,
+  or the numpy references of `tfmetal_ext.testing`). With ``op`` set (a
+  `tfmetal_ext.backends.fusion.CUSTOM_OPS` entry) the case runs our custom
+  op through the loaded library (`custom_op_library()`), and the check skips
+  where that library or the op's GPU kernel is missing.
+* `PLACEMENT`: ``case() -> compiled keras.Model``; `selftest()` places one
+  train step of it and fails on each op that falls back to the CPU while a GPU
+  is present (the fix comes from the safe form that avoids that op).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from tfmetal_ext import testing
+from tfmetal_ext.backends import fusion
+
+NUMERIC, PLACEMENT = "numeric", "placement"
+
+REPORT_IT = "and report it (attach `tfmetal-ext doctor --selftest --json`)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One self-test check.
+
+    Attributes:
+        name: the check's name; for a fused pattern, its
+            ``configure(avoid_fusions=...)`` name (a `SAFE_FORMS` key).
+        case: builds what is checked (see the module docstring for `kind`).
+        kind: `NUMERIC` or `PLACEMENT`.
+        op: the `CustomOp` the case runs, or None.
+        fix: what to do when the check fails (or crashes).
+    """
+
+    name: str
+    case: Callable
+    kind: str = NUMERIC
+    op: fusion.CustomOp | None = None
+    fix: str | None = None
+
+
+# name -> Check, in the order `selftest()` runs and reports them.
+REGISTRY: dict[str, Check] = {}
+
+
+def register(name, *, kind=NUMERIC, op=None, fix=None):
+    """Declares `name`'s check; decorates its case.
+
+    Args:
+        name: the check's name.
+        kind: `NUMERIC` or `PLACEMENT`.
+        op: the `tfmetal_ext.backends.fusion.CUSTOM_OPS` entry the case runs, or None.
+        fix: the fix of a failure; None derives it from the safe form of `op`
+            (else of `name`): ``fusion.safe_form_fix``, plus "report it" for
+            our own ops.
+
+    Raises:
+        ValueError: `name` is registered already, has neither a fix nor a safe
+            form, or `kind` is unknown.
+    """
+    if name in REGISTRY:
+        raise ValueError(f"A check named {name!r} is registered already. Received: name={name!r}")
+    if kind not in (NUMERIC, PLACEMENT):
+        raise ValueError(f"`kind` must be {NUMERIC!r} or {PLACEMENT!r}. Received: kind={kind!r}")
+    if fix is None:
+        form = op.safe_form if op is not None else name
+        if form not in fusion.SAFE_FORMS:
+            raise ValueError(f"Check {name!r} has no safe form: give it a fix. Received: fix=None")
+        fix = fusion.safe_form_fix(form) + (f"; {REPORT_IT}" if op is not None else "")
+
+    def decorate(case):
+        REGISTRY[name] = Check(name=name, case=case, kind=kind, op=op, fix=fix)
+        return case
+
+    return decorate
+
+
+def custom_op_library():
+    """The loaded custom-op library, for the cases of checks with an ``op``.
+
+    `selftest()` skips such a check before calling its case when the library
+    is not loaded, so here it is.
+    """
+    from tfmetal_ext.ops import _loader
+
+    return _loader.load()
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _f64(t):
+    return np.asarray(t, np.float64)
+
+
+# ----------------------------------------------------------------------------
+# Fused patterns of the remapper and the Metal plugins: eager references.
+
+
+@register("conv_bias_relu")
+def conv_bias_relu(dtype):
+    import tensorflow as tf
+
+    rng = _rng(1)
+    x = tf.constant(rng.standard_normal((2, 9, 9, 8)), dtype)
+    w = tf.constant(rng.standard_normal((3, 3, 8, 16)) * 0.2, dtype)
+    b = tf.constant(rng.standard_normal(16) * 0.5, dtype)
+
+    def fused(x, w, b):
+        return tf.nn.relu(tf.nn.bias_add(tf.nn.conv2d(x, w, 1, "SAME"), b))
+
+    reference = tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME") + b)  # eager: one kernel per op
+    return fused, (x, w, b), reference
+
+
+@register("matmul_bias_relu")
+def matmul_bias_relu(dtype):
+    import tensorflow as tf
+
+    rng = _rng(2)
+    x = tf.constant(rng.standard_normal((16, 32)), dtype)
+    w = tf.constant(rng.standard_normal((32, 24)) * 0.2, dtype)
+    b = tf.constant(rng.standard_normal(24) * 0.5, dtype)
+
+    def fused(x, w, b):
+        return tf.nn.relu(tf.nn.bias_add(tf.matmul(x, w), b))
+
+    reference = tf.nn.relu(tf.matmul(x, w) + b)
+    return fused, (x, w, b), reference
+
+
+@register("fused_batch_norm")
+def fused_batch_norm(dtype):
+    import tensorflow as tf
+
+    from tfmetal_ext.layers import _ops
+
+    rng = _rng(3)
+    c, eps, momentum = 8, 1e-3, 0.9
+    x = tf.constant(rng.standard_normal((4, 6, 6, c)) * 2.0 + 0.5, dtype)
+    gamma = tf.constant(rng.uniform(0.5, 1.5, c), tf.float32)
+    beta = tf.constant(rng.standard_normal(c) * 0.3, tf.float32)
+    mean = tf.constant(rng.standard_normal(c) * 0.3, tf.float32)
+    var = tf.constant(rng.uniform(0.5, 2.0, c), tf.float32)
+
+    def fused(x, gamma, beta, mean, var):
+        # As FusedBatchNorm / ConvBNAct emit it: FusedBatchNormV3 (+ Relu), training and inference.
+        y, (new_mean, new_var) = _ops.fused_batch_norm(
+            x, gamma, beta, mean, var, epsilon=eps, momentum=momentum, training=True
+        )
+        y_inf, _ = _ops.fused_batch_norm(x, gamma, beta, mean, var, epsilon=eps, momentum=momentum, training=False)
+        return tf.nn.relu(y), new_mean, new_var, tf.nn.relu(y_inf)
+
+    # Eager reference from primitive ops, statistics in float32.
+    xf = tf.cast(x, tf.float32)
+    batch_mean = tf.reduce_mean(xf, axis=[0, 1, 2])
+    batch_var = tf.reduce_mean(tf.square(xf - batch_mean), axis=[0, 1, 2])
+    y = tf.nn.relu((xf - batch_mean) * tf.math.rsqrt(batch_var + eps) * gamma + beta)
+    y_inf = tf.nn.relu((xf - mean) * tf.math.rsqrt(var + eps) * gamma + beta)
+    reference = (
+        tf.cast(y, dtype), mean * momentum + batch_mean * (1 - momentum),
+        var * momentum + batch_var * (1 - momentum), tf.cast(y_inf, dtype),
+    )
+    return fused, (x, gamma, beta, mean, var), reference
+
+
+# ----------------------------------------------------------------------------
+# Our custom ops (forward and gradient ops): the numpy references of tfmetal_ext.testing.
+
+SOFTSHRINK_LAMBDA = 0.5
+LAYER_NORM_EPSILON = 1e-3
+
+
+@register("softshrink", op=fusion.CUSTOM_OPS["softshrink"])
+def softshrink(dtype):
+    import tensorflow as tf
+
+    lib, lambd = custom_op_library(), SOFTSHRINK_LAMBDA
+    rng = _rng(4)
+    xn = rng.standard_normal((7, 33)) * 2.0
+    xn[np.abs(np.abs(xn) - lambd) < 1e-2] = 1.0  # away from the kinks
+    x = tf.constant(xn, dtype)
+    dy = tf.constant(rng.standard_normal((7, 33)), dtype)
+
+    def fused(x, dy):
+        return lib.tfmetal_ext_softshrink(x, lambd=lambd), lib.tfmetal_ext_softshrink_grad(dy, x, lambd=lambd)
+
+    reference = testing.np_softshrink(_f64(x), lambd), testing.np_softshrink_grad(_f64(dy), _f64(x), lambd)
+    return fused, (x, dy), reference
+
+
+@register("layer_norm", op=fusion.CUSTOM_OPS["layer_norm"])
+def layer_norm(dtype):
+    import tensorflow as tf
+
+    lib, eps = custom_op_library(), LAYER_NORM_EPSILON
+    rng = _rng(5)
+    x = tf.constant(rng.standard_normal((6, 40)) * 1.5 + 0.3, dtype)
+    gamma = tf.constant(rng.uniform(0.5, 1.5, 40), tf.float32)
+    beta = tf.constant(rng.standard_normal(40) * 0.2, tf.float32)
+    dy = tf.constant(rng.standard_normal((6, 40)), dtype)
+
+    def fused(x, gamma, beta, dy):
+        y, mean, rstd = lib.tfmetal_ext_layer_norm(x, gamma, beta, epsilon=eps)
+        return (y,) + tuple(lib.tfmetal_ext_layer_norm_grad(dy, x, gamma, mean, rstd))
+
+    y = testing.np_layer_norm(_f64(x), _f64(gamma), _f64(beta), eps)
+    grads = testing.np_layer_norm_grad(_f64(dy), _f64(x), _f64(gamma), eps)
+    return fused, (x, gamma, beta, dy), (y,) + tuple(grads)
+
+
+@register("multi_tensor_adam", op=fusion.CUSTOM_OPS["multi_tensor_adam"])
+def multi_tensor_adam(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(6)
+    shapes = [(5, 7), (11,)]
+    scalars = (0.01, 0.9, 0.999, 1e-7, 0.9**3, 0.999**3)  # lr, beta_1, beta_2, epsilon and the powers
+    init = [[rng.standard_normal(s) * k for s in shapes] for k in (1.0, 0.1, 0.01)]
+    init[2] = [np.abs(v) for v in init[2]]  # second moments are >= 0
+    var, m, v = ([tf.Variable(a, dtype=dtype) for a in group] for group in init)
+    grads = tuple(tf.constant(rng.standard_normal(s), dtype) for s in shapes)
+
+    def fused(*grads):
+        lib.tfmetal_ext_multi_tensor_adam(
+            [x.handle for x in var], [x.handle for x in m], [x.handle for x in v], [], list(grads),
+            *(tf.constant(s, dtype) for s in scalars), [],
+        )
+        return [x.read_value() for x in var + m + v]
+
+    # From the values as stored in `dtype`, each step rounded to it as ResourceApplyAdam does.
+    steps = [
+        testing.np_adam_step((_f64(p), _f64(m0), _f64(v0), _f64(v0)), _f64(g), scalars, np.dtype(dtype).type)
+        for p, m0, v0, g in zip(var, m, v, grads)
+    ]
+    reference = [s[k] for k in range(3) for s in steps]  # vars, then m, then v
+    return fused, grads, reference
+
+
+# ----------------------------------------------------------------------------
+# CPU fallback of a train step of our layers.
+
+
+@register("cpu_fallback", kind=PLACEMENT, fix=f"our layers cannot run a train step here; {REPORT_IT}")
+def cpu_fallback():
+    import keras
+
+    from tfmetal_ext.layers import ConvBNAct, FusedBatchNorm, FusedConv2D, FusedDense, FusedLayerNorm
+    from tfmetal_ext.optimizers import FusedAdam
+
+    inp = keras.Input((8, 8, 3))
+    x = FusedConv2D(8, 3, padding="same", activation="relu", name="conv")(inp)
+    x = ConvBNAct(8, 3, name="conv_bn")(x)
+    x = FusedBatchNorm(name="bn")(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    x = FusedDense(16, activation="relu", name="fc")(x)
+    x = FusedLayerNorm(name="ln")(x)
+    out = FusedDense(4, name="head")(x)
+    model = keras.Model(inp, out, name="tfmetal_ext_selftest")
+    model.compile(optimizer=FusedAdam(1e-3), loss="mse")
+    return model
+
+
+def fallback_fix(op, layer):
+    """The fix for op `op` (in layer `layer`) falling back to the CPU."""
+    form = fusion.safe_form_for_op(op)
+    if form is not None:
+        return fusion.safe_form_fix(form.name)
+    return (
+        f"{op} has no kernel on this GPU: replace what emits it in layer {layer or '?'} "
+        "(tf.config.set_soft_device_placement(False) makes it an error that names the op)"
+    )
+
+
+CHECKS = tuple(REGISTRY)
+
+__all__ = ["CHECKS", "NUMERIC", "PLACEMENT", "REGISTRY", "Check", "custom_op_library", "fallback_fix", "register"]
