@@ -11,10 +11,29 @@ no-oneDNN path.
 """
 
 from tfmetal_ext.backends._table import PREDICT, Fusion, backend, never
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
 
 F32_BF16 = ("float32", "bfloat16")
+
+# The same with oneDNN on or off: TF's own Conv2D + FusedBatchNorm inference fusion, and this
+# package's custom ops (its own CPU kernels).
 _CUSTOM = ("float32", "float16", "bfloat16")
+_EITHER = {
+    "conv2d_batchnorm_act": Fusion(
+        "[FusedBatchNorm(, act)] float32, inference", dtypes=("float32",), acts=ACTS, modes=(PREDICT,),
+    ),
+    "batchnorm_grad_relugrad": never("not fused"),
+    "custom_layer_norm": Fusion(
+        f"tfmetal_ext custom op: one {fusion.LAYER_NORM_OP} forward, one {fusion.LAYER_NORM_GRAD_OP} backward",
+        dtypes=_CUSTOM,
+    ),
+    "custom_softshrink": Fusion(
+        f"tfmetal_ext custom op: one {fusion.SOFTSHRINK_OP} forward, one {fusion.SOFTSHRINK_GRAD_OP} backward",
+        dtypes=_CUSTOM,
+    ),
+    "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
+}
 _NO_LEAKY = tuple(a for a in ACTS if a != "LeakyRelu")
 
 ONEDNN = backend(
@@ -46,22 +65,10 @@ ONEDNN = backend(
                 "in some graphs (seen both ways on TF 2.21); BiasAdd fuses either way"
             ),
         ),
-        "conv2d_batchnorm_act": Fusion(
-            "[FusedBatchNorm(, act)] float32, inference", dtypes=("float32",), acts=ACTS, modes=(PREDICT,),
-        ),
         "batchnorm_act": Fusion(
             "yes, without side input", dtypes=F32_BF16, acts=("Relu",), requires_act=("Relu",), side_input=False,
         ),
-        "batchnorm_grad_relugrad": never("not fused"),
-        "custom_layer_norm": Fusion(
-            "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
-            dtypes=_CUSTOM,
-        ),
-        "custom_softshrink": Fusion(
-            "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
-            dtypes=_CUSTOM,
-        ),
-        "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
+        **_EITHER,
         "cudnn_rnn": never(
             "no kernel (GPU-only op); FusedLSTM/FusedGRU hoist the input projection into one _FusedMatMul[BiasAdd]",
             why_not="no fused RNN kernel on CPU (CudnnRNNV3 is GPU-only)",
@@ -85,20 +92,8 @@ EIGEN = backend(
         "matmul_bias_gelu": never("not fused"),
         "depthwise_bias_act": never("not fused", why_not="no fused depthwise kernel"),
         "conv2d_bias_add_relu": never("only [BiasAdd]", why_not="no Conv2D+BiasAdd+Add+Relu fusion"),
-        "conv2d_batchnorm_act": Fusion(
-            "[FusedBatchNorm(, act)] float32, inference", dtypes=("float32",), acts=ACTS, modes=(PREDICT,),
-        ),
         "batchnorm_act": never("not fused", why_not="no _FusedBatchNormEx kernel"),
-        "batchnorm_grad_relugrad": never("not fused"),
-        "custom_layer_norm": Fusion(
-            "tfmetal_ext custom op: one TfmetalExt>LayerNorm forward, one TfmetalExt>LayerNormGrad backward",
-            dtypes=_CUSTOM,
-        ),
-        "custom_softshrink": Fusion(
-            "tfmetal_ext custom op: one TfmetalExt>Softshrink forward, one TfmetalExt>SoftshrinkGrad backward",
-            dtypes=_CUSTOM,
-        ),
-        "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
+        **_EITHER,
         "cudnn_rnn": never(
             "no kernel (GPU-only op); the input projection fuses as _FusedMatMul[BiasAdd] (float32)",
             why_not="no fused RNN kernel on CPU (CudnnRNNV3 is GPU-only)",
