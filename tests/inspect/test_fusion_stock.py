@@ -79,7 +79,7 @@ def test_residual_add_relu_fuses_into_conv(policy, onednn):
     assert "Relu" not in report.ops_by_type and "AddV2" not in report.ops_by_type
 
 
-def test_negative_residual_with_second_consumer_does_not_fuse(onednn):
+def test_negative_residual_with_second_consumer_does_not_fuse():
     inp = keras.Input((10, 10, 8))
     conv = keras.layers.Conv2D(8, 3, padding="same", name="conv")(inp)
     added = keras.layers.Add(name="add")([conv, inp])

@@ -179,7 +179,8 @@ def _model(policy, **kw):
     return keras.Model(inp, out)
 
 
-def test_float32_predict_fuses_conv_batchnorm_relu(onednn):
+def test_float32_predict_fuses_conv_batchnorm_relu():
+    # TF's own remapper fuses Conv2D + FusedBatchNorm at inference, with oneDNN or without.
     report = inspect.fusion_report(_model("float32"), mode="predict")
     inspect.assert_fused(report, layer="cba", op="_FusedConv2D", fused_ops=["FusedBatchNorm", "Relu"])
     row = report.row("cba")
@@ -187,7 +188,7 @@ def test_float32_predict_fuses_conv_batchnorm_relu(onednn):
 
 
 @pytest.mark.parametrize("activation, act_op", [("relu6", "Relu6"), ("elu", "Elu"), (None, None)])
-def test_float32_predict_fuses_other_activations(onednn, activation, act_op):
+def test_float32_predict_fuses_other_activations(activation, act_op):
     report = inspect.fusion_report(_model("float32", activation=activation), mode="predict")
     expected = ["FusedBatchNorm"] + ([act_op] if act_op else [])
     inspect.assert_fused(report, layer="cba", op="_FusedConv2D", fused_ops=expected)
@@ -277,7 +278,7 @@ def test_fold_unbuilt_raises():
         ConvBNAct(4, 3).fold()
 
 
-def test_folded_predict_fuses_bias_relu(onednn):
+def test_folded_predict_fuses_bias_relu():
     layer, _, _ = _pair(dict(filters=4, kernel_size=3), channels=4)
     model = keras.Sequential([keras.Input((8, 8, 4)), layer.fold(name="folded")])
     report = inspect.fusion_report(model, mode="predict")

@@ -383,12 +383,13 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
                     backward=_is_backward(node.name),
                 )
             )
-    rows = []
+    verdicts = []
     for layer, path in index.leaf_layers():
         exp = catalog.expectation(layer, ctx)
         if exp is None:
             continue
-        rows.append(_layer_row(layer, path, exp, fused))
+        verdicts.append(_layer_row(layer, path, exp, fused))
+    rows = _credit_shared_nodes(verdicts)
     return FusionReport(
         mode=capture.mode,
         backend=ctx.backend,
@@ -401,6 +402,30 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
         layers=rows,
         notes=list(notes),
     )
+
+
+def _credit_shared_nodes(verdicts):
+    """Rows, with a fused node that reads two layers' weights credited to the one that expected it.
+
+    Conv2D + FusedBatchNorm fuse into one ``_FusedConv2D`` that reads the conv's
+    kernel and the batch norm's statistics: the batch norm's row expects it,
+    and the bias-free conv's row, which expects nothing, is "not fused" with a
+    note instead of "unexpected".
+    """
+    claimed = {
+        node.name: row for row, node, _ in verdicts if node is not None and row.status in ("fused", "partial")
+    }
+    rows = []
+    for row, node, exp in verdicts:
+        owner = claimed.get(node.name) if node is not None and row.status == "unexpected" else None
+        if owner is not None and owner is not row:
+            note = f"its output fuses into {owner.path}'s {node.label()}"
+            row = dataclasses.replace(
+                row, status="not fused", reason=exp.reason,
+                note="; ".join(n for n in (row.note, note) if n),
+            )
+        rows.append(row)
+    return rows
 
 
 def _has_prefix(fused_ops, prefix):
@@ -443,7 +468,7 @@ def _layer_row(layer, path, exp, fused):
             f"expected {_fmt_ops(exp.op, exp.fused_ops)}, graph has {have}"
             " (is the pre-activation consumed elsewhere?)"
         )
-    return LayerRow(
+    row = LayerRow(
         layer=layer.name,
         path=path,
         layer_class=type(layer).__name__,
@@ -458,6 +483,7 @@ def _layer_row(layer, path, exp, fused):
         reason=reason,
         note=exp.note,
     )
+    return row, actual, exp
 
 
 def build_placement_report(capture, index, gpu_present=None):
