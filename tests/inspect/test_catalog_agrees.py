@@ -84,3 +84,29 @@ def test_catalog_matches_the_executed_graph(zoo, policy, mode):
     # the check above is not passing on an empty report.
     if policy == "float32":
         assert any(r.status in ("fused", "partial") for r in report.layers), str(report)
+
+
+@pytest.mark.parametrize("mode", ["predict", "train"])
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_one_unit_heads(activation, mode):
+    # keras.ops.add emits tf.nn.bias_add only for a bias that squeezes to a vector: a one-unit
+    # Dense (or one-filter Conv2D) adds its bias with AddV2, which only oneDNN fuses as a BiasAdd.
+    # FusedDense always emits BiasAdd.
+    inp = keras.Input((6, 6, 3))
+    x = L.Conv2D(1, 3, activation=activation, name="conv_one")(inp)
+    x = L.Flatten()(x)
+    stock = L.Dense(1, activation=activation, name="stock_head")(x)
+    ours = fl.FusedDense(1, activation=activation, name="fused_head")(x)
+    model = keras.Model(inp, L.Concatenate()([stock, ours]))
+    model.compile(optimizer="sgd", loss="mse")
+    report = inspect.fusion_report(model, mode=mode)
+    bad = [r for r in report.layers if r.status in ("missed", "unexpected")]
+    assert not bad, str(report)
+    onednn = devices.capabilities().onednn
+    for name in ("conv_one", "stock_head"):
+        row = report.row(name)
+        if onednn:
+            assert row.fused and row.actual_fused_ops[0] == "BiasAdd", str(report)
+        else:
+            assert row.status == "not fused" and "AddV2" in row.reason, str(report)
+    assert report.row("fused_head").fused, str(report)

@@ -84,6 +84,8 @@ class Backend:
         kernels: op -> dtypes it has kernels for, where known (None: not
             recorded; TF's full registry applies).
         half_needs_native: float16 nodes fuse only on a CPU with native fp16.
+        addv2_bias: a broadcast AddV2 after a contraction counts as its
+            BiasAdd (oneDNN); elsewhere only a real BiasAdd fuses.
         source: where the facts come from.
     """
 
@@ -93,6 +95,7 @@ class Backend:
     fusions: types.MappingProxyType
     kernels: types.MappingProxyType | None = None
     half_needs_native: bool = False
+    addv2_bias: bool = False
     source: str = ""
 
     def fusion(self, pattern):

@@ -75,6 +75,7 @@ ONEDNN = backend(
         ),
     },
     half_needs_native=True,
+    addv2_bias=True,  # measured on TF 2.19 and 2.21: a broadcast AddV2 fuses as the BiasAdd
     source=__doc__,
 )
 

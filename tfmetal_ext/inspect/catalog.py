@@ -138,9 +138,9 @@ def unless_avoided(name, rule):
 
     While `name` (a `tfmetal_ext.backends.fusion.SAFE_FORMS` key) is avoided
     the layer emits its safe form: nothing is expected to fuse and the row
-    says why, except where the safe form still fuses (an AddV2 bias on CPU
-    with oneDNN, which counts it as a BiasAdd: measured on TF 2.19 and 2.21),
-    where the expectation stays and a note says so.
+    says why, except where the safe form still fuses (an AddV2 bias where the
+    backend table has ``addv2_bias``: CPU with oneDNN), where the expectation
+    stays and a note says so.
     """
     from tfmetal_ext import precision
 
@@ -148,7 +148,7 @@ def unless_avoided(name, rule):
         exp = rule(layer, ctx)
         if exp is None or name not in precision.avoided_fusions():
             return exp
-        if _fusion.SAFE_FORMS[name].bias_as_addv2 and ctx.backend == "cpu" and ctx.onednn:
+        if _fusion.SAFE_FORMS[name].bias_as_addv2 and table(ctx).addv2_bias:
             note = (
                 f"avoided by configure(avoid_fusions=[{name!r}]): the bias is an AddV2, which "
                 "oneDNN still fuses as a BiasAdd on CPU"
@@ -228,7 +228,7 @@ def _not_fused_reason(ctx, f):
     return f"{where(ctx)}: {f.why_not or 'not fused'}"
 
 
-def contraction_rule(pattern, op, layer, ctx, *, act=None, one_by_one=False):
+def contraction_rule(pattern, op, layer, ctx, *, act=None, one_by_one=False, addv2_bias=False):
     """Expectation for a contraction (+ bias) (+ activation) layer, from the backend table.
 
     Args:
@@ -238,6 +238,9 @@ def contraction_rule(pattern, op, layer, ctx, *, act=None, one_by_one=False):
         ctx: the `FusionContext`.
         act: the activation's ``fused_ops`` name, or None for linear.
         one_by_one: the filter is 1x1 (some backends do not fuse those).
+        addv2_bias: the layer adds its bias with AddV2, not BiasAdd (stock
+            Keras does for a one-element bias: ``keras.ops.add`` emits
+            ``tf.nn.bias_add`` only for a bias that squeezes to a vector).
     """
     dtype = layer.compute_dtype
     ideal = ("BiasAdd",) + ((act,) if act else ())
@@ -250,6 +253,12 @@ def contraction_rule(pattern, op, layer, ctx, *, act=None, one_by_one=False):
     blocked = dtype_block(ctx, dtype, pattern)
     if blocked:
         return exp(None, None, blocked)
+    if addv2_bias and not table(ctx).addv2_bias:
+        return exp(
+            None, None,
+            f"one output channel: Keras adds the one-element bias with AddV2, not BiasAdd, and {where(ctx)} "
+            "fuses only a BiasAdd",
+        )
     f = fusion_for(ctx, pattern)
     if f.needs and not getattr(ctx, f.needs, False):
         return exp(None, None, _not_fused_reason(ctx, f))
@@ -305,6 +314,10 @@ def conv_batch_norm_fuses(ctx, dtype):
 # Rules for stock Keras layers.
 
 
+def _one_element_bias(layer, size):
+    return type(layer).__module__.startswith("keras.") and size == 1
+
+
 def conv2d_rule(layer, ctx):
     """Conv2D (+ BiasAdd) (+ activation)."""
     if getattr(layer, "data_format", "channels_last") != "channels_last":
@@ -317,6 +330,7 @@ def conv2d_rule(layer, ctx):
     return contraction_rule(
         "conv2d_bias_act", _fusion.FUSED_CONV2D, layer, ctx, act=act_op(layer),
         one_by_one=tuple(getattr(layer, "kernel_size", ())) == (1, 1),
+        addv2_bias=_one_element_bias(layer, getattr(layer, "filters", None)),
     )
 
 
@@ -353,12 +367,17 @@ def dense_rule(layer, ctx, *, act_name=None, reshape_blocks=True):
         )
     if gelu and not fusion_for(ctx, pattern).fuses:
         # No GELU fusion here: at best MatMul + BiasAdd fuse, the GELU stays apart.
-        exp = contraction_rule("matmul_bias_act", _fusion.FUSED_MATMUL, layer, ctx, act=None)
+        exp = contraction_rule(
+            "matmul_bias_act", _fusion.FUSED_MATMUL, layer, ctx, act=None,
+            addv2_bias=_one_element_bias(layer, layer.units),
+        )
         exp = dataclasses.replace(exp, pattern=pattern, ideal_fused_ops=ideal)
         if exp.op is not None:
             return dataclasses.replace(exp, reason=f"{name}: fused only by CPU oneDNN; only BiasAdd fuses here")
         return exp
-    return contraction_rule(pattern, _fusion.FUSED_MATMUL, layer, ctx, act=act)
+    return contraction_rule(
+        pattern, _fusion.FUSED_MATMUL, layer, ctx, act=act, addv2_bias=_one_element_bias(layer, layer.units)
+    )
 
 
 def depthwise_rule(layer, ctx):
