@@ -44,6 +44,8 @@ __all__ = [
     "STOCK_TO_FUSED",
     "TABLES",
     "TRAIN",
+    "current",
+    "support_key",
     "Backend",
     "Fusion",
     "Pattern",
@@ -76,6 +78,22 @@ def table(key):
 def precision(caps):
     """``(policy, reason)``: the dtype policy the backend of `caps` computes fastest in."""
     return PRECISION[caps.backend](caps)
+
+
+def support_key(backend, onednn):
+    """The table key for a `devices.backend()` value: the CPU has one table with oneDNN, one without."""
+    if backend == "cpu":
+        return "cpu_onednn" if onednn else "cpu"
+    return backend
+
+
+def current(caps=None):
+    """The table of the backend this process runs on (`devices.capabilities()` unless given)."""
+    if caps is None:
+        from tfmetal_ext import devices
+
+        caps = devices.capabilities()
+    return table(support_key(caps.backend, caps.onednn))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,6 +86,9 @@ class Backend:
         half_needs_native: float16 nodes fuse only on a CPU with native fp16.
         addv2_bias: a broadcast AddV2 after a contraction counts as its
             BiasAdd (oneDNN); elsewhere only a real BiasAdd fuses.
+        pointwise_train_as_matmul: in a training step a 1x1, stride-1
+            convolution is faster as one MatMul (forward and both backward
+            products) than as Conv2D and its backprop kernels.
         source: where the facts come from.
     """
 
@@ -96,6 +99,7 @@ class Backend:
     kernels: types.MappingProxyType | None = None
     half_needs_native: bool = False
     addv2_bias: bool = False
+    pointwise_train_as_matmul: bool = False
     source: str = ""
 
     def fusion(self, pattern):

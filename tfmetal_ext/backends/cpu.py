@@ -76,6 +76,8 @@ ONEDNN = backend(
     },
     half_needs_native=True,
     addv2_bias=True,  # measured on TF 2.19 and 2.21: a broadcast AddV2 fuses as the BiasAdd
+    # Measured (TF 2.21, ResNet-50's pointwise shapes, batch 16): MatMul 5-15% faster.
+    pointwise_train_as_matmul=True,
     source=__doc__,
 )
 
@@ -101,6 +103,9 @@ EIGEN = backend(
         ),
     },
     half_needs_native=True,
+    # Measured (TF 2.21, TF_ENABLE_ONEDNN_OPTS=0, forward + both backward products): MatMul is
+    # 1.03-1.49x faster than Conv2D for 1x1 convolutions from 64x32x32x16->32 to 16x56x56x64->256.
+    pointwise_train_as_matmul=True,
     source=__doc__,
 )
 

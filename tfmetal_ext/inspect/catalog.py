@@ -65,9 +65,7 @@ class FusionContext:
 
     @property
     def support_key(self):
-        if self.backend == "cpu":
-            return "cpu_onednn" if self.onednn else "cpu"
-        return self.backend
+        return backends.support_key(self.backend, self.onednn)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -86,8 +86,8 @@ class ConvBNAct(keras.layers.Layer):
 
     On CPU, float16 is not fused (the remapper skips half). In a CPU train
     step a 1x1, stride-1 convolution runs as one MatMul (its backward as two
-    MatMuls): the same product, 5-15% faster there than Conv2D and its
-    backprop kernels. `fold()` turns
+    MatMuls): the same product, faster there than Conv2D and its backprop
+    kernels with oneDNN (5-15%) and without (3-49%). `fold()` turns
     the layer into a `FusedConv2D` with the batch norm folded into kernel and
     bias (`_FusedConv2D[BiasAdd, act]` wherever conv + bias fuses).
     ``tfmetal_ext.configure(avoid_fusions=["fused_batch_norm"])`` (set before
@@ -213,22 +213,22 @@ class ConvBNAct(keras.layers.Layer):
         )
 
     def _pointwise_as_matmul(self, training):
-        """A 1x1, stride-1 convolution in a CPU training step runs as one MatMul.
+        """A 1x1, stride-1 convolution in a training step runs as one MatMul where the backend table says so.
 
-        On CPU (oneDNN) MatMul's forward and both backward products are 5-15%
-        faster than Conv2D / Conv2DBackpropInput / Conv2DBackpropFilter for
-        the same 1x1 product (measured: ResNet50's pointwise shapes, batch
-        16). Inference keeps Conv2D: Conv2D + FusedBatchNormV3 fuses into
-        `_FusedConv2D[FusedBatchNorm, ...]` there. Other backends keep
-        Conv2D (cuDNN and tensorflow-metal have their own 1x1 kernels).
+        On CPU, with oneDNN or without, MatMul's forward and both backward
+        products beat Conv2D / Conv2DBackpropInput / Conv2DBackpropFilter for
+        the same 1x1 product (the figures are in `tfmetal_ext.backends.cpu`).
+        Inference keeps Conv2D: Conv2D + FusedBatchNormV3 fuses into
+        `_FusedConv2D[FusedBatchNorm, ...]` there. GPU backends keep Conv2D
+        (cuDNN and the Metal plugins have their own 1x1 kernels).
         """
-        from tfmetal_ext import devices
+        from tfmetal_ext import backends
 
         return (
             training
             and self.kernel_size == (1, 1)
             and self.strides == (1, 1)
-            and devices.backend() == "cpu"
+            and backends.current().pointwise_train_as_matmul
         )
 
     def conv(self, inputs, training=False):
