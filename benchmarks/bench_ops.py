@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfmetal_ext import inspect, ops  # noqa: E402
+from tfmetal_ext.backends import fusion  # noqa: E402
 from tfmetal_ext.layers import FusedLayerNorm  # noqa: E402
 
 COLUMNS = (
@@ -276,7 +277,7 @@ def bench_multi_tensor_adam(ctx):
         # Same state after the same steps (one warm-up call each): bitwise.
         for a, b in zip(multi_vars, per_var_vars):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
-        multi_ops = multi_report.ops_by_type.get("TfmetalExt>MultiTensorAdam", 0)
+        multi_ops = multi_report.ops_by_type.get(fusion.MULTI_TENSOR_ADAM_OP, 0)
         per_var_ops = per_var_report.ops_by_type.get("ResourceApplyAdam", 0)
         assert multi_ops == 1 and per_var_ops == count, (multi_report.ops_by_type, per_var_report.ops_by_type)
         keras_ms, per_var_ms, multi_ms = ctx.alternate(keras_step, per_var_step, multi_step)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 
 from tfmetal_ext import ops as tfm_ops
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.ops import _common
 from tfmetal_ext.ops.softshrink import uses_kernel as softshrink_uses_kernel
@@ -56,12 +57,12 @@ class Softshrink(keras.layers.Layer):
 
 
 def _softshrink_rule(layer, ctx):
-    if ctx.backend == "cuda" or not softshrink_uses_kernel():
+    if not catalog.fusion_for(ctx, "custom_softshrink").fuses or not softshrink_uses_kernel():
         return catalog.Expectation(
             "custom_softshrink", None, None, None,
             reason="the pure-TF reference runs (no compiler, TFMETAL_EXT_REFERENCE_OPS=1, or no kernel for this GPU)",
         )
-    return catalog.Expectation("custom_softshrink", "TfmetalExt>Softshrink", (), ())
+    return catalog.Expectation("custom_softshrink", fusion.SOFTSHRINK_OP, (), ())
 
 
 catalog.register_rule(Softshrink, catalog.unless_avoided("softshrink", _softshrink_rule))

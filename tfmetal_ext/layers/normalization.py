@@ -461,7 +461,7 @@ def _fused_batch_norm_rule(layer, ctx):
 
 
 def _fused_layer_norm_rule(layer, ctx):
-    if ctx.backend == "cuda" or not uses_kernel():
+    if not catalog.fusion_for(ctx, "custom_layer_norm").fuses or not uses_kernel():
         return Expectation("layer_norm", None, None, None, reason=REASON_LN_REFERENCE)
     if LAYER_NORM_OP in catalog.FUSED_LAYER_OPS:  # the report lists the op as a whole fused layer
         return Expectation("layer_norm", LAYER_NORM_OP, (), ())
