@@ -1,9 +1,11 @@
 """ResNet-20 (CIFAR-shaped, 32x32x3, batch 64): stock Keras layers vs tfmetal_ext layers, one process.
 
 Reports, for float32 and mixed_bfloat16 on this host: compute ops per train step and per inference
-call (from the post-grappler graph), median train-step and inference times, and ours/stock ratios.
+call (from the post-grappler graph), median train-step and inference times, and ours/stock ratios,
+plus the train step of the same convolutions alone (the ceiling of any gain from the other layers).
 
     .venv/bin/python benchmarks/bench_layers.py [--repeats 15] [--policies float32,mixed_bfloat16]
+    TF_ENABLE_ONEDNN_OPTS=0 .venv/bin/python benchmarks/bench_layers.py --policies float32   # no oneDNN (AVX2 / Mac CPU path)
 """
 
 from __future__ import annotations
@@ -27,11 +29,22 @@ STAGES = (16, 32, 64)
 BLOCKS_PER_STAGE = 3
 
 
-def stock_resnet20():
+def _identity(name):
+    return keras.layers.Identity(name=name)
+
+
+def stock_resnet20(convs_only=False):
+    """The stock model; `convs_only` drops every batch norm and ReLU (the same convolutions, nothing else).
+
+    The convolutions-only step is the floor no change to the other layers can go below: stock
+    step time / its step time is the largest speed-up fusing the batch norms and activations can give.
+    """
+    bn = _identity if convs_only else (lambda name: keras.layers.BatchNormalization(name=name))
+    relu = _identity if convs_only else (lambda name: keras.layers.ReLU(name=name))
     inp = keras.Input((32, 32, 3))
     x = keras.layers.Conv2D(16, 3, padding="same", use_bias=False, name="stem_conv")(inp)
-    x = keras.layers.BatchNormalization(name="stem_bn")(x)
-    x = keras.layers.ReLU(name="stem_relu")(x)
+    x = bn("stem_bn")(x)
+    x = relu("stem_relu")(x)
     channels = 16
     for s, filters in enumerate(STAGES):
         for b in range(BLOCKS_PER_STAGE):
@@ -39,15 +52,15 @@ def stock_resnet20():
             name = f"s{s}b{b}"
             shortcut = x
             y = keras.layers.Conv2D(filters, 3, strides=strides, padding="same", use_bias=False, name=f"{name}_c1")(x)
-            y = keras.layers.BatchNormalization(name=f"{name}_bn1")(y)
-            y = keras.layers.ReLU(name=f"{name}_r1")(y)
+            y = bn(f"{name}_bn1")(y)
+            y = relu(f"{name}_r1")(y)
             y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_c2")(y)
-            y = keras.layers.BatchNormalization(name=f"{name}_bn2")(y)
+            y = bn(f"{name}_bn2")(y)
             if strides != 1 or channels != filters:
                 shortcut = keras.layers.Conv2D(filters, 1, strides=strides, use_bias=False, name=f"{name}_pc")(x)
-                shortcut = keras.layers.BatchNormalization(name=f"{name}_pbn")(shortcut)
+                shortcut = bn(f"{name}_pbn")(shortcut)
             x = keras.layers.Add(name=f"{name}_add")([y, shortcut])
-            x = keras.layers.ReLU(name=f"{name}_out")(x)
+            x = relu(f"{name}_out")(x)
             channels = filters
     x = keras.layers.GlobalAveragePooling2D(name="gap")(x)
     out = keras.layers.Dense(10, name="logits")(x)
@@ -133,6 +146,8 @@ def run(policy, repeats):
     # Re-time stock after ours so drift on a noisy host does not favour either side.
     train, infer = _step_fns(stock, x, y)
     results["stock"]["train_ms"] = min(results["stock"]["train_ms"], median_time(train, repeats=repeats))
+    convs_train, _ = _step_fns(stock_resnet20(convs_only=True), x, y)
+    convs_ms = median_time(convs_train, repeats=repeats)
     s, o = results["stock"], results["ours"]
     rows.append(dict(
         policy=policy, same_weights=same,
@@ -141,6 +156,7 @@ def run(policy, repeats):
         stock_infer_ops=s["infer_ops"], ours_infer_ops=o["infer_ops"],
         stock_train_ms=s["train_ms"], ours_train_ms=o["train_ms"],
         train_speedup=s["train_ms"] / o["train_ms"],
+        convs_only_train_ms=convs_ms, train_speedup_ceiling=s["train_ms"] / convs_ms,
         stock_infer_ms=s["infer_ms"], ours_infer_ms=o["infer_ms"],
         infer_speedup=s["infer_ms"] / o["infer_ms"],
     ))
@@ -157,10 +173,13 @@ def main(argv=None):
         rows += run(policy, args.repeats)
     columns = ["policy", "same_weights", "stock_train_ops", "ours_train_ops", "train_ops_ratio",
                "stock_infer_ops", "ours_infer_ops", "stock_train_ms", "ours_train_ms", "train_speedup",
+               "convs_only_train_ms", "train_speedup_ceiling",
                "stock_infer_ms", "ours_infer_ms", "infer_speedup"]
     write_results("bench_layers", rows, columns, notes=[
         "ops = compute nodes of the post-grappler graph per step (excluding _Arg/_Retval/Const/NoOp/Identity)",
         "times are medians; speedup = stock / ours; targets: train_ops_ratio <= 0.55, float32 train_speedup >= 1.4",
+        "convs_only = the stock model without its batch norms and ReLUs (the same convolutions alone); "
+        "train_speedup_ceiling = stock / convs_only, the most fusing everything but the convolutions can give",
     ])
 
 
