@@ -29,6 +29,25 @@ def median_time(fn, *, warmup=3, repeats=15):
     return statistics.median(times)
 
 
+def paired_rounds(fns, *, rounds=9, repeats=5):
+    """Times every function of `fns` (key -> fn) once per round, the order rotated each round.
+
+    Returns ``key -> [median ms per round]``. Ratios taken within a round (`ratio`) and medians
+    across rounds let drift on a shared host between rounds cancel instead of deciding a ratio.
+    """
+    times = {k: [] for k in fns}
+    keys = list(fns)
+    for rnd in range(rounds):
+        for k in keys[rnd % len(keys):] + keys[: rnd % len(keys)]:
+            times[k].append(median_time(fns[k], warmup=1, repeats=repeats))
+    return times
+
+
+def ratio(times, base, other):
+    """Median over rounds of ``times[base] / times[other]`` (a speed-up of `other` over `base`)."""
+    return statistics.median(a / b for a, b in zip(times[base], times[other]))
+
+
 def environment():
     import keras
     import tensorflow as tf

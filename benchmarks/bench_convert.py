@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import median_time, write_results  # noqa: E402
+from _common import paired_rounds, ratio, write_results  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -78,22 +78,15 @@ def run(name, size, batch, repeats, rounds):
         "fused_opt": _train_fn(ours_fused_opt, x, y, tfmetal_ext.optimizers.FusedSGD),
     }
     infer = {k: _infer_fn(m, x) for k, m in (("stock", stock), ("ours", ours), ("deploy", deploy))}
-    # Paired rounds: each round times every variant once (order rotated, so none always runs first) and
-    # the speed-ups are taken within the round; the reported figures are medians across rounds, so drift
-    # on a shared host between rounds cancels instead of deciding the ratio.
-    times = {("train", k): [] for k in train}
-    times.update({("infer", k): [] for k in infer})
-    for rnd in range(rounds):
-        keys = list(times)
-        for phase, k in keys[rnd % len(keys):] + keys[: rnd % len(keys)]:
-            fn = train[k] if phase == "train" else infer[k]
-            times[(phase, k)].append(median_time(fn, warmup=1, repeats=repeats))
+    fns = {("train", k): fn for k, fn in train.items()}
+    fns.update({("infer", k): fn for k, fn in infer.items()})
+    times = paired_rounds(fns, rounds=rounds, repeats=repeats)
 
     def med(phase, k):
         return statistics.median(times[(phase, k)])
 
     def speedup(phase, k):
-        return statistics.median(a / b for a, b in zip(times[(phase, "stock")], times[(phase, k)]))
+        return ratio(times, (phase, "stock"), (phase, k))
 
     for k in train:
         res[k]["train_ms"] = med("train", k)

@@ -4,7 +4,7 @@ Reports, for float32 and mixed_bfloat16 on this host: compute ops per train step
 call (from the post-grappler graph), median train-step and inference times, and ours/stock ratios,
 plus the train step of the same convolutions alone (the ceiling of any gain from the other layers).
 
-    .venv/bin/python benchmarks/bench_layers.py [--repeats 15] [--policies float32,mixed_bfloat16]
+    .venv/bin/python benchmarks/bench_layers.py [--rounds 9] [--repeats 5] [--policies float32,mixed_bfloat16]
     TF_ENABLE_ONEDNN_OPTS=0 .venv/bin/python benchmarks/bench_layers.py --policies float32   # no oneDNN (AVX2 / Mac CPU path)
 """
 
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import median_time, write_results  # noqa: E402
+from _common import paired_rounds, ratio, write_results  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -119,7 +120,7 @@ def _step_fns(model, x, y):
     return train, infer
 
 
-def run(policy, repeats):
+def run(policy, repeats, rounds):
     keras.mixed_precision.set_global_policy(policy)
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(0)
@@ -132,52 +133,54 @@ def run(policy, repeats):
         b = ours(x[:8], training=False).numpy().astype("float32")
         tol = 1e-4 if policy == "float32" else 5e-2
         same = bool(np.allclose(a, b, rtol=tol, atol=tol))
-    rows = []
-    results = {}
-    for name, model in (("stock", stock), ("ours", ours)):
+    ops, fns = {}, {}
+    for name, model in (("stock", stock), ("ours", ours), ("convs", stock_resnet20(convs_only=True))):
         model.compile(optimizer=keras.optimizers.SGD(0.01, momentum=0.9),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        train_ops = tfmetal_ext.inspect.fusion_report(model, x, mode="train", targets=y).num_ops
-        infer_ops = tfmetal_ext.inspect.fusion_report(model, x, mode="predict").num_ops
+        ops[name] = (tfmetal_ext.inspect.fusion_report(model, x, mode="train", targets=y).num_ops,
+                     tfmetal_ext.inspect.fusion_report(model, x, mode="predict").num_ops)
         train, infer = _step_fns(model, x, y)
-        results[name] = dict(train_ops=train_ops, infer_ops=infer_ops,
-                             train_ms=median_time(train, repeats=repeats),
-                             infer_ms=median_time(infer, repeats=repeats))
-    # Re-time stock after ours so drift on a noisy host does not favour either side.
-    train, infer = _step_fns(stock, x, y)
-    results["stock"]["train_ms"] = min(results["stock"]["train_ms"], median_time(train, repeats=repeats))
-    convs_train, _ = _step_fns(stock_resnet20(convs_only=True), x, y)
-    convs_ms = median_time(convs_train, repeats=repeats)
-    s, o = results["stock"], results["ours"]
-    rows.append(dict(
+        fns[("train", name)] = train
+        if name != "convs":
+            fns[("infer", name)] = infer
+    times = paired_rounds(fns, rounds=rounds, repeats=repeats)
+
+    def med(key):
+        return statistics.median(times[key])
+
+    (s_train, s_infer), (o_train, o_infer) = ops["stock"], ops["ours"]
+    return [dict(
         policy=policy, same_weights=same,
-        stock_train_ops=s["train_ops"], ours_train_ops=o["train_ops"],
-        train_ops_ratio=o["train_ops"] / s["train_ops"],
-        stock_infer_ops=s["infer_ops"], ours_infer_ops=o["infer_ops"],
-        stock_train_ms=s["train_ms"], ours_train_ms=o["train_ms"],
-        train_speedup=s["train_ms"] / o["train_ms"],
-        convs_only_train_ms=convs_ms, train_speedup_ceiling=s["train_ms"] / convs_ms,
-        stock_infer_ms=s["infer_ms"], ours_infer_ms=o["infer_ms"],
-        infer_speedup=s["infer_ms"] / o["infer_ms"],
-    ))
-    return rows
+        stock_train_ops=s_train, ours_train_ops=o_train, train_ops_ratio=o_train / s_train,
+        stock_infer_ops=s_infer, ours_infer_ops=o_infer,
+        stock_train_ms=med(("train", "stock")), ours_train_ms=med(("train", "ours")),
+        train_speedup=ratio(times, ("train", "stock"), ("train", "ours")),
+        convs_only_train_ms=med(("train", "convs")),
+        train_speedup_ceiling=ratio(times, ("train", "stock"), ("train", "convs")),
+        stock_infer_ms=med(("infer", "stock")), ours_infer_ms=med(("infer", "ours")),
+        infer_speedup=ratio(times, ("infer", "stock"), ("infer", "ours")),
+    )]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per variant per round")
+    parser.add_argument("--rounds", type=int, default=9, help="paired rounds (order rotated)")
     parser.add_argument("--policies", default="float32,mixed_bfloat16")
     args = parser.parse_args(argv)
     rows = []
     for policy in args.policies.split(","):
-        rows += run(policy, args.repeats)
+        rows += run(policy, args.repeats, args.rounds)
     columns = ["policy", "same_weights", "stock_train_ops", "ours_train_ops", "train_ops_ratio",
                "stock_infer_ops", "ours_infer_ops", "stock_train_ms", "ours_train_ms", "train_speedup",
                "convs_only_train_ms", "train_speedup_ceiling",
                "stock_infer_ms", "ours_infer_ms", "infer_speedup"]
-    write_results("bench_layers", rows, columns, notes=[
+    name = "bench_layers" if tfmetal_ext.devices.capabilities().onednn else "bench_layers_no_onednn"
+    write_results(name, rows, columns, notes=[
         "ops = compute nodes of the post-grappler graph per step (excluding _Arg/_Retval/Const/NoOp/Identity)",
-        "times are medians; speedup = stock / ours; targets: train_ops_ratio <= 0.55, float32 train_speedup >= 1.4",
+        "times are medians (ms) across paired rounds (every variant once per round, order rotated); "
+        "speedup = median over rounds of stock / ours within the round; "
+        "targets: train_ops_ratio <= 0.55, float32 train_speedup >= 1.4 (oneDNN), >= 1.2 (no oneDNN)",
         "convs_only = the stock model without its batch norms and ReLUs (the same convolutions alone); "
         "train_speedup_ceiling = stock / convs_only, the most fusing everything but the convolutions can give",
     ])
