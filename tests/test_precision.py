@@ -7,12 +7,13 @@ import tfmetal_ext
 from tfmetal_ext import devices, precision
 
 
-def _caps(backend, bf16=False, fp16=False):
+def _caps(backend, bf16=False, fp16=False, onednn=None):
     return devices.Capabilities(
         backend=backend, tf_version="2.21.0", keras_version=keras.__version__,
         metal_plugin_version="1.2.0" if backend == "metal" else None,
         platform="Darwin/arm64" if backend == "metal" else "Linux/x86_64",
-        cpu_bf16=bf16, cpu_fp16=fp16, onednn=backend == "cpu", pairing="not-applicable",
+        cpu_bf16=bf16, cpu_fp16=fp16, onednn=(backend == "cpu") if onednn is None else onednn,
+        pairing="not-applicable",
         pairing_fix=None,
     )
 
@@ -44,6 +45,15 @@ def test_auto_policy_per_backend(host, backend, bf16, policy, jit):
     assert cfg.compile_kwargs() == {"jit_compile": jit}
     assert precision.compile_kwargs() == {"jit_compile": jit}
     assert cfg.reasons and all(isinstance(r, str) for r in cfg.reasons)
+
+
+def test_native_bf16_without_onednn_stays_float32(host):
+    # TF's own CPU kernels (TF_ENABLE_ONEDNN_OPTS=0, or a wheel without oneDNN) fuse float32 only:
+    # bfloat16 would fuse nothing there, native bf16 support or not.
+    host("cpu", bf16=True, onednn=False)
+    cfg = tfmetal_ext.configure()
+    assert cfg.policy == "float32"
+    assert any("oneDNN off" in r for r in cfg.reasons), cfg.reasons
 
 
 def test_metal_never_uses_xla(host):
