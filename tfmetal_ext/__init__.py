@@ -2,10 +2,11 @@
 
 Public API: `configure`, `Config`, `convert` (returns a converted model whose
 `conversion_report` is a `ConversionReport`), and the submodules `callbacks`, `devices`,
-`conversion`, `doctor`, `precision`, `inspect`, `layers`, `ops` and `optimizers`.
+`backends` (what each backend has and fuses, as data), `conversion`, `doctor`, `precision`,
+`inspect`, `layers`, `ops` and `optimizers`.
 """
 
-from tfmetal_ext import callbacks, devices, inspect, layers, ops, optimizers, precision
+from tfmetal_ext import backends, callbacks, devices, inspect, layers, ops, optimizers, precision
 from tfmetal_ext import doctor
 from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
@@ -16,6 +17,7 @@ __all__ = [
     "Config",
     "ConversionReport",
     "__version__",
+    "backends",
     "callbacks",
     "configure",
     "conversion",
