@@ -1,0 +1,79 @@
+"""The backend tables are consistent: every name they hold resolves to something real."""
+
+import dataclasses
+
+import keras
+import pytest
+
+from tfmetal_ext import backends, devices, layers, optimizers
+from tfmetal_ext.backends import fusion
+from tfmetal_ext.inspect import catalog
+
+pytestmark = pytest.mark.no_keras
+
+
+def test_every_table_has_a_row_for_every_pattern_that_fuses_somewhere():
+    for name, pattern in backends.PATTERNS.items():
+        for key, table in backends.TABLES.items():
+            if pattern.nowhere:
+                assert name not in table.fusions, (key, name)
+            else:
+                assert name in table.fusions, f"{key} has no row for {name}"
+    for table in backends.TABLES.values():
+        assert set(table.fusions) <= set(backends.PATTERNS), table.key
+
+
+def test_rows_name_known_activations_and_dtypes():
+    known_acts = set(fusion.ACTIVATION_OPS.values())
+    for table in backends.TABLES.values():
+        for name, row in table.fusions.items():
+            assert set(row.acts) <= known_acts, (table.key, name)
+            assert set(row.acts_in("train")) <= set(row.acts), (table.key, name)
+            assert set(row.requires_act) <= set(row.acts) or not row.fuses, (table.key, name)
+            assert set(row.dtypes) <= {"float16", "bfloat16", "float32", "float64"}, (table.key, name)
+            assert set(row.dtypes_in("train")) <= set(row.dtypes), (table.key, name)
+
+
+def test_stock_to_fused_names_real_classes():
+    for stock, row in fusion.STOCK_TO_FUSED.items():
+        assert issubclass(getattr(keras.layers, stock), keras.layers.Layer), stock
+        assert issubclass(getattr(layers, row.fused), keras.layers.Layer), row.fused
+        assert row.suggestion.startswith("tfmetal_ext.layers." + row.fused)
+    for stock, row in fusion.OPTIMIZER_TO_FUSED.items():
+        assert issubclass(getattr(keras.optimizers, stock), keras.optimizers.Optimizer), stock
+        assert issubclass(getattr(optimizers, row.fused), keras.optimizers.Optimizer), row.fused
+
+
+def test_safe_forms_and_custom_ops_point_at_each_other():
+    for name, op in fusion.CUSTOM_OPS.items():
+        assert op.name.startswith(fusion.CUSTOM_OP_PREFIX)
+        assert fusion.SAFE_FORMS[op.safe_form].custom_op == name
+        for op_name in op.op_names:
+            assert fusion.safe_form_for_op(op_name).name == op.safe_form
+            assert op_name in fusion.FUSED_LAYER_OPS
+    for form in fusion.SAFE_FORMS.values():
+        assert form.implies, form.name
+        assert fusion.safe_form_fix(form.name).startswith(f"tfmetal_ext.configure(avoid_fusions=[{form.name!r}])")
+
+
+def test_contraction_activations_fuse_on_every_backend_that_fuses_convs():
+    # ConvBNAct and ResidualBlock accept exactly these: each must be absorbed wherever conv + bias fuses.
+    for table in backends.TABLES.values():
+        row = table.fusion("conv2d_bias_act")
+        if row.fuses and not row.requires_act:
+            assert set(fusion.CONTRACTION_ACTIVATION_OPS) <= set(row.acts), table.key
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_support_key_selects_the_cpu_table_by_onednn(onednn):
+    caps = dataclasses.replace(devices.capabilities(), backend="cpu", onednn=onednn)
+    table = backends.current(caps)
+    assert table.key == ("cpu_onednn" if onednn else "cpu")
+    assert catalog.FusionContext(backend="cpu", onednn=onednn).support_key == table.key
+    # bfloat16 contractions fuse only with oneDNN (TF's own CPU kernels: float32/float64).
+    assert ("bfloat16" in table.fusion("conv2d_bias_act").dtypes) is onednn
+
+
+def test_unknown_table_key_is_a_clear_error():
+    with pytest.raises(ValueError, match="Received: key='tpu'"):
+        backends.table("tpu")
