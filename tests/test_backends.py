@@ -77,3 +77,23 @@ def test_support_key_selects_the_cpu_table_by_onednn(onednn):
 def test_unknown_table_key_is_a_clear_error():
     with pytest.raises(ValueError, match="Received: key='tpu'"):
         backends.table("tpu")
+
+
+def test_callback_replacement_views_keep_their_published_values():
+    # The names and values MetalCallback's module has exported since it was written.
+    from tfmetal_ext.callbacks import metal
+
+    assert dict(metal.LAYER_REPLACEMENTS) == {
+        "Conv2D": "tfmetal_ext.layers.FusedConv2D",
+        "DepthwiseConv2D": "tfmetal_ext.layers.FusedDepthwiseConv2D",
+        "Dense": "tfmetal_ext.layers.FusedDense",
+        "BatchNormalization": "tfmetal_ext.layers.FusedBatchNorm (or ConvBNAct after a conv)",
+        "LayerNormalization": "tfmetal_ext.layers.FusedLayerNorm",
+        "LSTM": "tfmetal_ext.layers.FusedLSTM",
+        "GRU": "tfmetal_ext.layers.FusedGRU",
+    }
+    assert dict(metal.OPTIMIZER_REPLACEMENTS) == {
+        "Adam": "tfmetal_ext.optimizers.FusedAdam",
+        "AdamW": "tfmetal_ext.optimizers.FusedAdamW",
+        "SGD": "tfmetal_ext.optimizers.FusedSGD",
+    }

@@ -16,10 +16,12 @@ all numbering steps with one `_steps.StepCounter`.
 from __future__ import annotations
 
 import os
+import types
 
 import keras
 
 from tfmetal_ext import devices
+from tfmetal_ext.backends.fusion import OPTIMIZER_TO_FUSED, STOCK_TO_FUSED
 from tfmetal_ext.callbacks._capture import FirstStepReport, TrainStepWrapper
 from tfmetal_ext.callbacks._errors import MetalCallbackError, PerformanceWarning
 from tfmetal_ext.callbacks._findings import Findings
@@ -33,6 +35,11 @@ from tfmetal_ext.callbacks._timing import StepTimer
 __all__ = ["MetalCallback", "MetalCallbackError", "PerformanceWarning"]
 
 _REPORTS = ("summary", "full", None)
+
+# Read-only views of the fusion table (its home: tfmetal_ext.backends.fusion), kept under the
+# names this module has always exported: stock class name -> what to use instead.
+LAYER_REPLACEMENTS = types.MappingProxyType({k: r.suggestion for k, r in STOCK_TO_FUSED.items()})
+OPTIMIZER_REPLACEMENTS = types.MappingProxyType({k: r.qualified for k, r in OPTIMIZER_TO_FUSED.items()})
 DEFAULT_PROFILE_DIR = "logs"
 
 
