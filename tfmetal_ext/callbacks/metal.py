@@ -166,6 +166,8 @@ class MetalCallback(keras.callbacks.Callback):
         self._nonfinite = NonFiniteLoss(self.on_nonfinite, self._print)
         self._inspection = FirstStepReport(self.report, self.check_fallback, self.strict, self._print)
         self._wrapper = TrainStepWrapper(self._before_step, self._after_step, self._on_first_step_captured)
+        # The profiler keeps its loaded signposts across runs; only its window and directory follow.
+        self._profiler.window, self._profiler.log_dir = self.profile_steps, self.profile_dir
 
     @property
     def nonfinite_step(self):
