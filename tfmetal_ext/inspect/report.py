@@ -88,10 +88,10 @@ class LayerIndex:
     def layer_of(self, node_name):
         """The path of the innermost layer in a node name's scopes, or None.
 
-        After `observe`, scopes resolve as it decided. Before, a trailing
-        ``_N`` is stripped when the exact component is not a layer name.
-        Without a model, the innermost scope under the top-level model scope
-        is used.
+        After `observe`, scopes resolve as it decided; before, each name
+        decides alone by the same rule (the exact layer name, else the one
+        whose ``_N`` uniquified scope it is). Without a model, the innermost
+        scope under the top-level model scope is used.
         """
         name = node_name.lstrip("^").split(":")[0]
         parts = name.split("/")[:-1]  # the last component is the op itself
@@ -101,11 +101,9 @@ class LayerIndex:
         container, found = "", None
         for part in parts:
             scopes = self._scopes.get(container)
-            if scopes is not None:
-                path = scopes.get(part)
-            else:
-                children = self._children.get(container, {})
-                path = children.get(part) or children.get(_SUFFIX.sub("", part))
+            if scopes is None:  # not observed: this one name decides alone
+                scopes = _assign_scopes({part}, self._children.get(container, {}))
+            path = scopes.get(part)
             if path is not None:
                 found = path
                 if path in self._children:
