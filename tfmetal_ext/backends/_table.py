@@ -106,15 +106,6 @@ class Backend:
         """The `Fusion` of `pattern` here (a never-fusing one when the table has no row)."""
         return self.fusions.get(pattern) or never("not fused")
 
-    def has_kernel(self, op, dtype=None):
-        """Whether `op` (for `dtype`) has a kernel here; None when the table does not record it."""
-        if self.kernels is None:
-            return None
-        dtypes = self.kernels.get(op)
-        if dtypes is None:
-            return False
-        return dtype is None or dtype in dtypes
-
 
 def backend(key, device, label, fusions, **kw):
     return Backend(key, device, label, types.MappingProxyType(dict(fusions)), **kw)
