@@ -117,3 +117,27 @@ def test_idempotent(host):
         second = tfmetal_ext.configure()
     assert first == second
     assert keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+
+
+def test_compile_kwargs_merge_an_explicit_jit_compile(host):
+    # Issue 13: `model.compile(..., jit_compile=True, **cfg.compile_kwargs())` is Python's
+    # "multiple values for keyword argument"; passing the arguments through merges them.
+    host("cpu", bf16=False)
+    cfg = tfmetal_ext.configure()
+    assert cfg.jit_compile is False
+    merged = cfg.compile_kwargs(optimizer="sgd", loss="mse", jit_compile=True)
+    assert merged == {"optimizer": "sgd", "loss": "mse", "jit_compile": True}
+    assert cfg.compile_kwargs(loss="mse", jit_compile="auto") == {"loss": "mse", "jit_compile": False}
+    assert precision.compile_kwargs(loss="mse") == {"loss": "mse", "jit_compile": False}
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(**cfg.compile_kwargs(optimizer="sgd", loss="mse", jit_compile=True))
+    assert model.jit_compile is True
+
+
+def test_compile_kwargs_never_turn_xla_on_for_metal(host):
+    host("metal")
+    cfg = tfmetal_ext.configure()
+    with pytest.warns(UserWarning, match="XLA does not run on Metal"):
+        merged = cfg.compile_kwargs(loss="mse", jit_compile=True)
+    assert merged == {"loss": "mse", "jit_compile": False}
+    assert cfg.compile_kwargs(jit_compile=False) == {"jit_compile": False}

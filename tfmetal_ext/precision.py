@@ -63,9 +63,36 @@ class Config:
     reasons: tuple
     avoided_fusions: tuple = ()
 
-    def compile_kwargs(self):
-        """Keyword arguments for ``model.compile`` that follow this config."""
-        return {"jit_compile": self.jit_compile}
+    def compile_kwargs(self, **compile_kwargs):
+        """Keyword arguments for ``model.compile`` that follow this config.
+
+        Pass your own ``compile`` arguments through it rather than beside it, so
+        an explicit ``jit_compile`` of yours is merged instead of given twice
+        (``model.compile(jit_compile=True, **cfg.compile_kwargs())`` is a
+        ``TypeError`` in Python itself: "got multiple values for keyword
+        argument"):
+
+        >>> model.compile(**cfg.compile_kwargs(optimizer="adam", loss="mse", jit_compile=True))
+
+        Your ``jit_compile`` wins, except ``True`` on Metal, where XLA cannot
+        run ("Could not find compiler for platform METAL"): that becomes
+        ``False`` with a warning, as in `configure()`.
+
+        Returns:
+            A new dict: `compile_kwargs` with ``jit_compile`` set.
+        """
+        merged = dict(compile_kwargs)
+        given = merged.get("jit_compile", _AUTO)
+        if isinstance(given, str) and given == _AUTO:
+            merged["jit_compile"] = self.jit_compile
+        elif self.backend == "metal" and given:
+            warnings.warn(
+                f"compile_kwargs(jit_compile={given!r}): XLA does not run on Metal (\"Could not find "
+                "compiler for platform METAL\"); using jit_compile=False.",
+                stacklevel=2,
+            )
+            merged["jit_compile"] = False
+        return merged
 
     def __str__(self):
         head = f"backend={self.backend} policy={self.policy} jit_compile={self.jit_compile}"
@@ -267,7 +294,7 @@ def configure(policy="auto", jit_compile="auto", avoid_fusions=None):
     Example:
 
     >>> cfg = tfmetal_ext.configure()
-    >>> model.compile(optimizer="adam", loss="mse", **cfg.compile_kwargs())
+    >>> model.compile(**cfg.compile_kwargs(optimizer="adam", loss="mse"))
     >>> result = tfmetal_ext.doctor.selftest()
     >>> tfmetal_ext.configure(avoid_fusions=result)  # the failed patterns, if any
     """
@@ -300,14 +327,13 @@ def configure(policy="auto", jit_compile="auto", avoid_fusions=None):
     return _last_config
 
 
-def compile_kwargs():
-    """What to pass to ``model.compile`` for the current backend.
+def compile_kwargs(**compile_kwargs):
+    """What to pass to ``model.compile`` for the current backend, merged with yours.
 
-    Follows the last `configure()` call; before any, the backend's defaults.
+    Follows the last `configure()` call; before any, `recommend()` (the
+    backend's defaults). See `Config.compile_kwargs` for the merge.
 
-    >>> model.compile(optimizer="adam", loss="mse", **tfmetal_ext.precision.compile_kwargs())
+    >>> model.compile(**tfmetal_ext.precision.compile_kwargs(optimizer="adam", loss="mse"))
     """
-    if _last_config is not None:
-        return _last_config.compile_kwargs()
-    jit, _ = _choose_jit(_AUTO, devices.capabilities())
-    return {"jit_compile": jit}
+    config = _last_config if _last_config is not None else recommend()
+    return config.compile_kwargs(**compile_kwargs)
