@@ -9,7 +9,8 @@ One home for:
 * `CUSTOM_OPS`: this package's custom ops (``TfmetalExt>...``) and their
   gradient ops;
 * `STOCK_TO_FUSED` / `OPTIMIZER_TO_FUSED`: which tfmetal_ext class replaces which
-  stock Keras class (`convert()` and `MetalCallback` both read it);
+  stock Keras class (`convert()` and `MetalCallback` both read it); `STOCK_KEPT`:
+  stock classes kept on purpose, and why;
 * `SAFE_FORMS`: the patterns ``configure(avoid_fusions=...)`` can switch to
   an unfused form, what that form is, and which fused ops imply it.
 
@@ -37,6 +38,28 @@ ACTIVATION_OPS = types.MappingProxyType(
         "sigmoid": "Sigmoid",
         "gelu": "GeluExact",
         "gelu_approximate": "GeluApproximate",
+    }
+)
+
+# TensorFlow functions people pass as `activation=` that emit the same op as a Keras
+# activation: "tf.<path>" -> that Keras name (Keras' TF backend calls these very functions:
+# keras/src/backend/tensorflow/nn.py).
+TF_ACTIVATION_FUNCTIONS = types.MappingProxyType(
+    {
+        "nn.relu": "relu",
+        "nn.relu6": "relu6",
+        "nn.elu": "elu",
+        "nn.leaky_relu": "leaky_relu",
+        "nn.tanh": "tanh",
+        "math.tanh": "tanh",
+        "nn.sigmoid": "sigmoid",
+        "math.sigmoid": "sigmoid",
+        "nn.gelu": "gelu",
+        "nn.silu": "silu",
+        "nn.swish": "silu",
+        "nn.softmax": "softmax",
+        "nn.softplus": "softplus",
+        "nn.selu": "selu",
     }
 )
 
@@ -155,6 +178,11 @@ def _table(*rows):
 STOCK_TO_FUSED = _table(
     Replacement("Conv2D", "FusedConv2D"),
     Replacement("DepthwiseConv2D", "FusedDepthwiseConv2D"),
+    Replacement(
+        "Conv1D", "FusedConv1D",
+        advice="tfmetal_ext.layers.FusedConv1D (or ConvBNAct1D before a batch norm)",
+    ),
+    Replacement("SeparableConv2D", "FusedSeparableConv2D"),
     Replacement("Dense", "FusedDense"),
     Replacement(
         "BatchNormalization", "FusedBatchNorm",
@@ -163,6 +191,16 @@ STOCK_TO_FUSED = _table(
     Replacement("LayerNormalization", "FusedLayerNorm"),
     Replacement("LSTM", "FusedLSTM"),
     Replacement("GRU", "FusedGRU"),
+)
+
+# Stock classes deliberately without a replacement: class name -> why (convert() reports it as the kept reason).
+STOCK_KEPT = types.MappingProxyType(
+    {
+        "Embedding": (
+            "Embedding is a gather (ResourceGather forward, a sparse IndexedSlices update backward): no "
+            "contraction, bias or activation for any remapper to fuse, so there is nothing to replace"
+        ),
+    }
 )
 
 OPTIMIZER_TO_FUSED = _table(

@@ -17,9 +17,18 @@ def leaf_layers(model):
 
 
 def find_layer(model, path):
-    """The leaf layer a report row's path (``"block/conv"`` or ``"conv"``) names, or None."""
+    """The layer a report row's path (``"block_1/conv2d"`` or ``"conv2d"``) names, or None.
+
+    Paths are the reports' own (`tfmetal_ext.inspect.LayerIndex`): sublayers of
+    subclassed layers and wrapped layers included.
+    """
     if path is None:
         return None
+    from tfmetal_ext.inspect import LayerIndex
+
+    layer = LayerIndex(model).layers.get(path)
+    if layer is not None:
+        return layer
     for l in leaf_layers(model):
         if l.name == path or path.endswith("/" + l.name):
             return l

@@ -210,7 +210,7 @@ def report_from_capture(cap, model=None, notes=()):
     """Builds a `FusionReport` from an existing `Capture`."""
     ctx = _context(cap.mode if cap.mode in _MODES else "predict", cap.jit_compile)
     policy = model.dtype_policy.name if model is not None else None
-    index = LayerIndex(model)
+    index = LayerIndex(model, cap.layer_scopes)
     return build_fusion_report(cap, index, ctx, policy=policy, notes=notes)
 
 
@@ -225,7 +225,7 @@ def placement_report(model_or_fn, inputs=None, mode="predict", **kw):
 
 def placement_from_capture(cap, model=None):
     gpu = bool(devices.capabilities().gpus) or None
-    return build_placement_report(cap, LayerIndex(model), gpu_present=gpu)
+    return build_placement_report(cap, LayerIndex(model, cap.layer_scopes), gpu_present=gpu)
 
 
 # ----------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 
 import numpy as np
 
@@ -81,11 +82,15 @@ class Capture:
         functions: the executed functions' graphs.
         jit_compile: the step ran under XLA (grappler's remapper never saw it).
         mode: ``"train"``, ``"predict"`` or ``"function"``.
+        layer_scopes: graph name scope (as TensorFlow uniquified it while
+            tracing, e.g. ``"sequential_1/conv2d_1_2"``) -> the layer object
+            that opened it; empty when the trace happened outside the capture.
     """
 
     functions: list
     jit_compile: bool = False
     mode: str = "function"
+    layer_scopes: dict = dataclasses.field(default_factory=dict, repr=False)
 
     def nodes(self):
         """Yields every NodeDef of the post-optimization graphs, library included."""
@@ -98,6 +103,86 @@ class Capture:
         for fg in self.functions:
             for part in fg.partitions:
                 yield from part.node
+
+
+# ----------------------------------------------------------------------------
+# Which layer object opened which graph name scope.
+#
+# TensorFlow uniquifies a name scope opened twice in one graph (``conv2d`` ->
+# ``conv2d_1``), and Keras opens each layer's scope more than once per call, so
+# scope strings and layer names disagree in ways no name rule can undo (the
+# scope ``block_1_2/conv2d_1_1`` is layer ``block_1``'s ``conv2d_1``). While a
+# capture traces its function, every scope a Keras layer opens is recorded
+# with the layer object itself; node names are then attributed by scope.
+
+
+class _ScopeRecorder:
+    """Records ``scope -> layer`` for Keras name scopes entered in graphs while active."""
+
+    _lock = threading.Lock()
+    _active = []  # recorders, innermost last
+    _patched = None  # (class, original __enter__)
+
+    def __init__(self):
+        self.scopes = {}
+
+    @classmethod
+    def _install(cls):
+        try:
+            from keras.src.backend.tensorflow import core as tf_core
+        except ImportError:  # another Keras layout: attribution falls back to names
+            return
+        scope_cls = tf_core.name_scope
+        original = scope_cls.__enter__
+
+        def __enter__(self):
+            result = original(self)
+            if cls._active and getattr(self, "_pop_on_exit", False):
+                cls._record(self.caller)
+            return result
+
+        scope_cls.__enter__ = __enter__
+        cls._patched = (scope_cls, original)
+
+    @classmethod
+    def _record(cls, caller):
+        import keras
+        import tensorflow as tf
+
+        if not isinstance(caller, keras.layers.Layer) or tf.executing_eagerly():
+            return
+        graph = tf.compat.v1.get_default_graph()
+        if getattr(graph, "name", "").startswith("scratch_graph"):  # Keras' shape inference
+            return
+        scope = graph.get_name_scope()
+        for recorder in cls._active:
+            recorder.scopes.setdefault(scope, caller)
+
+    def __enter__(self):
+        with self._lock:
+            if not self._active:
+                self._install()
+            self._active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._active.remove(self)
+            if not self._active and self._patched is not None:
+                scope_cls, original = self._patched
+                scope_cls.__enter__ = original
+                type(self)._patched = None
+        return False
+
+
+def record_layer_scopes():
+    """Context manager: records the graph name scope of every Keras layer call traced inside.
+
+    ``with record_layer_scopes() as rec: ...`` then ``rec.scopes`` maps each
+    scope (as uniquified in its graph) to the layer object that opened it.
+    Keras' name-scope class is patched only while a recorder is active.
+    """
+    return _ScopeRecorder()
 
 
 @contextlib.contextmanager
@@ -137,7 +222,7 @@ def _is_eager_op(fg):
     return len(body) <= 1
 
 
-def _to_capture(md, jit_compile, mode):
+def _to_capture(md, jit_compile, mode, layer_scopes=None):
     functions = [
         FunctionGraph(
             name=getattr(fg, "function_name", "") or "",  # absent in older protos
@@ -148,7 +233,7 @@ def _to_capture(md, jit_compile, mode):
         for fg in md.function_graphs
         if not _is_eager_op(fg)
     ]
-    return Capture(functions=functions, jit_compile=jit_compile, mode=mode)
+    return Capture(functions=functions, jit_compile=jit_compile, mode=mode, layer_scopes=dict(layer_scopes or {}))
 
 
 def capture_function(fn, *args, jit_compile=None, **kwargs):
@@ -177,9 +262,9 @@ def capture_function(fn, *args, jit_compile=None, **kwargs):
         raise ValueError(f"Expected a callable or a tf.function. Received: fn={fn!r}")
     fresh = tf.function(python_fn, jit_compile=jit)
     args, kwargs = _as_tensors(args), _as_tensors(kwargs)  # no eager op inside the window
-    with _run_metadata() as box:
+    with record_layer_scopes() as rec, _run_metadata() as box:
         fresh(*args, **kwargs)
-    return _keep_own(_to_capture(box[0], jit, "function"), [fresh])
+    return _keep_own(_to_capture(box[0], jit, "function", rec.scopes), [fresh])
 
 
 def capture_call(fn, *args, mode="function", jit_compile=False):
@@ -199,9 +284,9 @@ def capture_call(fn, *args, mode="function", jit_compile=False):
         mode: recorded in the `Capture` (``"train"``, ``"predict"``, ...).
         jit_compile: recorded in the `Capture`: whether the step is XLA compiled.
     """
-    with _run_metadata() as box:
+    with record_layer_scopes() as rec, _run_metadata() as box:
         result = fn(*args)
-    return result, _keep_own(_to_capture(box[0], bool(jit_compile), mode), _tf_functions(fn))
+    return result, _keep_own(_to_capture(box[0], bool(jit_compile), mode, rec.scopes), _tf_functions(fn))
 
 
 # ----------------------------------------------------------------------------
@@ -261,11 +346,11 @@ def capture_predict(model, x):
     try:
         model.make_predict_function(force=True)
         fn = model.predict_function
-        with _run_metadata() as box:
+        with record_layer_scopes() as rec, _run_metadata() as box:
             fn([(x,)])
     finally:
         model.predict_function = saved
-    return _keep_own(_to_capture(box[0], _resolve_jit(model), "predict"), _tf_functions(fn))
+    return _keep_own(_to_capture(box[0], _resolve_jit(model), "predict", rec.scopes), _tf_functions(fn))
 
 
 def _build_for_training(model, x, y, sample_weight):
@@ -313,10 +398,10 @@ def capture_train(model, x, y, sample_weight=None):
         model.make_train_function(force=True)
         fn = model.train_function
         iterator = iter(ds)
-        with _run_metadata() as box:
+        with record_layer_scopes() as rec, _run_metadata() as box:
             fn(iterator)
     finally:
         model.train_function = saved_fn
         model.stop_training = saved_stop
         _restore(state, values)
-    return _keep_own(_to_capture(box[0], _resolve_jit(model), "train"), _tf_functions(fn))
+    return _keep_own(_to_capture(box[0], _resolve_jit(model), "train", rec.scopes), _tf_functions(fn))

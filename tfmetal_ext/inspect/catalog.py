@@ -110,6 +110,13 @@ def register_rule(layer_cls, rule):
     _RULES.append((layer_cls, rule))
 
 
+def has_rule(layer):
+    """`layer` has an inspection rule of its own (a ``_fusion_rule`` or a registered class rule)."""
+    if getattr(layer, "_fusion_rule", None) is not None:
+        return True
+    return any(isinstance(layer, cls) for cls, _ in _RULES)
+
+
 def expectation(layer, ctx):
     """The `Expectation` for `layer` under `ctx`, or None if no pattern applies.
 
@@ -182,19 +189,51 @@ def where(ctx):
 
 
 def activation_name(layer):
-    """The Keras name of a layer's activation (``"linear"`` when none)."""
-    import keras
+    """The Keras name of a layer's activation (``"linear"`` when none); never raises.
 
-    act = getattr(layer, "activation", None)
+    A Keras activation gives its own name; a TensorFlow function that is the
+    same op (``tf.nn.relu``, ``tf.nn.swish``, ...; `fusion.TF_ACTIVATION_FUNCTIONS`)
+    gives the Keras name of that op; any other callable (a lambda, a custom
+    function or layer) is ``"custom (<its name>)"``, which no backend fuses.
+    """
+    return function_activation_name(getattr(layer, "activation", None))
+
+
+def function_activation_name(act):
+    """`activation_name` for an activation given as itself (a callable, a name or None)."""
     if act is None:
         return "linear"
+    if isinstance(act, str):
+        return act
+    name = _keras_activation_name(act) or _tf_activation_name(act)
+    if name is not None:
+        return name
+    label = getattr(act, "__name__", None) or type(act).__name__
+    return f"custom ({label})"
+
+
+def _keras_activation_name(act):
+    import keras
+
     try:
         name = keras.activations.serialize(act)
-    except (ValueError, TypeError):
-        name = getattr(act, "__name__", "custom")
-    if isinstance(name, dict):
-        name = name.get("config", {}).get("name", "custom") if "config" in name else "custom"
-    return name
+        if isinstance(name, str) and keras.activations.get(name) is act:
+            return name
+    except Exception:  # serialize raises ValueError, OSError (a lambda's source), TypeError...
+        pass
+    return None
+
+
+def _tf_activation_name(act):
+    import tensorflow as tf
+
+    for path, name in _fusion.TF_ACTIVATION_FUNCTIONS.items():
+        obj = tf
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and obj is act:
+            return name
+    return None
 
 
 def act_op(layer):
@@ -323,8 +362,16 @@ def conv2d_rule(layer, ctx):
             "conv2d_bias_act", None, None, None,
             reason="channels_first: the remapper's CPU conv fusions need NHWC",
         )
-    if getattr(layer, "groups", 1) != 1:
-        return None
+    groups = getattr(layer, "groups", 1)
+    if groups != 1:
+        ideal = ("BiasAdd",) + ((act_op(layer),) if act_op(layer) else ())
+        return Expectation(
+            "conv2d_bias_act", None, None, ideal,
+            reason=(
+                f"groups={groups}: Keras' TensorFlow backend runs a grouped convolution as an XLA-compiled "
+                "function (TF's CPU Conv2D kernel has no groups), which grappler's remapper does not fuse into"
+            ),
+        )
     return contraction_rule(
         "conv2d_bias_act", _fusion.FUSED_CONV2D, layer, ctx, act=act_op(layer),
         one_by_one=tuple(getattr(layer, "kernel_size", ())) == (1, 1),
@@ -381,6 +428,31 @@ def dense_rule(layer, ctx, *, act_name=None, reshape_blocks=True):
 def depthwise_rule(layer, ctx):
     """DepthwiseConv2D (+ BiasAdd) (+ activation)."""
     return contraction_rule("depthwise_bias_act", _fusion.FUSED_DEPTHWISE, layer, ctx, act=act_op(layer))
+
+
+def _stock_rnn_rule(layer, ctx):
+    """Stock LSTM/GRU: CudnnRNNV3 where Keras picks cuDNN (a GPU, cuDNN-compatible arguments), else a loop."""
+    if ctx.xla:
+        return Expectation("cudnn_rnn", None, None, (), reason=REASON_XLA, ideal_op=_fusion.CUDNN_RNN)
+    cudnn_ok = getattr(layer, "use_cudnn", "auto") is not False and _cudnn_compatible(layer)
+    if ctx.backend in ("cuda", "metal") and cudnn_ok:
+        return Expectation("cudnn_rnn", _fusion.CUDNN_RNN, (), ())
+    if ctx.backend == "cpu":
+        reason = f"{type(layer).__name__} on CPU: a while loop of unfused per-step ops (CudnnRNNV3 is GPU-only)"
+    else:
+        reason = "arguments cuDNN cannot run (or use_cudnn=False): the generic loop runs"
+    return Expectation("cudnn_rnn", None, None, (), reason=reason, ideal_op=_fusion.CUDNN_RNN)
+
+
+def _cudnn_compatible(layer):
+    """Keras' own test for the cuDNN path (`keras.src.layers.rnn` ``cudnn_ok``), read off the layer."""
+    cell = getattr(layer, "cell", layer)
+    ok = activation_name(cell) == "tanh"
+    ok = ok and function_activation_name(getattr(cell, "recurrent_activation", None)) == "sigmoid"
+    ok = ok and not getattr(layer, "unroll", False) and getattr(cell, "use_bias", True)
+    if hasattr(cell, "reset_after"):
+        ok = ok and cell.reset_after
+    return ok and not getattr(cell, "recurrent_dropout", 0)
 
 
 def _batchnorm_rule(layer, ctx):
@@ -475,6 +547,8 @@ def _register_keras_rules():
     register_rule(keras.layers.Dense, dense_rule)
     register_rule(keras.layers.BatchNormalization, _batchnorm_rule)
     register_rule(keras.layers.LayerNormalization, _layernorm_rule)
+    register_rule(keras.layers.LSTM, _stock_rnn_rule)
+    register_rule(keras.layers.GRU, _stock_rnn_rule)
     register_rule(keras.layers.Add, _residual_rule)
 
 

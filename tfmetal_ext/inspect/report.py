@@ -32,44 +32,79 @@ _SUFFIX = re.compile(r"_\d+$")
 
 
 class LayerIndex:
-    """Maps TF node names (name scopes) to Keras layer paths, nested models included.
+    """Maps TF node names (name scopes) to Keras layer paths, nested layers included.
 
-    A path is the chain of layer names from the top model, e.g. ``"block1/conv_a"``,
-    so equally named layers in different nested models stay apart.
+    A path is the chain of layer names from the top model, e.g. ``"block_1/conv2d"``,
+    so equally named layers in different containers stay apart. Every layer
+    Keras tracks is reached: the layers of nested models, the sublayers a
+    subclassed layer or model keeps in attributes, lists and dicts, and the
+    layers inside wrappers (``Bidirectional``'s forward and backward layers,
+    ``TimeDistributed``'s layer).
+
+    Args:
+        model: the model (or layer) the nodes come from; None for a plain function.
+        scopes: graph name scope -> layer object, as recorded while the step
+            was traced (`Capture.layer_scopes`). With it, attribution follows
+            the layer objects; without, it falls back to resolving Keras'
+            default-name scopes by name (`observe`).
     """
 
-    def __init__(self, model=None):
+    def __init__(self, model=None, scopes=None):
         self.layers = {}  # path -> layer
         self._children = {}  # container path -> {child name: child path}
         self._scopes = {}  # container path -> {scope component: child path}, set by observe()
+        self._path_of = {}  # id(layer) -> its first path
+        self._object_scopes = {}  # graph scope -> layer path (from `scopes`)
+        self._roots = set()  # first components of the recorded scopes
         if model is not None:
-            self._walk(model, "")
+            self._walk(model, "", {id(model)})
+        for scope, layer in (scopes or {}).items():
+            path = self._path_of.get(id(layer))
+            if path is not None:
+                self._object_scopes[scope] = path
+                self._roots.add(scope.split("/")[0])
 
-    def _walk(self, parent, prefix):
+    def _walk(self, parent, prefix, seen):
         children = self._children.setdefault(prefix, {})
         for layer in _sublayers(parent):
             path = f"{prefix}/{layer.name}" if prefix else layer.name
-            children[layer.name] = path
+            children.setdefault(layer.name, path)
             self.layers[path] = layer
-            if _sublayers(layer):
-                self._walk(layer, path)
+            self._path_of.setdefault(id(layer), path)
+            if id(layer) not in seen and _sublayers(layer):
+                self._walk(layer, path, seen | {id(layer)})
+
+    def path_of(self, layer):
+        """The path of a layer object (its first, for a layer reached twice), or None."""
+        return self._path_of.get(id(layer))
 
     def leaf_layers(self):
         """(layer, path) of every layer that is not itself a container of layers."""
         return [(layer, path) for path, layer in self.layers.items() if not _sublayers(layer)]
 
+    def all_layers(self):
+        """(layer, path) of every layer reached, containers included, each object once."""
+        seen, out = set(), []
+        for path, layer in self.layers.items():
+            if id(layer) not in seen:
+                seen.add(id(layer))
+                out.append((layer, path))
+        return out
+
     def observe(self, node_names):
         """Resolves the name scopes in `node_names` (one executed graph) to layer paths.
 
-        TensorFlow uniquifies a scope opened twice in one graph (``conv2d`` ->
-        ``conv2d_1``), and Keras' default names have the same shape, so a scope
-        ``conv2d_1`` may be layer ``conv2d``'s second scope or layer
-        ``conv2d_1``'s first. Seeing every scope of the graph at once decides it:
-        a scope that can only be one layer's goes to that layer, and an
-        ambiguous one goes to the candidate layer that has no scope yet (the
-        exact name when that does not decide). Called by the report builders
-        before `layer_of`.
+        Used only without recorded scopes. TensorFlow uniquifies a scope opened
+        twice in one graph (``conv2d`` -> ``conv2d_1``), and Keras' default
+        names have the same shape, so a scope ``conv2d_1`` may be layer
+        ``conv2d``'s second scope or layer ``conv2d_1``'s first. Seeing every
+        scope of the graph at once decides it: a scope that can only be one
+        layer's goes to that layer, and an ambiguous one goes to the candidate
+        layer that has no scope yet (the exact name when that does not decide).
+        Called by the report builders before `layer_of`.
         """
+        if self._object_scopes:
+            return self
         parts = [n.lstrip("^").split(":")[0].split("/")[:-1] for n in node_names]
         self._scopes = {}
         pending = {"": [p for p in parts if p]}
@@ -88,13 +123,17 @@ class LayerIndex:
     def layer_of(self, node_name):
         """The path of the innermost layer in a node name's scopes, or None.
 
-        After `observe`, scopes resolve as it decided; before, each name
-        decides alone by the same rule (the exact layer name, else the one
-        whose ``_N`` uniquified scope it is). Without a model, the innermost
-        scope under the top-level model scope is used.
+        With recorded scopes, the node's scope is looked up as recorded (after
+        any prefix inlining added, such as ``StatefulPartitionedCall/`` or
+        ``gradient_tape/``). Otherwise, after `observe`, scopes resolve as it
+        decided; before, each name decides alone by the same rule (the exact
+        layer name, else the one whose ``_N`` uniquified scope it is). Without
+        a model, the innermost scope under the top-level model scope is used.
         """
         name = node_name.lstrip("^").split(":")[0]
         parts = name.split("/")[:-1]  # the last component is the op itself
+        if self._object_scopes:
+            return self._recorded_layer_of(parts)
         if not self._children:
             parts = [p for p in parts if p not in ("StatefulPartitionedCall", "gradient_tape")]
             return _SUFFIX.sub("", parts[-1]) if len(parts) > 1 else None
@@ -109,6 +148,16 @@ class LayerIndex:
                 if path in self._children:
                     container = path
         return found
+
+    def _recorded_layer_of(self, parts):
+        for i, part in enumerate(parts):
+            if part not in self._roots:
+                continue
+            for j in range(len(parts), i, -1):  # the innermost recorded scope first
+                path = self._object_scopes.get("/".join(parts[i:j]))
+                if path is not None:
+                    return path
+        return None
 
 
 def _assign_scopes(scopes, children):
@@ -138,13 +187,23 @@ def _assign_scopes(scopes, children):
 
 
 def _sublayers(layer):
-    """Models' `.layers`; a plain Layer's direct sublayers when its class sets `_tfmetal_container`."""
-    layers = getattr(layer, "layers", None)
-    if layers:
-        return list(layers)
-    if getattr(layer, "_tfmetal_container", False) and hasattr(layer, "_flatten_layers"):
-        return list(layer._flatten_layers(include_self=False, recursive=False))
-    return []
+    """The layers Keras tracks directly under `layer`: a model's `.layers`, else its tracked sublayers.
+
+    Tracked sublayers are those a layer keeps in attributes, lists and dicts
+    (Keras' `_flatten_layers`); a layer with an inspection rule of its own
+    (e.g. ``LSTM``, whose ``LSTMCell`` is its own business) is a leaf.
+    """
+    import keras
+
+    if isinstance(layer, keras.Model):
+        layers = getattr(layer, "layers", None)
+        if layers:
+            return list(layers)
+    if not hasattr(layer, "_flatten_layers"):
+        return []
+    if not getattr(layer, "_tfmetal_container", False) and catalog.has_rule(layer):
+        return []
+    return list(layer._flatten_layers(include_self=False, recursive=False))
 
 
 def _matches(path, layer):
@@ -213,6 +272,13 @@ class LayerRow:
     status: str
     reason: str | None
     note: str | None = None
+    ran: dict | None = None  # forward compute op -> count, in this layer's scope (XLA calls named)
+
+
+def _fmt_ran(ran):
+    if not ran:
+        return "-"
+    return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(ran.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def _fmt_ops(op, fused_ops):
@@ -283,7 +349,7 @@ class FusionReport:
                         r.path,
                         r.pattern,
                         r.status,
-                        _fmt_ops(r.actual_op, r.actual_fused_ops),
+                        _fmt_ops(r.actual_op, r.actual_fused_ops) if r.actual_op else _fmt_ran(r.ran),
                         (r.reason or "") + (f" [note: {r.note}]" if r.note else ""),
                     )
                 )
@@ -358,10 +424,15 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
     index.observe(n.name for n in capture.nodes())
     counts = collections.Counter()
     fused = []
+    ran = collections.defaultdict(collections.Counter)  # layer path -> forward op label -> count
     for node in capture.nodes():
         if node.op in NON_COMPUTE_OPS:
             continue
         counts[node.op] += 1
+        if node.op not in _PLUMBING_OPS and not _is_backward(node.name):
+            path = index.layer_of(node.name)
+            if path is not None:
+                ran[path][_ran_label(node)] += 1
         if fusion.is_fused_op(node.op) or "fused_ops" in node.attr and node.attr["fused_ops"].list.s:
             weight_layers = [index.layer_of(i) for i in list(node.input)[1:3] if not i.startswith("^")]
             own = index.layer_of(node.name)
@@ -382,11 +453,13 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
                 )
             )
     verdicts = []
-    for layer, path in index.leaf_layers():
+    for layer, path in index.all_layers():
         exp = catalog.expectation(layer, ctx)
         if exp is None:
             continue
-        verdicts.append(_layer_row(layer, path, exp, fused))
+        row, node, exp = _layer_row(layer, path, exp, fused)
+        row.ran = dict(ran.get(path, {})) or None
+        verdicts.append((row, node, exp))
     rows = _credit_shared_nodes(verdicts)
     return FusionReport(
         mode=capture.mode,
@@ -400,6 +473,21 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
         layers=rows,
         notes=list(notes),
     )
+
+
+# Forward ops that say nothing about what a layer computed (weight reads, shape plumbing).
+_PLUMBING_OPS = frozenset({"ReadVariableOp", "Reshape", "Squeeze", "Shape", "ExpandDims", "Cast", "StridedSlice"})
+_CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
+
+
+def _ran_label(node):
+    """The op type, or ``"XLA call <function>"`` for a call of an XLA-compiled function."""
+    if node.op in _CALL_OPS and "_XlaMustCompile" in node.attr and node.attr["_XlaMustCompile"].b:
+        fn = re.sub(r"^__(inference|forward|backward)_|_\d+$", "", node.attr["f"].func.name)
+        return f"XLA call {fn}"
+    if node.op in ("_XlaCompile", "_XlaRun", "XlaLaunch"):
+        return f"XLA {node.op}"
+    return node.op
 
 
 def _credit_shared_nodes(verdicts):
