@@ -1,0 +1,83 @@
+"""Marks for the Keras suite: which Keras tests apply to a class, and which are gated to Keras' own.
+
+From `baseline.json` (regenerate with ``python -m tests.keras_suite.make_baseline``):
+
+- a test that never builds the bare subclass (the file's Conv1D cases, say)
+  does not test this class: deselected;
+- a test the bare subclass fails is gated to Keras' own class: xfail (not
+  strict), with the bare subclass's error as the reason;
+- a test in `swap.EXPECTED_FAILURES`: xfail(strict=True) with its reason;
+- every other test, including tests the baseline has not seen (a newer
+  Keras), must pass.
+"""
+
+import warnings
+
+import keras
+import pytest
+
+from tests.keras_suite import swap
+
+
+def pytest_configure(config):
+    # Keras' own conftest skips these on its numpy backend; TensorFlow trains.
+    config.addinivalue_line("markers", "requires_trainable_backend: Keras' mark (a backend that can train)")
+
+
+def _key(item):
+    return swap.test_key(item.nodeid)
+
+
+@pytest.fixture(autouse=True)
+def _keras_suite_current_test(request):
+    suite, name = _key(request.node)
+    swap.set_current_test((suite, name))
+    yield
+    swap.set_current_test(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    mine = [i for i in items if "keras_suite/test_keras_suite.py::" in i.nodeid]
+    if not mine or swap.variant() != "ours":
+        return
+    baseline = swap.load_baseline()
+    if baseline is None:
+        raise pytest.UsageError(
+            f"{swap.BASELINE_PATH} is missing; run `python -m tests.keras_suite.make_baseline`"
+        )
+    if baseline.get("keras") != keras.__version__:
+        warnings.warn(
+            f"tests/keras_suite/baseline.json was made with Keras {baseline.get('keras')}, this is "
+            f"Keras {keras.__version__}: regenerate it with `python -m tests.keras_suite.make_baseline`",
+            stacklevel=1,
+        )
+    deselected = []
+    for item in mine:
+        suite, name = _key(item)
+        data = baseline["suites"].get(suite, {})
+        if name in data.get("not_applicable", ()):
+            deselected.append(item)
+            continue
+        expected = swap.EXPECTED_FAILURES.get(suite, {}).get(name)
+        if expected is not None:
+            item.add_marker(pytest.mark.xfail(reason=expected, strict=True))
+            continue
+        bare = data.get("tests", {}).get(name)
+        if bare is not None and bare["bare"] != "passed":
+            item.add_marker(
+                pytest.mark.xfail(reason=f"gated to Keras' own class (a bare subclass fails: {bare['reason']})",
+                                  strict=False)
+            )
+    if deselected:
+        chosen = set(map(id, deselected))
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = [i for i in items if id(i) not in chosen]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_keras_session(request):
+    """Overrides tests/conftest.py's: Keras' TestCase.setUp clears the session
+    itself, and the garbage collection of ``clear_session()`` costs about a
+    second per test here (minutes over the suite)."""
+    yield
+    keras.backend.clear_session(free_memory=False)
