@@ -52,7 +52,7 @@ def _forward_backward(layer, x, dy, **call_kw):
 # ----------------------------------------------------------------------------
 # FusedBatchNorm equivalence.
 
-BN_SHAPES = [(8, 6), (4, 3, 3, 6)]
+BN_SHAPES = [(8, 6), (4, 5, 6), (4, 3, 3, 6), (2, 3, 2, 2, 6)]
 
 
 # center/scale variants in float32; the mixed policies run the full layer.
@@ -232,7 +232,7 @@ def test_batch_norm_2d_relu_does_not_fuse():
     assert report.ops_by_type.get("FusedBatchNormV3") == 1
     assert "_FusedBatchNormEx" not in report.ops_by_type
     row = report.row("bn")
-    assert (row.status, row.reason) == ("not fused", normalization.REASON_FLAT)
+    assert (row.status, row.reason) == ("not fused", normalization.REASON_FLAT.format(rank=2))
 
 
 def test_bias_free_conv_folds_batch_norm_at_inference():
@@ -338,29 +338,171 @@ def test_layer_norm_layer(kwargs, shape, trainable):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [
-        dict(renorm=True), dict(virtual_batch_size=4), dict(synchronized=True), dict(momentum=1.5),
-        dict(epsilon=0), dict(epsilon=-1.0), dict(epsilon=1e-6), dict(axis="x"), dict(renorm_clipping={"rmax": 2.0}),
-    ],
+    [dict(virtual_batch_size=4), dict(momentum=1.5), dict(epsilon=0), dict(epsilon=-1.0), dict(axis="x")],
 )
 def test_batch_norm_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="Received: " + next(iter(kwargs))):
         FusedBatchNorm(**kwargs)
 
 
-@pytest.mark.parametrize("axis,shape", [(1, (2, 3, 3, 4)), (-2, (2, 4)), (-1, (2, 3, 4)), (0, (4, 3))])
-def test_batch_norm_bad_axis_or_rank_at_build(axis, shape):
-    with pytest.raises(ValueError, match="Received:"):
+@pytest.mark.parametrize(
+    "clipping,message",
+    [({"random_key": 1.0}, "Received invalid keys"), ({"rmax": 0.0, "rmin": 1.0}, "rmax should be"),
+     ({"rmax": 1.0, "dmax": -1.0}, "dmax should be non-negative")],
+)
+def test_batch_norm_bad_renorm_clipping_as_keras(clipping, message):
+    with pytest.raises(ValueError, match=message):
+        keras.layers.BatchNormalization(renorm=True, renorm_clipping=clipping)
+    with pytest.raises(ValueError, match=message):
+        FusedBatchNorm(renorm=True, renorm_clipping=clipping)
+
+
+@pytest.mark.parametrize("axis,shape", [(2, (2, 4)), (-3, (2, 4)), (4, (2, 3, 3, 4))])
+def test_batch_norm_axis_out_of_bounds_at_build(axis, shape):
+    with pytest.raises(ValueError, match="Received: axis="):
         FusedBatchNorm(axis=axis).build(shape)
 
 
-@pytest.mark.parametrize("kwargs", [dict(epsilon=0.0), dict(rms_scaling=True), dict(axis=[1, 2]), dict(axis=1.5)])
+# ----------------------------------------------------------------------------
+# The rest of the stock contract: masks, and what runs the stock computation.
+
+
+def _train_and_infer(stock, ours, x, **call_kw):
+    for training in (True, False):
+        _close(ours(x, training=training, **call_kw), stock(x, training=training, **call_kw), "float32",
+               f"output, training={training}, {call_kw and 'masked'}")
+    for a, b, w in zip(ours.get_weights(), stock.get_weights(), stock.weights):
+        _close(a, b, "float32", w.name)
+
+
+@pytest.mark.parametrize("shape", [(6, 7, 4), (3, 4, 5, 4)])
+def test_batch_norm_masked_training_uses_masked_moments_as_keras(shape):
+    # Before: the mask was dropped, the moments taken over masked steps too.
+    stock, ours = _pair(keras.layers.BatchNormalization, FusedBatchNorm, dict(momentum=0.5), shape, "float32")
+    rng = np.random.default_rng(4)
+    x = (rng.normal(size=shape) * 2 + 1).astype("float32")
+    mask = rng.random(shape[:-1]) > 0.4
+    x[~mask] = 50.0  # masked steps far off: taking them into the moments would show
+    assert ours.stock_form_reason(len(shape), training=True, masked=True) is not None
+    _train_and_infer(stock, ours, x, mask=tf.constant(mask))
+
+
+def test_batch_norm_mask_of_wrong_rank():
+    layer = FusedBatchNorm()
+    with pytest.raises(ValueError, match="mask.shape="):
+        layer(np.zeros((2, 3, 4), "float32"), training=True, mask=np.ones((2,), bool))
+
+
+def test_normalization_masks_pass_through_as_keras():
+    # Before: FusedBatchNorm / FusedLayerNorm dropped the mask of a Masking layer.
+    x = np.random.default_rng(5).normal(size=(3, 6, 4)).astype("float32")
+    x[:, 4:] = 0.0
+    for stock_cls, ours_cls in ((keras.layers.BatchNormalization, FusedBatchNorm),
+                                (keras.layers.LayerNormalization, FusedLayerNorm)):
+        masks = []
+        for cls in (stock_cls, ours_cls):
+            inp = keras.Input((6, 4))
+            out = cls()(keras.layers.Masking()(inp))
+            masks.append(out._keras_mask)
+            assert cls().supports_masking
+        assert masks[1] is not None and tuple(masks[1].shape) == tuple(masks[0].shape)
+        stock_cls_mask = keras.Model(inp, out).layers[-1].compute_mask(x, tf.constant(x[..., 0] != 0))
+        np.testing.assert_array_equal(np.asarray(stock_cls_mask), x[..., 0] != 0)
+
+
+def test_batch_norm_masked_model_fit_matches_keras():
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(8, 5, 3)).astype("float32")
+    x[:, 3:] = 0.0
+    y = rng.normal(size=(8, 5, 3)).astype("float32")
+    results = []
+    for cls in (keras.layers.BatchNormalization, FusedBatchNorm):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5, 3)), keras.layers.Masking(), cls(momentum=0.5)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        results.append(model.get_weights())
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs,shape",
+    [(dict(axis=1), (4, 3, 3, 6)), (dict(axis=-2), (5, 6, 3)), (dict(axis=0), (4, 3)), (dict(renorm=True), (8, 5)),
+     (dict(renorm=True, renorm_clipping={"rmax": 3.0, "rmin": 0.3, "dmax": 5.0}, renorm_momentum=0.8), (8, 3, 5)),
+     (dict(epsilon=1e-7), (6, 4)), (dict(synchronized=True), (6, 4))],
+)
+def test_batch_norm_stock_computation_matches_keras(kwargs, shape):
+    # Before: each of these was refused with a ValueError.
+    stock, ours = _pair(keras.layers.BatchNormalization, FusedBatchNorm, kwargs, shape, "float32")
+    assert [w.name for w in ours.weights] == [w.name for w in stock.weights]
+    assert ours.stock_form_reason(len(shape)) is not None
+    x = (np.random.default_rng(7).normal(size=shape) * 2 + 0.5).astype("float32")
+    for _ in range(2):
+        _train_and_infer(stock, ours, x)
+    config = ours.get_config()
+    assert {k: config[k] for k in ("renorm", "synchronized", "renorm_momentum")} == {
+        k: stock.get_config()[k] for k in ("renorm", "synchronized", "renorm_momentum")}
+
+
+@pytest.mark.parametrize("mode", ["predict", "train"])
+def test_batch_norm_3d_is_one_fused_batch_norm(mode):
+    # Before: a 3-D (batch, steps, channels) input raised in build.
+    inp = keras.Input((12, 8))
+    h = keras.layers.Conv1D(8, 3, padding="same", use_bias=False)(inp)
+    out = FusedBatchNorm(name="bn")(h)
+    model = keras.Model(inp, out)
+    report = ti.fusion_report(model, inputs=np.random.rand(4, 12, 8).astype("float32"), mode=mode)
+    assert report.ops_by_type.get("FusedBatchNormV3", 0) + report.ops_by_type.get("_FusedBatchNormEx", 0) >= 1
+    assert report.ops_by_type.get("Rsqrt", 0) == 0  # no moments chain: the fused op ran
+
+
+def test_rules_name_the_stock_computation():
+    keras.mixed_precision.set_global_policy("float32")
+    ctx = catalog.FusionContext(backend="cpu", mode="train")
+    for layer, shape in ((FusedBatchNorm(renorm=True), (4, 6)), (FusedBatchNorm(axis=1), (2, 3, 4)),
+                         (FusedLayerNorm(axis=1), (2, 3, 4))):
+        keras.Sequential([keras.Input(shape[1:]), layer])
+        exp = catalog.expectation(layer, ctx)
+        assert exp.op is None and "stock" in exp.reason
+
+
+@pytest.mark.parametrize("kwargs,shape", [(dict(axis=1), (2, 3, 4)), (dict(axis=[1, 2]), (2, 3, 4)),
+                                          (dict(axis=-2), (3, 5, 2)), (dict(rms_scaling=True), (2, 4))])
+def test_layer_norm_stock_computation_matches_keras(kwargs, shape):
+    # Before: each of these was refused with a ValueError.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stock, ours = _pair(keras.layers.LayerNormalization, FusedLayerNorm, kwargs, shape, "float32")
+    assert [tuple(w.shape) for w in ours.weights] == [tuple(w.shape) for w in stock.weights]
+    assert ours.stock_form_reason() is not None
+    x = np.random.default_rng(8).normal(size=shape).astype("float32")
+    dy = np.random.default_rng(9).normal(size=shape).astype("float32")
+    y_ref, g_ref = _forward_backward(stock, x, dy)
+    y, g = _forward_backward(ours, x, dy)
+    _close(y, y_ref, "float32", "output")
+    for a, b in zip(g, g_ref):
+        _close(a, b, "float32", "gradient")
+    assert ours.get_config()["axis"] == stock.get_config()["axis"]
+
+
+@pytest.mark.parametrize("kwargs", [dict(epsilon=0.0), dict(epsilon=-1.0)])
 def test_layer_norm_bad_arguments(kwargs):
     with pytest.raises(ValueError, match="Received: " + next(iter(kwargs))):
         FusedLayerNorm(**kwargs).build((2, 3, 4))
 
 
-@pytest.mark.parametrize("axis", [1, -2, 0])
-def test_layer_norm_rejects_non_last_axis(axis):
+@pytest.mark.parametrize("axis", [1.5, "x"])
+def test_layer_norm_bad_axis_type_is_type_error_as_keras(axis):
+    with pytest.raises(TypeError):
+        keras.layers.LayerNormalization(axis=axis)
+    with pytest.raises(TypeError, match="Received: axis="):
+        FusedLayerNorm(axis=axis)
+
+
+@pytest.mark.parametrize("axis", [3, -4])
+def test_layer_norm_axis_out_of_bounds(axis):
     with pytest.raises(ValueError, match="Received: axis="):
         FusedLayerNorm(axis=axis).build((2, 3, 4))

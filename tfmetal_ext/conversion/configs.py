@@ -76,10 +76,17 @@ def node_input_shape(node):
 def bn_reason(bn, input_shape):
     """Why `bn` cannot become FusedBatchNorm / join ConvBNAct, or None."""
     rank = len(input_shape)
-    if rank not in (2, 4):
-        return f"FusedBatchNorm takes 2-D or 4-D inputs (FusedBatchNormV3 is NHWC); this input is {rank}-D"
+    if rank < 2:
+        return f"FusedBatchNormV3 needs a batch and a channels axis; this input is {rank}-D"
     if not last_axis_only(bn.axis, rank):
         return f"axis={bn.axis} is not the last (channels_last) axis"
+    # FusedBatchNorm takes these too, but runs the stock computation for them: nothing to gain.
+    if getattr(bn, "renorm", False) or getattr(bn, "synchronized", False):
+        return "batch renormalization / synchronized batch norm (FusedBatchNorm would run the stock computation)"
+    from tfmetal_ext.layers import _ops
+
+    if float(bn.epsilon) < _ops.MIN_FUSED_EPSILON:
+        return f"epsilon={bn.epsilon} is below FusedBatchNormV3's minimum {_ops.MIN_FUSED_EPSILON}"
     return None
 
 

@@ -33,6 +33,7 @@ hand-written custom-gradient form (the fastest composite above).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import keras
 import tensorflow as tf
@@ -40,7 +41,7 @@ from keras import constraints, initializers, regularizers
 
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
-from tfmetal_ext.layers._ops import batch_norm, check_batch_norm_args
+from tfmetal_ext.layers._ops import MIN_FUSED_EPSILON, batch_norm
 from tfmetal_ext.ops.layer_norm import LAYER_NORM_OP, layer_norm, uses_kernel
 
 
@@ -50,21 +51,39 @@ def _check_epsilon(epsilon):
     return float(epsilon)
 
 
-def _check_last_axis(axis, rank):
-    """`axis` normalized to ``rank - 1``, or ValueError."""
-    given = axis
-    if isinstance(axis, (list, tuple)):
-        if len(axis) != 1:
-            raise ValueError(f"Only the last axis can be normalized. Received: axis={given!r}")
-        axis = axis[0]
-    if axis < 0:
-        axis += rank
-    if axis != rank - 1:
+def _check_momentum_epsilon(momentum, epsilon):
+    """Numbers as the stock layer takes them (an epsilon below FusedBatchNormV3's minimum runs stock)."""
+    for name, value in (("momentum", momentum), ("epsilon", epsilon)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"`{name}` must be a number. Received: {name}={value!r}")
+    if not 0.0 <= momentum <= 1.0:
+        raise ValueError(f"`momentum` must be a number in [0, 1]. Received: momentum={momentum!r}")
+    if not epsilon > 0:
+        raise ValueError(f"`epsilon` must be a positive number. Received: epsilon={epsilon!r}")
+    return float(momentum), float(epsilon)
+
+
+def _check_renorm_clipping(clipping):
+    """`renorm_clipping` as Keras validates it (keys rmax, rmin, dmax; rmin <= rmax; dmax >= 0)."""
+    clipping = dict(clipping or {})
+    keys = ["rmax", "rmin", "dmax"]
+    if set(clipping) - set(keys):
         raise ValueError(
-            f"Only the last axis (channels_last) is supported for rank-{rank} inputs. "
-            f"Received: axis={given!r}"
+            f"Received invalid keys for `renorm_clipping` argument: {clipping}. Supported values: {keys}."
         )
-    return axis
+    rmax, rmin, dmax = (clipping.get(k) for k in keys)
+    if rmax is not None and rmin is not None and rmax < rmin:
+        raise ValueError(
+            f"rmax should be greater than rmin in the `renorm_clipping` argument. Received: rmax={rmax}, rmin={rmin}."
+        )
+    if dmax is not None and dmax < 0:
+        raise ValueError(f"dmax should be non-negative in the `renorm_clipping` argument. Received: dmax={dmax}.")
+    return clipping
+
+
+def _fresh_initializer(initializer):
+    """A new instance of `initializer` (a Keras initializer instance may be single-use)."""
+    return initializers.get(initializers.serialize(initializer))
 
 
 def _check_axis_arg(axis):
@@ -93,6 +112,18 @@ class FusedBatchNorm(keras.layers.Layer):
     | CUDA   | FusedBatchNormV3 (cuDNN)              | `_FusedBatchNormEx`: float32/half; training needs half, C % 4 == 0 |
     | Metal  | FusedBatchNormV3                      | `_FusedBatchNormEx` float32/half                        |
 
+    Inputs of rank 2, 3 (``(batch, steps, channels)``: Conv1D and sequence
+    models) and 5 are reshaped to 4-D NHWC around the one FusedBatchNormV3
+    (``(N, C)`` -> ``(N, 1, 1, C)``, ``(N, T, C)`` -> ``(N, T, 1, C)``,
+    ``(N, D, H, W, C)`` -> ``(N, D, H*W, C)``): the same per-channel statistics.
+    Masks are honoured as Keras does: a masked training call computes the
+    batch moments over the unmasked steps only, and the mask passes through
+    (``supports_masking``). What FusedBatchNormV3 cannot compute runs the
+    stock computation (`keras.layers.BatchNormalization.call` on this layer's
+    weights, the exact stock result, nothing fused; `stock_form_reason` and
+    the fusion report say why): a masked training call, ``renorm``,
+    ``synchronized``, an axis other than the last, an epsilon below 1.001e-5.
+
     At inference on CPU (float32) a preceding ``Conv2D(use_bias=False)``
     folds it into `_FusedConv2D[FusedBatchNorm(, Relu)]`. While
     ``tfmetal_ext.configure(avoid_fusions=["fused_batch_norm"])`` is in force
@@ -100,30 +131,37 @@ class FusedBatchNorm(keras.layers.Layer):
     FusedBatchNormV3: same statistics and updates, nothing fused.
 
     Args:
-        axis: the channels axis; only the last axis is supported.
-        momentum: momentum of the moving averages.
-        epsilon: added to the variance; at least 1.001e-5 (cuDNN's minimum).
+        axis: the channels axis; only the last axis runs fused.
+        momentum: momentum of the moving averages, in [0, 1].
+        epsilon: added to the variance, > 0; below 1.001e-5 (cuDNN's
+            minimum for FusedBatchNormV3) the stock computation runs.
         center: learn an offset `beta`; when False no beta weight exists.
         scale: learn a scale `gamma`; when False no gamma weight exists.
         beta_initializer, gamma_initializer, moving_mean_initializer,
         moving_variance_initializer: weight initializers.
         beta_regularizer, gamma_regularizer: weight regularizers.
         beta_constraint, gamma_constraint: weight constraints.
-        **kwargs: base layer arguments (`name`, `dtype`, `trainable`). The
-            stock layer's `renorm`, `renorm_clipping`, `renorm_momentum`,
-            `synchronized` and Keras 2's `virtual_batch_size` are accepted at
-            their defaults only.
+        renorm, renorm_clipping, renorm_momentum: batch renormalization, as
+            Keras (its extra statistics, stock computation).
+        synchronized: all-reduce the statistics across replicas, as Keras
+            (stock computation).
+        **kwargs: base layer arguments (`name`, `dtype`, `trainable`).
+            Keras 2's `virtual_batch_size` is accepted as None only.
 
-    Input shape:
-        ``(batch, channels)`` or ``(batch, height, width, channels)``.
+    Call arguments:
+        inputs: the tensor to normalize, any rank >= 2 with the channels
+            axis known.
+        training: batch statistics (and moving-statistics updates) when true
+            and the layer is trainable.
+        mask: ``inputs.shape[:-1]`` booleans; masked steps are left out of
+            the batch moments.
 
     Output shape:
         Same as the input.
 
     Raises:
-        ValueError: on a bad argument, an axis other than the last, an input
-            rank other than 2 or 4, or renorm / virtual batches /
-            synchronized statistics.
+        ValueError: on a bad argument, an axis out of bounds, a mask of the
+            wrong rank, or `virtual_batch_size`.
 
     Example:
 
@@ -148,25 +186,21 @@ class FusedBatchNorm(keras.layers.Layer):
         gamma_regularizer=None,
         beta_constraint=None,
         gamma_constraint=None,
+        renorm=False,
+        renorm_clipping=None,
+        renorm_momentum=0.99,
+        synchronized=False,
         **kwargs,
     ):
-        unsupported = {
-            "renorm": False,
-            "renorm_clipping": None,
-            "renorm_momentum": 0.99,
-            "virtual_batch_size": None,
-            "synchronized": False,
-        }
-        for key, default in unsupported.items():
-            value = kwargs.pop(key, default)
-            if value != default:
-                raise ValueError(
-                    f"FusedBatchNorm does not support `{key}` (FusedBatchNormV3 has no such mode); "
-                    f"use keras.layers.BatchNormalization. Received: {key}={value!r}"
-                )
+        virtual_batch_size = kwargs.pop("virtual_batch_size", None)
+        if virtual_batch_size is not None:
+            raise ValueError(
+                "`virtual_batch_size` is a Keras 2 argument that keras.layers.BatchNormalization "
+                f"(Keras 3) does not have either. Received: virtual_batch_size={virtual_batch_size!r}"
+            )
         super().__init__(**kwargs)
         self.axis = _check_axis_arg(axis)
-        self.momentum, self.epsilon = check_batch_norm_args(momentum, epsilon)
+        self.momentum, self.epsilon = _check_momentum_epsilon(momentum, epsilon)
         self.center = bool(center)
         self.scale = bool(scale)
         self.beta_initializer = initializers.get(beta_initializer)
@@ -177,22 +211,33 @@ class FusedBatchNorm(keras.layers.Layer):
         self.gamma_regularizer = regularizers.get(gamma_regularizer)
         self.beta_constraint = constraints.get(beta_constraint)
         self.gamma_constraint = constraints.get(gamma_constraint)
+        self.synchronized = bool(synchronized)
+        self.renorm = bool(renorm)
+        self.renorm_clipping = _check_renorm_clipping(renorm_clipping) if self.renorm else renorm_clipping
+        self.renorm_momentum = renorm_momentum
+        if (self.renorm or self.synchronized) and _STOCK_BN_HELPERS is None:
+            raise ValueError(
+                "This Keras version's BatchNormalization has no batch-renormalization helpers to run; "
+                f"use keras.layers.BatchNormalization. Received: renorm={renorm!r}, synchronized={synchronized!r}"
+            )
+        self.supports_masking = True
         self.gamma = None
         self.beta = None
         self.moving_mean = None
         self.moving_variance = None
+        self._reduction_axes = None
 
     def build(self, input_shape):
         rank = len(input_shape)
-        if rank not in (2, 4):
+        axis = self.axis + rank if self.axis < 0 else self.axis
+        if not 0 <= axis < rank:
             raise ValueError(
-                "FusedBatchNorm takes 2-D (batch, channels) or 4-D NHWC inputs. "
-                f"Received: input_shape={tuple(input_shape)}"
+                f"Axis {self.axis} is out of bounds for input shape {tuple(input_shape)}. "
+                f"Received: axis={self.axis}"
             )
-        self.axis = _check_last_axis(self.axis, rank)
-        channels = input_shape[-1]
+        channels = input_shape[axis]
         if channels is None:
-            raise ValueError(f"The channels dimension must be known. Received: input_shape={tuple(input_shape)}")
+            raise ValueError(f"The normalized axis must be known. Received: input_shape={tuple(input_shape)}")
         shape = (int(channels),)
         if self.scale:
             self.gamma = self.add_weight(
@@ -214,16 +259,80 @@ class FusedBatchNorm(keras.layers.Layer):
             name="moving_variance", shape=shape, initializer=self.moving_variance_initializer,
             trainable=False, autocast=False,
         )
+        if self.renorm:
+            # Batch renormalization's extra statistics, named and initialized as Keras does;
+            # the stock computation runs (see `stock_form_reason`).
+            variance_init = self.moving_variance_initializer
 
-    def call(self, inputs, training=None):
+            def stddev_initializer(shape, dtype=None):
+                return tf.sqrt(_fresh_initializer(variance_init)(shape, dtype=dtype))
+
+            self.moving_stddev = self.add_weight(
+                name="moving_stddev", shape=shape, initializer=stddev_initializer,
+                trainable=False, autocast=False,
+            )
+            self.renorm_mean = self.add_weight(
+                name="renorm_mean", shape=shape, initializer=_fresh_initializer(self.moving_mean_initializer),
+                trainable=False, autocast=False,
+            )
+            self.renorm_stddev = self.add_weight(
+                name="renorm_stddev", shape=shape, initializer=stddev_initializer,
+                trainable=False, autocast=False,
+            )
+        self.input_spec = keras.layers.InputSpec(ndim=rank, axes={self.axis: int(channels)})
+        self._reduction_axes = [a for a in range(rank) if a != axis]
+
+    def stock_form_reason(self, rank=None, training=True, masked=False):
+        """Why a call runs the stock computation instead of FusedBatchNormV3, or None.
+
+        The stock computation is `keras.layers.BatchNormalization.call` on this
+        layer's own weights: the exact stock result, nothing fused. It runs for
+        batch renormalization, synchronized statistics, a normalized axis other
+        than the last, an epsilon below cuDNN's FusedBatchNormV3 minimum, an
+        input of rank < 2, and for a masked training call (masked moments).
+        """
+        if self.renorm:
+            return "renorm=True (batch renormalization): no fused op computes it"
+        if self.synchronized:
+            return "synchronized=True: the statistics are all-reduced across replicas"
+        if self.epsilon < MIN_FUSED_EPSILON:
+            return f"epsilon={self.epsilon} is below FusedBatchNormV3's minimum {MIN_FUSED_EPSILON}"
+        if rank is not None:
+            if rank < 2:
+                return f"a {rank}-D input: FusedBatchNormV3 needs a batch and a channels axis"
+            axis = self.axis + rank if self.axis < 0 else self.axis
+            if axis != rank - 1:
+                return f"axis={self.axis} is not the last (channels_last) axis of a {rank}-D input"
+        if masked and training and self.trainable:
+            return "a masked training call: the batch moments skip masked steps (FusedBatchNormV3 cannot)"
+        return None
+
+    def call(self, inputs, training=None, mask=None):
+        rank = len(inputs.shape)
+        if mask is not None and len(mask.shape) != rank - 1:
+            raise ValueError(
+                "The mask must have one dimension less than the inputs. "
+                f"Received: mask.shape={tuple(mask.shape)}, inputs.shape={tuple(inputs.shape)}"
+            )
+        if self.stock_form_reason(rank, bool(training), mask is not None) is not None:
+            return keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask)
         x = tf.cast(inputs, self.compute_dtype)
         channels = self.moving_mean.shape[0]
         gamma = self.gamma.value if self.scale else tf.ones([channels], tf.float32)
         beta = self.beta.value if self.center else tf.zeros([channels], tf.float32)
         training = bool(training) and self.trainable
-        flat = len(x.shape) == 2
-        if flat:  # FusedBatchNormV3 is 4-D only
-            x = tf.reshape(x, [-1, 1, 1, channels])
+        shape = None
+        if rank != 4:
+            # FusedBatchNormV3 is 4-D NHWC: (N, C) -> (N, 1, 1, C), (N, T, C) -> (N, T, 1, C),
+            # (N, D, H, W, C) -> (N, D, H*W, C). The per-channel statistics are the same.
+            shape = tf.shape(x)
+            if rank == 2:
+                four = [-1, 1, 1, channels]
+            elif rank == 3:
+                four = tf.stack([shape[0], shape[1], 1, channels])
+            else:
+                four = tf.stack([shape[0], shape[1], tf.reduce_prod(shape[2:-1]), channels])
+            x = tf.reshape(x, four)
         y, updates = batch_norm(
             x, gamma, beta, self.moving_mean.value, self.moving_variance.value,
             epsilon=self.epsilon, momentum=self.momentum, training=training,
@@ -231,8 +340,9 @@ class FusedBatchNorm(keras.layers.Layer):
         if updates is not None:
             self.moving_mean.assign(updates[0])
             self.moving_variance.assign(updates[1])
-        if flat:
-            y = tf.reshape(y, [-1, channels])
+        if shape is not None:
+            y = tf.reshape(y, shape)
+            y.set_shape(inputs.shape)
         return y
 
     def compute_output_shape(self, input_shape):
@@ -255,9 +365,27 @@ class FusedBatchNorm(keras.layers.Layer):
                 "gamma_regularizer": regularizers.serialize(self.gamma_regularizer),
                 "beta_constraint": constraints.serialize(self.beta_constraint),
                 "gamma_constraint": constraints.serialize(self.gamma_constraint),
+                "synchronized": self.synchronized,
+                "renorm": self.renorm,
+                "renorm_clipping": self.renorm_clipping,
+                "renorm_momentum": self.renorm_momentum,
             }
         )
         return config
+
+
+# The stock computation FusedBatchNorm falls back to (`stock_form_reason`) is
+# keras.layers.BatchNormalization.call run on FusedBatchNorm's own weights; these are
+# the stock helpers that call uses, bound to FusedBatchNorm (None if this Keras lacks one).
+_STOCK_BN_HELPERS = {
+    name: getattr(keras.layers.BatchNormalization, name, None)
+    for name in ("_moments", "_renorm_correction_and_moments", "_compose_transforms", "_update_renorm_statistics")
+}
+if any(fn is None for fn in _STOCK_BN_HELPERS.values()):  # pragma: no cover - another Keras
+    _STOCK_BN_HELPERS = None
+else:
+    for _name, _fn in _STOCK_BN_HELPERS.items():
+        setattr(FusedBatchNorm, _name, _fn)
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
@@ -280,18 +408,23 @@ class FusedLayerNorm(keras.layers.Layer):
     | CUDA   | no CUDA kernel: the pure-TF reference, 18 ops, on the GPU              |
 
     Without the op library (no compiler, or ``TFMETAL_EXT_REFERENCE_OPS=1``)
-    the layer runs the same pure-TF reference: same results, 18 ops.
+    the layer runs the same pure-TF reference: same results, 18 ops. Masks
+    pass through (``supports_masking``, as Keras). Normalized axes other than
+    the last alone and ``rms_scaling=True`` run the stock computation
+    (`keras.layers.LayerNormalization.call` on this layer's weights; nothing
+    fused, `stock_form_reason` and the report say why).
 
     Args:
-        axis: the normalized axis; only the last axis is supported.
+        axis: the normalized axis or axes (an int or a list of ints); the
+            last axis alone runs fused.
         epsilon: added to the variance.
         center: learn an offset `beta`.
         scale: learn a scale `gamma`.
         beta_initializer, gamma_initializer: weight initializers.
         beta_regularizer, gamma_regularizer: weight regularizers.
         beta_constraint, gamma_constraint: weight constraints.
-        **kwargs: base layer arguments. The stock layer's ``rms_scaling`` is
-            accepted only as False.
+        **kwargs: base layer arguments, and the stock layer's deprecated
+            ``rms_scaling`` (stock computation, with Keras' warning).
 
     Input shape:
         Any rank; the last dimension must be known.
@@ -300,7 +433,8 @@ class FusedLayerNorm(keras.layers.Layer):
         Same as the input.
 
     Raises:
-        ValueError: on a bad argument or an axis other than the last.
+        ValueError: on a bad argument or an axis out of bounds.
+        TypeError: an axis that is not an int or a list of ints (as Keras).
 
     Example:
 
@@ -326,43 +460,80 @@ class FusedLayerNorm(keras.layers.Layer):
     ):
         rms_scaling = kwargs.pop("rms_scaling", False)
         if rms_scaling:
-            raise ValueError(
-                "FusedLayerNorm does not support `rms_scaling`; use keras.layers.RMSNormalization. "
-                f"Received: rms_scaling={rms_scaling!r}"
+            warnings.warn(
+                "`rms_scaling=True` is deprecated in Keras (it scales by the variance, not the root "
+                "mean square; keras.layers.RMSNormalization is the correct layer). FusedLayerNorm "
+                "runs the stock computation for it, nothing fused.",
+                stacklevel=2,
             )
         super().__init__(**kwargs)
-        self.axis = _check_axis_arg(axis)
+        if isinstance(axis, (list, tuple)) and all(isinstance(a, int) and not isinstance(a, bool) for a in axis):
+            self.axis = list(axis)
+        elif isinstance(axis, int) and not isinstance(axis, bool):
+            self.axis = axis
+        else:
+            raise TypeError(f"`axis` must be an int or a list/tuple of ints. Received: axis={axis!r}")
         self.epsilon = _check_epsilon(epsilon)
         self.center = bool(center)
         self.scale = bool(scale)
+        self.rms_scaling = bool(rms_scaling)
         self.beta_initializer = initializers.get(beta_initializer)
         self.gamma_initializer = initializers.get(gamma_initializer)
         self.beta_regularizer = regularizers.get(beta_regularizer)
         self.gamma_regularizer = regularizers.get(gamma_regularizer)
         self.beta_constraint = constraints.get(beta_constraint)
         self.gamma_constraint = constraints.get(gamma_constraint)
+        self.supports_masking = True
         self.gamma = None
         self.beta = None
+        self._rank = None
 
     def build(self, input_shape):
-        self.axis = _check_last_axis(self.axis, len(input_shape))
-        if input_shape[-1] is None:
-            raise ValueError(f"The last dimension must be known. Received: input_shape={tuple(input_shape)}")
-        shape = (int(input_shape[-1]),)
-        if self.scale:
+        rank = len(input_shape)
+        axes = sorted(self.axis) if isinstance(self.axis, list) else [self.axis]
+        for a in axes:
+            if not -rank <= a < rank:
+                raise ValueError(
+                    f"Axis {a} is out of bounds for input shape {tuple(input_shape)}. Received: axis={self.axis}"
+                )
+        shape = tuple(input_shape[a] for a in axes)
+        if any(d is None for d in shape):
+            raise ValueError(f"The normalized axes must be known. Received: input_shape={tuple(input_shape)}")
+        shape = tuple(int(d) for d in shape)
+        self.axis = axes  # as Keras' LayerNormalization keeps it after build
+        self._rank = rank
+        if self.scale or self.rms_scaling:
             self.gamma = self.add_weight(
                 name="gamma", shape=shape, initializer=self.gamma_initializer,
                 regularizer=self.gamma_regularizer, constraint=self.gamma_constraint,
                 trainable=True, autocast=False,
             )
-        if self.center:
+        if self.center and not self.rms_scaling:
             self.beta = self.add_weight(
                 name="beta", shape=shape, initializer=self.beta_initializer,
                 regularizer=self.beta_regularizer, constraint=self.beta_constraint,
                 trainable=True, autocast=False,
             )
 
+    def stock_form_reason(self, rank=None):
+        """Why this layer runs the stock computation instead of the layer-norm op, or None.
+
+        The stock computation is `keras.layers.LayerNormalization.call` on this
+        layer's weights (``keras.ops.layer_normalization``): the exact stock
+        result. It runs for ``rms_scaling=True`` and for normalized axes other
+        than the last one alone.
+        """
+        if self.rms_scaling:
+            return "rms_scaling=True (deprecated in Keras): the stock computation"
+        rank = rank if rank is not None else self._rank
+        axes = self.axis if isinstance(self.axis, list) else [self.axis]
+        if rank is not None and sorted(a + rank if a < 0 else a for a in axes) != [rank - 1]:
+            return f"axis={self.axis}: the layer-norm op normalizes the last axis alone"
+        return None
+
     def call(self, inputs):
+        if self.stock_form_reason(len(inputs.shape)) is not None:
+            return keras.layers.LayerNormalization.call(self, inputs)
         x = tf.cast(inputs, self.compute_dtype)
         gamma = self.gamma.value if self.scale else None
         beta = self.beta.value if self.center else None
@@ -379,6 +550,7 @@ class FusedLayerNorm(keras.layers.Layer):
                 "epsilon": self.epsilon,
                 "center": self.center,
                 "scale": self.scale,
+                "rms_scaling": self.rms_scaling,
                 "beta_initializer": initializers.serialize(self.beta_initializer),
                 "gamma_initializer": initializers.serialize(self.gamma_initializer),
                 "beta_regularizer": regularizers.serialize(self.beta_regularizer),
@@ -395,9 +567,10 @@ class FusedLayerNorm(keras.layers.Layer):
 
 REASON_NO_RELU = "FusedBatchNormV3 (one op); no ReLU follows, so no remapper fusion applies"
 REASON_FLAT = (
-    "2-D input: reshaped to [N, 1, 1, C] around FusedBatchNormV3, and the Reshape back "
+    "{rank}-D input: reshaped to 4-D NHWC around FusedBatchNormV3, and the Reshape back "
     "keeps the ReLU from fusing"
 )
+REASON_STOCK_BN = "the stock BatchNormalization computation runs (nothing fused): {why}"
 REASON_FUSED_LN = (
     "no remapper pattern for layer norm on any device; FusedLayerNorm emits one TfmetalExt>LayerNorm "
     "(+ one TfmetalExt>LayerNormGrad per train step) against Keras' 32 ops"
@@ -439,6 +612,10 @@ def _bias_free_conv_before(layer):
 
 
 def _fused_batch_norm_rule(layer, ctx):
+    rank = catalog.input_rank(layer)
+    why = layer.stock_form_reason(rank, training=ctx.mode == "train")
+    if why is not None:
+        return Expectation("batchnorm_act", None, None, None, reason=REASON_STOCK_BN.format(why=why))
     relu = _is_plain_relu(_single_consumer(layer))
     dtype = layer.compute_dtype
     if ctx.xla:
@@ -448,8 +625,8 @@ def _fused_batch_norm_rule(layer, ctx):
         return Expectation("conv2d_batchnorm_act", "_FusedConv2D", ops, ops)
     if not relu:
         return Expectation("batchnorm_act", None, None, None, reason=REASON_NO_RELU)
-    if catalog.input_rank(layer) == 2:
-        return Expectation("batchnorm_act", None, None, None, reason=REASON_FLAT)
+    if rank is not None and rank != 4:
+        return Expectation("batchnorm_act", None, None, None, reason=REASON_FLAT.format(rank=rank))
     training = ctx.mode == "train" and layer.trainable
     channels = layer.moving_mean.shape[0] if layer.moving_mean is not None else 0
     blocked = catalog.dtype_block(ctx, dtype, "batchnorm_act") or catalog.batch_norm_ex_block(
@@ -461,6 +638,9 @@ def _fused_batch_norm_rule(layer, ctx):
 
 
 def _fused_layer_norm_rule(layer, ctx):
+    why = layer.stock_form_reason(catalog.input_rank(layer))
+    if why is not None:
+        return Expectation("layer_norm", None, None, None, reason=f"the stock LayerNormalization computation runs: {why}")
     if not catalog.fusion_for(ctx, "custom_layer_norm").fuses or not uses_kernel():
         return Expectation("layer_norm", None, None, None, reason=REASON_LN_REFERENCE)
     if LAYER_NORM_OP in catalog.FUSED_LAYER_OPS:  # the report lists the op as a whole fused layer
