@@ -288,3 +288,92 @@ def test_folded_predict_fuses_bias_relu():
     model = keras.Sequential([keras.Input((8, 8, 4)), layer.fold(name="folded")])
     report = inspect.fusion_report(model, mode="predict")
     inspect.assert_fused(report, layer="folded", op="_FusedConv2D", fused_ops=["BiasAdd", "Relu"])
+
+
+# ----------------------------------------------------------------------------
+# ConvBNAct1D: Conv1D -> BatchNormalization -> act on sequences.
+
+from tfmetal_ext.layers import ConvBNAct1D, FusedConv1D  # noqa: E402
+
+CONFIGS_1D = [
+    dict(filters=4, kernel_size=3),
+    dict(filters=5, kernel_size=3, padding="causal", activation="relu6"),
+    dict(filters=4, kernel_size=4, strides=2, padding="valid", activation="elu"),
+    dict(filters=4, kernel_size=1, activation=None),
+]
+
+
+def _pair_1d(kw, channels=3, seed=0):
+    layer = ConvBNAct1D(**kw)
+    layer.build((None, None, channels))
+    randomize_batch_norm(layer, np.random.default_rng(seed))
+    conv = keras.layers.Conv1D(layer.filters, layer.kernel_size, strides=layer.strides, padding=layer.padding,
+                               use_bias=False)
+    bn = keras.layers.BatchNormalization(momentum=layer.momentum, epsilon=layer.epsilon)
+    stack = [conv, bn] + ([] if layer.activation == "linear" else [keras.layers.Activation(layer.activation)])
+    stock = keras.Sequential([keras.Input((None, channels))] + stack)
+    conv.kernel.assign(layer.kernel)  # the same (kernel_size, in, filters) layout
+    for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+        getattr(bn, name).assign(getattr(layer, name))
+    return layer, stock, bn
+
+
+@pytest.mark.parametrize("kw", CONFIGS_1D)
+@pytest.mark.parametrize("training", [False, True])
+def test_1d_outputs_gradients_and_moving_statistics_match_stock(kw, training):
+    layer, stock, bn = _pair_1d(kw)
+    x = tf.constant(np.random.default_rng(1).normal(1.0, 2.0, size=(3, 11, 3)).astype("float32"))
+    upstream = tf.constant(np.random.default_rng(2).normal(size=layer.compute_output_shape(x.shape)), tf.float32)
+
+    def grads(fn, weights):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(fn(x, training=training) * upstream)
+        return tape.gradient(loss, [x] + weights)
+
+    ours = grads(layer, [layer.kernel, layer.gamma, layer.beta])
+    ref = grads(stock, stock.trainable_weights)
+    for a, b in zip(ours, ref):
+        assert_close(a, b, 1e-5)
+    assert_close(layer.moving_mean, bn.moving_mean, 1e-5)
+    assert_close(layer.moving_variance, bn.moving_variance, 1e-5)
+    assert_close(layer(x, training=False), stock(x, training=False), 1e-5)
+
+
+def test_1d_run_layer_test_and_fold():
+    run_layer_test(ConvBNAct1D, dict(filters=4, kernel_size=3, padding="causal"), (2, 9, 3),
+                   expected_output_shape=(2, 9, 4), expected_num_trainable_weights=3,
+                   expected_num_non_trainable_weights=2)
+    layer, stock, _ = _pair_1d(dict(filters=4, kernel_size=3, strides=2, activation="relu"))
+    folded = layer.fold()
+    assert type(folded) is FusedConv1D
+    x = np.random.default_rng(5).normal(size=(2, 10, 3)).astype("float32")
+    assert_close(folded(x), stock(x, training=False), 1e-5)
+    with pytest.raises(ValueError, match="Received: padding="):
+        ConvBNAct1D(4, 3, padding="full")
+    with pytest.raises(ValueError, match="Received: kernel_size="):
+        ConvBNAct1D(4, (3, 3))
+
+
+def _model_1d(**kw):
+    inp = keras.Input((16, 4))
+    return keras.Model(inp, ConvBNAct1D(8, 3, name="cba", **kw)(inp))
+
+
+@pytest.mark.parametrize("padding", ["same", "causal"])
+def test_1d_predict_fuses_conv_batchnorm_relu(padding):
+    report = inspect.fusion_report(_model_1d(padding=padding), mode="predict")
+    inspect.assert_fused(report, layer="cba", op="_FusedConv2D", fused_ops=["FusedBatchNorm", "Relu"])
+    assert report.row("cba").status == "fused"
+
+
+def test_1d_train_step_uses_fused_batch_norm():
+    report = inspect.fusion_report(_model_1d(), mode="train")
+    row = report.row("cba")
+    assert report.ops_by_type.get("FusedBatchNormGradV3") == 1
+    if catalog.fusion_for(catalog.FusionContext(onednn=devices.capabilities().onednn, mode="train"),
+                          "batchnorm_act").fuses:
+        inspect.assert_fused(report, layer="cba", op="_FusedBatchNormEx", fused_ops=[])
+        assert row.status == "fused"
+    else:
+        assert row.status == "not fused" and row.reason

@@ -6,8 +6,10 @@ catalog so fusion reports know what to expect from it.
 """
 
 from tfmetal_ext.layers.conv import FusedConv2D, FusedDepthwiseConv2D
+from tfmetal_ext.layers.conv1d import FusedConv1D
+from tfmetal_ext.layers.separable import FusedSeparableConv2D
 from tfmetal_ext.layers.dense import FusedDense
-from tfmetal_ext.layers.conv_bn import ConvBNAct
+from tfmetal_ext.layers.conv_bn import ConvBNAct, ConvBNAct1D
 from tfmetal_ext.layers.residual import FoldedResidualBlock, ResidualBlock
 from tfmetal_ext.layers.normalization import FusedBatchNorm, FusedLayerNorm
 from tfmetal_ext.layers.recurrent import FusedGRU, FusedLSTM
@@ -15,14 +17,17 @@ from tfmetal_ext.layers.activations import Softshrink
 
 __all__ = [
     "ConvBNAct",
+    "ConvBNAct1D",
     "FoldedResidualBlock",
     "FusedBatchNorm",
+    "FusedConv1D",
     "FusedConv2D",
     "FusedDense",
     "FusedDepthwiseConv2D",
     "FusedGRU",
     "FusedLayerNorm",
     "FusedLSTM",
+    "FusedSeparableConv2D",
     "ResidualBlock",
     "Softshrink",
 ]

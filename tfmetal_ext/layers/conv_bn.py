@@ -1,4 +1,4 @@
-"""ConvBNAct: Conv2D (no bias) -> FusedBatchNormV3 -> activation, in one layer."""
+"""ConvBNAct (and ConvBNAct1D): Conv2D (no bias) -> FusedBatchNormV3 -> activation, in one layer."""
 
 from __future__ import annotations
 
@@ -339,6 +339,100 @@ class ConvBNAct(keras.layers.Layer):
             }
         )
         return config
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext")
+class ConvBNAct1D(ConvBNAct):
+    """1-D convolution without bias, batch normalization and an activation, fused: `ConvBNAct` for sequences.
+
+    Numerically ``Conv1D(use_bias=False)`` + ``BatchNormalization`` +
+    ``Activation`` with the same weights (the kernel is a Conv1D kernel,
+    ``(kernel_size, in, filters)``). Emits ``ExpandDims -> Conv2D ->
+    FusedBatchNormV3 -> act -> Squeeze``: the batch norm and the activation
+    run on the 4-D ``(batch, 1, steps, filters)`` tensor, so the same fusions
+    as `ConvBNAct` form (``_FusedConv2D[FusedBatchNorm, act]`` at inference
+    on CPU, ``_FusedBatchNormEx`` where the backend fuses batch norm + Relu).
+    Keras' own Conv1D -> BatchNormalization fuses nothing (its batch norm
+    never emits FusedBatchNormV3).
+
+    Args:
+        filters: number of output channels, a positive integer.
+        kernel_size: an int (or a 1-tuple).
+        strides: an int (or a 1-tuple).
+        padding: ``"same"``, ``"valid"`` or ``"causal"``.
+        **kwargs: as `ConvBNAct` (activation, momentum, epsilon,
+            initializers, regularizers, constraint, base layer arguments).
+
+    Input shape:
+        3-D tensor ``(batch, steps, channels)`` (channels_last).
+
+    Output shape:
+        3-D tensor ``(batch, new_steps, filters)``.
+
+    Raises:
+        ValueError: on an invalid argument.
+
+    >>> layer = ConvBNAct1D(16, 3, padding="causal")
+    >>> layer(tf.zeros([2, 8, 3])).shape
+    TensorShape([2, 8, 16])
+    """
+
+    def __init__(self, filters, kernel_size, strides=1, padding="same", **kwargs):
+        from tfmetal_ext.layers import _contraction as C
+
+        (k,) = C.positive_int_tuple(kernel_size, 1, "kernel_size")
+        (s,) = C.positive_int_tuple(strides, 1, "strides")
+        pad = padding.lower() if isinstance(padding, str) else padding
+        if pad not in _PADDINGS + ("causal",):
+            raise ValueError(f"`padding` must be one of {_PADDINGS + ('causal',)}. Received: padding={padding!r}")
+        super().__init__(filters, (1, k), strides=(1, s), padding="valid" if pad == "causal" else pad, **kwargs)
+        self.kernel_size, self.strides, self.padding = (k,), (s,), pad
+        self.input_spec = keras.layers.InputSpec(ndim=3)
+
+    def build(self, input_shape):
+        super().build(input_shape)  # the kernel is kernel_size + (channels, filters): Conv1D's layout
+        self.input_spec = keras.layers.InputSpec(ndim=3, axes={-1: input_shape[-1]})
+
+    def conv(self, inputs, training=False):
+        """The bias-free convolution alone, on the 4-D ``(batch, 1, steps, channels)`` tensor."""
+        padding = self.padding
+        if padding == "causal":
+            inputs = tf.pad(inputs, [[0, 0], [self.kernel_size[0] - 1, 0], [0, 0]])
+            padding = "valid"
+        kernel = tf.cast(tf.expand_dims(self.kernel, 0), self.compute_dtype)
+        return tf.nn.conv2d(
+            tf.expand_dims(inputs, 1), kernel, strides=(1, 1, self.strides[0], 1), padding=padding.upper()
+        )
+
+    def call(self, inputs, training=False):
+        return tf.squeeze(super().call(inputs, training=training), axis=1)
+
+    def compute_output_shape(self, input_shape):
+        size, k, s = input_shape[1], self.kernel_size[0], self.strides[0]
+        if size is not None:
+            size = -(-size // s) if self.padding in ("same", "causal") else (size - k) // s + 1
+        return (input_shape[0], size, self.filters)
+
+    def fold(self, name=None):
+        """An inference-only `FusedConv1D` equal to this layer in inference mode (batch norm folded in).
+
+        Raises:
+            ValueError: if this layer is not built.
+        """
+        from tfmetal_ext.layers.conv1d import FusedConv1D  # lazy: sibling module
+
+        if not self.built:
+            raise ValueError(f"Only a built layer can be folded. Received: layer={self.name!r} (not built)")
+        kernel, bias = self.folded_weights()
+        conv = FusedConv1D(
+            self.filters, self.kernel_size, strides=self.strides, padding=self.padding,
+            activation=None if self.activation == "linear" else self.activation, use_bias=True,
+            name=name or f"{self.name}_folded", dtype=self.dtype_policy,
+        )
+        conv.build((None, None, kernel.shape[1]))
+        conv.kernel.assign(kernel)
+        conv.bias.assign(bias)
+        return conv
 
 
 # ----------------------------------------------------------------------------
