@@ -63,6 +63,21 @@ TF_ACTIVATION_FUNCTIONS = types.MappingProxyType(
     }
 )
 
+# Keras' crossentropy losses on the TF backend compute from the logits when the prediction they
+# get is the activation op itself (keras/src/backend/tensorflow/nn.py `_get_logits`: an output
+# carrying `_keras_logits`, or one whose op is Sigmoid / Softmax). The activation's input then has
+# a second consumer (the loss), so a train step fuses the contraction without the activation:
+# `_FusedMatMul[BiasAdd]`, on every backend. Measured on TF 2.21 / Keras 3.15, CPU with and
+# without oneDNN: Dense(1, "sigmoid") + binary_crossentropy, float32. Under a mixed policy the
+# loss gets a Cast of the output instead, and the activation fuses.
+# fused_ops activation name -> the Keras loss functions that read its input.
+LOSSES_READING_LOGITS = types.MappingProxyType(
+    {
+        "Sigmoid": ("binary_crossentropy",),
+        "Softmax": ("categorical_crossentropy", "sparse_categorical_crossentropy"),
+    }
+)
+
 # The activations every remapper (TF's on CPU and GPU, both Metal plugins)
 # absorbs into Conv2D/MatMul + BiasAdd. Layers that promise a fused
 # activation (ConvBNAct, ResidualBlock) accept exactly these.

@@ -15,6 +15,32 @@ def layer_advice(layer_class):
     return row.suggestion if row is not None else None
 
 
+def replacement_advice(layer, path=None):
+    """What to use instead of this stock `layer`, or None when nothing replaces it as configured and called.
+
+    The conversion planner decides (the one home of "does this replacement
+    accept this layer's configuration and input"): the advice names the class
+    ``tfmetal_ext.convert()`` would put in its place, and nothing when
+    `convert()` would keep the layer (e.g. a BatchNormalization on an input
+    the fused class does not take).
+    """
+    if layer is None or not is_stock(layer):
+        return None
+    row = STOCK_TO_FUSED.get(type(layer).__name__)
+    if row is None:
+        return None
+    try:
+        from tfmetal_ext.conversion import planners
+
+        plan, _ = planners.plan_sublayer(layer, path or layer.name, inference=False)
+    except Exception:  # the planner cannot tell: advise nothing rather than something that may fail
+        return None
+    if plan is None or plan.rewrite is None:
+        return None
+    new_class = plan.rewrite.new_class
+    return row.suggestion if new_class == row.fused else f"{row.module}.{new_class}"
+
+
 class TrainStepWrapper:
     """Wraps ``model.train_function`` for one fit and captures its first call.
 
@@ -139,8 +165,7 @@ def summarize(model, findings, fusion_report, placement_report):
 
 
 def _stock_advice(model, path):
-    layer = find_layer(model, path)
-    return layer_advice(type(layer).__name__) if layer is not None and is_stock(layer) else None
+    return replacement_advice(find_layer(model, path), path)
 
 
 def _fusion_lines(model, fr, problems):
@@ -154,8 +179,7 @@ def _fusion_lines(model, fr, problems):
         if r.status not in _UNFUSED_STATUSES:
             continue
         advice = ""
-        layer = find_layer(model, r.path)
-        repl = layer_advice(r.layer_class) if r.status != "partial" and layer is not None and is_stock(layer) else None
+        repl = replacement_advice(find_layer(model, r.path), r.path) if r.status != "partial" else None
         if repl:
             advice = f" -> use {repl}"
             problems.append(f"{r.path} ({r.layer_class}) is not fused{advice}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import types
+import warnings
 
 import keras
 
@@ -159,6 +160,7 @@ class MetalCallback(keras.callbacks.Callback):
         self.fusion_report = None
         self.placement_report = None
         self.summary = None
+        self._warned = False
         self._findings = Findings(strict=self.strict)
         self.findings = self._findings.lines
         self._steps = StepCounter()
@@ -184,7 +186,12 @@ class MetalCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._reset()
-        self._findings.check(self.model, devices.capabilities())
+        try:
+            self._findings.check(self.model, devices.capabilities())
+        except MetalCallbackError:
+            raise
+        except Exception as e:  # the callback's own checks must never stop training
+            self._inspection_failed("the train-begin checks", e)
         self._profiler.train_begin()
         self._wrapper.install(self.model, capture_first=self._inspection.wanted)
 
@@ -221,9 +228,24 @@ class MetalCallback(keras.callbacks.Callback):
         self._nonfinite.check(self.model, logs, self._steps)
         self._timer.call_end(self.model, first, last, logs)
 
+    def _inspection_failed(self, what, error):
+        text = (
+            f"MetalCallback: {what} failed ({type(error).__name__}: {error}); training goes on without "
+            "them. Please report this with the model."
+        )
+        self._findings.add(text)
+        if not self._warned:
+            self._warned = True
+            warnings.warn(text, RuntimeWarning, stacklevel=2)
+
     def _on_first_step_captured(self, cap):
-        self.fusion_report, self.placement_report = self._inspection.reports(cap, self.model, self._findings)
-        problems = self._report_first_step()
+        try:
+            self.fusion_report, self.placement_report = self._inspection.reports(cap, self.model, self._findings)
+            problems = self._report_first_step()
+        except Exception as e:  # the step itself has run; only the inspection failed
+            self.fusion_report = self.placement_report = None
+            self._inspection_failed("the inspection of the first train step", e)
+            return
         if self.strict and problems:
             # The step has run and its state is consistent: leave fit cleanly.
             self._profiler.stop()

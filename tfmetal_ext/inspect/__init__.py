@@ -55,8 +55,10 @@ def _is_model(obj):
     return isinstance(obj, keras.Model)
 
 
-def _random_for(shape, dtype, batch_size, rng):
-    shape = tuple(batch_size if d is None else int(d) for d in shape)
+def _random_for(shape, dtype, batch_size, rng, length=None):
+    shape = tuple(
+        (batch_size if i == 0 else length) if d is None else int(d) for i, d in enumerate(shape)
+    )
     dtype = np.dtype(dtype if dtype not in ("bfloat16",) else "float32")
     if np.issubdtype(dtype, np.integer):
         return rng.integers(0, 10, size=shape).astype(dtype)
@@ -65,16 +67,65 @@ def _random_for(shape, dtype, batch_size, rng):
     return rng.standard_normal(shape).astype(dtype)
 
 
+# Lengths tried for an input's `None` sequence/spatial dimensions when the model declares none,
+# smallest first (each is checked symbolically before use).
+DEFAULT_LENGTHS = (32, 64, 128, 224)
+# Layer attributes that declare the sequence length a model expects.
+_LENGTH_ATTRIBUTES = ("sequence_length", "input_length", "maxlen", "max_length", "output_sequence_length")
+
+
+def _declared_lengths(model):
+    found = []
+    flatten = getattr(model, "_flatten_layers", None)
+    for layer in flatten(include_self=True, recursive=True) if flatten else ():
+        for attr in _LENGTH_ATTRIBUTES:
+            value = getattr(layer, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0 and value not in found:
+                found.append(value)
+    return found
+
+
+def _accepts(model, inputs, batch_size, length):
+    import keras
+
+    specs = [keras.KerasTensor(tuple((batch_size if i == 0 else length) if d is None else d
+                                     for i, d in enumerate(t.shape)), dtype=t.dtype) for t in inputs]
+    try:
+        out = model.compute_output_spec(specs[0] if len(specs) == 1 else specs)
+    except Exception:  # the model refuses this length (too short for its convs, ...)
+        return False
+    return all(0 not in tuple(o.shape) for o in keras.tree.flatten(out) if hasattr(o, "shape"))
+
+
 def synthetic_inputs(model, batch_size=8, seed=0):
-    """Random inputs matching a built functional/Sequential model's input spec."""
+    """Random inputs matching a built functional/Sequential model's input spec.
+
+    `None` dimensions past the batch (sequence lengths, image sizes) take a
+    length the model declares (a layer's ``sequence_length``, ``input_length``,
+    ...) or else the first of `DEFAULT_LENGTHS` the model accepts.
+
+    Raises:
+        ValueError: for a model without an input spec, or one that accepts
+            none of the lengths tried (pass ``inputs=``).
+    """
     inputs = getattr(model, "inputs", None)
     if not inputs:
         raise ValueError(
             "Cannot derive inputs for a model without a known input spec (subclassed "
             f"or unbuilt); pass inputs=. Received: model={model.name!r}"
         )
+    length = None
+    if any(d is None for t in inputs for d in tuple(t.shape)[1:]):
+        tried = _declared_lengths(model) + [n for n in DEFAULT_LENGTHS if n not in _declared_lengths(model)]
+        length = next((n for n in tried if _accepts(model, inputs, batch_size, n)), None)
+        if length is None:
+            shapes = [tuple(t.shape) for t in inputs]
+            raise ValueError(
+                f"Cannot choose a length for the None dimensions of the model's inputs: it accepts none of "
+                f"{tried}. Pass inputs= (a batch the model accepts). Received: input shapes={shapes}"
+            )
     rng = np.random.default_rng(seed)
-    values = [_random_for(t.shape, t.dtype, batch_size, rng) for t in inputs]
+    values = [_random_for(t.shape, t.dtype, batch_size, rng, length) for t in inputs]
     return values[0] if len(values) == 1 else values
 
 
@@ -83,28 +134,64 @@ def _loss_is_sparse(loss):
     return "sparse" in str(name).lower()
 
 
+def _loss_for(loss, index, name):
+    """The loss of one output, from a single loss, a list or a dict of them."""
+    if isinstance(loss, dict):
+        return loss.get(name)
+    if isinstance(loss, (list, tuple)):
+        return loss[index] if index < len(loss) else None
+    return loss
+
+
+def batch_size_of(inputs):
+    """The batch size of a batch of inputs (its first array's first dimension), or None."""
+    import keras
+
+    for leaf in keras.tree.flatten(inputs):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] is not None:
+            return int(shape[0])
+    return None
+
+
 def synthetic_targets(model, batch_size=8, loss=None, seed=1):
-    """Random targets matching the model's outputs (integer labels for sparse losses)."""
+    """Random targets matching the model's outputs (integer labels for sparse losses).
+
+    The targets have the structure of the model's outputs (a dict or list
+    for a multi-output functional model), which is what ``fit`` expects.
+    """
+    import keras
+
     rng = np.random.default_rng(seed)
     outputs = getattr(model, "outputs", None) or []
     if not outputs:
         raise ValueError(
             f"Cannot derive targets for model {model.name!r}; pass targets=. Received: targets=None"
         )
+    names = list(getattr(model, "output_names", None) or [])
     values = []
-    for out in outputs:
+    for i, out in enumerate(outputs):
         shape = tuple(batch_size if d is None else int(d) for d in out.shape)
-        if _loss_is_sparse(loss):
+        name = names[i] if i < len(names) else None
+        if _loss_is_sparse(_loss_for(loss, i, name)):
             values.append(rng.integers(0, int(shape[-1]), size=shape[:-1]).astype("int32"))
         else:
             values.append(rng.random(shape).astype("float32"))
+    struct = getattr(model, "_outputs_struct", None)
+    if struct is not None and not keras.tree.is_nested(struct):
+        return values[0]
+    if struct is not None:
+        return keras.tree.pack_sequence_as(struct, values)
     return values[0] if len(values) == 1 else values
 
 
-def _context(mode, xla):
+def _context(mode, xla, model=None):
+    from tfmetal_ext.inspect import catalog
+
     caps = devices.capabilities()
     return FusionContext(
-        backend=caps.backend, onednn=caps.onednn, mode=mode, xla=xla, cpu_fp16=caps.cpu_fp16
+        backend=caps.backend, onednn=caps.onednn, mode=mode, xla=xla, cpu_fp16=caps.cpu_fp16,
+        logits_read=catalog.read_as_logits(model) if mode == "train" else frozenset(),
     )
 
 
@@ -122,6 +209,31 @@ def _describe(obj):
     return obj if isinstance(obj, str) else getattr(obj, "name", None) or type(obj).__name__
 
 
+# Layer config entries that hold a callable which may not deserialize (a lambda, a TF function
+# such as tf.nn.swish): the clone gets the very same callable instead.
+_CALLABLE_CONFIG_KEYS = ("activation", "recurrent_activation")
+
+
+def _clone_layer(layer):
+    """A fresh layer from `layer`'s config; callables that do not round-trip are carried over as they are."""
+    import warnings
+
+    with warnings.catch_warnings():  # Keras warns about serializing a lambda; it is not saved anywhere
+        warnings.simplefilter("ignore", UserWarning)
+        config = layer.get_config()
+    try:
+        return layer.__class__.from_config(config)
+    except Exception:
+        keys = [k for k in _CALLABLE_CONFIG_KEYS if callable(getattr(layer, k, None)) and k in config]
+        if not keys:
+            raise
+    config = dict(config, **{k: "linear" for k in keys})
+    clone = layer.__class__.from_config(config)
+    for k in keys:
+        setattr(clone, k, getattr(layer, k))
+    return clone
+
+
 def _training_model(model, optimizer, loss, jit_compile, notes):
     """The model whose train step to capture: the user's own, or a compiled clone."""
     import keras
@@ -129,7 +241,7 @@ def _training_model(model, optimizer, loss, jit_compile, notes):
     if optimizer is None and loss is None and getattr(model, "compiled", False):
         return model
     try:
-        clone = keras.models.clone_model(model)
+        clone = keras.models.clone_model(model, clone_function=_clone_layer)
     except Exception as e:  # clone_model raises many types for subclassed models
         raise ValueError(
             "To inspect the train step with a different optimizer/loss the model is cloned, "
@@ -168,7 +280,8 @@ def capture_step(model_or_fn, inputs=None, mode="predict", *, targets=None, samp
         if mode == "predict":
             cap = capture_predict(model, x)
         else:
-            y = targets if targets is not None else synthetic_targets(model, batch_size, getattr(model, "loss", None))
+            batch = batch_size_of(x) or batch_size  # targets follow the inputs' batch
+            y = targets if targets is not None else synthetic_targets(model, batch, getattr(model, "loss", None))
             cap = capture_train(model, x, y, sample_weight)
         return cap, model, notes
     if not callable(model_or_fn):
@@ -208,7 +321,7 @@ def fusion_report(model_or_fn, inputs=None, mode="predict", **kw):
 
 def report_from_capture(cap, model=None, notes=()):
     """Builds a `FusionReport` from an existing `Capture`."""
-    ctx = _context(cap.mode if cap.mode in _MODES else "predict", cap.jit_compile)
+    ctx = _context(cap.mode if cap.mode in _MODES else "predict", cap.jit_compile, model)
     policy = model.dtype_policy.name if model is not None else None
     index = LayerIndex(model, cap.layer_scopes)
     return build_fusion_report(cap, index, ctx, policy=policy, notes=notes)

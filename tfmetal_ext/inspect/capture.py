@@ -320,8 +320,11 @@ def _restore(variables, values):
 
 
 def _first_batch_dataset(model, x, y=None, sample_weight=None):
+    import keras
     import tensorflow as tf
 
+    # tf.data reads a list as one tensor; Keras' own adapters treat it as a structure (a tuple).
+    x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
     data = (x,) if y is None else ((x, y) if sample_weight is None else (x, y, sample_weight))
     ds = tf.data.Dataset.from_tensors(data)
     strategy = model.distribute_strategy

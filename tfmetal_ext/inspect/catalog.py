@@ -52,6 +52,9 @@ class FusionContext:
         xla: the step is XLA compiled.
         cpu_fp16: the CPU computes float16 natively (then half fuses on CPU).
         cublaslt: ``TF_USE_CUBLASLT=1`` (CUDA MatMul fusions).
+        logits_read: ``id()`` of the layers whose activation's input the
+            compiled loss reads as logits (see `read_as_logits`); in a train
+            step their activation cannot fuse.
     """
 
     backend: str = "cpu"
@@ -62,6 +65,7 @@ class FusionContext:
     cublaslt: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("TF_USE_CUBLASLT", "0") == "1"
     )
+    logits_read: frozenset = frozenset()  # ids of layers whose pre-activation the loss reads (`read_as_logits`)
 
     @property
     def support_key(self):
@@ -215,13 +219,13 @@ def function_activation_name(act):
 def _keras_activation_name(act):
     import keras
 
+    name = getattr(act, "__name__", None)
+    if not isinstance(name, str):
+        return None
     try:
-        name = keras.activations.serialize(act)
-        if isinstance(name, str) and keras.activations.get(name) is act:
-            return name
-    except Exception:  # serialize raises ValueError, OSError (a lambda's source), TypeError...
-        pass
-    return None
+        return name if keras.activations.get(name) is act else None
+    except Exception:  # not a Keras activation name
+        return None
 
 
 def _tf_activation_name(act):
@@ -316,7 +320,58 @@ def contraction_rule(pattern, op, layer, ctx, *, act=None, one_by_one=False, add
             op, ("BiasAdd",),
             f.train_reason or f"training: {act}Grad needs the pre-activation, so only BiasAdd fuses",
         )
+    if ctx.mode == "train" and id(layer) in ctx.logits_read:
+        return exp(
+            op, ("BiasAdd",),
+            f"training: the crossentropy loss reads this {act}'s input as logits (Keras' _get_logits), so the "
+            "pre-activation has a second consumer and only BiasAdd fuses",
+        )
     return exp(op, ideal, note=f.note if act == "Relu" else None)
+
+
+def _loss_function_name(loss):
+    import keras
+
+    if isinstance(loss, str):
+        try:
+            loss = keras.losses.get(loss)
+        except Exception:
+            return loss
+    fn = getattr(loss, "fn", loss)  # a Loss object wraps its function
+    return getattr(fn, "__name__", None) or getattr(loss, "name", None)
+
+
+def read_as_logits(model):
+    """``id()`` of the output layers whose activation's input the model's compiled loss reads as logits.
+
+    Keras' crossentropy on a sigmoid/softmax prediction computes from the
+    logits (`tfmetal_ext.backends.fusion.LOSSES_READING_LOGITS`); that happens
+    when the loss receives the activation op itself, i.e. the output layer
+    computes in float32 (a mixed policy casts it first).
+    """
+    if model is None or not getattr(model, "compiled", False):
+        return frozenset()
+    loss = getattr(model, "loss", None)
+    outputs = list(getattr(model, "outputs", None) or [])
+    names = list(getattr(model, "output_names", None) or [])
+    ids = set()
+    for i, out in enumerate(outputs):
+        history = getattr(out, "_keras_history", None)
+        layer = getattr(history, "operation", None)
+        if layer is None or getattr(layer, "compute_dtype", None) != "float32":
+            continue
+        losses = _fusion.LOSSES_READING_LOGITS.get(act_op(layer))
+        if not losses:
+            continue
+        if isinstance(loss, dict):
+            this = loss.get(names[i]) if i < len(names) else None
+        elif isinstance(loss, (list, tuple)):
+            this = loss[i] if i < len(loss) else None
+        else:
+            this = loss
+        if this is not None and _loss_function_name(this) in losses:
+            ids.add(id(layer))
+    return frozenset(ids)
 
 
 def batch_norm_ex_block(ctx, dtype, channels):

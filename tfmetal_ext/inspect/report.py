@@ -63,6 +63,19 @@ class LayerIndex:
             if path is not None:
                 self._object_scopes[scope] = path
                 self._roots.add(scope.split("/")[0])
+        self._credit_wrapped_calls()
+
+    def _credit_wrapped_calls(self):
+        """A wrapper that runs its one sublayer's ``call`` directly (``TimeDistributed``) opens no
+        scope for it: the wrapper's scopes are the sublayer's."""
+        owned = set(self._object_scopes.values())
+        for container, children in self._children.items():
+            if container and len(children) == 1:
+                (child,) = children.values()
+                if child not in owned and child not in self._children:
+                    for scope, path in list(self._object_scopes.items()):
+                        if path == container:
+                            self._object_scopes[scope] = child
 
     def _walk(self, parent, prefix, seen):
         children = self._children.setdefault(prefix, {})
