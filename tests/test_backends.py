@@ -86,6 +86,8 @@ def test_callback_replacement_views_keep_their_published_values():
     assert dict(metal.LAYER_REPLACEMENTS) == {
         "Conv2D": "tfmetal_ext.layers.FusedConv2D",
         "DepthwiseConv2D": "tfmetal_ext.layers.FusedDepthwiseConv2D",
+        "Conv1D": "tfmetal_ext.layers.FusedConv1D (or ConvBNAct1D before a batch norm)",
+        "SeparableConv2D": "tfmetal_ext.layers.FusedSeparableConv2D",
         "Dense": "tfmetal_ext.layers.FusedDense",
         "BatchNormalization": "tfmetal_ext.layers.FusedBatchNorm (or ConvBNAct after a conv)",
         "LayerNormalization": "tfmetal_ext.layers.FusedLayerNorm",

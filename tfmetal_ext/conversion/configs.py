@@ -111,3 +111,34 @@ def conv_bn_reason(conv, bn):
     if any(getattr(bn, k, None) for k in ("renorm", "synchronized")):
         return "batch renormalization / synchronized batch norm"
     return None
+
+
+# ---- Conv1D, SeparableConv2D, grouped Conv2D (the planners of tfmetal_ext.layers.conv1d / separable)
+CONV1D_KEYS = CONV_KEYS
+SEPARABLE_KEYS = (
+    "filters", "kernel_size", "strides", "padding", "data_format", "dilation_rate", "depth_multiplier",
+    "activation", "use_bias", "depthwise_initializer", "pointwise_initializer", "bias_initializer",
+    "depthwise_regularizer", "pointwise_regularizer", "bias_regularizer", "activity_regularizer",
+    "depthwise_constraint", "pointwise_constraint", "bias_constraint",
+)
+# A grouped Conv2D with one input channel per group, as a depthwise conv: Conv2D key -> DepthwiseConv2D key.
+GROUPED_AS_DEPTHWISE_KEYS = {
+    "kernel_size": "kernel_size", "strides": "strides", "padding": "padding", "data_format": "data_format",
+    "dilation_rate": "dilation_rate", "activation": "activation", "use_bias": "use_bias",
+    "kernel_initializer": "depthwise_initializer", "bias_initializer": "bias_initializer",
+    "kernel_regularizer": "depthwise_regularizer", "bias_regularizer": "bias_regularizer",
+    "bias_constraint": "bias_constraint",
+}
+
+
+def grouped_as_depthwise_reason(conv, in_channels):
+    """Why a grouped stock Conv2D is not a depthwise conv (one input channel per group), or None."""
+    if in_channels is None or conv.groups != in_channels:
+        return (
+            f"groups={conv.groups} with {in_channels} input channels: a grouped conv is a depthwise conv only "
+            "with one input channel per group; other groupings have no fusion-first counterpart (Keras runs "
+            "them through an XLA-compiled function)"
+        )
+    if conv.kernel_constraint is not None:
+        return "a kernel constraint: it acts on the (kh, kw, 1, filters) kernel, not on the depthwise layout"
+    return None

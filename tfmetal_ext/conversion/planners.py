@@ -26,6 +26,7 @@ import keras
 
 from tfmetal_ext import layers as fl
 from tfmetal_ext.backends.fusion import ACTIVATION_OPS, CONTRACTION_ACTIVATIONS, LEAKY_RELU_ALPHA, STOCK_TO_FUSED
+from tfmetal_ext.backends.fusion import STOCK_KEPT
 from tfmetal_ext.conversion import configs, weights
 from tfmetal_ext.conversion.report import NO_COUNTERPART, Rewrite
 from tfmetal_ext.inspect.catalog import activation_name
@@ -235,6 +236,8 @@ def _dense(ctx, node):
 
 @register_planner(L.Conv2D)
 def _conv2d(ctx, node):
+    if node.operation.groups != 1:  # a grouped conv: the Conv1D/SeparableConv2D/grouped section at the end
+        return plan_grouped_conv2d(ctx, node)
     return _plan_conv(ctx, node, L.Conv2D, configs.CONV_KEYS)
 
 
@@ -361,3 +364,147 @@ def _refold(ctx, node):
     new_class = fused_class(L.Conv2D).__name__ if type(layer) is fl.ConvBNAct else fl.FoldedResidualBlock.__name__
     return ctx.replace([node], new_class, make, lambda new, pairs: None,
                        f"{type(layer).__name__}.fold(): batch norm folded into kernel and bias (inference only)")
+
+
+# ---- Conv1D, SeparableConv2D, grouped Conv2D (planners of tfmetal_ext.layers.conv1d / separable / conv)
+
+
+def _stock_form_reason(ctx, node, stock, keys):
+    """Why `node`'s layer stays: its fused class would run the stock form anyway (that class says why), or None."""
+    layer = node.operation
+    try:
+        probe = configs.make_layer(fused_class(stock), layer, keys)
+    except ValueError:
+        return None  # plan_contraction reports the fused class's own reason
+    reason = probe.fused_path_reason()
+    rank = len(configs.node_input_shape(node))
+    if reason is None and rank != layer.rank + 2:
+        reason = f"input rank {rank}: the fused form takes rank {layer.rank + 2} inputs only"
+    return reason and f"{type(probe).__name__} would run the stock form: {reason}"
+
+
+@register_planner(L.Conv1D)
+def _conv1d(ctx, node):
+    """Conv1D as FusedConv1D (+ the activation after it), or Conv1D -> BatchNormalization (-> act) as one block.
+
+    Training form: ConvBNAct1D (ExpandDims -> Conv2D -> FusedBatchNormV3 -> act
+    -> Squeeze); inference form: a FusedConv1D with the batch norm folded in.
+    """
+    layer = node.operation
+    reason = _stock_form_reason(ctx, node, L.Conv1D, configs.CONV1D_KEYS)
+    if reason:
+        return keep(node, reason)
+    unsupported = configs.unsupported(layer, fused_class(L.Conv1D), configs.CONV1D_KEYS)
+    bn_node = None if unsupported or ctx.graph.shared(layer) or activation_name(layer) != "linear" \
+        else ctx.graph.next_layer(node)
+    bn = bn_node.operation if bn_node is not None else None
+    if type(bn) is not L.BatchNormalization or not configs.last_axis_only(bn.axis, 3):
+        return plan_contraction(ctx, node, L.Conv1D, configs.CONV1D_KEYS, CONV_ACTIVATIONS)
+    if ctx.inference:
+        return _plan_fold(ctx, node, bn_node, fused_class(L.Conv1D), configs.CONV1D_KEYS)
+    why_not = configs.conv_bn_reason(layer, bn)
+    if why_not:
+        plan_, _ = plan_contraction(ctx, node, L.Conv1D, configs.CONV1D_KEYS, CONV_ACTIVATIONS)
+        plan_.rewrite.note = (plan_.rewrite.note + "; " if plan_.rewrite.note else "") + f"not ConvBNAct1D: {why_not}"
+        return plan_, None
+    act_node, act = _absorb_activation(ctx, bn_node, CONV_ACTIVATIONS)
+
+    def make():
+        return fl.ConvBNAct1D(
+            layer.filters, layer.kernel_size, strides=layer.strides, padding=layer.padding,
+            activation=act or "linear", momentum=float(bn.momentum), epsilon=float(bn.epsilon),
+            kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
+            kernel_regularizer=keras.regularizers.serialize(layer.kernel_regularizer),
+            kernel_constraint=keras.constraints.serialize(layer.kernel_constraint),
+            gamma_initializer=keras.initializers.serialize(bn.gamma_initializer),
+            beta_initializer=keras.initializers.serialize(bn.beta_initializer),
+            moving_mean_initializer=keras.initializers.serialize(bn.moving_mean_initializer),
+            moving_variance_initializer=keras.initializers.serialize(bn.moving_variance_initializer),
+            gamma_regularizer=keras.regularizers.serialize(bn.gamma_regularizer),
+            beta_regularizer=keras.regularizers.serialize(bn.beta_regularizer),
+            **configs.common_kwargs(layer),
+        )
+
+    note = "conv bias moved into the moving mean (exact)" if layer.use_bias else ""
+    return ctx.replace([node, bn_node] + ([act_node] if act_node else []), fl.ConvBNAct1D.__name__, make,
+                       lambda new, pairs: weights.copy_conv_bn(layer, bn, new, pairs), note)
+
+
+@register_planner(fl.ConvBNAct1D)
+def _refold_1d(ctx, node):
+    """A ConvBNAct1D of an already converted model, in the inference form: its own `fold()` (a FusedConv1D)."""
+    if not ctx.inference:
+        return None
+    layer = node.operation
+
+    def make():
+        new = layer.fold(name=layer.name)
+        new.trainable = layer.trainable
+        return new
+
+    return ctx.replace([node], fused_class(L.Conv1D).__name__, make, lambda new, pairs: None,
+                       "ConvBNAct1D.fold(): batch norm folded into kernel and bias (inference only)")
+
+
+@register_planner(L.SeparableConv2D)
+def _separable_conv2d(ctx, node):
+    """SeparableConv2D (+ the activation after it) as FusedSeparableConv2D (pointwise conv + bias + act fused)."""
+    reason = _stock_form_reason(ctx, node, L.SeparableConv2D, configs.SEPARABLE_KEYS)
+    if reason:
+        return keep(node, reason)
+    return plan_contraction(ctx, node, L.SeparableConv2D, configs.SEPARABLE_KEYS, CONV_ACTIVATIONS)
+
+
+def plan_grouped_conv2d(ctx, node):
+    """A grouped Conv2D with one input channel per group, as a FusedDepthwiseConv2D; other groupings kept.
+
+    With ``groups == in_channels`` and ``filters = in_channels * m``, output
+    channel ``c * m + j`` reads input channel ``c`` only: a depthwise conv with
+    ``depth_multiplier=m`` whose kernel is the grouped kernel reshaped,
+    ``(kh, kw, 1, C * m) -> (kh, kw, C, m)`` (exact). Keras runs the grouped
+    form through an XLA-compiled function, which grappler never sees.
+    """
+    layer = node.operation
+    shape = configs.node_input_shape(node)
+    if getattr(layer, "quantization_mode", None) or getattr(layer, "lora_enabled", False):
+        return keep(node, configs.unsupported(layer, fl.FusedDepthwiseConv2D, ()))
+    why = (
+        "data_format='channels_first': FusedDepthwiseConv2D is NHWC" if layer.data_format != "channels_last"
+        else configs.grouped_as_depthwise_reason(layer, shape[-1] if len(shape) == 4 else None)
+    )
+    if why:
+        return keep(node, why)
+    config = layer.get_config()
+    kwargs = {dw: config[k] for k, dw in configs.GROUPED_AS_DEPTHWISE_KEYS.items()}
+    if layer.activity_regularizer is not None:
+        kwargs["activity_regularizer"] = keras.regularizers.serialize(layer.activity_regularizer)
+    multiplier = layer.filters // layer.groups
+    shared = ctx.graph.shared(layer)
+    act_node, act = (None, None)
+    if not shared and activation_name(layer) == "linear":
+        act_node, act = _absorb_activation(ctx, node, CONV_ACTIVATIONS)
+    if act:
+        kwargs["activation"] = act
+
+    def make():
+        return fl.FusedDepthwiseConv2D(depth_multiplier=multiplier, **kwargs, **configs.common_kwargs(layer))
+
+    def copy(new, pairs):
+        kernel = weights.to_numpy(layer.kernel)
+        new.kernel.assign(kernel.reshape(new.kernel.shape))
+        if layer.use_bias:
+            new.bias.assign(layer.bias.value)
+            pairs.append((layer.bias, new.bias))  # the kernels' gradients differ in layout only
+
+    note = f"groups={layer.groups} == input channels: a depthwise conv (depth_multiplier={multiplier}), kernel reshaped"
+    if act_node:
+        note += f"; activation {act!r} folded in"
+    elif shared:
+        note += f"; shared: called {ctx.calls(layer)} times, converted once"
+    return ctx.replace([node] + ([act_node] if act_node else []), fl.FusedDepthwiseConv2D.__name__, make, copy, note)
+
+
+@register_planner(L.Embedding)
+def _embedding(ctx, node):
+    """Embedding: kept on purpose, with the reason the fusion table gives (`STOCK_KEPT`)."""
+    return keep(node, STOCK_KEPT["Embedding"])
