@@ -231,3 +231,131 @@ def test_bad_arguments():
 def test_rejects_rank1_input():
     with pytest.raises(ValueError):
         FusedDense(3)(np.zeros((4,), "float32"))
+
+
+# ----------------------------------------------------------------------------
+# The rest of the stock contract: LoRA, masks, quantization_config.
+
+
+def _lora_pair(units=5, in_dim=6, rank=2, alpha=None, activation="relu"):
+    rng = np.random.default_rng(11)
+    stock = keras.layers.Dense(units, activation=activation, name="fc")
+    ours = FusedDense(units, activation=activation, name="fc")
+    for layer in (stock, ours):
+        layer.build((None, in_dim))
+        layer.enable_lora(rank, lora_alpha=alpha)
+    values = [rng.standard_normal(w.shape).astype("float32") for w in stock.weights]
+    stock.set_weights(values)
+    ours.set_weights(values)
+    return stock, ours
+
+
+def test_enable_lora_matches_keras():
+    # Before: FusedDense had no enable_lora / lora_rank.
+    stock, ours = _lora_pair(alpha=3.0)
+    assert [(w.name, tuple(w.shape), w.trainable) for w in ours.weights] == [
+        (w.name, tuple(w.shape), w.trainable) for w in stock.weights]
+    assert [w.name for w in ours.trainable_weights] == ["bias", "lora_kernel_a", "lora_kernel_b"]
+    assert (ours.lora_rank, ours.lora_alpha) == (stock.lora_rank, stock.lora_alpha) == (2, 3.0)
+    base = stock._kernel.numpy()
+    want_kernel = base + 1.5 * stock.lora_kernel_a.numpy() @ stock.lora_kernel_b.numpy()
+    np.testing.assert_allclose(np.asarray(ours.kernel), want_kernel, rtol=1e-5, atol=1e-5)
+    x = np.random.default_rng(12).standard_normal((4, 6)).astype("float32")
+    (y, grads), (y_ref, grads_ref) = outputs_and_gradients(ours, x, True), outputs_and_gradients(stock, x, True)
+    assert_close(y, y_ref, "float32")
+    assert len(grads) == len(grads_ref) == 4  # x, bias, lora_kernel_a, lora_kernel_b
+    for a, b in zip(grads, grads_ref):
+        assert_close(a, b, "float32")
+
+
+def test_lora_fit_trains_only_the_adapters():
+    _, ours = _lora_pair()
+    kernel = ours._kernel.numpy().copy()
+    a = ours.lora_kernel_a.numpy().copy()
+    model = keras.Sequential([keras.Input((6,)), ours])
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(13)
+    model.fit(rng.random((16, 6)), rng.random((16, 5)), epochs=1, verbose=0)
+    np.testing.assert_array_equal(ours._kernel.numpy(), kernel)
+    assert np.abs(ours.lora_kernel_a.numpy() - a).max() > 0
+
+
+def test_lora_rank_argument_builds_with_lora():
+    run_layer_test(FusedDense, dict(units=5, activation="sigmoid", kernel_regularizer="l2", lora_rank=2),
+                   (2, 3, 4), expected_output_shape=(2, 3, 5), expected_num_trainable_weights=3,
+                   expected_num_non_trainable_weights=1)
+    layer = FusedDense(3, lora_rank=2, lora_alpha=4)
+    layer.build((None, 4))
+    assert layer.lora_enabled and (layer.lora_rank, layer.lora_alpha) == (2, 4)
+    config = layer.get_config()
+    assert (config["lora_rank"], config["lora_alpha"]) == (2, 4)
+    assert FusedDense.from_config(config).lora_rank == 2
+
+
+def test_lora_errors_as_keras():
+    for cls in (keras.layers.Dense, FusedDense):
+        with pytest.raises(ValueError, match="incompatible with kernel constraints"):
+            cls(2, kernel_constraint="max_norm").enable_lora(rank=2)
+        with pytest.raises(ValueError, match="Cannot enable lora on a layer that isn't yet built"):
+            cls(2).enable_lora(rank=2)
+        layer = cls(2)
+        layer.build((None, 2))
+        layer.enable_lora(rank=2)
+        with pytest.raises(ValueError, match="lora is already enabled"):
+            layer.enable_lora(rank=2)
+
+
+def test_lora_save_load_and_weights_interchange_with_keras(tmp_path):
+    _, ours = _lora_pair()
+    model = keras.Sequential([keras.Input((6,)), ours])
+    x = np.random.default_rng(14).standard_normal((8, 6)).astype("float32")
+    path = str(tmp_path / "lora.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.layers[0].lora_enabled
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    # The weights file holds the merged kernel, as Keras' does: a fresh non-LoRA layer reads it.
+    weights = str(tmp_path / "lora.weights.h5")
+    model.save_weights(weights)
+    plain = keras.Sequential([keras.Input((6,)), FusedDense(5, activation="relu", name="fc")])
+    plain.load_weights(weights)
+    np.testing.assert_allclose(plain.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    assert len(plain.layers[0].get_weights()) == 2
+    plain.save_weights(weights)  # and a plain checkpoint into the LoRA model (adapters restart at zero)
+    model.load_weights(weights)
+    np.testing.assert_allclose(model.predict(x, verbose=0), plain.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    assert not ours.lora_kernel_a.numpy().any() and not ours.lora_kernel_b.numpy().any()
+
+
+@pytest.mark.parametrize("mode", ["predict", "train"])
+def test_lora_still_fuses(mode):
+    keras.mixed_precision.set_global_policy("float32")
+    inp = keras.Input((6,))
+    layer = FusedDense(4, activation="relu", name="fc")
+    model = keras.Model(inp, keras.layers.Dense(1, name="head")(layer(inp)))
+    layer.enable_lora(2)
+    model.compile(optimizer="sgd", loss="mse")
+    report = inspect.fusion_report(model, mode=mode)
+    inspect.assert_fused(report, layer="fc", op="_FusedMatMul")
+    assert report.row("fc").status in ("fused", "partial")
+
+
+def test_masks_pass_through_as_keras():
+    # Before: FusedDense dropped the mask (supports_masking was False).
+    masks = []
+    for cls in (keras.layers.Dense, FusedDense):
+        inp = keras.Input((5, 3))
+        out = cls(4)(keras.layers.Masking()(inp))
+        masks.append(out._keras_mask)
+    assert masks[1] is not None and tuple(masks[1].shape) == tuple(masks[0].shape)
+    x = np.ones((2, 5, 3), "float32")
+    x[:, 3:] = 0.0
+    layer = FusedDense(4)
+    mask = tf.constant(x[..., 0] != 0)
+    np.testing.assert_array_equal(np.asarray(layer.compute_mask(x, mask)), np.asarray(mask))
+
+
+def test_quantization_config_other_than_none_is_refused():
+    FusedDense(3, quantization_config=None)
+    with pytest.raises(ValueError, match="Received: quantization_config="):
+        FusedDense(3, quantization_config=object())

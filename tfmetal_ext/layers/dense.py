@@ -53,7 +53,14 @@ class FusedDense(keras.layers.Layer):
         activity_regularizer: regularizer of the output.
         kernel_constraint: constraint of the kernel.
         bias_constraint: constraint of the bias.
+        lora_rank: with an int, LoRA is enabled at build (`enable_lora`).
+        lora_alpha: the LoRA scale numerator (``alpha / rank``); defaults to
+            `lora_rank`.
+        quantization_config: None only (no quantized form; use
+            `keras.layers.Dense`).
         **kwargs: `keras.layers.Layer` arguments (`name`, `dtype`, ...).
+
+    Masks pass through unchanged (``supports_masking``), as Keras' Dense.
 
     Input shape:
         N-D tensor ``(batch, ..., in)``, N >= 2, last dimension known.
@@ -88,8 +95,16 @@ class FusedDense(keras.layers.Layer):
         activity_regularizer=None,
         kernel_constraint=None,
         bias_constraint=None,
+        lora_rank=None,
+        lora_alpha=None,
+        quantization_config=None,
         **kwargs,
     ):
+        if quantization_config is not None:
+            raise ValueError(
+                "FusedDense has no quantized form (its MatMul is the float one the remapper fuses); "
+                f"use keras.layers.Dense. Received: quantization_config={quantization_config!r}"
+            )
         activity_regularizer = C.keras_object(
             keras.regularizers.get, activity_regularizer, "activity_regularizer"
         )
@@ -105,7 +120,14 @@ class FusedDense(keras.layers.Layer):
         self.bias_regularizer = C.keras_object(keras.regularizers.get, bias_regularizer, "bias_regularizer")
         self.kernel_constraint = C.keras_object(keras.constraints.get, kernel_constraint, "kernel_constraint")
         self.bias_constraint = C.keras_object(keras.constraints.get, bias_constraint, "bias_constraint")
+        if lora_rank is not None:
+            lora_rank = C.positive_int(lora_rank, "lora_rank")
+        self.lora_rank = lora_rank
+        self.lora_alpha = lora_alpha if lora_alpha is not None else lora_rank
+        self.lora_enabled = False
+        self.quantization_config = None
         self.input_spec = keras.layers.InputSpec(min_ndim=2)
+        self.supports_masking = True  # masks pass through, as Keras' Dense
 
     def build(self, input_shape):
         if len(input_shape) < 2 or input_shape[-1] is None:
@@ -115,7 +137,7 @@ class FusedDense(keras.layers.Layer):
             )
         in_dim = int(input_shape[-1])
         self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={-1: in_dim})
-        self.kernel = self.add_weight(
+        self._kernel = self.add_weight(
             name="kernel",
             shape=(in_dim, self.units),
             initializer=self.kernel_initializer,
@@ -124,13 +146,95 @@ class FusedDense(keras.layers.Layer):
             trainable=True,
         )
         C.add_bias(self, self.units)
+        self.built = True
+        if self.lora_rank:
+            self.enable_lora(self.lora_rank, lora_alpha=self.lora_alpha)
 
-    def call(self, inputs):
+    @property
+    def kernel(self):
+        """The kernel variable; with LoRA enabled, the effective kernel
+        ``kernel + (lora_alpha / lora_rank) * lora_kernel_a @ lora_kernel_b`` in
+        the compute dtype (a tensor), as Keras' Dense."""
+        if not self.lora_enabled:
+            return self._kernel
+        dtype = self.compute_dtype  # as Keras: in the compute dtype (the variables autocast in call)
+        a, b = tf.cast(self.lora_kernel_a, dtype), tf.cast(self.lora_kernel_b, dtype)
+        return tf.cast(self._kernel, dtype) + tf.matmul(a, b) * (self.lora_alpha / self.lora_rank)
+
+    def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"):
+        """Low-rank adaptation, as `keras.layers.Dense.enable_lora`.
+
+        The kernel is frozen; trainable float32 ``lora_kernel_a`` ``(in, rank)``
+        and ``lora_kernel_b`` ``(rank, units)`` are added. The effective kernel
+        is computed before the MatMul, so MatMul -> BiasAdd -> activation stay
+        adjacent and fuse as without LoRA. Saving stores the merged kernel
+        (``kernel + (alpha / rank) * a @ b``), as Keras does.
+
+        Raises:
+            ValueError: with a kernel constraint, before the layer is built, or
+                when LoRA is already enabled (Keras' messages).
+        """
+        if self.kernel_constraint:
+            raise ValueError(
+                "Lora is incompatible with kernel constraints. In order to enable lora on this layer, "
+                f"remove the `kernel_constraint` argument. Received: kernel_constraint={self.kernel_constraint!r}"
+            )
+        if not self.built:
+            raise ValueError("Cannot enable lora on a layer that isn't yet built. Received: built=False")
+        if self.lora_enabled:
+            raise ValueError("lora is already enabled. This can only be done once per layer. Received: lora_enabled=True")
+        rank = C.positive_int(rank, "rank")
+        self._tracker.unlock()
+        try:
+            self.lora_kernel_a = self.add_weight(
+                name="lora_kernel_a", shape=(self._kernel.shape[0], rank),
+                initializer=keras.initializers.get(a_initializer), dtype="float32",
+                regularizer=self.kernel_regularizer,
+            )
+            self.lora_kernel_b = self.add_weight(
+                name="lora_kernel_b", shape=(rank, self.units),
+                initializer=keras.initializers.get(b_initializer), dtype="float32",
+                regularizer=self.kernel_regularizer,
+            )
+        finally:
+            self._tracker.lock()
+        self._kernel.trainable = False
+        self.lora_enabled = True
+        self.lora_rank = rank
+        self.lora_alpha = lora_alpha if lora_alpha is not None else rank
+
+    def save_own_variables(self, store):
+        # As Keras' Dense: the kernel with the LoRA update merged in, then the bias.
+        if not self.built:
+            return
+        store["0"] = keras.ops.convert_to_numpy(self.kernel)
+        if self.bias is not None:
+            store["1"] = keras.ops.convert_to_numpy(self.bias)
+
+    def load_own_variables(self, store):
+        if not self.built:
+            return
+        expected = 1 + (self.bias is not None)
+        if len(store.keys()) != expected:
+            raise ValueError(
+                f"Layer '{self.name}' expected {expected} variables, but received {len(store.keys())} "
+                f"variables during loading. Expected: {['kernel', 'bias'][:expected]}. "
+                f"Received: store keys={sorted(store.keys())}"
+            )
+        self._kernel.assign(store["0"])
+        if self.bias is not None:
+            self.bias.assign(store["1"])
+        if self.lora_enabled:  # the stored kernel has the update merged: restart it from zero
+            self.lora_kernel_a.assign(tf.zeros(self.lora_kernel_a.shape, self.lora_kernel_a.dtype))
+            self.lora_kernel_b.assign(tf.zeros(self.lora_kernel_b.shape, self.lora_kernel_b.dtype))
+
+    def call(self, inputs, training=None):
         rank = inputs.shape.rank
+        kernel = self.kernel
         flat = inputs
         if rank > 2:
-            flat = tf.reshape(inputs, [-1, self.kernel.shape[0]])
-        outputs = tf.matmul(flat, self.kernel)
+            flat = tf.reshape(inputs, [-1, kernel.shape[0]])
+        outputs = tf.matmul(flat, kernel)
         if self.use_bias:
             outputs = _ops.add_bias(outputs, self.bias, "matmul_bias_relu")
         outputs = C.apply_activation(outputs, self.activation, self._activation_name)
@@ -159,8 +263,12 @@ class FusedDense(keras.layers.Layer):
                 "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
                 "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
                 "bias_constraint": keras.constraints.serialize(self.bias_constraint),
+                "quantization_config": None,
             }
         )
+        if self.lora_rank:
+            config["lora_rank"] = self.lora_rank
+            config["lora_alpha"] = self.lora_alpha
         return config
 
 
