@@ -1,0 +1,168 @@
+"""fusion_report on models as public examples write them (issue 13, defects 4 and 8)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmetal_ext import devices, inspect
+from tfmetal_ext.backends import fusion
+from tfmetal_ext.inspect import catalog
+
+L = keras.layers
+
+
+def _no_bad_rows(report):
+    bad = [r for r in report.layers if r.status in ("missed", "unexpected")]
+    assert not bad, str(report)
+
+
+# ----------------------------------------------------------------------------
+# Activations given as any callable.
+
+
+@pytest.mark.parametrize(
+    "activation, want",
+    [
+        ("relu", "relu"),
+        (tf.nn.relu, "relu"),
+        (tf.nn.swish, "silu"),
+        (keras.activations.gelu, "gelu"),
+        (tf.math.tanh, "tanh"),
+        (keras.activations.linear, "linear"),
+        (None, "linear"),
+    ],
+)
+def test_activation_name_of_known_callables(activation, want):
+    assert catalog.activation_name(L.Dense(2, activation=activation)) == want
+
+
+@pytest.mark.parametrize("activation", [lambda t: t * 2.0, L.ReLU(), np.tanh])
+def test_unknown_callables_are_custom_and_never_raise(activation):
+    layer = L.Dense(2)
+    layer.activation = activation  # whatever the constructor accepts, the attribute may hold anything
+    name = catalog.activation_name(layer)
+    assert name.startswith("custom (")
+    assert catalog.act_op(layer) not in fusion.ACTIVATION_OPS.values()
+
+
+@pytest.mark.parametrize("mode", ["predict", "train"])
+def test_report_with_callable_activations_and_keras_ops_between_layers(mode):
+    inp = keras.Input((8,))
+    a = L.Dense(8, activation=tf.nn.swish, name="swish")(inp)
+    b = L.Dense(8, activation=tf.nn.relu, name="tf_relu")(inp)
+    c = L.Dense(8, activation=keras.activations.gelu, name="gelu")(inp)
+    d = L.Dense(8, activation=lambda t: t * 2.0, name="lam")(inp)
+    x = keras.ops.relu(keras.ops.add(a, b))  # op nodes in the layer graph
+    x = keras.ops.subtract(keras.ops.add(x, c), d)
+    model = keras.Model(inp, L.Dense(1, name="head")(x))
+    model.compile(optimizer="sgd", loss="mse")
+    report = inspect.fusion_report(model, mode=mode)
+    _no_bad_rows(report)
+    # tf.nn.relu is the Relu op: it fuses like "relu" does (the table lists Relu for MatMul everywhere).
+    assert report.row("tf_relu").actual_fused_ops == ["BiasAdd", "Relu"], str(report)
+    assert "custom" in report.row("lam").reason, str(report)
+
+
+# ----------------------------------------------------------------------------
+# Synthetic inputs and targets.
+
+
+def test_train_targets_take_the_batch_of_the_inputs():
+    inp = keras.Input((8,))
+    model = keras.Model(inp, L.Dense(3, activation="relu")(inp))
+    report = inspect.fusion_report(model, inputs=np.zeros((4, 8), "float32"), mode="train")
+    assert report.num_ops > 0
+    assert report.row(model.layers[-1].name).fused
+
+
+@pytest.mark.parametrize("structure", ["dict", "list"])
+def test_multi_output_model_without_targets(structure):
+    inp = keras.Input((8,))
+    h = L.Dense(4, activation="relu")(inp)
+    outs = [L.Dense(2, name="cls")(h), L.Dense(1, activation="sigmoid", name="score")(h)]
+    outputs = {"cls": outs[0], "score": outs[1]} if structure == "dict" else outs
+    model = keras.Model(inp, outputs)
+    report = inspect.fusion_report(model, mode="train")
+    _no_bad_rows(report)
+    assert {"cls", "score"} <= {r.path for r in report.layers}
+
+
+def test_none_sequence_length_into_embedding():
+    inp = keras.Input((None,), dtype="int32")
+    x = L.GlobalAveragePooling1D()(L.Embedding(50, 8)(inp))
+    model = keras.Model(inp, L.Dense(1, activation="sigmoid")(x))
+    model.compile(optimizer="adam", loss="binary_crossentropy")
+    x = inspect.synthetic_inputs(model)
+    assert x.shape[0] == 8 and x.shape[1] >= 1 and x.max() < 50
+    _no_bad_rows(inspect.fusion_report(model, mode="train"))
+
+
+def test_none_spatial_dims_use_a_size_the_model_accepts():
+    inp = keras.Input((None, None, 3))
+    x = L.Conv2D(4, 3, activation="relu")(inp)
+    for _ in range(4):  # needs at least 46 pixels: the smallest default lengths fail, a later one fits
+        x = L.MaxPooling2D()(L.Conv2D(4, 3, activation="relu")(x))
+    model = keras.Model(inp, L.Dense(2)(L.GlobalAveragePooling2D()(x)))
+    x = inspect.synthetic_inputs(model)
+    assert model.predict(x, verbose=0).shape == (8, 2)
+    _no_bad_rows(inspect.fusion_report(model, mode="predict"))
+
+
+def test_declared_sequence_length_is_used():
+    class Positions(L.Layer):
+        def __init__(self, sequence_length):
+            super().__init__()
+            self.sequence_length = sequence_length
+
+        def call(self, x):
+            return x + keras.ops.zeros((self.sequence_length, 1))
+
+    inp = keras.Input((None, 1))
+    model = keras.Model(inp, Positions(17)(inp))
+    assert inspect.synthetic_inputs(model).shape == (8, 17, 1)
+
+
+def test_unacceptable_none_dims_ask_for_inputs():
+    inp = keras.Input((None, 3))
+    x = L.Reshape((5, 3))(inp)  # only length 5 works; nothing declares it
+    model = keras.Model(inp, L.Dense(2)(x))
+    with pytest.raises(ValueError, match="inputs="):
+        inspect.fusion_report(model)
+
+
+# ----------------------------------------------------------------------------
+# A sigmoid head trained with binary crossentropy: the loss reads its logits.
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+@pytest.mark.parametrize("units", [1, 4])
+def test_sigmoid_head_with_crossentropy_is_never_missed(units, policy):
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        inp = keras.Input((None,), dtype="int32")
+        x = L.Bidirectional(L.LSTM(4))(L.Embedding(40, 8)(inp))
+        model = keras.Model(inp, L.Dense(units, activation="sigmoid", name="head")(x))
+        model.compile(optimizer="adam", loss="binary_crossentropy")
+        report = inspect.fusion_report(model, mode="train")
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    _no_bad_rows(report)
+    row = report.row("head")
+    table = catalog.table(inspect._context("train", False))
+    if policy == "float32" and row.fused and "Sigmoid" in table.fusion("matmul_bias_act").acts_in("train"):
+        # The table fuses Sigmoid here, but Keras' crossentropy took the Sigmoid's input.
+        assert "Sigmoid" not in row.actual_fused_ops, str(report)
+        assert "logits" in row.reason, str(report)
+
+
+def test_sigmoid_head_with_mse_fuses_where_the_table_says():
+    inp = keras.Input((8,))
+    model = keras.Model(inp, L.Dense(4, activation="sigmoid", name="head")(inp))
+    model.compile(optimizer="sgd", loss="mse")
+    report = inspect.fusion_report(model, mode="train")
+    _no_bad_rows(report)
+    table = catalog.table(inspect._context("train", False))
+    want_sigmoid = "Sigmoid" in table.fusion("matmul_bias_act").acts_in("train")
+    assert ("Sigmoid" in (report.row("head").actual_fused_ops or [])) == want_sigmoid, str(report)
+    assert devices.capabilities().onednn == want_sigmoid  # CPU: only oneDNN fuses Sigmoid
