@@ -410,7 +410,7 @@ def test_report_counts_ops_and_prints_every_rewrite():
     stock = _small_cnn()
     new = tfmetal_ext.convert(stock)
     report = new.conversion_report
-    stock_train = inspect.fusion_report(stock, mode="train", optimizer="adam", loss="mse", batch_size=2).num_ops
+    stock_train = inspect.fusion_report(stock, mode="train", optimizer="sgd", loss="mse", batch_size=2).num_ops
     stock_predict = inspect.fusion_report(stock, mode="predict", batch_size=2).num_ops
     assert report.ops_before == {"train": stock_train, "predict": stock_predict}
     assert report.ops_after["train"] < stock_train and report.ops_after["predict"] < stock_predict
@@ -527,10 +527,8 @@ class _Subclassed(keras.Model):
 
 
 def test_bad_models_raise_value_error():
-    sub = _Subclassed()
-    sub(np.zeros((1, 3), "float32"))
-    with pytest.raises(ValueError, match="Received: model="):
-        tfmetal_ext.convert(sub)
+    with pytest.raises(ValueError, match="Received: model=.*not built"):
+        tfmetal_ext.convert(_Subclassed())  # a subclassed model converts once built (tests/conversion/test_deep.py)
     with pytest.raises(ValueError, match="Received: model=.*not built"):
         tfmetal_ext.convert(keras.Sequential([L.Dense(2)]))
     with pytest.raises(ValueError, match="Received: model="):

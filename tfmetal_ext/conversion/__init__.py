@@ -48,10 +48,12 @@ from tfmetal_ext.conversion.rebuild import Converter
 from tfmetal_ext.conversion.report import NO_COUNTERPART, ConversionReport, Kept, Rewrite, count_ops as _count_ops
 from tfmetal_ext.conversion.verify import (
     GRAD_RTOL,
+    OPEN_DIM_LENGTHS,
     MIN_GRAD_BATCH,
     NOISE_FACTOR,
     OUTPUT_RTOL,
     VerificationError,
+    make_inputs,
     verify_conversion,
 )
 
@@ -72,11 +74,13 @@ __all__ = [
 ]
 
 
-def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2, tolerance=None, seed=0):
+def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2, tolerance=None, seed=0,
+            inputs=None, in_place=False):
     """Returns an equivalent model built from tfmetal_ext's fusion-first layers.
 
     Walks the layer graph of a Functional or Sequential model (nested models
-    recursively) and rewrites Conv2D, DepthwiseConv2D, Dense,
+    recursively; a subclassed model or layer is copied and its tracked
+    sublayers are swapped one to one, see below) and rewrites Conv2D, DepthwiseConv2D, Dense,
     Conv2D -> BatchNormalization (-> Activation) chains, BatchNormalization,
     LayerNormalization, LSTM and GRU into `tfmetal_ext.layers`, folding
     separate activation layers into the layer before them when nothing else
@@ -86,9 +90,27 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     converted are kept (copied) and listed with the reason. A compiled model's
     compile configuration is applied to the result.
 
+    Subclassed layers and models: the layer (or a subclassed top-level
+    model) is re-created with the same constructor arguments
+    (``from_config(get_config())``, else the arguments Keras recorded when it
+    was made), and each tracked sublayer of the copy (in attributes, lists and
+    dicts) that has a one-to-one fusion-first drop-in (Conv2D, Dense,
+    BatchNormalization, LayerNormalization, LSTM, GRU, ...) is replaced
+    before the copy is built; the subclass keeps its own ``call``. Nothing is
+    merged inside a subclass (no folded activation, no ConvBNAct): its call
+    graph is not visible. Rewrites are reported per sublayer path
+    (``block_1/conv``). `Bidirectional` and `TimeDistributed` are converted
+    through to their inner layers. Every kept layer is an independent copy
+    whose state is copied with Keras' own ``save_own_variables`` /
+    ``load_own_variables`` and ``save_assets`` / ``load_assets``, so adapted
+    preprocessing layers (Normalization, StringLookup, IntegerLookup,
+    TextVectorization, Discretization, ...) and random layers' seed state
+    come out equal. The result never shares a variable with `model` (unless
+    ``in_place=True``).
+
     Args:
-        model: a built `keras.Model` made with the functional API or a
-            `keras.Sequential`.
+        model: a built `keras.Model`: functional, `keras.Sequential`, or a
+            subclassed model (built, or with ``inputs=``).
         inference: also fold batch norms into the preceding convolution's
             kernel and bias (the deployment form; not for training).
         verify: run both models on random inputs of the model's input spec
@@ -102,12 +124,24 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
         count_ops: count compute ops per train step and per inference call
             of both models with `tfmetal_ext.inspect.fusion_report` (costs a
             few seconds for big models; uncompiled models are counted with
-            Adam and MSE).
+            plain SGD and MSE, `report.COUNT_OPTIMIZER`).
         batch_size: batch size of the random inputs of verify and op counts.
         tolerance: relative tolerance of verify's output comparison
             (gradients: 20x), instead of the per-dtype defaults in
             `OUTPUT_RTOL` / `GRAD_RTOL`.
         seed: seed of the random inputs.
+        inputs: verification and op-count data (a batch, as `model` takes it)
+            instead of random inputs. Needed for string inputs, and where
+            convert() cannot tell the input shape; an input dimension left
+            open (None) otherwise takes the first length of
+            `OPEN_DIM_LENGTHS` the stock model accepts.
+        in_place: a layer that cannot be copied (its constructor arguments
+            cannot be recovered) is converted in place: its tracked
+            sublayers are swapped in the input model itself, which then
+            shares that layer (and its new sublayers) with the result, and
+            verification compares the result to the outputs the input model
+            gave before (no gradient check). Without it such a layer raises
+            `ValueError`.
 
     Returns:
         The converted `keras.Model` (a `keras.Sequential` for a Sequential
@@ -115,8 +149,11 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
         `ConversionReport`.
 
     Raises:
-        ValueError: if `model` is not a built Functional or Sequential model
-            (``... Received: model=...``).
+        ValueError: if `model` is not a built model (``... Received:
+            model=...``), or a layer cannot be copied (``in_place=False``;
+            the message names the layer and why), or verification data
+            cannot be made (string inputs, unknown input shape: pass
+            ``inputs=``).
         VerificationError: (an `AssertionError`) when verify finds outputs or
             gradients that differ beyond tolerance (the message lists the
             per-layer or per-weight differences), or when every output of
@@ -131,28 +168,39 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     >>> [type(l).__name__ for l in fused.layers]
     ['ConvBNAct', 'Flatten']
     """
+    import time
+
     from keras.src.models.functional import Functional
 
     if not isinstance(model, keras.Model):
-        raise ValueError(f"Expected a Functional or Sequential keras.Model. Received: model={model!r}")
+        raise ValueError(f"Expected a Functional, Sequential or subclassed keras.Model. Received: model={model!r}")
     if isinstance(model, keras.Sequential) and getattr(model, "_functional", None) is None:
         raise ValueError(
             "Only a built Sequential model (with an Input, or called once) can be converted. "
             f"Received: model={model.name!r} (not built)"
         )
-    if not isinstance(model, (keras.Sequential, Functional)):
+    subclassed = not isinstance(model, (keras.Sequential, Functional))
+    if subclassed and not model.built and inputs is None:
         raise ValueError(
-            "convert() walks the layer graph of a Functional or Sequential model; a subclassed model "
-            f"has no graph to walk. Received: model={model.name!r} ({type(model).__name__})"
+            "A subclassed model must be built (called once) or given inputs=x to be converted. "
+            f"Received: model={model.name!r} ({type(model).__name__}, not built)"
         )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not tolerance > 0):
         raise ValueError(f"`tolerance` must be a positive number or None. Received: tolerance={tolerance!r}")
+    if subclassed and not model.built:
+        model(inputs, training=False)
     report = ConversionReport(model=model.name, inference=bool(inference))
-    conv = Converter(bool(inference), report)
-    new = conv.convert_model(model)
+    conv = Converter(bool(inference), report, in_place=bool(in_place))
+    reference = _reference_outputs(model, batch_size, seed, inputs) if in_place and verify else None
+    t0 = time.perf_counter()
+    if subclassed:
+        new = _convert_subclassed(model, conv, report, batch_size, seed, inputs)
+    else:
+        new = conv.convert_model(model)
+    logger.info("convert(%s): rebuild done in %.1f s", model.name, time.perf_counter() - t0)
     if getattr(model, "compiled", False):
         try:
             new.compile_from_config(model.get_compile_config())
@@ -162,11 +210,52 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     if inference:
         report.notes.append("inference form: batch norms are folded; train the training form instead")
     if verify:
-        verify_conversion(model, new, conv, report, bool(inference), batch_size, tolerance, seed)
+        t = time.perf_counter()
+        if reference is not None:
+            report.notes.append("in_place=True: outputs compared with the input model's before conversion; "
+                                "gradients not compared (the models share the converted layers)")
+        verify_conversion(model, new, conv, report, bool(inference), batch_size, tolerance, seed, inputs,
+                          reference=reference)
         report.verified = True
+        logger.info("convert(%s): verify done in %.1f s", model.name, time.perf_counter() - t)
     if count_ops:
-        report.ops_before = _count_ops(model, batch_size, report, "stock")
-        report.ops_after = _count_ops(new, batch_size, report, "converted")
+        t = time.perf_counter()
+        x = inputs
+        if x is None and (subclassed or _has_open_dims(model)):
+            x = make_inputs(model, batch_size, seed)
+        if reference is None:  # in place, the input model is no longer the stock one
+            report.ops_before = _count_ops(model, batch_size, report, "stock", x)
+        report.ops_after = _count_ops(new, batch_size, report, "converted", x)
+        logger.info("convert(%s): op counts done in %.1f s", model.name, time.perf_counter() - t)
     object.__setattr__(new, "conversion_report", report)  # plain attribute, not tracked by Keras
     logger.info("%s", report)
+    return new
+
+
+def _has_open_dims(model):
+    return any(d is None for t in model.inputs for d in tuple(t.shape)[1:])
+
+
+def _reference_outputs(model, batch_size, seed, inputs):
+    from tfmetal_ext.conversion.verify import _as_list
+
+    return _as_list(model(make_inputs(model, batch_size, seed, inputs), training=False))
+
+
+def _convert_subclassed(model, conv, report, batch_size, seed, inputs):
+    """A subclassed top-level model: copied (or in place), sublayers swapped, built, state copied."""
+    import numpy as np
+
+    new, kind, swaps = conv.copy_deep(model, model.name)
+    report.kept.append(Kept(model.name, type(model).__name__,
+                            f"subclassed model: its call is its own; {len(swaps)} sublayer(s) swapped for "
+                            "fusion-first ones (listed as rewrites)"))
+    if kind == "in_place":
+        conv.pairs += [(w, w) for w in model.trainable_weights if not any(w is b for _, b in conv.pairs)]
+        return new
+    x = make_inputs(model, batch_size, seed, inputs)
+    new(keras.tree.map_structure(lambda v: np.asarray(v)[:1], x), training=False)  # builds the copy
+    from tfmetal_ext.conversion import copying
+
+    copying.transfer_state(model, new, conv.pairs, swaps, model.name)
     return new

@@ -36,6 +36,23 @@ RNN_KEYS = (
 )
 
 
+# Constructor arguments that hold an activation (any callable: a Keras or TF function, a lambda).
+ACTIVATION_KEYS = ("activation", "recurrent_activation")
+
+
+def activation_arg(act):
+    """An activation as a constructor argument: its Keras name when it has one, else the callable itself.
+
+    A TensorFlow function that is a Keras activation's op (``tf.nn.swish``) gives that name
+    (`inspect.catalog.function_activation_name`), so it folds; a lambda or custom function
+    stays the callable (which a config cannot carry: Keras cannot deserialize it either).
+    """
+    from tfmetal_ext.inspect.catalog import function_activation_name
+
+    name = function_activation_name(act)
+    return act if name.startswith("custom") else name
+
+
 def common_kwargs(layer):
     return {"name": layer.name, "dtype": layer.dtype_policy, "trainable": layer.trainable}
 
@@ -44,6 +61,9 @@ def make_layer(cls, layer, keys, **overrides):
     """``cls`` built from `layer`'s config (`keys`), or the ValueError with the fused layer's own reason."""
     config = layer.get_config()
     kwargs = {k: config[k] for k in keys if k in config}
+    for k in ACTIVATION_KEYS:
+        if k in kwargs and not isinstance(kwargs[k], str):
+            kwargs[k] = activation_arg(getattr(layer, k, None))
     if "activity_regularizer" in keys and layer.activity_regularizer is not None:
         kwargs["activity_regularizer"] = keras.regularizers.serialize(layer.activity_regularizer)
     kwargs.update(common_kwargs(layer))

@@ -19,6 +19,7 @@ contraction from `tfmetal_ext.backends.fusion` (`CONTRACTION_ACTIVATIONS`,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib
 
@@ -159,6 +160,94 @@ def plan(ctx, node):
 
 
 # ----------------------------------------------------------------------------
+# Sublayers: calls that are not nodes of a functional graph (inside a subclass or a wrapper).
+
+
+@dataclasses.dataclass
+class CallArguments:
+    """The ``arguments`` of a `SyntheticNode`: the layer's input alone, no keyword arguments."""
+
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class SyntheticNode:
+    """A call description of a built layer that has no functional node: its build input shape.
+
+    Planners read it like a graph node (``operation``, ``input_tensors``,
+    ``outputs``, ``arguments``), so a sublayer is planned by the same registry.
+    """
+
+    operation: object
+    input_tensors: list
+    outputs: list
+    arguments: CallArguments
+
+    @classmethod
+    def of(cls, layer, input_shape):
+        x = keras.KerasTensor(tuple(input_shape), dtype=layer.compute_dtype)
+        try:
+            outs = keras.tree.flatten(layer.compute_output_spec(x))
+        except Exception:  # the output shape is informative only
+            outs = []
+        return cls(layer, [x], outs, CallArguments((x,), {}))
+
+
+class NoGraph:
+    """The graph stand-in of sublayer planning: nothing to merge with (no call graph is visible)."""
+
+    def __init__(self, calls=None):
+        self.calls = calls if calls is not None else collections.Counter()
+
+    def shared(self, layer):
+        return self.calls[id(layer)] > 1
+
+    def next_layer(self, node):
+        return None
+
+
+def build_input_shape(layer):
+    """The input shape `layer` was built with (its first call argument's), or None."""
+    config = layer.get_build_config() if layer.built else None
+    if not config:
+        return None
+    if "input_shape" in config:
+        return config["input_shape"]
+    shapes = list(config.get("shapes_dict", {}).values())
+    return shapes[0] if shapes else None
+
+
+def plan_sublayer(layer, path, inference, calls=None):
+    """The one-to-one ``replace`` `Plan` of a built `layer` called outside a functional graph, or None.
+
+    The planner registered for its class is run on a `SyntheticNode` of its build
+    input shape with a `NoGraph` context, so nothing is merged into it (no folded
+    activation, no ConvBNAct): only a swap the replacement honours whatever call the
+    enclosing layer makes. The rewrite is labelled `path`. Returns ``(plan, reason)``:
+    ``plan`` None and ``reason`` why when it stays.
+    """
+    if isinstance(layer, keras.Model) or not isinstance(layer, keras.layers.Layer):
+        return None, None
+    planner = planner_for(type(layer))
+    if planner is None:
+        return None, None
+    shape = build_input_shape(layer)
+    if shape is None:
+        return None, "not built, so its input shape is unknown"
+    ctx = PlanContext(NoGraph(calls), inference)
+    planned = planner(ctx, SyntheticNode.of(layer, shape))
+    if planned is None:
+        return None, None
+    plan_, reason = planned
+    if plan_.kind != "replace" or len(plan_.nodes) != 1:
+        return None, reason
+    plan_.rewrite.source = (path,)
+    plan_.rewrite.name = path
+    return plan_, None
+
+
+# ----------------------------------------------------------------------------
 # Activations.
 
 
@@ -223,6 +312,53 @@ def plan_contraction(ctx, node, stock, keys, acts):
     return ctx.replace([node] + ([act_node] if act_node else []), cls.__name__,
                        lambda: configs.make_layer(cls, layer, keys, **overrides),
                        lambda new, pairs: weights.copy_identical(layer, new, pairs), note)
+
+
+# ----------------------------------------------------------------------------
+# Wrappers: converted through to their inner layers.
+
+
+def _inner_plan(ctx, wrapper, inner, what):
+    """The one-to-one plan of a wrapper's `inner` layer, or (None, the reason it stays)."""
+    plan_, reason = plan_sublayer(inner, ctx.label(f"{wrapper.name}/{inner.name}"), ctx.inference)
+    if plan_ is None:
+        return None, f"{what} {type(inner).__name__} stays stock" + (f": {reason}" if reason else "")
+    return plan_, None
+
+
+def _wrapper_plan(ctx, node, new_class, make):
+    wrapper = node.operation
+    calls = ctx.calls(wrapper)
+    note = f"shared: called {calls} times, converted once" if calls > 1 else ""
+    return ctx.replace([node], new_class, make, lambda new, pairs: weights.copy_identical(wrapper, new, pairs), note)
+
+
+@register_planner(L.Bidirectional)
+def _bidirectional(ctx, node):
+    """Bidirectional(LSTM/GRU): both directions replaced by their fused classes, the wrapper kept."""
+    w = node.operation
+    fwd, why = _inner_plan(ctx, w, w.forward_layer, "forward layer")
+    bwd, why_b = _inner_plan(ctx, w, w.backward_layer, "backward layer") if fwd else (None, None)
+    if fwd is None or bwd is None:
+        return keep(node, f"Bidirectional kept: {why or why_b}")
+    inner_class = fwd.rewrite.new_class
+
+    def make():
+        f, b = fwd.make(), bwd.make()
+        return L.Bidirectional(f, merge_mode=w.merge_mode, backward_layer=b, **configs.common_kwargs(w))
+
+    return _wrapper_plan(ctx, node, f"Bidirectional({inner_class})", make)
+
+
+@register_planner(L.TimeDistributed)
+def _time_distributed(ctx, node):
+    """TimeDistributed(layer): the inner layer replaced by its fused class (one-to-one), the wrapper kept."""
+    w = node.operation
+    inner, why = _inner_plan(ctx, w, w.layer, "inner layer")
+    if inner is None:
+        return keep(node, f"TimeDistributed kept: {why}")
+    return _wrapper_plan(ctx, node, f"TimeDistributed({inner.rewrite.new_class})",
+                         lambda: L.TimeDistributed(inner.make(), **configs.common_kwargs(w)))
 
 
 # ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import inspect
 
 import keras
 
-from tfmetal_ext.conversion import planners, weights
+from tfmetal_ext.conversion import copying, planners, weights
 from tfmetal_ext.conversion.graph import Graph
 from tfmetal_ext.conversion.report import Kept
 
@@ -44,12 +44,14 @@ class Converter:
             ``(label, class name, stock output tensor, new output tensor)``, for verification.
     """
 
-    def __init__(self, inference, report, prefix=""):
+    def __init__(self, inference, report, prefix="", in_place=False):
         self.inference = inference
         self.report = report
         self.prefix = prefix
+        self.in_place = in_place
         self.pairs = []
         self.new_layers = {}
+        self.swaps = {}  # id of a stock layer -> the sublayer swaps of its copy
         self.graph = None
 
     def _label(self, name):
@@ -144,35 +146,74 @@ class Converter:
             self.report.rewrites.append(plan.rewrite)
             return plan.make(), plan.kind
         if plan.kind == "model":
-            sub = Converter(self.inference, self.report, prefix=f"{self.prefix}{layer.name}/")
+            sub = Converter(self.inference, self.report, prefix=f"{self.prefix}{layer.name}/",
+                            in_place=self.in_place)
             new = sub.convert_model(layer)
             self.pairs += sub.pairs
             return new, plan.kind
         if plan.kind == "op":
             self.report.notes.append(f"{self._label(layer.name)}: Keras operation {type(layer).__name__} reused as is")
             return layer, plan.kind
-        # keep: a fresh copy with the same config (weights copied once built), else the layer itself
-        self.report.kept.append(Kept(self._label(layer.name), type(layer).__name__, reason))
+        # keep: an independent copy (same constructor arguments; state copied once built), whose
+        # sublayers with fusion-first drop-ins are swapped when it is a subclass.
+        label = self._label(layer.name)
+        new, kind, swaps = self.copy_deep(layer, label)
+        self.swaps[id(layer)] = swaps
+        if swaps:
+            reason += f"; copied with {len(swaps)} sublayer(s) swapped for fusion-first ones (listed as rewrites)"
+        self.report.kept.append(Kept(label, type(layer).__name__, reason))
+        return new, kind
+
+    def copy_deep(self, layer, label):
+        """``(copy, kind, swaps)`` of a kept layer: an unbuilt copy with its subclass sublayers swapped.
+
+        With ``in_place``, a layer that cannot be copied has its sublayers swapped in the input
+        model itself (kind ``"in_place"``); otherwise `copying.NotCopyable` is raised.
+        """
         try:
-            return type(layer).from_config(layer.get_config()), plan.kind
-        except Exception as e:  # arbitrary user code
+            new = copying.construct(layer, label)
+        except copying.NotCopyable:
+            if not self.in_place:
+                raise
+            swaps = self._swap(layer, layer, label)
             self.report.notes.append(
-                f"{self._label(layer.name)}: could not be re-created from its config ({type(e).__name__}: {e}); "
-                "the converted model uses the same layer object (shared weights)"
+                f"{label}: could not be copied; converted in place (in_place=True): the input model's own "
+                f"{type(layer).__name__} now holds the swapped sublayers and is shared with the result"
             )
-            return layer, "reuse"
+            for plan in swaps.values():
+                copying.build_like(plan.nodes[0].operation, plan.made)
+                plan.copy(plan.made, self.pairs)
+            return layer, "in_place", swaps
+        swaps = self._swap(layer, new, label) if not copying._is_stock(layer) else {}
+        return new, "keep", swaps
+
+    def _swap(self, stock, copy, label):
+        calls = _sublayer_calls(stock)
+
+        def plan_fn(sub, path):
+            plan_, reason = planners.plan_sublayer(sub, path, self.inference, calls)
+            if plan_ is None and reason:
+                self.report.kept.append(Kept(path, type(sub).__name__, reason))
+            return plan_
+
+        return copying.swap_sublayers(stock, copy, label, plan_fn, self.report)
 
     def _after_build(self, plan, kind, new_layer):
         layer = plan.nodes[0].operation
         if kind == "replace":
             plan.copy(new_layer, self.pairs)
         elif kind == "keep":
-            try:
-                weights.copy_identical(layer, new_layer, self.pairs)
-            except Exception as e:
-                raise RuntimeError(
-                    f"could not copy the weights of kept layer {self._label(layer.name)!r} into its copy: {e}"
-                ) from e
+            copying.transfer_state(layer, new_layer, self.pairs, self.swaps.get(id(layer)), self._label(layer.name))
             new_layer.trainable = layer.trainable
-        elif kind == "reuse":
-            self.pairs += [(w, w) for w in layer.trainable_weights]
+        elif kind in ("reuse", "in_place"):
+            self.pairs += [(w, w) for w in layer.trainable_weights if not any(w is b for _, b in self.pairs)]
+
+
+def _sublayer_calls(layer):
+    """How many times each sublayer object is reachable in `layer`'s tree (a shared sublayer, > 1)."""
+    import collections
+
+    counts = collections.Counter()
+    for sub in layer._flatten_layers(include_self=False, recursive=True):
+        counts[id(sub)] += 1
+    return counts

@@ -102,6 +102,108 @@ def _warn_partial(report, note, stacklevel):
 
 
 # ----------------------------------------------------------------------------
+# Verification data.
+
+# Lengths tried, in order, for an input dimension the model leaves open (None sequence or spatial dims).
+OPEN_DIM_LENGTHS = (32, 64, 128, 224, 16, 8)
+
+
+def _input_specs(model):
+    """``[(shape, dtype)]`` of `model`'s inputs: its functional inputs, else the shapes it was built with."""
+    inputs = getattr(model, "inputs", None) if not _is_subclassed(model) else None
+    if inputs:
+        return [(tuple(t.shape), str(t.dtype)) for t in inputs], True
+    config = model.get_build_config() if model.built else None
+    shapes = []
+    if config and "input_shape" in config:
+        shapes = [config["input_shape"]]
+    elif config and "shapes_dict" in config:
+        shapes = list(config["shapes_dict"].values())
+    if len(shapes) != 1 or not isinstance(shapes[0], (list, tuple)) or \
+            any(isinstance(d, (list, tuple, dict)) for d in shapes[0]):
+        raise ValueError(
+            f"convert() cannot tell the input shape of model {model.name!r} ({type(model).__name__}); pass "
+            f"verification data with convert(..., inputs=x). Received: inputs=None"
+        )
+    return [(tuple(shapes[0]), model.compute_dtype if model.compute_dtype != "bfloat16" else "float32")], False
+
+
+def _is_subclassed(model):
+    from keras.src.models.functional import Functional
+
+    return not isinstance(model, (keras.Sequential, Functional))
+
+
+def _random(shape, dtype, rng):
+    dtype = np.dtype("float32" if dtype in ("bfloat16", "float16") else dtype)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 10, size=shape).astype(dtype)
+    if np.issubdtype(dtype, np.bool_):
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def make_inputs(model, batch_size, seed, inputs=None):
+    """Verification inputs: `inputs` when given, else random ones of `model`'s input spec.
+
+    An input dimension the model leaves open (None, besides the batch) takes the first
+    length of `OPEN_DIM_LENGTHS` the stock model runs with.
+
+    Raises:
+        ValueError: string inputs, an input shape convert() cannot tell, or no length
+            the model accepts (each asks for ``inputs=``).
+    """
+    if inputs is not None:
+        return inputs
+    specs, functional = _input_specs(model)
+    for shape, dtype in specs:
+        if "string" in dtype:
+            raise ValueError(
+                f"convert() cannot make random verification data for the string input of {model.name!r}; "
+                "pass representative data with convert(..., inputs=x). Received: inputs=None"
+            )
+    open_dims = any(d is None for shape, _ in specs for d in shape[1:])
+    for length in OPEN_DIM_LENGTHS if open_dims else (None,):
+        rng = np.random.default_rng(seed)
+        values = [_random((batch_size,) + tuple(length if d is None else int(d) for d in shape[1:]), dtype, rng)
+                  for shape, dtype in specs]
+        x = values[0] if len(values) == 1 else values
+        if not open_dims:
+            return x
+        try:
+            model(keras.tree.map_structure(lambda v: v[:1], x), training=False)
+            return x
+        except Exception:
+            continue
+    raise ValueError(
+        f"convert() found no length for the open (None) input dimensions of {model.name!r} that the model "
+        f"accepts (tried {', '.join(map(str, OPEN_DIM_LENGTHS))}); pass verification data with "
+        "convert(..., inputs=x). Received: inputs=None"
+    )
+
+
+def make_targets(model, x, seed):
+    """Random float targets shaped like `model`'s outputs on `x`."""
+    rng = np.random.default_rng(seed)
+    outs = keras.tree.flatten(model(x, training=False))
+    values = [rng.random(tuple(o.shape)).astype("float32") for o in outs]
+    return values[0] if len(values) == 1 else values
+
+
+def _batch(x):
+    return int(keras.tree.flatten(x)[0].shape[0])
+
+
+def _tile_batch(x, n):
+    """`x` repeated along the batch up to at least `n` rows (for the gradient check's batch size)."""
+    b = _batch(x)
+    if b >= n:
+        return x
+    reps = -(-n // b)
+    return keras.tree.map_structure(lambda v: np.concatenate([np.asarray(v)] * reps, axis=0), x)
+
+
+# ----------------------------------------------------------------------------
 # Outputs.
 
 
@@ -127,6 +229,8 @@ def _check_finite(ref, model, report):
 
 def _layer_diffs(model, stock_graph, x, tol):
     """Per-layer relative output diffs in graph order (inference mode)."""
+    if stock_graph is None:
+        return []
     ins, corr = stock_graph
     stock_fn = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
     rows = []
@@ -141,12 +245,9 @@ def _layer_diffs(model, stock_graph, x, tol):
     return rows
 
 
-def _check_outputs(model, new, graph, report, batch_size, tolerance, seed):
-    from tfmetal_ext.inspect import synthetic_inputs
-
-    x = synthetic_inputs(model, batch_size=batch_size, seed=seed)
+def _check_outputs(model, new, graph, report, x, tolerance, reference=None):
     tol = _tol(OUTPUT_RTOL, model.dtype_policy.name, tolerance)
-    ref = _as_list(model(x, training=False))
+    ref = reference if reference is not None else _as_list(model(x, training=False))
     _check_finite(ref, model, report)
     got = _as_list(new(x, training=False))
     worst = max(rel_diff(a, b) for a, b in zip(ref, got))
@@ -190,20 +291,26 @@ def _no_dropout(*models):
             object.__setattr__(layer, attr, v)
 
 
-def _gradients(model, new, stock_vars, new_vars, batch_size, seed):
+def _seed_states(model):
+    """The state variables of every seed generator in `model` (random layers advance them)."""
+    return [g.state for layer in model._flatten_layers(include_self=True, recursive=True)
+            for g in getattr(layer, "_seed_generators", ()) if getattr(g, "state", None) is not None]
+
+
+def _gradients(model, new, stock_vars, new_vars, x, seed):
     """One training step's gradients (MSE against random targets, dropout off, weights restored after).
 
-    Returns the stock model's gradients, the converted model's, and the stock model's at the inputs
-    perturbed by 1e-6 relative noise and at the batch in reverse order (its own rounding noise).
+    Returns the stock model's gradients, the converted model's, and ``noise()``: the stock model's
+    at the inputs perturbed by 1e-6 relative noise and at the batch in reverse order (its own
+    rounding noise), computed only when asked (two more passes).
     """
     import tensorflow as tf
 
-    from tfmetal_ext.inspect import synthetic_inputs, synthetic_targets
-
-    x = synthetic_inputs(model, batch_size=batch_size, seed=seed)
-    y = synthetic_targets(model, batch_size=batch_size, seed=seed + 1)
+    y = make_targets(model, x, seed + 1)
     ys = [tf.constant(t) for t in keras.tree.flatten(y)]
-    state = [(v, tf.identity(v.value)) for v in model.weights + new.weights]
+    variables = model.weights + new.weights + _seed_states(model) + _seed_states(new)
+    seen = set()
+    state = [(v, tf.identity(v.value)) for v in variables if not (id(v) in seen or seen.add(id(v)))]
 
     def grads(m, variables, inputs, targets):
         with tf.GradientTape() as tape:
@@ -211,26 +318,51 @@ def _gradients(model, new, stock_vars, new_vars, batch_size, seed):
             loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, "float32") - t)) for o, t in zip(out, targets)])
         return tape.gradient(loss, [v.value for v in variables])
 
-    rng = np.random.default_rng(seed + 2)
-    x_pert = keras.tree.map_structure(
-        lambda v: (v * (1 + 1e-6 * rng.standard_normal(v.shape))).astype(v.dtype)
-        if np.issubdtype(v.dtype, np.floating) else v, x)
-    x_rev = keras.tree.map_structure(lambda v: v[::-1], x)
-    try:
-        with _no_dropout(model, new):
-            return (grads(model, stock_vars, x, ys), grads(new, new_vars, x, ys),
-                    grads(model, stock_vars, x_pert, ys), grads(model, stock_vars, x_rev, [t[::-1] for t in ys]))
-    finally:
+    def restore():
         for v, value in state:
             v.assign(value)
 
+    def noise():
+        """The stock model's gradients at perturbed inputs and at the batch reversed."""
+        rng = np.random.default_rng(seed + 2)
+        x_pert = keras.tree.map_structure(
+            lambda v: (v * (1 + 1e-6 * rng.standard_normal(v.shape))).astype(v.dtype)
+            if np.issubdtype(v.dtype, np.floating) else v, x)
+        x_rev = keras.tree.map_structure(lambda v: v[::-1], x)
+        try:
+            with _no_dropout(model, new):
+                restore()
+                g_pert = grads(model, stock_vars, x_pert, ys)
+                restore()
+                return g_pert, grads(model, stock_vars, x_rev, [t[::-1] for t in ys])
+        finally:
+            restore()
 
-def _check_gradients(model, new, pairs, report, batch_size, tolerance, seed):
+    try:
+        with _no_dropout(model, new):
+            g_ref = grads(model, stock_vars, x, ys)
+            restore()  # random layers: both models start from the same seed state
+            g_new = grads(new, new_vars, x, ys)
+            return g_ref, g_new, noise
+    finally:
+        restore()
+
+
+def _check_gradients(model, new, pairs, report, x, tolerance, seed):
     gtol = _tol(GRAD_RTOL, model.dtype_policy.name, None if tolerance is None else tolerance * 20)
     stock_vars = [a for a, _ in pairs]
     new_vars = [b for _, b in pairs]
-    g_ref, g_new, g_pert, g_perm = _gradients(
-        model, new, stock_vars, new_vars, max(batch_size, MIN_GRAD_BATCH), seed)
+    g_ref, g_new, noise = _gradients(model, new, stock_vars, new_vars, x, seed)
+    g_ref = [None if g is None else to_numpy(g) for g in g_ref]
+    g_new = [None if g is None else to_numpy(g) for g in g_new]
+    # The stock model's own rounding noise is measured only when some gradient is off by more than
+    # the plain tolerance (two more backward passes, the costliest part of verifying a big model).
+    quick = [rel_l2(ga, gb if gb is not None else np.zeros(a.shape))
+             for a, ga, gb in zip(stock_vars, g_ref, g_new) if ga is not None]
+    if all(d <= gtol for d in quick):
+        g_pert, g_perm = g_ref, g_ref
+    else:
+        g_pert, g_perm = noise()
     rows, clean, nonfinite = [], [], []
     for a, ga, gb, gp, gq in zip(stock_vars, g_ref, g_new, g_pert, g_perm):
         if ga is None and gb is None:
@@ -238,10 +370,10 @@ def _check_gradients(model, new, pairs, report, batch_size, tolerance, seed):
         ga, gb, gp, gq = (np.zeros(a.shape) if g is None else to_numpy(g) for g in (ga, gb, gp, gq))
         if not np.all(np.isfinite(ga)):
             nonfinite.append(a.path)
-        noise = max(rel_l2(ga, gp), rel_l2(ga, gq))
-        noise = noise if np.isfinite(noise) else float("inf")
-        rows.append((a.path, rel_l2(ga, gb), max(gtol, NOISE_FACTOR * noise)))
-        if noise <= gtol:
+        noise_ = max(rel_l2(ga, gp), rel_l2(ga, gq))
+        noise_ = noise_ if np.isfinite(noise_) else float("inf")
+        rows.append((a.path, rel_l2(ga, gb), max(gtol, NOISE_FACTOR * noise_)))
+        if noise_ <= gtol:
             clean.append(rows[-1][1])
     # Weights whose true gradient is ~0 (e.g. a batch norm beta feeding another batch norm) are all noise.
     report.max_grad_diff = max(clean, default=0.0)
@@ -267,12 +399,18 @@ def _check_gradients(model, new, pairs, report, batch_size, tolerance, seed):
         )
 
 
-def verify_conversion(model, new, converter, report, inference, batch_size, tolerance, seed):
+def verify_conversion(model, new, converter, report, inference, batch_size, tolerance, seed, inputs=None,
+                      reference=None):
     """Raises `VerificationError` unless `new` (made by `converter`) computes what `model` does.
 
-    Inference outputs are compared on synthetic inputs of `model`'s input spec; for the training
-    form (not `inference`) also one training step's gradients. Fills `report`'s diff fields.
+    Inference outputs are compared on `inputs` (else synthetic inputs of `model`'s input
+    spec, `make_inputs`); for the training form (not `inference`) also one training step's
+    gradients. `reference`: the stock outputs computed before an in-place conversion.
+    Fills `report`'s diff fields.
     """
-    _check_outputs(model, new, converter.graph, report, batch_size, tolerance, seed)
-    if not inference:
-        _check_gradients(model, new, converter.pairs, report, batch_size, tolerance, seed)
+    x = make_inputs(model, batch_size, seed, inputs)
+    _check_outputs(model, new, converter.graph, report, x, tolerance, reference)
+    if not inference and reference is None:
+        xg = make_inputs(model, max(batch_size, MIN_GRAD_BATCH), seed) if inputs is None else \
+            _tile_batch(inputs, MIN_GRAD_BATCH)
+        _check_gradients(model, new, converter.pairs, report, xg, tolerance, seed)

@@ -1,0 +1,414 @@
+"""Copies that share no state with the stock layer: construction, state transfer, sublayer swaps.
+
+A kept layer (and every subclassed layer or model) is copied in three steps:
+
+1. `construct`: a new, unbuilt instance of the same class with the same
+   constructor arguments: ``from_config(get_config())``, else the arguments
+   Keras recorded when the layer was made (``Operation.__new__`` stores them
+   as ``_auto_config`` when they are plain values), which is how a subclass
+   whose ``__init__`` takes no ``**kwargs`` is copied. A layer neither can
+   re-create is refused (`NotCopyable`), never shared.
+2. `swap_sublayers` (subclasses only): every tracked sublayer of the copy (in
+   attributes, lists and dicts) whose stock counterpart has a one-to-one
+   planner (`planners.plan_sublayer`) is replaced by its fusion-first class,
+   before the copy is built. The subclass keeps its own ``call``.
+3. `transfer_state`, once the copy is built: the stock object tree and the
+   copy's are walked in parallel the way Keras' own saving walks them
+   (``saving_lib._walk_saveable``). Each object's own state goes through its
+   own ``save_own_variables`` / ``load_own_variables`` and
+   ``save_assets`` / ``load_assets``, exactly what a ``.keras`` save and load
+   does, so adapted preprocessing state is finalized the way Keras finalizes
+   it (``Normalization.finalize_state``, lookup vocabularies, TF-IDF
+   weights); swapped sublayers get their planner's weight copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+
+import keras
+
+from tfmetal_ext.conversion import weights
+
+
+class NotCopyable(ValueError):
+    """A layer that cannot be re-created as an independent copy (the message says why)."""
+
+
+def _is_stock(obj):
+    return type(obj).__module__.startswith("keras.")
+
+
+def _is_graph_model(obj):
+    from keras.src.models.functional import Functional
+
+    return isinstance(obj, (keras.Sequential, Functional))
+
+
+@contextlib.contextmanager
+def _global_policy(policy):
+    """The global dtype policy set to `policy` while a copy's sublayers are made (they read it)."""
+    saved = keras.config.dtype_policy()
+    try:
+        keras.config.set_dtype_policy(policy)
+        yield
+    finally:
+        keras.config.set_dtype_policy(saved)
+
+
+def construct(layer, label):
+    """A new, unbuilt `layer` of the same class and constructor arguments (name, trainable and policy kept).
+
+    Raises:
+        NotCopyable: when neither ``from_config(get_config())`` nor the constructor
+            arguments Keras recorded re-create the layer.
+    """
+    cls = type(layer)
+    errors = []
+    policy = layer.dtype_policy
+    with _global_policy(policy.name if not isinstance(policy, keras.dtype_policies.DTypePolicyMap) else "float32"):
+        try:
+            config = layer.get_config()
+        except Exception as e:  # arbitrary user code
+            config = None
+            errors.append(f"get_config() failed ({type(e).__name__}: {_first_line(e)})")
+        if config is not None:
+            try:
+                return cls.from_config(_live_callables(layer, config))
+            except Exception as e:  # arbitrary user code
+                errors.append(f"from_config(get_config()) failed ({type(e).__name__}: {_first_line(e)})")
+        auto = getattr(layer, "_auto_config", None)
+        if auto is None:
+            errors.append("Keras recorded no constructor arguments (some are not plain values, or *args)")
+        else:
+            try:
+                new = cls(**auto.config)
+            except Exception as e:
+                errors.append(f"{cls.__name__}(**recorded constructor arguments) failed ({type(e).__name__}: "
+                              f"{_first_line(e)})")
+            else:
+                new.name = layer.name
+                new.trainable = layer.trainable
+                if new.dtype_policy.name != policy.name:
+                    new.dtype_policy = policy
+                return new
+        base = next((c for c in cls.__mro__ if _is_stock_class(c)), None)
+        if base in (keras.layers.Layer, keras.Model):
+            try:
+                return _shell_copy(layer, base, label)
+            except NotCopyable as e:
+                errors.append(f"its attributes could not be copied ({e})")
+    raise NotCopyable(
+        f"convert() cannot make an independent copy of layer {label!r} ({cls.__module__}.{cls.__name__}): "
+        + "; ".join(errors) + ". Give the class a get_config() whose output its constructor accepts, or pass "
+        "convert(..., in_place=True) to swap its sublayers in the input model itself. "
+        f"Received: layer={label!r}"
+    )
+
+
+def _is_stock_class(cls):
+    return cls.__module__.startswith("keras.")
+
+
+# Attributes Keras and TF set on a layer or model after its base __init__ (training, tracking, build):
+# not the user's own state, never copied by `_shell_copy`.
+_INTERNAL = frozenset((
+    "_compile_config", "_compiled_trainable_state", "_eval_epoch_iterator", "history", "optimizer",
+    "stop_training", "_build_shapes_dict", "train_function", "test_function", "predict_function",
+    "make_train_function", "make_test_function", "make_predict_function",
+))
+
+
+def _shell_copy(layer, base, label):
+    """A copy made without the subclass's ``__init__``: the base Keras ``__init__``, then each of the
+    user's attributes copied (sublayers by `construct`, variables fresh, plain values as they are).
+
+    Keras records no constructor arguments of a subclassed `keras.Model` (``Model.__new__``
+    drops them), so this is how ``class Net(keras.Model): def __init__(self, classes)`` is copied.
+    The attributes are set in the order the subclass set them, so sublayers and weights keep
+    their order.
+    """
+    import copy as pycopy
+
+    cls = type(layer)
+    new = cls.__new__(cls)
+    base.__init__(new, name=layer.name, trainable=layer.trainable, dtype=layer.dtype_policy)
+    internal = set(vars(new)) | _INTERNAL
+    memo = {}
+
+    def clone(v, where):
+        if id(v) in memo:
+            return memo[id(v)]
+        if isinstance(v, keras.layers.Layer):
+            out = construct(v, where)
+        elif isinstance(v, keras.Variable):
+            out = keras.Variable(v.value, dtype=v.dtype, trainable=v.trainable, name=v.name)
+        elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            out = [clone(x, f"{where}/{i}") for i, x in enumerate(v)]
+            out = out if isinstance(v, list) else tuple(out)
+        elif isinstance(v, dict):
+            out = {k: clone(x, f"{where}/{k}") for k, x in v.items()}
+        elif v is None or isinstance(v, (str, bytes, int, float, bool, complex, type)) or callable(v):
+            out = v  # immutable, or a function / class: stateless
+        else:
+            try:
+                out = pycopy.deepcopy(v)
+            except Exception as e:
+                raise NotCopyable(f"attribute {where!r} ({type(v).__name__}) cannot be copied: "
+                                  f"{type(e).__name__}") from e
+        memo[id(v)] = out
+        return out
+
+    for k, v in vars(layer).items():
+        if k in internal or k.startswith("_self_") or k.startswith("_keras"):
+            continue
+        value = clone(v, f"{label}/{k}")
+        if isinstance(value, keras.Variable):
+            new._track_variable(value)
+            object.__setattr__(new, k, value)
+        else:
+            setattr(new, k, value)
+    return new
+
+
+def _live_callables(layer, config):
+    """`config` with each serialized plain function (an activation given as ``tf.nn.swish`` or a
+    lambda, which Keras cannot deserialize) replaced by the layer's own attribute of that name."""
+    out = dict(config)
+    for k, v in config.items():
+        if isinstance(v, dict) and v.get("class_name") in ("function", "__lambda__") and callable(getattr(layer, k, None)):
+            out[k] = getattr(layer, k)
+    return out
+
+
+def _first_line(e):
+    return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+# ----------------------------------------------------------------------------
+# The object tree.
+
+
+def children(obj):
+    """``(attribute, child)`` of `obj` that hold state: Keras saveables and containers of them.
+
+    The attributes Keras' own saving walks (``saving_lib._walk_saveable``), so a copy's
+    state lands where a ``.keras`` load would put it.
+    """
+    from keras.src.saving.keras_saveable import KerasSaveable
+    from keras.src.saving.saving_lib import _walk_saveable
+
+    if _is_stock(obj) and not _is_graph_model(obj) and not getattr(obj, "_layers", None) \
+            and not getattr(obj, "_seed_generators", None):
+        return  # a stock leaf layer: its own variables are all its state
+    graph = _is_graph_model(obj)
+    for attr, child in _walk_saveable(obj):
+        if attr == "layers" and not graph:
+            continue  # a subclassed model's `layers` property: the same sublayers, under their own attributes
+        if isinstance(child, keras.optimizers.Optimizer):
+            continue  # a compiled model's optimizer: the copy is compiled afresh
+        if isinstance(child, KerasSaveable) or (isinstance(child, (list, tuple, dict)) and _holds_saveable(child)):
+            yield attr, child
+
+
+def _holds_saveable(container, depth=0):
+    from keras.src.saving.keras_saveable import KerasSaveable
+
+    values = container.values() if isinstance(container, dict) else container
+    for v in values:
+        if isinstance(v, KerasSaveable):
+            return True
+        if isinstance(v, (list, tuple, dict)) and depth < 4 and _holds_saveable(v, depth + 1):
+            return True
+    return False
+
+
+def _pairs_of(a, b, path):
+    """Children of stock `a` and copy `b` matched by attribute (containers by index or key)."""
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or set(a) != set(b):
+            raise NotCopyable(f"{path}: the copy's dict keys differ from the stock layer's")
+        return [(f"{path}/{k}", a[k], b[k]) for k in a]
+    if isinstance(a, (list, tuple)):
+        if not isinstance(b, (list, tuple)) or len(a) != len(b):
+            raise NotCopyable(f"{path}: the copy holds {len(b) if isinstance(b, (list, tuple)) else b!r} "
+                              f"items where the stock layer holds {len(a)}")
+        return [(f"{path}/{i}", x, y) for i, (x, y) in enumerate(zip(a, b))]
+    return [(f"{path}/{attr}" if path else attr, child, getattr(b, attr, None)) for attr, child in children(a)]
+
+
+# ----------------------------------------------------------------------------
+# Sublayer swaps (deep conversion).
+
+
+def swap_sublayers(stock, copy, label, plan_fn, report):
+    """Replaces the copy's sublayers that have one-to-one fusion-first drop-ins, before it is built.
+
+    `plan_fn(stock_sublayer, path)` returns a ``replace`` `Plan` (or None to keep it).
+    Returns ``{id(stock sublayer): plan}`` for `transfer_state`.
+    """
+    swaps = {}
+    seen = set()
+
+    def walk(a, b, path):
+        for p, x, y in _pairs_of(a, b, path):
+            if isinstance(x, (list, tuple, dict)):
+                walk(x, y, p)
+                continue
+            if not isinstance(x, keras.layers.Layer) or id(x) in seen:
+                continue
+            seen.add(id(x))
+            if y is None or type(y) is not type(x):
+                raise NotCopyable(f"{label}/{p}: the copy has {type(y).__name__} where the stock layer has "
+                                  f"{type(x).__name__}")
+            plan = plan_fn(x, f"{label}/{p}")
+            if plan is not None:
+                new = plan.make()
+                plan.made = new
+                _replace_everywhere(copy, y, new)
+                swaps[id(x)] = plan
+                report.rewrites.append(plan.rewrite)
+            elif not _is_stock(x) and not _is_graph_model(x):
+                walk(x, y, p)
+
+    walk(stock, copy, "")
+    return swaps
+
+
+def _replace_everywhere(root, old, new):
+    """Every reference to `old` inside `root`'s (unbuilt) tree, attributes and containers, now `new`."""
+    done = set()
+
+    def fix_container(c):
+        if id(c) in done:
+            return
+        done.add(id(c))
+        items = list(c.items()) if isinstance(c, dict) else list(enumerate(c)) if isinstance(c, list) else []
+        for k, v in items:
+            if v is old:
+                (dict.__setitem__ if isinstance(c, dict) else list.__setitem__)(c, k, new)
+            elif isinstance(v, (list, dict)):
+                fix_container(v)
+
+    def fix(obj):
+        if id(obj) in done or not isinstance(obj, keras.layers.Layer) or _is_graph_model(obj):
+            return
+        done.add(id(obj))
+        for attr, v in list(vars(obj).items()):
+            if v is old:
+                object.__setattr__(obj, attr, new)
+            elif isinstance(v, (list, dict)) and attr != "_layers":
+                fix_container(v)
+            elif isinstance(v, tuple) and any(x is old for x in v):
+                object.__setattr__(obj, attr, type(v)(new if x is old else x for x in v)
+                                   if not hasattr(v, "_fields") else v._replace(
+                                       **{f: new for f, x in zip(v._fields, v) if x is old}))
+        tracked = getattr(obj, "_layers", None)
+        if isinstance(tracked, list):
+            for i, v in enumerate(tracked):
+                if v is old:
+                    tracked[i] = new
+        for v in list(vars(obj).values()):
+            if isinstance(v, keras.layers.Layer):
+                fix(v)
+            elif isinstance(v, (list, tuple)):
+                for x in v:
+                    fix(x)
+            elif isinstance(v, dict):
+                for x in v.values():
+                    fix(x)
+
+    fix(root)
+
+
+def build_like(stock, new):
+    """Builds the unbuilt layers of `new` whose stock counterparts are built (same build shapes)."""
+    if not new.built and stock.built:
+        config = stock.get_build_config()
+        if config:
+            new.build_from_config(config)
+
+
+# ----------------------------------------------------------------------------
+# State transfer.
+
+
+def transfer_state(stock, new, pairs, swaps=None, label=""):
+    """Copies all of `stock`'s state into its copy `new` (built), Keras' own save/load per object.
+
+    Appends trainable ``(stock, new)`` variable pairs to `pairs`; swapped sublayers
+    (``swaps``: id -> `Plan`) get their plan's weight copy.
+    """
+    swaps = swaps or {}
+    visited = {}
+    assets = []
+
+    def visit(a, b, path):
+        if id(a) in visited:
+            if visited[id(a)] is not b:
+                raise NotCopyable(f"{label}/{path}: shared in the stock layer but not in its copy")
+            return
+        visited[id(a)] = b
+        if id(a) in swaps:
+            if b is not swaps[id(a)].made:
+                raise NotCopyable(f"{label}/{path}: the swapped sublayer is not where it was put")
+            build_like(a, b)
+            swaps[id(a)].copy(b, pairs)
+            return
+        if b is None or type(a) is not type(b):
+            raise NotCopyable(f"{label}/{path}: the copy has {type(b).__name__} where the stock layer has "
+                              f"{type(a).__name__}")
+        if isinstance(a, keras.layers.Layer):
+            build_like(a, b)
+        _own_state(a, b, pairs, assets, f"{label}/{path}" if path else label)
+        for p, x, y in _pairs_of(a, b, path):
+            walk_value(x, y, p)
+
+    def walk_value(x, y, p):
+        if isinstance(x, (list, tuple, dict)):
+            for q, u, v in _pairs_of(x, y, p):
+                walk_value(u, v, q)
+        else:
+            visit(x, y, p)
+
+    try:
+        visit(stock, new, "")
+    finally:
+        for d in assets:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _own_state(a, b, pairs, assets, where):
+    """`a`'s own variables and assets into `b` through Keras' save/load methods."""
+    if hasattr(a, "save_own_variables"):
+        store = {}
+        a.save_own_variables(store)
+        if store or hasattr(b, "load_own_variables"):
+            try:
+                b.load_own_variables(store)
+            except Exception as e:
+                raise NotCopyable(f"{where}: its state did not load into the copy ({type(e).__name__}: "
+                                  f"{_first_line(e)})") from e
+        for va, vb in zip(getattr(a, "_trainable_variables", ()), getattr(b, "_trainable_variables", ())):
+            if va.trainable and vb.trainable:
+                pairs.append((va, vb))
+        for va, vb in zip(_own_vars(a), _own_vars(b)):
+            if not weights.same_bits(va, vb):
+                raise NotCopyable(f"{where}: variable {va.path} did not copy exactly")
+    # Seed generators (random layers): Keras does not save their state; the copy continues the same
+    # random sequence from the state the stock layer has reached.
+    for ga, gb in zip(getattr(a, "_seed_generators", ()), getattr(b, "_seed_generators", ())):
+        if getattr(ga, "state", None) is not None and getattr(gb, "state", None) is not None:
+            gb.state.assign(ga.state.value)
+    if getattr(type(a), "save_assets", None) not in (None, getattr(keras.layers.Layer, "save_assets", None)):
+        d = tempfile.mkdtemp(prefix="tfmetal_ext_assets_")
+        assets.append(d)
+        a.save_assets(d)
+        b.load_assets(d)
+
+
+def _own_vars(layer):
+    return list(getattr(layer, "_trainable_variables", ())) + list(getattr(layer, "_non_trainable_variables", ()))
+
