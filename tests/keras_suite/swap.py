@@ -94,6 +94,8 @@ SUITES = types.MappingProxyType(
             Suite("Dense", "layers/core/dense_test.py", _LAYER_HOMES),
             Suite("Conv2D", "layers/convolutional/conv_test.py", _LAYER_HOMES),
             Suite("DepthwiseConv2D", "layers/convolutional/depthwise_conv_test.py", _LAYER_HOMES),
+            Suite("Conv1D", "layers/convolutional/conv_test.py", _LAYER_HOMES),
+            Suite("SeparableConv2D", "layers/convolutional/separable_conv_test.py", _LAYER_HOMES),
             Suite("LSTM", "layers/rnn/lstm_test.py", _LAYER_HOMES),
             Suite("GRU", "layers/rnn/gru_test.py", _LAYER_HOMES),
             Suite("Adam", "optimizers/adam_test.py", _optimizer_homes("adam")),

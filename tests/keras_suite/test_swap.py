@@ -1,0 +1,65 @@
+"""The swap machinery itself: what the Keras test files see, and a baseline that is current."""
+
+import keras
+import pytest
+
+from tfmetal_ext.backends import fusion
+from tests.keras_suite import swap
+
+
+def test_every_replaced_class_has_its_keras_suite():
+    # Each stock class the fusion table replaces (layers and optimizers) is
+    # checked against Keras' own tests for it.
+    assert set(swap.SUITES) == set(fusion.STOCK_TO_FUSED) | set(fusion.OPTIMIZER_TO_FUSED)
+
+
+def test_the_view_swaps_only_inside_the_loaded_file():
+    dense = swap.SUITES["Dense"]
+    module = swap.load(dense, dense.ours, "keras_suite_check.Dense")
+    assert module.layers.Dense is dense.ours
+    # Other names are Keras' own, and Keras itself is untouched.
+    assert module.layers.Conv2D is keras.src.layers.Conv2D
+    assert keras.src.layers.Dense is dense.stock_class is keras.layers.Dense
+    adam = swap.SUITES["Adam"]
+    module = swap.load(adam, adam.ours, "keras_suite_check.Adam")
+    assert module.Adam is adam.ours
+    assert keras.optimizers.Adam is adam.stock_class
+
+
+def test_the_bare_subclass_is_only_a_subclass():
+    suite = swap.SUITES["Conv2D"]
+    bare = swap.bare_class(suite)
+    assert bare.__bases__ == (suite.stock_class,)
+    assert set(vars(bare)) <= {"__new__", "__module__", "__qualname__", "__doc__"}
+    layer = bare(4, 3, padding="same", name="c")
+    assert layer.get_config() == keras.layers.Conv2D(4, 3, padding="same", name="c").get_config()
+
+
+def test_baseline_is_current():
+    # baseline.json lists exactly the tests of the installed Keras' files;
+    # after a Keras upgrade: `python -m tests.keras_suite.make_baseline`.
+    baseline = swap.load_baseline()
+    assert baseline is not None
+    assert baseline["keras"] == keras.__version__, "regenerate: python -m tests.keras_suite.make_baseline"
+    assert set(baseline["suites"]) == set(swap.SUITES)
+    for stock, suite in swap.SUITES.items():
+        module = swap.load(suite, suite.stock_class, f"keras_suite_check.names.{stock}")
+        names = {
+            f"{cls_name}::{attr}"
+            for cls_name, cls in swap.test_classes(module).items()
+            for attr in dir(cls)
+            if attr.startswith("test")
+        }
+        data = baseline["suites"][stock]
+        recorded = set(data["tests"]) | set(data["not_applicable"])
+        assert names == recorded, f"{stock}: regenerate: python -m tests.keras_suite.make_baseline"
+        assert data["tests"], f"{stock}: no Keras test builds the class"
+
+
+@pytest.mark.parametrize("stock", sorted(swap.EXPECTED_FAILURES))
+def test_expected_failures_are_tests_the_bare_subclass_passes(stock):
+    # An expected failure is only for a test the bar includes (otherwise it
+    # is gated to Keras' class already) and must name a real test.
+    tests = swap.load_baseline()["suites"][stock]["tests"]
+    for name in swap.EXPECTED_FAILURES[stock]:
+        assert tests[name]["bare"] == "passed", name
