@@ -440,6 +440,77 @@ def test_bad_arguments(make, message):
         make()
 
 
+STOCK_CLASSES = {"adam": (keras.optimizers.Adam, FusedAdam), "adamw": (keras.optimizers.AdamW, FusedAdamW),
+                 "sgd": (keras.optimizers.SGD, FusedSGD)}
+
+
+def _positional(cls):
+    import inspect as pyinspect
+
+    params = list(pyinspect.signature(cls.__init__).parameters.values())[1:]
+    return [(p.name, p.default) for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+
+
+@pytest.mark.parametrize("name", sorted(STOCK_CLASSES))
+def test_positional_arguments_are_keras_own(name):
+    # Positional calls mean the same as for the stock class: same names,
+    # order and defaults (issue 13: FusedAdam took `multi_tensor` where Adam
+    # takes `weight_decay`).
+    stock, ours = STOCK_CLASSES[name]
+    assert _positional(ours) == _positional(stock)
+    args = {"adam": (0.01, 0.8, 0.99, 1e-6, True, 0.05, 2.0),
+            "adamw": (0.01, 0.05, 0.8, 0.99, 1e-6, True, 2.0),
+            "sgd": (0.05, 0.5, True, 0.05, 2.0)}[name]
+    want, got = stock(*args).get_config(), ours(*args).get_config()
+    for key in ("learning_rate", "weight_decay", "clipnorm", "beta_1", "beta_2", "epsilon", "amsgrad",
+                "momentum", "nesterov"):
+        assert got.get(key) == want.get(key), key
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("sgd", {"momentum": -1.0}),
+        ("sgd", {"momentum": 2.0}),
+        ("adamw", {"weight_decay": None}),
+        ("adam", {"clipnorm": 1.0, "clipvalue": 1.0}),
+        ("adam", {"use_ema": True, "ema_momentum": 2.0}),
+        ("sgd", {"gradient_accumulation_steps": 1}),
+        ("adam", {"no_such_argument": 1}),
+    ],
+)
+def test_bad_arguments_raise_keras_own_error(name, kwargs):
+    # The stock class's error is the reference: ours raises the same type
+    # with the same message (a value may follow it).
+    stock, ours = STOCK_CLASSES[name]
+    with pytest.raises(ValueError) as want:
+        stock(**kwargs)
+    with pytest.raises(ValueError) as got:
+        ours(**kwargs)
+    assert str(want.value) in str(got.value)
+
+
+@pytest.mark.parametrize("name", sorted(STOCK_CLASSES))
+def test_numpy_scalars_accepted_like_keras(name):
+    stock, ours = STOCK_CLASSES[name]
+    kwargs = {"learning_rate": 0.01}  # (Keras refuses a numpy learning rate)
+    if name != "sgd":
+        kwargs.update(epsilon=np.float32(1e-6), beta_1=np.float64(0.8))
+    else:
+        kwargs.update(momentum=np.float64(0.5))
+    want, got = stock(**kwargs).get_config(), ours(**kwargs).get_config()
+    for key in kwargs:
+        assert got[key] == pytest.approx(want[key]), key
+
+
+def test_default_name_follows_keras_naming():
+    # Keras names an unnamed optimizer after its class, uniquified per session.
+    assert keras.optimizers.Adam().name == "adam"
+    assert FusedAdam().name == "fused_adam"
+    assert FusedAdam().name == "fused_adam_1"
+    assert FusedAdam(name="mine").name == "mine"
+
+
 # ----------------------------------------------------------------------------
 # tf.distribute.MirroredStrategy over two logical CPUs (needs a fresh process:
 # logical devices are fixed when TF initializes).

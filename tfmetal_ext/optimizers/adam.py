@@ -17,6 +17,7 @@ from tfmetal_ext.optimizers._base import (
     _dtype_key,
     _merge_call,
     _tf_variable,
+    check_non_negative,
     check_unit_interval,
     dense_gradient,
 )
@@ -67,14 +68,15 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         epsilon: the "epsilon hat" of Kingma & Ba (added to ``sqrt(v)``
             after bias correction of the step size), a float >= 0.
         amsgrad: use the AMSGrad variant (the maximum of past velocities).
-        multi_tensor: update all variables of one dtype with one
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema,
+            ema_momentum, ema_overwrite_frequency, loss_scale_factor,
+            gradient_accumulation_steps, name: the `keras.optimizers.Optimizer`
+            arguments, in `keras.optimizers.Adam`'s positional order. A
+            ``weight_decay`` is applied decoupled, as Keras does, with one
+            more op per variable. ``name`` defaults to ``"fused_adam"``.
+        multi_tensor: (keyword-only) update all variables of one dtype with one
             ``TfmetalExt>MultiTensorAdam`` op instead of one op per variable.
-        **kwargs: `keras.optimizers.Optimizer` arguments: ``weight_decay``,
-            ``clipnorm``, ``clipvalue``, ``global_clipnorm``, ``use_ema``,
-            ``ema_momentum``, ``ema_overwrite_frequency``,
-            ``loss_scale_factor``, ``gradient_accumulation_steps``, ``name``.
-            A ``weight_decay`` is applied decoupled, as Keras does, with one
-            more op per variable.
+        **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
 
     Example:
 
@@ -90,14 +92,26 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         beta_2=0.999,
         epsilon=1e-7,
         amsgrad=False,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        *,
         multi_tensor=False,
-        name="fused_adam",
         **kwargs,
     ):
+        # The positional order is keras.optimizers.Adam's; `multi_tensor`
+        # (ours) is keyword-only, so `FusedAdam(lr, b1, b2, eps, ams, wd)`
+        # means what it means for Adam.
         beta_1 = check_unit_interval("beta_1", beta_1)
         beta_2 = check_unit_interval("beta_2", beta_2)
-        if not isinstance(epsilon, (int, float)) or epsilon < 0:
-            raise ValueError(f"Argument `epsilon` must be a float >= 0. Received: epsilon={epsilon!r}")
+        epsilon = check_non_negative("epsilon", epsilon)
         if not isinstance(amsgrad, bool):
             raise ValueError(f"Argument `amsgrad` must be a bool. Received: amsgrad={amsgrad!r}")
         if not isinstance(multi_tensor, bool):
@@ -106,8 +120,17 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
             learning_rate=learning_rate,
             beta_1=beta_1,
             beta_2=beta_2,
-            epsilon=float(epsilon),
+            epsilon=epsilon,
             amsgrad=amsgrad,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             name=name,
             **kwargs,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from tfmetal_ext.optimizers._base import check_non_negative
 from tfmetal_ext.optimizers.adam import FusedAdam
 
 
@@ -23,10 +24,15 @@ class FusedAdamW(FusedAdam):
         learning_rate: a float, a learning-rate schedule or a callable.
         weight_decay: the decoupled decay rate, a float >= 0.
         beta_1, beta_2, epsilon, amsgrad: as `FusedAdam`.
-        multi_tensor: as `FusedAdam`: one ``TfmetalExt>MultiTensorAdam`` op
+        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor,
+            gradient_accumulation_steps, name: the `keras.optimizers.Optimizer`
+            arguments, in `keras.optimizers.AdamW`'s positional order
+            (``name`` defaults to ``"fused_adamw"``).
+        multi_tensor: (keyword-only) as `FusedAdam`: one ``TfmetalExt>MultiTensorAdam`` op
             per dtype (and per decayed/excluded set) does both the decay and
             the Adam update.
-        **kwargs: `keras.optimizers.Optimizer` arguments.
+        **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
     """
 
     def __init__(
@@ -37,22 +43,41 @@ class FusedAdamW(FusedAdam):
         beta_2=0.999,
         epsilon=1e-7,
         amsgrad=False,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        *,
         multi_tensor=False,
-        name="fused_adamw",
         **kwargs,
     ):
-        if not isinstance(weight_decay, (int, float)) or isinstance(weight_decay, bool) or weight_decay < 0:
-            raise ValueError(
-                f"Argument `weight_decay` must be a float >= 0. Received: weight_decay={weight_decay!r}"
-            )
+        # keras.optimizers.AdamW's positional order; `multi_tensor` is
+        # keyword-only.
+        if weight_decay is None:
+            # keras.optimizers.AdamW's own message for this case.
+            raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")
+        weight_decay = check_non_negative("weight_decay", weight_decay)
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
             beta_2=beta_2,
             epsilon=epsilon,
             amsgrad=amsgrad,
-            multi_tensor=multi_tensor,
-            weight_decay=float(weight_decay),
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
             name=name,
+            multi_tensor=multi_tensor,
             **kwargs,
         )

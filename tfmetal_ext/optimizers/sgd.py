@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
+
 import keras
 import tensorflow as tf
 
-from tfmetal_ext.optimizers._base import FusedUpdateMixin, check_unit_interval, dense_gradient
+from tfmetal_ext.optimizers._base import FusedUpdateMixin, dense_gradient
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
@@ -26,16 +28,54 @@ class FusedSGD(FusedUpdateMixin, keras.optimizers.SGD):
         learning_rate: a float, a learning-rate schedule or a callable.
         momentum: a float in [0, 1].
         nesterov: use Nesterov momentum.
-        **kwargs: `keras.optimizers.Optimizer` arguments (``weight_decay``,
-            clipping, EMA, ``loss_scale_factor``,
-            ``gradient_accumulation_steps``, ``name``).
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema,
+            ema_momentum, ema_overwrite_frequency, loss_scale_factor,
+            gradient_accumulation_steps, name: the `keras.optimizers.Optimizer`
+            arguments, in `keras.optimizers.SGD`'s positional order
+            (``name`` defaults to ``"fused_sgd"``).
+        **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
     """
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="fused_sgd", **kwargs):
-        momentum = check_unit_interval("momentum", momentum, closed_right=True)
+    def __init__(
+        self,
+        learning_rate=0.01,
+        momentum=0.0,
+        nesterov=False,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **kwargs,
+    ):
+        # keras.optimizers.SGD's arguments, in its positional order.
+        if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum <= 1:
+            # Keras' message, with the value. (Keras also refuses an int such
+            # as momentum=0; any real number in [0, 1] is accepted here.)
+            raise ValueError(f"`momentum` must be a float between [0, 1]. Received: momentum={momentum!r}")
         if not isinstance(nesterov, bool):
             raise ValueError(f"Argument `nesterov` must be a bool. Received: nesterov={nesterov!r}")
-        super().__init__(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov, name=name, **kwargs)
+        super().__init__(
+            learning_rate=learning_rate,
+            momentum=float(momentum),
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            name=name,
+            **kwargs,
+        )
 
     def _step_scalars(self, learning_rate, dtype):
         scalars = {"lr": tf.cast(learning_rate, dtype)}
