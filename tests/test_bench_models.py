@@ -137,3 +137,14 @@ def test_first_step_takes_fresh_pairs(monkeypatch):
     assert len(converted) == 2 and converted[0] is not converted[1]  # a fresh stock model per round
     assert row["errors"] == {} and row["ours_first_step_s"] > 0
     assert row["first_step_ratio"] == pytest.approx(row["ours_first_step_s"] / row["stock_first_step_s"])
+
+
+def test_loops_counts_the_while_loops_of_the_step():
+    keras.utils.set_random_seed(0)
+    rnn = keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(1)])
+    spec = dict(model=rnn, x=np.ones((2, 5, 3), "float32"), y=np.ones((2, 1), "float32"), loss="mse", metrics=[])
+    _, report = bench_models.train_ops(rnn, spec, keras.optimizers.SGD())
+    assert bench_models._loops(report) == 2  # the LSTM's time loop, forward and backward
+    spec = _tiny()
+    _, report = bench_models.train_ops(spec["model"], spec, keras.optimizers.SGD())
+    assert bench_models._loops(report) == 0
