@@ -126,6 +126,12 @@ EXPECTED_FAILURES = types.MappingProxyType(
                 "test_quantize_on_subclass_int4",
                 "test_quantize_on_subclass_int8",
             )
+        }
+        | {
+            # Its float32 part (a store with numeric keys) passes; the rest
+            # loads int8/int4/float8/GPTQ/AWQ stores into layers built with
+            # quantized dtype policies.
+            "DenseTest::test_legacy_load_own_variables": _QUANTIZATION,
         },
     }
 )
