@@ -20,7 +20,9 @@ trainable flags, dtype policies and weights:
 | BatchNormalization (2-D or 4-D input, last axis) | `FusedBatchNorm` |
 | LayerNormalization (last axis) | `FusedLayerNorm` |
 | LSTM / GRU (tanh/sigmoid, no recurrent dropout, GRU reset_after) | `FusedLSTM` / `FusedGRU` |
-| anything else | kept (a fresh copy with the same config and weights), listed in the report with the reason |
+| Bidirectional / TimeDistributed of one of the above | the same wrapper of the fused class |
+| a sublayer of a subclassed layer or model (attribute, list, dict) | its one-to-one fused class, nothing merged |
+| anything else | kept (an independent copy with the same constructor arguments and state), listed in the report with the reason |
 
 A layer is absorbed into the one before it only when nothing else reads the
 tensor between them (no other consumer, not a model output), its own output is
@@ -32,8 +34,10 @@ same way; it is never merged with its neighbours.
 Modules: `planners` (what replaces each layer call: the planner registry,
 keyed by layer class, `register_planner`), `rebuild` (the graph walk that
 makes the new model), `graph` (consumers and call counts of one graph),
-`weights` (weight copies and batch-norm folding), `verify` (outputs and
-gradients against the stock model, `VerificationError`) and `report`
+`weights` (weight copies and batch-norm folding), `copying` (independent
+copies of kept and subclassed layers: construction, sublayer swaps, state
+moved by Keras' own save/load methods), `verify` (outputs and gradients
+against the stock model, `VerificationError`) and `report`
 (`ConversionReport`).
 """
 

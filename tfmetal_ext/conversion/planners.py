@@ -154,7 +154,7 @@ def plan(ctx, node):
         base = next((c.__name__ for c in type(layer).__mro__[1:] if _is_stock_class(c)), "Layer")
         return keep(
             node, f"subclassed layer ({type(layer).__module__}.{type(layer).__name__}, a {base} subclass): "
-                  "its call is its own, so it is kept as is",
+                  "its call is its own, so it is kept (an independent copy)",
         )
     return keep(node, NO_COUNTERPART)
 

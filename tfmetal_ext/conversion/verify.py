@@ -185,8 +185,14 @@ def make_inputs(model, batch_size, seed, inputs=None):
 def make_targets(model, x, seed):
     """Random float targets shaped like `model`'s outputs on `x`."""
     rng = np.random.default_rng(seed)
-    outs = keras.tree.flatten(model(x, training=False))
-    values = [rng.random(tuple(o.shape)).astype("float32") for o in outs]
+    b = _batch(x)
+    outs = getattr(model, "outputs", None) if not _is_subclassed(model) else None
+    if outs and all(d is not None for o in outs for d in tuple(o.shape)[1:]):
+        shapes = [(b,) + tuple(o.shape)[1:] for o in outs]
+    else:  # run it on one row for the output shapes
+        one = keras.tree.map_structure(lambda v: np.asarray(v)[:1], x)
+        shapes = [(b,) + tuple(o.shape)[1:] for o in keras.tree.flatten(model(one, training=False))]
+    values = [rng.random(s).astype("float32") for s in shapes]
     return values[0] if len(values) == 1 else values
 
 
@@ -357,24 +363,29 @@ def _check_gradients(model, new, pairs, report, x, tolerance, seed):
     g_new = [None if g is None else to_numpy(g) for g in g_new]
     # The stock model's own rounding noise is measured only when some gradient is off by more than
     # the plain tolerance (two more backward passes, the costliest part of verifying a big model).
-    quick = [rel_l2(ga, gb if gb is not None else np.zeros(a.shape))
-             for a, ga, gb in zip(stock_vars, g_ref, g_new) if ga is not None]
-    if all(d <= gtol for d in quick):
-        g_pert, g_perm = g_ref, g_ref
+    zeros = [np.zeros(a.shape) for a in stock_vars]
+    diffs = [None if ga is None and gb is None else rel_l2(z if ga is None else ga, z if gb is None else gb)
+             for ga, gb, z in zip(g_ref, g_new, zeros)]
+    if all(d is None or d <= gtol for d in diffs):
+        g_pert = g_perm = None
     else:
-        g_pert, g_perm = noise()
+        g_pert, g_perm = ([None if g is None else to_numpy(g) for g in gs] for gs in noise())
     rows, clean, nonfinite = [], [], []
-    for a, ga, gb, gp, gq in zip(stock_vars, g_ref, g_new, g_pert, g_perm):
-        if ga is None and gb is None:
+    for i, (a, ga, d) in enumerate(zip(stock_vars, g_ref, diffs)):
+        if d is None:
             continue
-        ga, gb, gp, gq = (np.zeros(a.shape) if g is None else to_numpy(g) for g in (ga, gb, gp, gq))
+        ga = zeros[i] if ga is None else ga
         if not np.all(np.isfinite(ga)):
             nonfinite.append(a.path)
-        noise_ = max(rel_l2(ga, gp), rel_l2(ga, gq))
-        noise_ = noise_ if np.isfinite(noise_) else float("inf")
-        rows.append((a.path, rel_l2(ga, gb), max(gtol, NOISE_FACTOR * noise_)))
+        if g_pert is None:  # every gradient within the plain tolerance: the noise does not matter
+            noise_ = 0.0
+        else:
+            gp, gq = (zeros[i] if g[i] is None else g[i] for g in (g_pert, g_perm))
+            noise_ = max(rel_l2(ga, gp), rel_l2(ga, gq))
+            noise_ = noise_ if np.isfinite(noise_) else float("inf")
+        rows.append((a.path, d, max(gtol, NOISE_FACTOR * noise_)))
         if noise_ <= gtol:
-            clean.append(rows[-1][1])
+            clean.append(d)
     # Weights whose true gradient is ~0 (e.g. a batch norm beta feeding another batch norm) are all noise.
     report.max_grad_diff = max(clean, default=0.0)
     if len(clean) < len(rows):
