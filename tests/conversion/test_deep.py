@@ -403,3 +403,26 @@ def test_progress_lines_per_phase(caplog):
     text = caplog.text
     for phase in ("rebuild done in", "verify done in", "op counts done in"):
         assert phase in text
+
+
+def test_count_ops_one_mode_only():
+    new = tfmetal_ext.convert(_block_model(), count_ops="predict")
+    rep = new.conversion_report
+    assert set(rep.ops_before) == {"predict"} and set(rep.ops_after) == {"predict"}
+    assert rep.ops_after["predict"] <= rep.ops_before["predict"]
+    with pytest.raises(ValueError, match="Received: count_ops='both'"):
+        tfmetal_ext.convert(_block_model(), count_ops="both")
+
+
+@pytest.mark.slow
+def test_xception_converts_fast_and_shares_nothing():
+    import time
+
+    stock = keras.applications.Xception(weights=None, input_shape=(96, 96, 3))
+    t = time.perf_counter()
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    elapsed = time.perf_counter() - t
+    assert new.conversion_report.verified
+    # Issue 13 measured 240 s; rebuild + verify take ~15 s on 2 shared cores (generous bound).
+    assert elapsed < 60, elapsed
+    assert not {id(v) for v in stock.variables} & {id(v) for v in new.variables}

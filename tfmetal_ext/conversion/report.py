@@ -128,7 +128,7 @@ def _kept_lines(kept):
 COUNT_OPTIMIZER = "sgd"
 
 
-def count_ops(model, batch_size, report, key, inputs=None):
+def count_ops(model, batch_size, report, key, inputs=None, modes=("train", "predict")):
     """Compute ops per train step and per inference call of `model` (notes in `report` where not counted).
 
     `inputs`: the batch to count on (else `fusion_report`'s random inputs of `batch_size`).
@@ -136,7 +136,7 @@ def count_ops(model, batch_size, report, key, inputs=None):
     from tfmetal_ext import inspect
 
     counts = {}
-    for mode in ("train", "predict"):
+    for mode in modes:
         kw = {"batch_size": batch_size}
         if inputs is not None:
             kw["inputs"] = inputs
