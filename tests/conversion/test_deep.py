@@ -426,3 +426,13 @@ def test_xception_converts_fast_and_shares_nothing():
     # Issue 13 measured 240 s; rebuild + verify take ~15 s on 2 shared cores (generous bound).
     assert elapsed < 60, elapsed
     assert not {id(v) for v in stock.variables} & {id(v) for v in new.variables}
+
+
+def test_a_custom_activation_is_applied_unfused_and_said_so():
+    inp = keras.Input((6,))
+    stock = keras.Model(inp, L.Dense(4, activation=_named_swish, name="custom")(inp))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    assert "applied unfused" in new.conversion_report.rewrite_for("custom").note
+    x = _x((6,))
+    _assert_same_outputs(stock, new, x)
+    _assert_no_shared_state(stock, new, x)

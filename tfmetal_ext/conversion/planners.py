@@ -309,6 +309,9 @@ def plan_contraction(ctx, node, stock, keys, acts):
     note = f"shared: called {ctx.calls(layer)} times, converted once" if shared else ""
     if act_node:
         note = f"activation {act!r} folded in"
+    own = activation_name(layer)
+    if own.startswith("custom"):
+        note = (note + "; " if note else "") + f"activation {own} is no fused op: applied unfused after the bias"
     return ctx.replace([node] + ([act_node] if act_node else []), cls.__name__,
                        lambda: configs.make_layer(cls, layer, keys, **overrides),
                        lambda new, pairs: weights.copy_identical(layer, new, pairs), note)
