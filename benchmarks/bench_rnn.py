@@ -9,6 +9,16 @@ iteration), and median wall time. Rounds alternate stock / ours and the best
 median of each is kept, so drift on a shared host favours neither side.
 
     .venv/bin/python benchmarks/bench_rnn.py [--repeats 30] [--rounds 3] [--policies float32,mixed_bfloat16]
+
+``--grid`` times the issue's corners instead (batch {32, 256} x T {10, 200} x
+units {32, 256}, F = 32, float32): paired rounds in one process
+(`_common.paired_rounds`, order rotated each round), speed-up = median over
+rounds of stock / ours, and which form `FusedLSTM` / `FusedGRU` chose for the
+shape (`tfmetal_ext.layers._rnn.cpu_form`). The choice is measured with the
+fused loop forced (``ours_loop_ms``) as well, so the table shows what the
+threshold decided and why:
+
+    .venv/bin/python benchmarks/bench_rnn.py --grid [--rounds 3] [--repeats 3] [--out bench_rnn_grid]
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import median_time, write_results  # noqa: E402
+from _common import median_time, paired_rounds, ratio, write_results  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -31,6 +41,7 @@ from tfmetal_ext import layers as fl  # noqa: E402
 from tfmetal_ext.inspect.report import NON_COMPUTE_OPS  # noqa: E402
 
 SIZES = ((64, 50, 32, 128), (64, 100, 64, 256))
+GRID = tuple((b, t, 32, h) for b in (32, 256) for t in (10, 200) for h in (32, 256))
 CELLS = (("LSTM", keras.layers.LSTM, fl.FusedLSTM), ("GRU", keras.layers.GRU, fl.FusedGRU))
 _LOOP_CONTROL = {"Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond"}
 
@@ -130,6 +141,58 @@ def run(name, stock_cls, ours_cls, size, policy, repeats, rounds):
     )
 
 
+def _grid_row(name, stock_cls, ours_cls, size, rounds, repeats):
+    from tfmetal_ext.layers import _rnn
+
+    batch, steps, features, units = size
+    keras.mixed_precision.set_global_policy("float32")
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, steps, features)).astype("float32")
+    y = rng.standard_normal((batch, 1)).astype("float32")
+    stock = _model(stock_cls, steps, features, units)
+    ours = _model(ours_cls, steps, features, units)
+    ours.set_weights(stock.get_weights())
+    fns = {"stock": _train_fn(stock, x, y), "ours": _train_fn(ours, x, y)}
+    fns["ours"]()  # traced for the static batch of the timed steps: the form is chosen here
+    form = ours.get_layer("rnn").form
+    if form != "fused":  # also time the fused loop this shape did not choose
+        with _rnn.force_cpu_form("fused"):
+            loop = _model(ours_cls, steps, features, units)
+            loop.set_weights(stock.get_weights())
+            fns["ours_loop"] = _train_fn(loop, x, y)
+            fns["ours_loop"]()
+    times = paired_rounds(fns, rounds=rounds, repeats=repeats)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    row = dict(cell=name, B=batch, T=steps, F=features, H=units, form=form,
+               stock_ms=med["stock"], ours_ms=med["ours"], speedup=ratio(times, "stock", "ours"))
+    if "ours_loop" in times:
+        row["ours_loop_ms"] = med["ours_loop"]
+        row["loop_speedup"] = ratio(times, "stock", "ours_loop")
+    return row
+
+
+def grid(args):
+    rows = []
+    sizes = GRID if not args.sizes else [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
+    for size in sizes:
+        for name, stock_cls, ours_cls in CELLS:
+            if name in args.cells.split(","):
+                rows.append(_grid_row(name, stock_cls, ours_cls, size, args.rounds, args.repeats))
+                print(rows[-1], flush=True)
+    columns = ["cell", "B", "T", "F", "H", "form", "stock_ms", "ours_ms", "speedup", "ours_loop_ms", "loop_speedup"]
+    write_results(args.out or "bench_rnn_grid", rows, columns, notes=[
+        "train step = the compiled model.train_function (forward, backward, SGD) of Input -> RNN(H) -> Dense(1), float32",
+        f"paired rounds in one process (_common.paired_rounds, {args.rounds} rounds x {args.repeats} steps, "
+        "order rotated): ms = median over rounds; speedup = median over rounds of stock_ms / ours_ms",
+        "form: what FusedLSTM/FusedGRU ran for the shape (layer.form after the timed step was traced with "
+        "its static batch; the rule is tfmetal_ext.layers._rnn.cpu_form over the backend table's "
+        "rnn_stock_min_batch): 'fused' = the hoisted-projection custom-gradient loop, 'stock' = Keras' own "
+        "loop and cell math",
+        "ours_loop_ms / loop_speedup: the fused loop forced, for shapes where the threshold chose stock",
+    ])
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=30)
@@ -137,7 +200,11 @@ def main(argv=None):
     parser.add_argument("--policies", default="float32,mixed_bfloat16")
     parser.add_argument("--cells", default="LSTM,GRU")
     parser.add_argument("--sizes", default=None, help="e.g. 64x50x32x128,64x100x64x256")
+    parser.add_argument("--grid", action="store_true", help="the batch x T x units corners, paired rounds")
+    parser.add_argument("--out", default=None, help="results name for --grid (default bench_rnn_grid)")
     args = parser.parse_args(argv)
+    if args.grid:
+        return grid(args)
     sizes = SIZES if not args.sizes else [tuple(int(v) for v in s.split("x")) for s in args.sizes.split(",")]
     rows = []
     for policy in args.policies.split(","):

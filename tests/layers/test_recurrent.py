@@ -655,8 +655,9 @@ BAD_ARGS = [
     (dict(units="4"), "units"),
     (dict(units=4, activation="relu"), "activation"),
     (dict(units=4, recurrent_activation="hard_sigmoid"), "recurrent_activation"),
-    (dict(units=4, recurrent_dropout=0.2), "recurrent_dropout"),
-    (dict(units=4, unroll=True), "unroll"),
+    (dict(units=4, recurrent_dropout=1.0), "recurrent_dropout"),
+    (dict(units=4, unroll=1), "unroll"),
+    (dict(units=4, implementation="2"), "implementation"),
     (dict(units=4, dropout=1.0), "dropout"),
     (dict(units=4, dropout=-0.1), "dropout"),
     (dict(units=4, use_cudnn="yes"), "use_cudnn"),
@@ -672,8 +673,6 @@ def test_bad_arguments():
             with pytest.raises(ValueError) as info:
                 cls(**kwargs)
             assert re.search(rf"Received: {name}=[^\n]*$", str(info.value)), (cls, kwargs, str(info.value))
-    with pytest.raises(ValueError, match=r"Received: recurrent_dropout=0\.2$"):
-        FusedLSTM(4, recurrent_dropout=0.2)
 
 
 def test_bad_inputs():
@@ -715,3 +714,91 @@ def test_metal_device_matches_keras_on_cpu(kind):
     got_out, got_grads = run(ours, x, mask)
     for g, w in zip(got_out + got_grads, want_out + want_grads):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# The rest of the stock contract: implementation, unroll, recurrent dropout, and the stock form
+# where the fused loop was measured slower.
+
+STOCK_FORM_CASES = [
+    (dict(units=4, return_sequences=True, return_state=True), (3, 6, 5), "mixed", True),
+    (dict(units=4, go_backwards=True, return_state=True), (3, 6, 5), "left", True),
+    (dict(units=4, return_sequences=True, zero_output_for_mask=True, go_backwards=True), (3, 6, 5), "mixed", False),
+    (dict(units=5, use_bias=False), (2, 5, 3), None, False),
+]
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_stock_form_matches_keras(kind):
+    with _rnn.force_cpu_form("stock"):
+        for i, (kwargs, shape, mask, init) in enumerate(STOCK_FORM_CASES):
+            check_equivalence(kind, kwargs, shape, mask, init, seed=20 + i)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_unroll_and_implementation_match_keras(kind):
+    # Before: unroll=True and implementation=1|2 were refused.
+    for i, kwargs in enumerate([dict(units=4, unroll=True, return_sequences=True), dict(units=3, implementation=1),
+                                dict(units=3, implementation=2, go_backwards=True)]):
+        check_equivalence(kind, kwargs, (3, 5, 4), "mixed", False, seed=30 + i)
+    layer = KINDS[kind][0](3, implementation=1)
+    assert layer.get_config()["implementation"] == 1
+    layer = KINDS[kind][0](3, unroll=True)
+    layer(np.zeros((2, 4, 3), "float32"))
+    assert layer.form == "stock" and "unroll" in layer.stock_form_reason()
+    unrolled = KINDS[kind][0](3, unroll=True)
+    fn = tf.function(lambda x: unrolled(x), input_signature=[tf.TensorSpec((None, None, 3), tf.float32)])
+    with pytest.raises(ValueError, match="time dimension"):
+        fn.get_concrete_function()
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_recurrent_dropout_runs_the_stock_form(kind):
+    # Before: recurrent_dropout > 0 was refused.
+    stock, ours = make_pair(kind, dict(units=4, recurrent_dropout=0.4, return_sequences=True), (3, 6, 5), "float32", 40)
+    x = np.random.default_rng(41).standard_normal((3, 6, 5)).astype("float32")
+    assert "recurrent_dropout" in ours.stock_form_reason()
+    np.testing.assert_allclose(np.asarray(ours(x, training=False)), np.asarray(stock(x, training=False)),
+                               rtol=1e-5, atol=1e-5)
+    dropped = np.asarray(ours(x, training=True))
+    assert ours.form == "stock" and not np.allclose(dropped, np.asarray(ours(x, training=False)))
+    assert ours.get_config()["implementation"] == 1  # as Keras' cells switch to with recurrent dropout
+
+
+def _threshold(kind):
+    from tfmetal_ext import backends
+
+    return (backends.current().rnn_stock_min_batch or {}).get(kind)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_the_backend_table_picks_the_form_per_static_batch(kind):
+    threshold = _threshold(kind)
+    cls = KINDS[kind][0]
+    shapes = {"small": 4}
+    if threshold is not None:
+        shapes.update(below=threshold - 1, at=threshold)
+    for label, batch in shapes.items():
+        inp = keras.Input(batch_shape=(batch, 3, 2))
+        layer = cls(2, name="rnn")
+        model = keras.Model(inp, layer(inp))
+        want = "stock" if label == "at" else "fused"
+        assert (layer.stock_form_reason(batch) is None) == (want == "fused"), (label, batch)
+        row = inspect.fusion_report(model, mode="predict").row("rnn")
+        assert layer.form == want, (label, batch)
+        if want == "stock":
+            assert "stock form" in row.reason and f"batch {batch}" in row.reason and row.actual_op is None
+        else:
+            assert "stock form" not in (row.reason or "")
+    # an unknown batch (a traced fit step) runs the fused form
+    layer = cls(2)
+    tf.function(layer, input_signature=[tf.TensorSpec((None, 3, 2), tf.float32)]).get_concrete_function()
+    assert layer.form == "fused"
+
+
+def test_stock_form_at_the_threshold_matches_keras():
+    threshold = _threshold("lstm")
+    if threshold is None:
+        pytest.skip("this backend table has no LSTM stock-form threshold")
+    assert _rnn.cpu_form("lstm", threshold, 3, 3) == "stock"
+    check_equivalence("lstm", dict(units=3, return_sequences=True), (threshold, 3, 2), "right", False, seed=50)

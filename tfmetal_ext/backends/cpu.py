@@ -10,11 +10,25 @@ AVX2-only CPU, and (as far as we know) TF's macOS arm64 wheel, run the
 no-oneDNN path.
 """
 
+import types
+
 from tfmetal_ext.backends._table import PREDICT, Fusion, backend, never
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
 
 F32_BF16 = ("float32", "bfloat16")
+
+# Where FusedLSTM / FusedGRU run the stock form on a CPU (`_rnn.cpu_form`): train step of
+# Input -> RNN(H) -> Dense(1), float32, batch {32, 256} x T {10, 200} x units {32, 256}, F=32
+# (`benchmarks/bench_rnn.py --grid`, results/bench_rnn_grid*.md, and paired re-runs of single
+# shapes; TF 2.21, 2-core AMD EPYC, oneDNN, host shared with five other jobs, so single figures
+# swing by 2x: read the pattern). FusedLSTM lost at batch 256 in most runs (0.54-0.92x stock at
+# H >= 128 and at T=200 H=32; 1.0-1.6x in others) and won at batch 32 (1.13-1.77x) and mostly at
+# 128 (1.15-1.78x, one 0.83x); FusedGRU won at every corner (1.25-1.77x). The rule applies to a
+# static batch only: a run-time switch on an unknown batch (tf.cond between both forms) was
+# measured 25% slower than the fused form at batch 64, so an unknown batch runs the fused form.
+# Without oneDNN: the same rule (not measured separately).
+_RNN_STOCK_MIN_BATCH = types.MappingProxyType({"lstm": 256})
 
 # The same with oneDNN on or off: TF's own Conv2D + FusedBatchNorm inference fusion, and this
 # package's custom ops (its own CPU kernels).
@@ -78,6 +92,7 @@ ONEDNN = backend(
     addv2_bias=True,  # measured on TF 2.19 and 2.21: a broadcast AddV2 fuses as the BiasAdd
     # Measured (TF 2.21, ResNet-50's pointwise shapes, batch 16): MatMul 5-15% faster.
     pointwise_train_as_matmul=True,
+    rnn_stock_min_batch=_RNN_STOCK_MIN_BATCH,
     source=__doc__,
 )
 
@@ -106,6 +121,7 @@ EIGEN = backend(
     # Measured (TF 2.21, TF_ENABLE_ONEDNN_OPTS=0, forward + both backward products): MatMul is
     # 1.03-1.49x faster than Conv2D for 1x1 convolutions from 64x32x32x16->32 to 16x56x56x64->256.
     pointwise_train_as_matmul=True,
+    rnn_stock_min_batch=_RNN_STOCK_MIN_BATCH,
     source=__doc__,
 )
 

@@ -466,13 +466,28 @@ def _layer_norm(ctx, node):
     return plan_same_weights(ctx, node, L.LayerNormalization, configs.LN_KEYS, overrides={"axis": -1})
 
 
+def _rnn_stock_only(layer):
+    """Why FusedLSTM/FusedGRU would only run the stock form for `layer` (so it is kept), or None."""
+    if layer.recurrent_dropout:
+        return "recurrent dropout: the fused layer would run the stock form (nothing to gain)"
+    if layer.unroll:
+        return "unroll=True: the fused layer would run the stock form (nothing to gain)"
+    return None
+
+
 @register_planner(L.LSTM)
 def _lstm(ctx, node):
+    reason = _rnn_stock_only(node.operation)
+    if reason:
+        return keep(node, reason)
     return plan_same_weights(ctx, node, L.LSTM, tuple(k for k in configs.RNN_KEYS if k != "reset_after"))
 
 
 @register_planner(L.GRU)
 def _gru(ctx, node):
+    reason = _rnn_stock_only(node.operation)
+    if reason:
+        return keep(node, reason)
     return plan_same_weights(ctx, node, L.GRU, tuple(k for k in configs.RNN_KEYS if k != "unit_forget_bias"))
 
 

@@ -54,9 +54,20 @@ F=32 H=128: LSTM 1.04-1.09x in float32 and 1.17-1.28x in mixed_bfloat16, GRU
 for the float32 LSTM is not reached on this host: with Keras already near the
 GEMM floor there is no 1.5x left to take without fusing the cell's
 elementwise math into one kernel per step.
+
+The stock form (`stock_lstm`, `stock_gru`): Keras' own generic loop
+(`keras.src.backend.rnn`, what keras.layers.LSTM / GRU run on a CPU) over
+Keras' cell math with autodiff gradients, on the layer's own weights. It runs
+for ``unroll=True`` and recurrent dropout (the fused loop has neither), and
+on a CPU where the fused loop was measured slower than the stock layer:
+`cpu_form` reads the backend table's `rnn_stock_min_batch` (LSTM from a static
+batch of 256 on the CPU tables; `benchmarks/bench_rnn.py --grid`). A batch
+that is unknown when the step is traced runs the fused form.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import tensorflow as tf
 
@@ -91,6 +102,42 @@ def implementation(backend):
     if backend == "cuda" and devices._built_with_cuda():
         return "cudnn"
     return "loop"
+
+
+_FORCED_FORM = []
+
+
+def cpu_form(cell, batch, steps, units, table=None):
+    """``"fused"`` or ``"stock"``: which form a CPU `FusedLSTM` / `FusedGRU` runs for a shape.
+
+    The rule is data: the backend table's `rnn_stock_min_batch` (cell ->
+    smallest static batch from which the stock form was measured faster, see
+    `tfmetal_ext.backends.cpu`). An unknown (None) batch runs the fused form:
+    the threshold lies above the batches the fused form was measured to win
+    at, and a traced `fit` step usually has no static batch. `steps` and
+    `units` are part of the signature so a rule can use them; the measured
+    rule does not need them.
+    """
+    if _FORCED_FORM:
+        return _FORCED_FORM[-1]
+    if table is None:
+        from tfmetal_ext import backends
+
+        table = backends.current()
+    threshold = (table.rnn_stock_min_batch or {}).get(cell)
+    if threshold is not None and batch is not None and batch >= threshold:
+        return "stock"
+    return "fused"
+
+
+@contextlib.contextmanager
+def force_cpu_form(form):
+    """Layers built (and traced) inside run `form` regardless of the threshold (benchmarks, tests)."""
+    _FORCED_FORM.append(form)
+    try:
+        yield
+    finally:
+        _FORCED_FORM.pop()
 
 
 # ----------------------------------------------------------------------------
@@ -597,6 +644,69 @@ def _with_mask_fallback(mask, cudnn_fn, loop_fn):
         return cudnn_fn()
     ok, _ = _cudnn_mask_ok(mask)
     return tf.cond(ok, cudnn_fn, loop_fn)
+
+
+# ----------------------------------------------------------------------------
+# The stock form: Keras' own generic loop (`keras.src.backend.rnn`, what
+# keras.layers.LSTM / GRU run on a CPU) over Keras' cell math, autodiff
+# gradients. Taken where the fused loop cannot honour an argument (unroll=True,
+# recurrent dropout) and for the shapes where it was measured slower (`cpu_form`).
+
+
+def _keras_rnn(step, x, states, mask, go_backwards, return_sequences, zero_output_for_mask, unroll):
+    from keras.src import backend as keras_backend
+
+    last, outputs, new_states = keras_backend.rnn(
+        step, x, list(states), go_backwards=go_backwards, mask=mask, unroll=unroll,
+        input_length=x.shape[1], zero_output_for_mask=zero_output_for_mask,
+        return_all_outputs=return_sequences,
+    )
+    return (outputs if return_sequences else last), list(new_states)
+
+
+def stock_lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_sequences,
+               zero_output_for_mask, unroll=False, recurrent_mask=None):
+    """keras.layers.LSTM's computation (gates i, f, c, o) over batch-major `x`; ``(output, [h, c])``.
+
+    `recurrent_mask` (batch, units) multiplies the previous h before the
+    recurrent MatMul at every step (recurrent dropout: one mask per sequence).
+    """
+
+    def step(x_t, states):
+        h, c = states
+        h_in = h if recurrent_mask is None else h * recurrent_mask
+        z = tf.matmul(x_t, kernel) + tf.matmul(h_in, recurrent_kernel)
+        if bias is not None:
+            z = z + bias
+        zi, zf, zc, zo = tf.split(z, 4, axis=1)
+        c_new = tf.sigmoid(zf) * c + tf.sigmoid(zi) * tf.tanh(zc)
+        h_new = tf.sigmoid(zo) * tf.tanh(c_new)
+        return h_new, [h_new, c_new]
+
+    return _keras_rnn(step, x, [h0, c0], mask, go_backwards, return_sequences, zero_output_for_mask, unroll)
+
+
+def stock_gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_sequences,
+              zero_output_for_mask, unroll=False, recurrent_mask=None):
+    """keras.layers.GRU's ``reset_after=True`` computation (gates z, r, h); ``(output, [h])``."""
+    units = recurrent_kernel.shape[0]
+
+    def step(x_t, states):
+        (h,) = states
+        h_in = h if recurrent_mask is None else h * recurrent_mask
+        mx = tf.matmul(x_t, kernel)
+        mh = tf.matmul(h_in, recurrent_kernel)
+        if bias is not None:
+            mx, mh = mx + bias[0], mh + bias[1]
+        xz, xr, xh = tf.split(mx, 3, axis=1)
+        hz, hr, hh = mh[:, :units], mh[:, units : 2 * units], mh[:, 2 * units :]
+        z = tf.sigmoid(xz + hz)
+        r = tf.sigmoid(xr + hr)
+        cand = tf.tanh(xh + r * hh)
+        h_new = z * h + (1.0 - z) * cand
+        return h_new, [h_new]
+
+    return _keras_rnn(step, x, [h0], mask, go_backwards, return_sequences, zero_output_for_mask, unroll)
 
 
 # ----------------------------------------------------------------------------

@@ -17,6 +17,12 @@ and runs the MatMuls in the compute dtype (faster than bfloat16 elementwise ops
 on a CPU, and closer to the float32 result than Keras' all-bfloat16 loop);
 outputs and returned states are in the compute dtype as in Keras.
 
+For ``unroll=True``, recurrent dropout, and on a CPU for the static batch
+sizes where the backend table says the fused loop was measured slower
+(``rnn_stock_min_batch``), the layers run the stock form: Keras' own loop over
+Keras' cell math (`_rnn.stock_lstm` / `stock_gru`). ``layer.form`` says which
+form the last trace ran, `stock_form_reason` and the fusion report why.
+
 Masked steps behave as in Keras' generic RNN on every backend: they carry the
 previous state, and output the previous output (zeros before the first
 unmasked step), or zeros with ``zero_output_for_mask=True``. On the cuDNN path
@@ -106,6 +112,9 @@ class _FusedRNN(keras.layers.Layer):
         **kwargs,
     ):
         layer = type(self).__name__
+        implementation = kwargs.pop("implementation", 2)
+        if isinstance(implementation, bool) or not isinstance(implementation, int):
+            raise ValueError(f"`implementation` must be an integer (1 or 2). Received: implementation={implementation!r}")
         activity_regularizer = C.keras_object(keras.regularizers.get, activity_regularizer, "activity_regularizer")
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.units = C.positive_int(units, "units")
@@ -113,16 +122,6 @@ class _FusedRNN(keras.layers.Layer):
         self.recurrent_activation = _fixed_activation(
             recurrent_activation, "recurrent_activation", _SIGMOID, "sigmoid", layer
         )
-        if recurrent_dropout != 0:
-            raise ValueError(
-                f"{layer} does not support recurrent dropout (no fused kernel applies a mask to "
-                f"the recurrent state); use keras.layers.{layer[5:]}. Received: recurrent_dropout={recurrent_dropout!r}"
-            )
-        if unroll:
-            raise ValueError(
-                f"{layer} chooses its own loop (it unrolls static lengths up to {_rnn.MAX_UNROLL} on CPU); "
-                f"`unroll=True` is not supported. Received: unroll={unroll!r}"
-            )
         if use_cudnn not in ("auto", True, False):
             raise ValueError(f"`use_cudnn` must be 'auto', True or False. Received: use_cudnn={use_cudnn!r}")
         self.use_bias = C.boolean(use_bias, "use_bias")
@@ -142,7 +141,10 @@ class _FusedRNN(keras.layers.Layer):
         )
         self.bias_constraint = C.keras_object(keras.constraints.get, bias_constraint, "bias_constraint")
         self.dropout = _rate(dropout, "dropout")
-        self.recurrent_dropout = 0.0
+        self.recurrent_dropout = _rate(recurrent_dropout, "recurrent_dropout")
+        # Keras' cells compute the same math either way (1: per-gate MatMuls, 2: one MatMul; Keras
+        # switches to 1 with recurrent dropout): accepted, kept in the config, nothing else changes.
+        self.implementation = 1 if self.recurrent_dropout else implementation
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"`seed` must be an integer or None. Received: seed={seed!r}")
         self.seed = seed
@@ -151,12 +153,13 @@ class _FusedRNN(keras.layers.Layer):
         self.return_state = C.boolean(return_state, "return_state")
         self.go_backwards = C.boolean(go_backwards, "go_backwards")
         self.stateful = C.boolean(stateful, "stateful")
-        self.unroll = False
+        self.unroll = C.boolean(unroll, "unroll")
         self.zero_output_for_mask = C.boolean(zero_output_for_mask, "zero_output_for_mask")
         self.use_cudnn = use_cudnn
         self.supports_masking = True
         self.input_spec = keras.layers.InputSpec(ndim=3)
         self.states = None
+        self.form = None  # "fused" or "stock": what the last trace ran
         if _rnn.implementation(devices.backend()) == "cudnn" and use_cudnn:
             self.supports_jit = False  # CudnnRNNV3 has no XLA kernel
 
@@ -262,15 +265,54 @@ class _FusedRNN(keras.layers.Layer):
                 f"`use_cudnn=True` needs a Metal or CUDA GPU; this backend is {backend!r}. "
                 f"Received: use_cudnn={self.use_cudnn!r}"
             )
-        output, new_states = self._run(
-            x, states, mask, backend=backend, use_cudnn=bool(self.use_cudnn),
-        )
+        if self.unroll and x.shape[1] is None:
+            raise ValueError(
+                "Cannot unroll a RNN if the time dimension is undefined: give keras.Input a `shape` "
+                f"with the number of timesteps. Received: input_shape={tuple(x.shape)}"
+            )
+        why = self.stock_form_reason(x.shape[0], backend)
+        self.form = "stock" if why else "fused"  # what the last trace ran (the report's `why` says it)
+        if why:
+            recurrent_mask = None
+            if training and self.recurrent_dropout > 0:
+                # One mask per sequence on the previous h, the same at every step (as Keras' cells).
+                recurrent_mask = keras.random.dropout(
+                    tf.ones_like(states[0]), self.recurrent_dropout, seed=self.seed_generator
+                )
+            output, new_states = self._run_stock(x, states, mask, recurrent_mask)
+        else:
+            output, new_states = self._run(
+                x, states, mask, backend=backend, use_cudnn=bool(self.use_cudnn),
+            )
         if self.stateful:
             for v, s in zip(self.states, new_states):
                 v.assign(tf.cast(s, v.dtype))
         if self.return_state:
             return (output, *new_states)
         return output
+
+    def stock_form_reason(self, batch=None, backend=None):
+        """Why this layer runs the stock form (Keras' own loop and cell math), or None (the fused form).
+
+        The stock form runs for ``unroll=True`` and recurrent dropout (the
+        fused loop has neither), and on a CPU for the static batch sizes where
+        the backend table's `rnn_stock_min_batch` says the fused loop was
+        measured slower (`tfmetal_ext.layers._rnn.cpu_form`).
+        """
+        if self.unroll:
+            return "unroll=True: Keras' unrolled loop"
+        if self.recurrent_dropout > 0:
+            return f"recurrent_dropout={self.recurrent_dropout}: no fused kernel masks the recurrent state"
+        backend = backend or devices.backend()
+        cudnn = _rnn.implementation(backend) == "cudnn" and self.use_cudnn is not False
+        if backend == "cpu" and not cudnn:
+            cell = type(self).__name__[5:].lower()
+            if _rnn.cpu_form(cell, batch, None, self.units) == "stock":
+                return (
+                    f"batch {batch}: the stock {type(self).__name__[5:]} train step was measured faster "
+                    f"on this CPU from this batch (backend table rnn_stock_min_batch)"
+                )
+        return None
 
     def compute_output_shape(self, sequences_shape, initial_state_shape=None):
         batch, steps = sequences_shape[0], sequences_shape[1]
@@ -315,6 +357,7 @@ class _FusedRNN(keras.layers.Layer):
                 "unroll": self.unroll,
                 "zero_output_for_mask": self.zero_output_for_mask,
                 "use_cudnn": self.use_cudnn,
+                "implementation": self.implementation,
             }
         )
         return config
@@ -350,16 +393,27 @@ class FusedLSTM(_FusedRNN):
         activity_regularizer: regularizers.
         kernel_constraint, recurrent_constraint, bias_constraint: constraints.
         dropout: fraction of input features dropped in training, in [0, 1).
-        recurrent_dropout: only 0.
-        seed: seed of the dropout mask.
+        recurrent_dropout: fraction of the recurrent state dropped in training,
+            in [0, 1) (one mask per sequence; runs the stock form).
+        seed: seed of the dropout masks.
         return_sequences: return the whole output sequence, else the last output.
         return_state: also return the final states h and c.
         go_backwards: process the sequence backwards (and return it reversed).
         stateful: carry the final states of one batch into the next (static batch size).
-        unroll: only False; the layer picks its loop.
+        unroll: True runs the stock form unrolled (Keras' loop); False lets
+            the layer pick its loop.
         zero_output_for_mask: output zeros at masked steps instead of the previous output.
         use_cudnn: ``"auto"``; False forces the loop on a GPU; True requires Metal or CUDA.
-        **kwargs: base layer arguments (`name`, `dtype`, `trainable`).
+        **kwargs: base layer arguments (`name`, `dtype`, `trainable`), and
+            Keras' ``implementation`` (1 or 2; the same math either way, kept
+            in the config).
+
+    Stock form: for ``unroll=True``, recurrent dropout, and on a CPU for the
+    static batch sizes where the fused loop was measured slower than the
+    stock layer (the backend table's ``rnn_stock_min_batch``), the layer runs
+    Keras' own loop over Keras' cell math (`stock_form_reason` says why,
+    ``layer.form`` says which form the last trace ran, and the fusion report
+    names it).
 
     Input shape:
         ``(batch, timesteps, features)``; call arguments ``initial_state``
@@ -418,6 +472,14 @@ class FusedLSTM(_FusedRNN):
             zero_output_for_mask=self.zero_output_for_mask, backend=backend, use_cudnn=use_cudnn,
         )
 
+    def _run_stock(self, x, states, mask, recurrent_mask):
+        kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
+        return _rnn.stock_lstm(
+            x, states[0], states[1], kernel, recurrent_kernel, bias, mask=mask,
+            go_backwards=self.go_backwards, return_sequences=self.return_sequences,
+            zero_output_for_mask=self.zero_output_for_mask, unroll=self.unroll, recurrent_mask=recurrent_mask,
+        )
+
     def get_config(self):
         config = super().get_config()
         config["unit_forget_bias"] = self.unit_forget_bias
@@ -454,10 +516,11 @@ class FusedGRU(_FusedRNN):
         activity_regularizer: regularizers.
         kernel_constraint, recurrent_constraint, bias_constraint: constraints.
         dropout: fraction of input features dropped in training, in [0, 1).
-        recurrent_dropout: only 0.
-        seed: seed of the dropout mask.
+        recurrent_dropout: as `FusedLSTM` (stock form).
+        seed: seed of the dropout masks.
         return_sequences, return_state, go_backwards, stateful, unroll,
-        zero_output_for_mask, use_cudnn: as `FusedLSTM` (one state, h).
+        zero_output_for_mask, use_cudnn, implementation: as `FusedLSTM`
+            (one state, h; the same stock form).
         reset_after: only True.
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`).
 
@@ -502,6 +565,14 @@ class FusedGRU(_FusedRNN):
             zero_output_for_mask=self.zero_output_for_mask, backend=backend, use_cudnn=use_cudnn,
         )
 
+    def _run_stock(self, x, states, mask, recurrent_mask):
+        kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
+        return _rnn.stock_gru(
+            x, states[0], kernel, recurrent_kernel, bias, mask=mask,
+            go_backwards=self.go_backwards, return_sequences=self.return_sequences,
+            zero_output_for_mask=self.zero_output_for_mask, unroll=self.unroll, recurrent_mask=recurrent_mask,
+        )
+
     def get_config(self):
         config = super().get_config()
         config["reset_after"] = True
@@ -517,9 +588,25 @@ REASON_CPU_RNN = (
 )
 
 
+REASON_STOCK_FORM = "{name} ran the stock form (Keras' loop and cell math, nothing fused): {why}"
+
+
+def _static_batch(layer):
+    """The static batch of the input the layer was built with, or None."""
+    for shape in (getattr(layer, "_build_shapes_dict", None) or {}).values():
+        try:
+            return shape[0]
+        except (TypeError, IndexError):
+            continue
+    return None
+
+
 def _fused_rnn_rule(layer, ctx):
     """CudnnRNNV3 on Metal/CUDA; on CPU only the hoisted input projection can fuse (`_FusedMatMul[BiasAdd]`)."""
     name = type(layer).__name__
+    why = layer.stock_form_reason(_static_batch(layer), ctx.backend)
+    if why is not None:
+        return Expectation("cudnn_rnn", None, None, None, reason=REASON_STOCK_FORM.format(name=name, why=why))
     if ctx.xla:
         return Expectation("cudnn_rnn", None, None, None, reason=catalog.REASON_XLA)
     if _rnn.implementation(ctx.backend) == "cudnn" and layer.use_cudnn is not False:
