@@ -243,3 +243,29 @@ def test_grouped_conv_row_shows_the_xla_call():
     assert row.status == "not fused" and "groups=2" in row.reason and "XLA" in row.reason, str(report)
     assert any(op.startswith("XLA") for op in row.ran), row.ran
     assert "XLA call" in str(report)
+
+
+class Net(keras.Model):
+    """A subclassed model with sublayers in a list and a dict."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = [L.Conv2D(4, 3, padding="same", activation="relu"), L.Conv2D(4, 3, padding="same", activation="elu")]
+        self.heads = {"a": L.Dense(3, activation="relu6"), "b": L.Dense(2, activation="relu")}
+        self.pool = L.GlobalAveragePooling2D()
+
+    def call(self, x):
+        for stage in self.stages:
+            x = stage(x)
+        x = self.pool(x)
+        return self.heads["a"](x) + keras.ops.sum(self.heads["b"](x), axis=-1, keepdims=True)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_subclassed_model_with_sublayers_in_lists_and_dicts(mode):
+    model = Net()
+    x = np.zeros((4, 8, 8, 4), "float32")
+    model(x)
+    model.compile(optimizer="sgd", loss="mse")
+    report = inspect.fusion_report(model, inputs=x, mode=mode, targets=np.zeros((4, 3), "float32"))
+    _assert_credited(report, model, {l: 1 for l in model.stages + list(model.heads.values())})

@@ -62,7 +62,40 @@ def _residual_zoo():
     return keras.Model(inp, out)
 
 
-ZOOS = {"conv": _conv_zoo, "dense": _dense_zoo, "norm": _norm_zoo, "residual": _residual_zoo}
+class _Block(L.Layer):
+    # The usual example style: sublayers in attributes, default names, a call of its own.
+    def __init__(self, activation):
+        super().__init__()
+        self.conv = L.Conv2D(8, 3, padding="same", activation=activation)
+        self.dense = L.Dense(8, activation=activation)
+
+    def call(self, x):
+        y = self.conv(x)
+        return y + self.dense(keras.ops.mean(y, axis=(1, 2)))[:, None, None, :]
+
+
+def _examples_zoo():
+    # How public examples write models (issue 13): default names, repeated subclassed blocks, a shared
+    # layer, TF functions as activations, keras.ops between layers, a grouped conv, wrappers.
+    import tensorflow as tf
+
+    inp = keras.Input((12, 12, 4))
+    x = L.Conv2D(8, 3, padding="same", activation=tf.nn.relu)(inp)
+    for act in ("relu", "elu", "relu"):
+        x = _Block(act)(x)
+    shared = L.Conv2D(8, 3, padding="same", activation="relu6")
+    x = keras.ops.relu(keras.ops.add(shared(x), shared(x * 0.5)))
+    x = L.Conv2D(8, 3, groups=2, padding="same")(x)
+    x = L.Reshape((12, 96))(x)
+    x = L.TimeDistributed(L.Dense(8, activation="relu"))(x)
+    out = L.Dense(3)(L.GlobalAveragePooling1D()(x))
+    return keras.Model(inp, out)
+
+
+ZOOS = {
+    "conv": _conv_zoo, "dense": _dense_zoo, "norm": _norm_zoo, "residual": _residual_zoo,
+    "examples": _examples_zoo,
+}
 
 
 @pytest.mark.parametrize("mode", ["predict", "train"])
