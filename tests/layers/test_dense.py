@@ -359,3 +359,17 @@ def test_quantization_config_other_than_none_is_refused():
     FusedDense(3, quantization_config=None)
     with pytest.raises(ValueError, match="Received: quantization_config="):
         FusedDense(3, quantization_config=object())
+
+
+def test_sparse_input_as_keras():
+    # Before: a tf.SparseTensor input raised in tf.reshape / tf.matmul.
+    x = np.random.default_rng(15).random((10, 10)).astype("float32")
+    x *= x >= 0.8
+    sparse = tf.sparse.from_dense(x)
+    layer = FusedDense(6, activation="relu")
+    out = layer(sparse)
+    want = np.maximum(x @ layer.kernel.numpy() + layer.bias.numpy(), 0)
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+    with tf.GradientTape() as tape:
+        out = layer(sparse)
+    assert isinstance(tape.gradient(out, layer.kernel), tf.IndexedSlices)

@@ -669,7 +669,7 @@ BAD_ARGS = [
 
 def test_bad_arguments():
     for cls in (FusedLSTM, FusedGRU):
-        for kwargs, name in BAD_ARGS + ([(dict(units=4, reset_after=False), "reset_after")] if cls is FusedGRU else []):
+        for kwargs, name in BAD_ARGS + ([(dict(units=4, reset_after=1), "reset_after")] if cls is FusedGRU else []):
             with pytest.raises(ValueError) as info:
                 cls(**kwargs)
             assert re.search(rf"Received: {name}=[^\n]*$", str(info.value)), (cls, kwargs, str(info.value))
@@ -802,3 +802,14 @@ def test_stock_form_at_the_threshold_matches_keras():
         pytest.skip("this backend table has no LSTM stock-form threshold")
     assert _rnn.cpu_form("lstm", threshold, 3, 3) == "stock"
     check_equivalence("lstm", dict(units=3, return_sequences=True), (threshold, 3, 2), "right", False, seed=50)
+
+
+def test_gru_reset_after_false_runs_the_stock_form():
+    # Before: reset_after=False was refused.
+    for i, kwargs in enumerate([dict(units=4, reset_after=False, return_sequences=True),
+                                dict(units=3, reset_after=False, go_backwards=True, return_state=True)]):
+        check_equivalence("gru", kwargs, (3, 5, 4), "mixed", i == 1, seed=60 + i)
+    layer = FusedGRU(3, reset_after=False)
+    layer.build((2, 4, 5))
+    assert layer.bias.shape == (9,) and "reset_after" in layer.stock_form_reason()
+    assert FusedGRU.from_config(layer.get_config()).reset_after is False

@@ -472,6 +472,8 @@ def _rnn_stock_only(layer):
         return "recurrent dropout: the fused layer would run the stock form (nothing to gain)"
     if layer.unroll:
         return "unroll=True: the fused layer would run the stock form (nothing to gain)"
+    if getattr(layer, "reset_after", True) is False:
+        return "reset_after=False: the fused layer would run the stock form (nothing to gain)"
     return None
 
 

@@ -687,22 +687,34 @@ def stock_lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, mask, go_backwards,
 
 
 def stock_gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_sequences,
-              zero_output_for_mask, unroll=False, recurrent_mask=None):
-    """keras.layers.GRU's ``reset_after=True`` computation (gates z, r, h); ``(output, [h])``."""
+              zero_output_for_mask, unroll=False, recurrent_mask=None, reset_after=True):
+    """keras.layers.GRU's computation (gates z, r, h); ``(output, [h])``.
+
+    ``reset_after=True``: bias (2, 3H), the reset gate applied to ``h @ U_h``;
+    False: bias (3H,), the candidate from ``(r * h) @ U_h``.
+    """
     units = recurrent_kernel.shape[0]
 
     def step(x_t, states):
         (h,) = states
         h_in = h if recurrent_mask is None else h * recurrent_mask
         mx = tf.matmul(x_t, kernel)
-        mh = tf.matmul(h_in, recurrent_kernel)
-        if bias is not None:
-            mx, mh = mx + bias[0], mh + bias[1]
+        if reset_after:
+            mh = tf.matmul(h_in, recurrent_kernel)
+            if bias is not None:
+                mx, mh = mx + bias[0], mh + bias[1]
+        else:
+            mh = tf.matmul(h_in, recurrent_kernel[:, : 2 * units])
+            if bias is not None:
+                mx = mx + bias
         xz, xr, xh = tf.split(mx, 3, axis=1)
-        hz, hr, hh = mh[:, :units], mh[:, units : 2 * units], mh[:, 2 * units :]
+        hz, hr = mh[:, :units], mh[:, units : 2 * units]
         z = tf.sigmoid(xz + hz)
         r = tf.sigmoid(xr + hr)
-        cand = tf.tanh(xh + r * hh)
+        if reset_after:
+            cand = tf.tanh(xh + r * mh[:, 2 * units :])
+        else:
+            cand = tf.tanh(xh + tf.matmul(r * h_in, recurrent_kernel[:, 2 * units :]))
         h_new = z * h + (1.0 - z) * cand
         return h_new, [h_new]
 

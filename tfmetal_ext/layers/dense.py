@@ -229,8 +229,14 @@ class FusedDense(keras.layers.Layer):
             self.lora_kernel_b.assign(tf.zeros(self.lora_kernel_b.shape, self.lora_kernel_b.dtype))
 
     def call(self, inputs, training=None):
-        rank = inputs.shape.rank
         kernel = self.kernel
+        if isinstance(inputs, tf.SparseTensor):
+            # As Keras' Dense: a sparse MatMul, dense output (nothing to fuse), sparse kernel gradient.
+            outputs = keras.ops.matmul(inputs, kernel)
+            if self.use_bias:
+                outputs = outputs + self.bias
+            return C.apply_activation(outputs, self.activation, self._activation_name)
+        rank = inputs.shape.rank
         flat = inputs
         if rank > 2:
             flat = tf.reshape(inputs, [-1, kernel.shape[0]])

@@ -472,7 +472,9 @@ class FusedLayerNorm(keras.layers.Layer):
         elif isinstance(axis, int) and not isinstance(axis, bool):
             self.axis = axis
         else:
-            raise TypeError(f"`axis` must be an int or a list/tuple of ints. Received: axis={axis!r}")
+            raise TypeError(
+                f"Expected an int or a list/tuple of ints for the argument 'axis'. Received: axis={axis!r}"
+            )
         self.epsilon = _check_epsilon(epsilon)
         self.center = bool(center)
         self.scale = bool(scale)

@@ -494,8 +494,8 @@ class FusedGRU(_FusedRNN):
     ``recurrent_kernel`` ``(units, 3*units)``, ``bias`` ``(2, 3*units)``: input
     and recurrent biases, gates z, r, h) and outputs as ``keras.layers.GRU`` with
     ``reset_after=True`` (Keras' default and the form cuDNN computes), tanh /
-    sigmoid and no recurrent dropout. ``reset_after=False`` is rejected: no
-    fused kernel computes it. Masks, input dropout and mixed precision as
+    sigmoid. ``reset_after=False`` runs the stock form (no fused kernel
+    computes it), with Keras' ``(3*units,)`` bias. Masks, input dropout and mixed precision as
     `FusedLSTM`.
 
     What it becomes:
@@ -521,7 +521,8 @@ class FusedGRU(_FusedRNN):
         return_sequences, return_state, go_backwards, stateful, unroll,
         zero_output_for_mask, use_cudnn, implementation: as `FusedLSTM`
             (one state, h; the same stock form).
-        reset_after: only True.
+        reset_after: True (Keras' default, the cuDNN form, fused); False runs
+            the stock form (bias ``(3*units,)``, as Keras).
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`).
 
     Input shape:
@@ -533,7 +534,7 @@ class FusedGRU(_FusedRNN):
         ``(batch, units)``; with `return_state` followed by h.
 
     Raises:
-        ValueError: as `FusedLSTM`, and for ``reset_after=False``.
+        ValueError: as `FusedLSTM`.
 
     Example:
 
@@ -546,16 +547,16 @@ class FusedGRU(_FusedRNN):
     _state_names = ("h",)
 
     def __init__(self, units, *args, reset_after=True, **kwargs):
-        if reset_after is not True:
-            raise ValueError(
-                "FusedGRU supports only `reset_after=True` (the GRU form cuDNN computes and Keras' "
-                f"default); use keras.layers.GRU for the other. Received: reset_after={reset_after!r}"
-            )
         super().__init__(units, *args, **kwargs)
-        self.reset_after = True
+        self.reset_after = C.boolean(reset_after, "reset_after")
 
     def _bias_shape(self):
-        return (2, 3 * self.units)
+        return (2, 3 * self.units) if self.reset_after else (3 * self.units,)
+
+    def stock_form_reason(self, batch=None, backend=None):
+        if not self.reset_after:
+            return "reset_after=False: no fused kernel computes that GRU form"
+        return super().stock_form_reason(batch, backend)
 
     def _run(self, x, states, mask, backend, use_cudnn):
         kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
@@ -571,11 +572,12 @@ class FusedGRU(_FusedRNN):
             x, states[0], kernel, recurrent_kernel, bias, mask=mask,
             go_backwards=self.go_backwards, return_sequences=self.return_sequences,
             zero_output_for_mask=self.zero_output_for_mask, unroll=self.unroll, recurrent_mask=recurrent_mask,
+            reset_after=self.reset_after,
         )
 
     def get_config(self):
         config = super().get_config()
-        config["reset_after"] = True
+        config["reset_after"] = self.reset_after
         return config
 
 
