@@ -10,7 +10,13 @@ from tests.keras_suite import swap
 def test_every_replaced_class_has_its_keras_suite():
     # Each stock class the fusion table replaces (layers and optimizers) is
     # checked against Keras' own tests for it.
-    assert set(swap.SUITES) == set(fusion.STOCK_TO_FUSED) | set(fusion.OPTIMIZER_TO_FUSED)
+    replaced = set(fusion.STOCK_TO_FUSED) | set(fusion.OPTIMIZER_TO_FUSED)
+    assert set(swap.SUITES) == replaced, (
+        "a fusion-table row without its Keras suite (or a suite without a row): add a `Suite` to "
+        "tests/keras_suite/swap.py and run `python -m tests.keras_suite.make_baseline -k '<Stock>__'`. "
+        f"Rows without a suite: {sorted(replaced - set(swap.SUITES))}; "
+        f"suites without a row: {sorted(set(swap.SUITES) - replaced)}"
+    )
 
 
 def test_the_view_swaps_only_inside_the_loaded_file():
