@@ -269,3 +269,16 @@ def test_subclassed_model_with_sublayers_in_lists_and_dicts(mode):
     model.compile(optimizer="sgd", loss="mse")
     report = inspect.fusion_report(model, inputs=x, mode=mode, targets=np.zeros((4, 3), "float32"))
     _assert_credited(report, model, {l: 1 for l in model.stages + list(model.heads.values())})
+
+
+def test_converted_repeated_blocks_pass_a_strict_callback():
+    model, _ = _blocks_model()
+    converted = tfmetal_ext.convert(model)
+    blocks = [l for l in converted.layers if isinstance(l, Block)]
+    subs = [s for b in blocks for s in (b.conv, b.dense)]
+    assert len(subs) == 6 and all(type(s).__module__.startswith("tfmetal_ext") for s in subs)
+    converted.compile(optimizer=tfmetal_ext.optimizers.FusedAdam(), loss="mse")
+    cb = tfmetal_ext.callbacks.MetalCallback(strict=True, print_fn=lambda s: None)
+    x = np.random.default_rng(0).random((8, 8, 8, 4)).astype("float32")
+    converted.fit(x, np.zeros((8, 2), "float32"), batch_size=4, epochs=1, verbose=0, callbacks=[cb])
+    _assert_credited(cb.fusion_report, converted, {s: 1 for s in subs})

@@ -288,10 +288,13 @@ class LayerRow:
     ran: dict | None = None  # forward compute op -> count, in this layer's scope (XLA calls named)
 
 
-def _fmt_ran(ran):
+def _fmt_ran(ran, limit=5):
+    """The ops a layer ran (most frequent first; XLA calls always shown), for a row with no fused node."""
     if not ran:
         return "-"
-    return ", ".join(f"{op} x{n}" if n > 1 else op for op, n in sorted(ran.items(), key=lambda kv: (-kv[1], kv[0])))
+    items = sorted(ran.items(), key=lambda kv: (not kv[0].startswith("XLA"), -kv[1], kv[0]))
+    shown = ", ".join(f"{op} x{n}" if n > 1 else op for op, n in items[:limit])
+    return shown + (f", ... ({sum(ran.values())} ops)" if len(items) > limit else "")
 
 
 def _fmt_ops(op, fused_ops):
@@ -488,8 +491,13 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
     )
 
 
-# Forward ops that say nothing about what a layer computed (weight reads, shape plumbing).
-_PLUMBING_OPS = frozenset({"ReadVariableOp", "Reshape", "Squeeze", "Shape", "ExpandDims", "Cast", "StridedSlice"})
+# Forward ops that say nothing about what a layer computed (weight reads, shape and loop plumbing).
+_PLUMBING_OPS = frozenset(
+    {
+        "ReadVariableOp", "Reshape", "Squeeze", "Shape", "ExpandDims", "Cast", "StridedSlice",
+        "Enter", "Exit", "Merge", "NextIteration", "Switch", "LoopCond",
+    }
+)
 _CALL_OPS = ("StatefulPartitionedCall", "PartitionedCall")
 
 
