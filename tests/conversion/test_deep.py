@@ -436,3 +436,42 @@ def test_a_custom_activation_is_applied_unfused_and_said_so():
     x = _x((6,))
     _assert_same_outputs(stock, new, x)
     _assert_no_shared_state(stock, new, x)
+
+
+class TransformerBlock(L.Layer):
+    """The Keras text-classification example's block: attention, a Sequential feed-forward, norms, dropout."""
+
+    def __init__(self, embed_dim, num_heads, ff_dim, rate=0.1):
+        super().__init__()
+        self.att = L.MultiHeadAttention(num_heads=num_heads, key_dim=embed_dim)
+        self.ffn = keras.Sequential([L.Dense(ff_dim, activation="relu"), L.Dense(embed_dim)])
+        self.layernorm1 = L.LayerNormalization(epsilon=1e-6)
+        self.layernorm2 = L.LayerNormalization(epsilon=1e-6)
+        self.dropout1 = L.Dropout(rate)
+        self.dropout2 = L.Dropout(rate)
+
+    def call(self, inputs, training=False):
+        attn_output = self.att(inputs, inputs)
+        attn_output = self.dropout1(attn_output, training=training)
+        out1 = self.layernorm1(inputs + attn_output)
+        ffn_output = self.dropout2(self.ffn(out1), training=training)
+        return self.layernorm2(out1 + ffn_output)
+
+
+def test_transformer_block_with_a_sequential_inside_a_subclass():
+    inp = keras.Input((6,))
+    x = L.Embedding(50, 8)(inp)
+    block = TransformerBlock(8, 2, 16)
+    x = block(x)
+    stock = keras.Model(inp, L.Dense(2)(L.GlobalAveragePooling1D()(x)))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    b = new.layers[2]
+    assert type(b) is TransformerBlock and b is not block
+    assert type(b.layernorm1) is fl.FusedLayerNorm and type(b.layernorm2) is fl.FusedLayerNorm
+    # The Sequential's graph is visible: converted by its own walk, relu folded into the first Dense.
+    assert [type(l) for l in b.ffn.layers] == [fl.FusedDense, fl.FusedDense] and b.ffn is not block.ffn
+    names = {r.name for r in new.conversion_report.rewrites}
+    assert {f"{block.name}/layernorm1", f"{block.name}/ffn/{block.ffn.layers[0].name}"} <= names
+    x = np.random.default_rng(0).integers(0, 50, (4, 6))
+    _assert_same_outputs(stock, new, x)
+    _assert_no_shared_state(stock, new, x)

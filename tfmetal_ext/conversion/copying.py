@@ -269,7 +269,8 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
                 plan.made = new
                 _replace_everywhere(copy, y, new)
                 swaps[id(x)] = plan
-                report.rewrites.append(plan.rewrite)
+                if plan.rewrite is not None:  # a converted nested model reports its own rewrites
+                    report.rewrites.append(plan.rewrite)
             elif not _is_stock(x) and not _is_graph_model(x):
                 walk(x, y, p)
 

@@ -180,7 +180,7 @@ class Converter:
                 f"{label}: could not be copied; converted in place (in_place=True): the input model's own "
                 f"{type(layer).__name__} now holds the swapped sublayers and is shared with the result"
             )
-            for plan in swaps.values():
+            for plan in (p for p in swaps.values() if p.nodes):
                 copying.build_like(plan.nodes[0].operation, plan.made)
                 plan.copy(plan.made, self.pairs)
             return layer, "in_place", swaps
@@ -191,12 +191,25 @@ class Converter:
         calls = _sublayer_calls(stock)
 
         def plan_fn(sub, path):
+            if copying._is_graph_model(sub):
+                return self._graph_swap(sub, path)
             plan_, reason = planners.plan_sublayer(sub, path, self.inference, calls)
             if plan_ is None and reason:
                 self.report.kept.append(Kept(path, type(sub).__name__, reason))
             return plan_
 
         return copying.swap_sublayers(stock, copy, label, plan_fn, self.report)
+
+    def _graph_swap(self, sub, path):
+        """A Functional / Sequential model held by a subclass: converted by a `Converter` of its own
+        (its graph is visible, so merges apply inside it); a plan whose weight copy is already done."""
+        if not sub.built or (isinstance(sub, keras.Sequential) and getattr(sub, "_functional", None) is None):
+            return None
+        inner = Converter(self.inference, self.report, prefix=f"{path}/", in_place=self.in_place)
+        new = inner.convert_model(sub)
+        self.pairs += inner.pairs
+        return planners.Plan("replace", [], make=lambda: new, copy=lambda new_, pairs: None,
+                             rewrite=None, layer_key=id(sub))
 
     def _after_build(self, plan, kind, new_layer):
         layer = plan.nodes[0].operation
