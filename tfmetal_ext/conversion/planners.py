@@ -377,11 +377,17 @@ def _dense(ctx, node):
 def _conv2d(ctx, node):
     if node.operation.groups != 1:  # a grouped conv: the Conv1D/SeparableConv2D/grouped section at the end
         return plan_grouped_conv2d(ctx, node)
+    reason = _stock_form_reason(ctx, node, L.Conv2D, configs.CONV_KEYS)
+    if reason:
+        return keep(node, reason)
     return _plan_conv(ctx, node, L.Conv2D, configs.CONV_KEYS)
 
 
 @register_planner(L.DepthwiseConv2D)
 def _depthwise_conv2d(ctx, node):
+    reason = _stock_form_reason(ctx, node, L.DepthwiseConv2D, configs.DEPTHWISE_KEYS)
+    if reason:
+        return keep(node, reason)
     return _plan_conv(ctx, node, L.DepthwiseConv2D, configs.DEPTHWISE_KEYS)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmetal_ext.layers import _ops
 from tfmetal_ext.layers._ops import FUSABLE_ACTIVATIONS
 
 # Activations the layers emit as one TF op, so a remapper pattern can absorb
@@ -162,3 +163,50 @@ def strides_with_dilation(strides, dilation_rate):
             "`strides > 1` is not supported together with `dilation_rate > 1`. "
             f"Received: strides={strides}, dilation_rate={dilation_rate}"
         )
+
+
+# ----------------------------------------------------------------------------
+# Conv drop-ins that subclass the stock Keras conv classes (FusedConv1D, FusedConv2D,
+# FusedDepthwiseConv2D, FusedSeparableConv2D): the stock class owns arguments, weights,
+# config, LoRA and errors; these pieces decide and emit the fused form.
+
+
+class ConvDropIn:
+    """Mixin of the conv drop-ins: the activation's name as the fused form emits it."""
+
+    @property
+    def _activation_name(self):
+        """The Keras name of a built-in activation (``"linear"`` for none), or None for any other callable."""
+        return resolve_activation(self.activation)[1]
+
+
+def stock_path_reason(layer, dilation=True):
+    """Why a conv drop-in (a stock conv subclass) runs the stock Keras form, or None for the fused form.
+
+    The fused form is channels_last, ungrouped, unquantized and (when
+    `dilation` is True: the dilated stage is the one the bias fuses into)
+    undilated; anything else is computed exactly as the stock layer computes it.
+    """
+    if getattr(layer, "quantization_mode", None):
+        return f"quantized ({layer.quantization_mode}): the stock quantized call runs"
+    if layer.data_format != "channels_last":
+        return (
+            "data_format='channels_first': the stock form runs (the remapper's CPU conv fusions need "
+            "channels_last, NHWC)"
+        )
+    if getattr(layer, "groups", 1) != 1:
+        return (
+            f"groups={layer.groups}: the stock form runs (Keras runs grouped convolutions through an "
+            "XLA-compiled function, which grappler does not rewrite)"
+        )
+    if dilation and max(layer.dilation_rate) > 1:
+        return "dilation_rate > 1: the stock form runs (SpaceToBatchND around the conv), so nothing fuses"
+    return None
+
+
+def bias_and_activation(layer, outputs):
+    """BiasAdd (AddV2 while ``conv_bias_relu`` is avoided) and the activation as one TF op where possible."""
+    if layer.use_bias:
+        outputs = _ops.add_bias(outputs, layer.bias, "conv_bias_relu")
+    fn, name = resolve_activation(layer.activation)
+    return apply_activation(outputs, fn, name)

@@ -7,41 +7,11 @@ import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
-from tfmetal_ext.layers import _contraction as C
-from tfmetal_ext.layers import _ops
-
-
-def stock_path_reason(layer, dilation=True):
-    """Why a conv drop-in (a stock conv subclass) runs the stock Keras form, or None for the fused form.
-
-    The fused form is channels_last, ungrouped, unquantized and (when
-    `dilation` is True: the dilated stage is the one the bias fuses into)
-    undilated; anything else is computed exactly as the stock layer computes it.
-    """
-    if getattr(layer, "quantization_mode", None):
-        return f"quantized ({layer.quantization_mode}): the stock quantized call runs"
-    if layer.data_format != "channels_last":
-        return "data_format='channels_first': the stock form runs (the remapper's CPU conv fusions need NHWC)"
-    if getattr(layer, "groups", 1) != 1:
-        return (
-            f"groups={layer.groups}: the stock form runs (Keras runs grouped convolutions through an "
-            "XLA-compiled function, which grappler does not rewrite)"
-        )
-    if dilation and max(layer.dilation_rate) > 1:
-        return "dilation_rate > 1: the stock form runs (SpaceToBatchND around the conv), so nothing fuses"
-    return None
-
-
-def bias_and_activation(layer, outputs):
-    """BiasAdd (AddV2 while ``conv_bias_relu`` is avoided) and the activation as one TF op where possible."""
-    if layer.use_bias:
-        outputs = _ops.add_bias(outputs, layer.bias, "conv_bias_relu")
-    fn, name = C.resolve_activation(layer.activation)
-    return C.apply_activation(outputs, fn, name)
+from tfmetal_ext.layers._contraction import ConvDropIn, bias_and_activation, stock_path_reason
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FusedConv1D(keras.layers.Conv1D):
+class FusedConv1D(ConvDropIn, keras.layers.Conv1D):
     """1-D convolution whose bias and activation fuse into the convolution.
 
     A drop-in for `keras.layers.Conv1D`: a subclass with the same arguments

@@ -7,11 +7,11 @@ import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
-from tfmetal_ext.layers.conv1d import bias_and_activation, stock_path_reason
+from tfmetal_ext.layers._contraction import ConvDropIn, bias_and_activation, stock_path_reason
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FusedSeparableConv2D(keras.layers.SeparableConv2D):
+class FusedSeparableConv2D(ConvDropIn, keras.layers.SeparableConv2D):
     """Depthwise separable 2-D convolution: depthwise, then pointwise with bias and activation fused.
 
     A drop-in for `keras.layers.SeparableConv2D`: a subclass with the same
