@@ -17,9 +17,9 @@ trainable flags, dtype policies and weights:
 | Dense (+ Activation/ReLU) | `FusedDense` |
 | Conv2D -> BatchNormalization (-> Activation/ReLU) | `ConvBNAct` (conv bias moved into the moving mean) |
 | Conv2D/DepthwiseConv2D -> BatchNormalization (-> act), ``inference=True`` | `FusedConv2D`/`FusedDepthwiseConv2D` with the batch norm folded in |
-| BatchNormalization (2-D or 4-D input, last axis) | `FusedBatchNorm` |
+| BatchNormalization (last axis, input rank >= 2: 3-D/5-D reshaped to NHWC around the fused op) | `FusedBatchNorm` |
 | LayerNormalization (last axis) | `FusedLayerNorm` |
-| LSTM / GRU (tanh/sigmoid, no recurrent dropout, GRU reset_after) | `FusedLSTM` / `FusedGRU` |
+| LSTM / GRU (tanh/sigmoid, no recurrent dropout, no unroll, GRU reset_after) | `FusedLSTM` / `FusedGRU` |
 | Bidirectional / TimeDistributed of one of the above | the same wrapper of the fused class |
 | a sublayer of a subclassed layer or model (attribute, list, dict) | its one-to-one fused class, nothing merged |
 | anything else | kept (an independent copy with the same constructor arguments and state), listed in the report with the reason |
