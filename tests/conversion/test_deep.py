@@ -315,6 +315,13 @@ def test_adapted_preprocessing_layers_come_out_equal(name, verify):
     new = tfmetal_ext.convert(stock, count_ops=False, verify=verify, inputs=data[:4] if strings else None)
     assert new.layers[1] is not layer
     _assert_same_outputs(stock, new, data, exact=True)
+    # No shared state: re-adapting the copy on other data leaves the stock layer's outputs as they were.
+    assert not {id(v) for v in stock.variables} & {id(v) for v in new.variables}
+    before = _np(stock(data))
+    # (a called multi_hot lookup cannot change its vocabulary size: Keras refuses to re-adapt it)
+    if hasattr(layer, "adapt") and name not in ("hashing", "category_encoding", "integer_lookup_one_hot"):
+        new.layers[1].adapt(data[::-1][: len(data) // 2])
+    np.testing.assert_array_equal(_np(stock(data)), before)
 
 
 def test_adapted_normalization_before_a_dense_stays_exact_when_trained():
