@@ -187,7 +187,7 @@ def grid(args):
         "order rotated): ms = median over rounds; speedup = median over rounds of stock_ms / ours_ms",
         "form: what FusedLSTM/FusedGRU ran for the shape (layer.form after the timed step was traced with "
         "its static batch; the rule is tfmetal_ext.layers._rnn.cpu_form over the backend table's "
-        "rnn_stock_min_batch): 'fused' = the hoisted-projection custom-gradient loop, 'stock' = Keras' own "
+        "rnn_stock_from): 'fused' = the hoisted-projection custom-gradient loop, 'stock' = Keras' own "
         "loop and cell math",
         "ours_loop_ms / loop_speedup: the fused loop forced, for shapes where the threshold chose stock",
     ])

@@ -765,27 +765,28 @@ def test_recurrent_dropout_runs_the_stock_form(kind):
     assert ours.get_config()["implementation"] == 1  # as Keras' cells switch to with recurrent dropout
 
 
-def _threshold(kind):
+def _rule(kind):
     from tfmetal_ext import backends
 
-    return (backends.current().rnn_stock_min_batch or {}).get(kind)
+    return (backends.current().rnn_stock_from or {}).get(kind)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
-def test_the_backend_table_picks_the_form_per_static_batch(kind):
-    threshold = _threshold(kind)
+def test_the_backend_table_picks_the_form_per_static_shape(kind):
+    rule = _rule(kind)
     cls = KINDS[kind][0]
-    shapes = {"small": 4}
-    if threshold is not None:
-        shapes.update(below=threshold - 1, at=threshold)
-    for label, batch in shapes.items():
-        inp = keras.Input(batch_shape=(batch, 3, 2))
+    shapes = {"small": (4, 3)}
+    if rule is not None:
+        batch, steps = rule
+        shapes.update(batch_below=(batch - 1, steps), steps_below=(batch, steps - 1), at=(batch, steps))
+    for label, (batch, steps) in shapes.items():
+        inp = keras.Input(batch_shape=(batch, steps, 2))
         layer = cls(2, name="rnn")
         model = keras.Model(inp, layer(inp))
         want = "stock" if label == "at" else "fused"
-        assert (layer.stock_form_reason(batch) is None) == (want == "fused"), (label, batch)
+        assert (layer.stock_form_reason(batch, steps=steps) is None) == (want == "fused"), label
         row = inspect.fusion_report(model, mode="predict").row("rnn")
-        assert layer.form == want, (label, batch)
+        assert layer.form == want, label
         if want == "stock":
             assert "stock form" in row.reason and f"batch {batch}" in row.reason and row.actual_op is None
         else:
@@ -796,12 +797,13 @@ def test_the_backend_table_picks_the_form_per_static_batch(kind):
     assert layer.form == "fused"
 
 
-def test_stock_form_at_the_threshold_matches_keras():
-    threshold = _threshold("lstm")
-    if threshold is None:
-        pytest.skip("this backend table has no LSTM stock-form threshold")
-    assert _rnn.cpu_form("lstm", threshold, 3, 3) == "stock"
-    check_equivalence("lstm", dict(units=3, return_sequences=True), (threshold, 3, 2), "right", False, seed=50)
+def test_stock_form_at_the_rule_matches_keras():
+    rule = _rule("lstm")
+    if rule is None:
+        pytest.skip("this backend table has no LSTM stock-form rule")
+    assert _rnn.cpu_form("lstm", rule[0], rule[1], 3) == "stock"
+    assert _rnn.cpu_form("lstm", None, rule[1], 3) == _rnn.cpu_form("lstm", rule[0], None, 3) == "fused"
+    check_equivalence("lstm", dict(units=3, return_sequences=True), (rule[0], rule[1], 2), "right", False, seed=50)
 
 
 def test_gru_reset_after_false_runs_the_stock_form():

@@ -89,11 +89,12 @@ class Backend:
         pointwise_train_as_matmul: in a training step a 1x1, stride-1
             convolution is faster as one MatMul (forward and both backward
             products) than as Conv2D and its backprop kernels.
-        rnn_stock_min_batch: recurrent cell (``"lstm"``, ``"gru"``) -> the
-            smallest static batch from which FusedLSTM / FusedGRU's loop was
-            measured slower than the stock layer's train step, so the stock
-            form runs there (`tfmetal_ext.layers._rnn.cpu_form`); None or a
-            missing cell: the fused form everywhere.
+        rnn_stock_from: recurrent cell (``"lstm"``, ``"gru"``) ->
+            ``(min_batch, min_steps)``: from this static batch and sequence
+            length on, FusedLSTM / FusedGRU's loop was measured slower than
+            the stock layer's train step, so the stock form runs there
+            (`tfmetal_ext.layers._rnn.cpu_form`); None or a missing cell: the
+            fused form everywhere.
         source: where the facts come from.
     """
 
@@ -105,7 +106,7 @@ class Backend:
     half_needs_native: bool = False
     addv2_bias: bool = False
     pointwise_train_as_matmul: bool = False
-    rnn_stock_min_batch: types.MappingProxyType | None = None
+    rnn_stock_from: types.MappingProxyType | None = None
     source: str = ""
 
     def fusion(self, pattern):

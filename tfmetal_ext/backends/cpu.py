@@ -18,17 +18,19 @@ from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
 
 F32_BF16 = ("float32", "bfloat16")
 
-# Where FusedLSTM / FusedGRU run the stock form on a CPU (`_rnn.cpu_form`): train step of
-# Input -> RNN(H) -> Dense(1), float32, batch {32, 256} x T {10, 200} x units {32, 256}, F=32
-# (`benchmarks/bench_rnn.py --grid`, results/bench_rnn_grid*.md, and paired re-runs of single
-# shapes; TF 2.21, 2-core AMD EPYC, oneDNN, host shared with five other jobs, so single figures
-# swing by 2x: read the pattern). FusedLSTM lost at batch 256 in most runs (0.54-0.92x stock at
-# H >= 128 and at T=200 H=32; 1.0-1.6x in others) and won at batch 32 (1.13-1.77x) and mostly at
-# 128 (1.15-1.78x, one 0.83x); FusedGRU won at every corner (1.25-1.77x). The rule applies to a
-# static batch only: a run-time switch on an unknown batch (tf.cond between both forms) was
-# measured 25% slower than the fused form at batch 64, so an unknown batch runs the fused form.
-# Without oneDNN: the same rule (not measured separately).
-_RNN_STOCK_MIN_BATCH = types.MappingProxyType({"lstm": 256})
+# Where FusedLSTM / FusedGRU run the stock form on a CPU (`_rnn.cpu_form`): cell -> (from this
+# static batch, from this static sequence length). Measured: train step of Input -> RNN(H) ->
+# Dense(1), float32, F=32, stock vs fused in paired rounds in one process (`benchmarks/bench_rnn.py
+# --grid`, results/bench_rnn_grid*.md, and 7-round re-runs of single shapes); TF 2.21, 2-core AMD
+# EPYC, oneDNN, the host shared with five other jobs (single figures swing by up to 2x, read the
+# medians). FusedLSTM at batch 256: T=50 H=128 0.60x stock (7 rounds; 0.54-0.81x in two other
+# runs), T=200 H=32 0.91x (7 rounds; 0.76-1.9x in single runs), T=200 H=256 0.68-1.08x; at T=10 it
+# won or tied (H=256 1.28x over 7 rounds, H=32 0.92-1.15x). At batch 32 it won everywhere
+# (1.01-1.77x), at 128 T=50 H=128 it tied (0.96x). FusedGRU won at every corner but one single
+# 0.90x (T=200 H=256 batch 256; 1.25x in the other run). The rule applies to static shapes: a
+# run-time switch on an unknown batch (tf.cond between both forms) cost 25% at batch 64, so an
+# unknown batch or length runs the fused form. Without oneDNN: the same rule (not measured apart).
+_RNN_STOCK_FROM = types.MappingProxyType({"lstm": (256, 50)})
 
 # The same with oneDNN on or off: TF's own Conv2D + FusedBatchNorm inference fusion, and this
 # package's custom ops (its own CPU kernels).
@@ -92,7 +94,7 @@ ONEDNN = backend(
     addv2_bias=True,  # measured on TF 2.19 and 2.21: a broadcast AddV2 fuses as the BiasAdd
     # Measured (TF 2.21, ResNet-50's pointwise shapes, batch 16): MatMul 5-15% faster.
     pointwise_train_as_matmul=True,
-    rnn_stock_min_batch=_RNN_STOCK_MIN_BATCH,
+    rnn_stock_from=_RNN_STOCK_FROM,
     source=__doc__,
 )
 
@@ -121,7 +123,7 @@ EIGEN = backend(
     # Measured (TF 2.21, TF_ENABLE_ONEDNN_OPTS=0, forward + both backward products): MatMul is
     # 1.03-1.49x faster than Conv2D for 1x1 convolutions from 64x32x32x16->32 to 16x56x56x64->256.
     pointwise_train_as_matmul=True,
-    rnn_stock_min_batch=_RNN_STOCK_MIN_BATCH,
+    rnn_stock_from=_RNN_STOCK_FROM,
     source=__doc__,
 )
 

@@ -60,9 +60,9 @@ The stock form (`stock_lstm`, `stock_gru`): Keras' own generic loop
 Keras' cell math with autodiff gradients, on the layer's own weights. It runs
 for ``unroll=True`` and recurrent dropout (the fused loop has neither), and
 on a CPU where the fused loop was measured slower than the stock layer:
-`cpu_form` reads the backend table's `rnn_stock_min_batch` (LSTM from a static
-batch of 256 on the CPU tables; `benchmarks/bench_rnn.py --grid`). A batch
-that is unknown when the step is traced runs the fused form.
+`cpu_form` reads the backend table's `rnn_stock_from` (LSTM from a static
+batch of 256 and 50 steps on the CPU tables; `benchmarks/bench_rnn.py
+--grid`). A batch or length unknown when the step is traced runs the fused form.
 """
 
 from __future__ import annotations
@@ -110,13 +110,12 @@ _FORCED_FORM = []
 def cpu_form(cell, batch, steps, units, table=None):
     """``"fused"`` or ``"stock"``: which form a CPU `FusedLSTM` / `FusedGRU` runs for a shape.
 
-    The rule is data: the backend table's `rnn_stock_min_batch` (cell ->
-    smallest static batch from which the stock form was measured faster, see
-    `tfmetal_ext.backends.cpu`). An unknown (None) batch runs the fused form:
-    the threshold lies above the batches the fused form was measured to win
-    at, and a traced `fit` step usually has no static batch. `steps` and
-    `units` are part of the signature so a rule can use them; the measured
-    rule does not need them.
+    The rule is data: the backend table's `rnn_stock_from` (cell -> the static
+    batch and sequence length from which the stock form was measured faster,
+    see `tfmetal_ext.backends.cpu`). An unknown (None) batch or length runs the
+    fused form (a traced `fit` step usually has no static batch; a run-time
+    switch cost more than it saved). `units` is part of the signature so a
+    rule can use it; the measured rule does not.
     """
     if _FORCED_FORM:
         return _FORCED_FORM[-1]
@@ -124,8 +123,8 @@ def cpu_form(cell, batch, steps, units, table=None):
         from tfmetal_ext import backends
 
         table = backends.current()
-    threshold = (table.rnn_stock_min_batch or {}).get(cell)
-    if threshold is not None and batch is not None and batch >= threshold:
+    rule = (table.rnn_stock_from or {}).get(cell)
+    if rule is not None and batch is not None and steps is not None and batch >= rule[0] and steps >= rule[1]:
         return "stock"
     return "fused"
 

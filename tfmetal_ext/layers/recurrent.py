@@ -19,7 +19,7 @@ outputs and returned states are in the compute dtype as in Keras.
 
 For ``unroll=True``, recurrent dropout, and on a CPU for the static batch
 sizes where the backend table says the fused loop was measured slower
-(``rnn_stock_min_batch``), the layers run the stock form: Keras' own loop over
+(``rnn_stock_from``), the layers run the stock form: Keras' own loop over
 Keras' cell math (`_rnn.stock_lstm` / `stock_gru`). ``layer.form`` says which
 form the last trace ran, `stock_form_reason` and the fusion report why.
 
@@ -270,7 +270,7 @@ class _FusedRNN(keras.layers.Layer):
                 "Cannot unroll a RNN if the time dimension is undefined: give keras.Input a `shape` "
                 f"with the number of timesteps. Received: input_shape={tuple(x.shape)}"
             )
-        why = self.stock_form_reason(x.shape[0], backend)
+        why = self.stock_form_reason(x.shape[0], backend, x.shape[1])
         self.form = "stock" if why else "fused"  # what the last trace ran (the report's `why` says it)
         if why:
             recurrent_mask = None
@@ -291,12 +291,12 @@ class _FusedRNN(keras.layers.Layer):
             return (output, *new_states)
         return output
 
-    def stock_form_reason(self, batch=None, backend=None):
+    def stock_form_reason(self, batch=None, backend=None, steps=None):
         """Why this layer runs the stock form (Keras' own loop and cell math), or None (the fused form).
 
         The stock form runs for ``unroll=True`` and recurrent dropout (the
         fused loop has neither), and on a CPU for the static batch sizes where
-        the backend table's `rnn_stock_min_batch` says the fused loop was
+        the backend table's `rnn_stock_from` says the fused loop was
         measured slower (`tfmetal_ext.layers._rnn.cpu_form`).
         """
         if self.unroll:
@@ -307,10 +307,10 @@ class _FusedRNN(keras.layers.Layer):
         cudnn = _rnn.implementation(backend) == "cudnn" and self.use_cudnn is not False
         if backend == "cpu" and not cudnn:
             cell = type(self).__name__[5:].lower()
-            if _rnn.cpu_form(cell, batch, None, self.units) == "stock":
+            if _rnn.cpu_form(cell, batch, steps, self.units) == "stock":
                 return (
-                    f"batch {batch}: the stock {type(self).__name__[5:]} train step was measured faster "
-                    f"on this CPU from this batch (backend table rnn_stock_min_batch)"
+                    f"batch {batch}, {steps} steps: the stock {type(self).__name__[5:]} train step was "
+                    f"measured faster on this CPU from this shape (backend table rnn_stock_from)"
                 )
         return None
 
@@ -410,7 +410,7 @@ class FusedLSTM(_FusedRNN):
 
     Stock form: for ``unroll=True``, recurrent dropout, and on a CPU for the
     static batch sizes where the fused loop was measured slower than the
-    stock layer (the backend table's ``rnn_stock_min_batch``), the layer runs
+    stock layer (the backend table's ``rnn_stock_from``), the layer runs
     Keras' own loop over Keras' cell math (`stock_form_reason` says why,
     ``layer.form`` says which form the last trace ran, and the fusion report
     names it).
@@ -553,10 +553,10 @@ class FusedGRU(_FusedRNN):
     def _bias_shape(self):
         return (2, 3 * self.units) if self.reset_after else (3 * self.units,)
 
-    def stock_form_reason(self, batch=None, backend=None):
+    def stock_form_reason(self, batch=None, backend=None, steps=None):
         if not self.reset_after:
             return "reset_after=False: no fused kernel computes that GRU form"
-        return super().stock_form_reason(batch, backend)
+        return super().stock_form_reason(batch, backend, steps)
 
     def _run(self, x, states, mask, backend, use_cudnn):
         kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
@@ -593,20 +593,21 @@ REASON_CPU_RNN = (
 REASON_STOCK_FORM = "{name} ran the stock form (Keras' loop and cell math, nothing fused): {why}"
 
 
-def _static_batch(layer):
-    """The static batch of the input the layer was built with, or None."""
+def _static_batch_and_steps(layer):
+    """``(batch, steps)`` of the input the layer was built with (None where unknown)."""
     for shape in (getattr(layer, "_build_shapes_dict", None) or {}).values():
         try:
-            return shape[0]
+            return shape[0], shape[1]
         except (TypeError, IndexError):
             continue
-    return None
+    return None, None
 
 
 def _fused_rnn_rule(layer, ctx):
     """CudnnRNNV3 on Metal/CUDA; on CPU only the hoisted input projection can fuse (`_FusedMatMul[BiasAdd]`)."""
     name = type(layer).__name__
-    why = layer.stock_form_reason(_static_batch(layer), ctx.backend)
+    batch, steps = _static_batch_and_steps(layer)
+    why = layer.stock_form_reason(batch, ctx.backend, steps)
     if why is not None:
         return Expectation("cudnn_rnn", None, None, None, reason=REASON_STOCK_FORM.format(name=name, why=why))
     if ctx.xla:
