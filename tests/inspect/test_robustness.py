@@ -166,3 +166,16 @@ def test_sigmoid_head_with_mse_fuses_where_the_table_says():
     want_sigmoid = "Sigmoid" in table.fusion("matmul_bias_act").acts_in("train")
     assert ("Sigmoid" in (report.row("head").actual_fused_ops or [])) == want_sigmoid, str(report)
     assert devices.capabilities().onednn == want_sigmoid  # CPU: only oneDNN fuses Sigmoid
+
+
+def test_activation_and_loss_tables_name_real_objects():
+    for path, name in fusion.TF_ACTIVATION_FUNCTIONS.items():
+        obj = tf
+        for part in path.split("."):
+            obj = getattr(obj, part)
+        assert callable(obj), path
+        keras.activations.get(name)  # a Keras activation name (raises otherwise)
+    for act, losses in fusion.LOSSES_READING_LOGITS.items():
+        assert act in fusion.ACTIVATION_OPS.values() or act == "Softmax", act
+        for loss in losses:
+            assert callable(getattr(keras.losses, loss)), loss
