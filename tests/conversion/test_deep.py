@@ -412,6 +412,17 @@ def test_progress_lines_per_phase(caplog):
         assert phase in text
 
 
+def test_counting_train_ops_leaves_both_models_unchanged():
+    stock = _block_model()
+    before = [_np(v).copy() for v in stock.variables]
+    new = tfmetal_ext.convert(stock, count_ops="train")
+    assert new.conversion_report.ops_after["train"] < new.conversion_report.ops_before["train"]
+    assert not stock.compiled and not new.compiled
+    for v, b in zip(stock.variables, before):
+        np.testing.assert_array_equal(_np(v), b)
+    _assert_same_outputs(stock, new, _x((8, 8, 3)))
+
+
 def test_count_ops_one_mode_only():
     new = tfmetal_ext.convert(_block_model(), count_ops="predict")
     rep = new.conversion_report

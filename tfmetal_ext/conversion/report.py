@@ -138,6 +138,7 @@ def count_ops(model, batch_size, report, key, inputs=None, modes=("train", "pred
     counts = {}
     for mode in modes:
         kw = {"batch_size": batch_size}
+        target = model
         if inputs is not None:
             kw["inputs"] = inputs
             if mode == "train" and not getattr(model, "compiled", False):
@@ -145,9 +146,28 @@ def count_ops(model, batch_size, report, key, inputs=None, modes=("train", "pred
 
                 kw["targets"] = make_targets(model, inputs, 1)
         if mode == "train" and not getattr(model, "compiled", False):
-            kw.update(optimizer=COUNT_OPTIMIZER, loss="mse")
+            target = _compiled_view(model)
+            if target is None:
+                target = model
+                kw.update(optimizer=COUNT_OPTIMIZER, loss="mse")
         try:
-            counts[mode] = inspect.fusion_report(model, mode=mode, **kw).num_ops
+            counts[mode] = inspect.fusion_report(target, mode=mode, **kw).num_ops
         except Exception as e:  # counting is informative only
             report.notes.append(f"{key} ops per {mode} step not counted: {type(e).__name__}: {e}")
     return counts
+
+
+def _compiled_view(model):
+    """A Functional model over `model`'s own layers (no copy), compiled with `COUNT_OPTIMIZER` and MSE.
+
+    Counting an uncompiled model's train step otherwise clones it first (seconds for a big
+    model); `fusion_report` restores the weights the train step changes. None for a subclassed model.
+    """
+    import keras
+
+    try:
+        view = keras.Model(model.inputs, model.outputs, name=model.name)
+        view.compile(optimizer=COUNT_OPTIMIZER, loss="mse")
+        return view
+    except Exception:
+        return None
