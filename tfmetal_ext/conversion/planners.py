@@ -416,13 +416,18 @@ def _plan_conv(ctx, node, stock, keys):
     return _plan_conv_bn(ctx, node, bn_node)
 
 
-def _plan_conv_bn(ctx, node, bn_node):
-    """Conv2D -> BatchNormalization (-> activation) as one ConvBNAct (training form)."""
+def _plan_conv_bn(ctx, node, bn_node, block=None):
+    """Conv -> BatchNormalization (-> activation) as one conv-BN block (training form).
+
+    `block` is the block class (``ConvBNAct`` for a Conv2D, ``ConvBNAct1D``
+    for a Conv1D); both take the conv's and the batch norm's arguments.
+    """
+    block = block or fl.ConvBNAct
     layer, bn = node.operation, bn_node.operation
     act_node, act = _absorb_activation(ctx, bn_node, CONV_ACTIVATIONS)
 
     def make():
-        return fl.ConvBNAct(
+        return block(
             layer.filters, layer.kernel_size, strides=layer.strides, padding=layer.padding,
             activation=act or "linear", momentum=float(bn.momentum), epsilon=float(bn.epsilon),
             kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
@@ -438,7 +443,7 @@ def _plan_conv_bn(ctx, node, bn_node):
         )
 
     note = "conv bias moved into the moving mean (exact)" if layer.use_bias else ""
-    return ctx.replace([node, bn_node] + ([act_node] if act_node else []), "ConvBNAct", make,
+    return ctx.replace([node, bn_node] + ([act_node] if act_node else []), block.__name__, make,
                        lambda new, pairs: weights.copy_conv_bn(layer, bn, new, pairs), note)
 
 
@@ -569,27 +574,7 @@ def _conv1d(ctx, node):
         plan_, _ = plan_contraction(ctx, node, L.Conv1D, configs.CONV1D_KEYS, CONV_ACTIVATIONS)
         plan_.rewrite.note = (plan_.rewrite.note + "; " if plan_.rewrite.note else "") + f"not ConvBNAct1D: {why_not}"
         return plan_, None
-    act_node, act = _absorb_activation(ctx, bn_node, CONV_ACTIVATIONS)
-
-    def make():
-        return fl.ConvBNAct1D(
-            layer.filters, layer.kernel_size, strides=layer.strides, padding=layer.padding,
-            activation=act or "linear", momentum=float(bn.momentum), epsilon=float(bn.epsilon),
-            kernel_initializer=keras.initializers.serialize(layer.kernel_initializer),
-            kernel_regularizer=keras.regularizers.serialize(layer.kernel_regularizer),
-            kernel_constraint=keras.constraints.serialize(layer.kernel_constraint),
-            gamma_initializer=keras.initializers.serialize(bn.gamma_initializer),
-            beta_initializer=keras.initializers.serialize(bn.beta_initializer),
-            moving_mean_initializer=keras.initializers.serialize(bn.moving_mean_initializer),
-            moving_variance_initializer=keras.initializers.serialize(bn.moving_variance_initializer),
-            gamma_regularizer=keras.regularizers.serialize(bn.gamma_regularizer),
-            beta_regularizer=keras.regularizers.serialize(bn.beta_regularizer),
-            **configs.common_kwargs(layer),
-        )
-
-    note = "conv bias moved into the moving mean (exact)" if layer.use_bias else ""
-    return ctx.replace([node, bn_node] + ([act_node] if act_node else []), fl.ConvBNAct1D.__name__, make,
-                       lambda new, pairs: weights.copy_conv_bn(layer, bn, new, pairs), note)
+    return _plan_conv_bn(ctx, node, bn_node, fl.ConvBNAct1D)
 
 
 @register_planner(fl.ConvBNAct1D)
