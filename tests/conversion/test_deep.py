@@ -132,6 +132,41 @@ def test_sublayers_in_attributes_lists_and_dicts_are_swapped_and_reported_by_pat
     _assert_same_outputs(stock, new, _x((8, 8, 3)))
 
 
+class LazyBlock(L.Layer):
+    """A residual block that makes its projection in build(), once the input channels are known."""
+
+    def __init__(self, filters):
+        super().__init__()
+        self.filters = filters
+        self.conv = L.Conv2D(filters, 3, padding="same")
+
+    def build(self, input_shape):
+        self.proj = L.Conv2D(self.filters, 1) if input_shape[-1] != self.filters else None
+        self.norms = [L.BatchNormalization() for _ in range(2)]
+
+    def call(self, x):
+        shortcut = self.proj(x) if self.proj is not None else x
+        return self.norms[1](self.norms[0](self.conv(x)) + shortcut)
+
+
+def test_sublayers_made_in_build_are_swapped_too():
+    # The example style "create the projection in build()": the unbuilt copy has no such
+    # sublayer yet, so it is built like the stock layer first (this was refused: "the copy has
+    # NoneType where the stock layer has Conv2D").
+    inp = keras.Input((8, 8, 3))
+    stock = keras.Model(inp, L.GlobalAveragePooling2D()(LazyBlock(5)(inp)))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    block, stock_block = new.layers[1], stock.layers[1]
+    assert type(block.proj) is fl.FusedConv2D and block.proj is not stock_block.proj
+    assert [type(n) for n in block.norms] == [fl.FusedBatchNorm, fl.FusedBatchNorm]
+    rewrites = {r.name: r.new_class for r in new.conversion_report.rewrites}
+    assert rewrites[f"{stock_block.name}/proj"] == "FusedConv2D"
+    assert new.conversion_report.verified
+    x = _x((8, 8, 3))
+    _assert_same_outputs(stock, new, x)
+    _assert_no_shared_state(stock, new, x)
+
+
 def test_nested_subclassed_layers_and_repeated_blocks():
     inp = keras.Input((6, 6, 4))
     outer = Outer(4, 2)

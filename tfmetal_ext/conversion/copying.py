@@ -253,6 +253,8 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
     seen = set()
 
     def walk(a, b, path):
+        if isinstance(a, keras.layers.Layer) and _made_in_build(a, b):
+            build_like(a, b)  # sublayers its build() creates: build the copy first, then swap them
         for p, x, y in _pairs_of(a, b, path):
             if isinstance(x, (list, tuple, dict)):
                 walk(x, y, p)
@@ -276,6 +278,20 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
 
     walk(stock, copy, "")
     return swaps
+
+
+def _made_in_build(stock, copy):
+    """True when built `stock` holds sublayers its unbuilt `copy` does not have yet (made in ``build()``)."""
+    if not stock.built or copy.built:
+        return False
+    for attr, child in children(stock):
+        mine = getattr(copy, attr, None)
+        if mine is None:
+            return True
+        if isinstance(child, (list, tuple, dict)) and (
+                type(mine) is not type(child) or len(mine) != len(child)):
+            return True
+    return False
 
 
 def _replace_everywhere(root, old, new):
