@@ -587,3 +587,34 @@ def test_model_outputs_are_never_absorbed():
     assert [(l.name, type(l)) for l in new.layers] == [("conv", fl.ConvBNAct), ("out_relu", L.ReLU)]
     assert new.outputs[0]._keras_history.operation.name == "out_relu"
     _assert_same_outputs(stock, new, _x((8, 8, 3)))
+
+
+def test_lora_enabled_layers_convert_with_their_adapters():
+    # The drop-ins take LoRA, so a LoRA-enabled Conv2D / Dense becomes the fused class with the
+    # same four variables (kernel frozen, adapters trainable), bitwise; a LoRA layer that is kept
+    # is copied variable by variable (Keras' save/load would merge the adapters into the kernel).
+    L = keras.layers
+    inp = keras.Input((8, 8, 4))
+    x = L.Conv2D(4, 3, name="c")(inp)
+    x = L.Conv2D(6, 3, groups=2, name="grouped")(x)  # two input channels per group: kept
+    out = L.Dense(3, name="d")(L.Flatten()(x))
+    stock = keras.Model(inp, out)
+    stock.get_layer("c").enable_lora(2)
+    stock.get_layer("grouped").enable_lora(2)
+    stock.get_layer("d").enable_lora(2, lora_alpha=4.0)
+    rng = np.random.default_rng(3)
+    for w in stock.weights:  # non-zero adapters, so a dropped or zeroed one shows
+        w.assign(rng.standard_normal(tuple(w.shape)).astype("float32") * 0.1)
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    assert type(new.get_layer("c")) is fl.FusedConv2D and type(new.get_layer("d")) is fl.FusedDense
+    assert new.conversion_report.verified
+    for name in ("c", "grouped", "d"):
+        a, b = stock.get_layer(name), new.get_layer(name)
+        assert b.lora_enabled and b.lora_rank == 2 and b.lora_alpha == a.lora_alpha
+        assert [(w.name, w.trainable) for w in b.weights] == [(w.name, w.trainable) for w in a.weights]
+        for u, v in zip(a.weights, b.weights):
+            assert u is not v
+            np.testing.assert_array_equal(keras.ops.convert_to_numpy(v), keras.ops.convert_to_numpy(u))
+    x = rng.standard_normal((2, 8, 8, 4)).astype("float32")
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(new(x)), keras.ops.convert_to_numpy(stock(x)),
+                               rtol=1e-5, atol=1e-5)

@@ -67,6 +67,10 @@ def make_layer(cls, layer, keys, **overrides):
     if "activity_regularizer" in keys and layer.activity_regularizer is not None:
         kwargs["activity_regularizer"] = keras.regularizers.serialize(layer.activity_regularizer)
     kwargs.update(common_kwargs(layer))
+    if getattr(layer, "lora_enabled", False):
+        # The fused drop-ins take LoRA as Keras does; the effective alpha is passed explicitly
+        # (Keras' own build() re-derives it from the rank).
+        kwargs.update(lora_rank=layer.lora_rank, lora_alpha=layer.lora_alpha)
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -75,8 +79,8 @@ def unsupported(layer, cls, keys, overrides=None):
     """Why `layer` cannot become `cls` (quantized, LoRA, or a configuration `cls` rejects), or None."""
     if getattr(layer, "quantization_mode", None):
         return f"quantized ({layer.quantization_mode}) layers are kept"
-    if getattr(layer, "lora_enabled", False):
-        return "LoRA-enabled layers are kept"
+    if getattr(layer, "lora_enabled", False) and not hasattr(cls, "enable_lora"):
+        return f"LoRA-enabled layers are kept ({cls.__name__} has no LoRA)"
     try:  # a throwaway instance: does the fused layer accept this configuration?
         make_layer(cls, layer, keys, **(overrides or {}))
     except ValueError as e:

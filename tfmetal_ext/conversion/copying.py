@@ -399,7 +399,15 @@ def transfer_state(stock, new, pairs, swaps=None, label=""):
 
 def _own_state(a, b, pairs, assets, where):
     """`a`'s own variables and assets into `b` through Keras' save/load methods."""
-    if hasattr(a, "save_own_variables"):
+    if getattr(a, "lora_enabled", False):
+        # Keras saves a LoRA layer's kernel merged with its adapters and loads it with the
+        # adapters zeroed (the inference form): copy the variables themselves instead.
+        if len(_own_vars(a)) != len(_own_vars(b)):
+            raise NotCopyable(f"{where}: the copy has {len(_own_vars(b))} variables, the stock layer "
+                              f"{len(_own_vars(a))}")
+        for va, vb in zip(_own_vars(a), _own_vars(b)):
+            vb.assign(va.value)
+    elif hasattr(a, "save_own_variables"):
         store = {}
         a.save_own_variables(store)
         if store or hasattr(b, "load_own_variables"):
@@ -408,6 +416,7 @@ def _own_state(a, b, pairs, assets, where):
             except Exception as e:
                 raise NotCopyable(f"{where}: its state did not load into the copy ({type(e).__name__}: "
                                   f"{_first_line(e)})") from e
+    if hasattr(a, "save_own_variables"):
         for va, vb in zip(getattr(a, "_trainable_variables", ()), getattr(b, "_trainable_variables", ())):
             if va.trainable and vb.trainable:
                 pairs.append((va, vb))
