@@ -179,3 +179,26 @@ def test_activation_and_loss_tables_name_real_objects():
         assert act in fusion.ACTIVATION_OPS.values() or act == "Softmax", act
         for loss in losses:
             assert callable(getattr(keras.losses, loss)), loss
+
+
+class SubclassedHead(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.d = keras.layers.Dense(3)
+
+    def call(self, x):
+        return {"logits": self.d(x)}
+
+
+def test_synthetic_targets_of_a_subclassed_model_follow_its_output_spec():
+    # A subclassed model has no symbolic outputs; given inputs, the targets follow
+    # compute_output_spec (structure and shape), with the inputs' batch.
+    model = SubclassedHead()
+    x = np.zeros((5, 4), "float32")
+    with pytest.raises(ValueError, match="pass targets="):
+        inspect.synthetic_targets(model, 5)
+    y = inspect.synthetic_targets(model, 5, inputs=x)
+    assert set(y) == {"logits"} and y["logits"].shape == (5, 3)
+    model.compile(optimizer="sgd", loss={"logits": "mse"})
+    report = inspect.fusion_report(model, inputs=x, mode="train")
+    assert report.num_ops > 0

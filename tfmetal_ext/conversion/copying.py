@@ -191,6 +191,10 @@ def _first_line(e):
 # The object tree.
 
 
+# Attributes `keras.Model.compile()` sets (Keras' Trainer.compile): not the model's own state.
+_COMPILE_STATE = frozenset(("optimizer", "loss", "_compile_loss", "_compile_metrics", "_loss_tracker"))
+
+
 def children(obj):
     """``(attribute, child)`` of `obj` that hold state: Keras saveables and containers of them.
 
@@ -207,8 +211,9 @@ def children(obj):
     for attr, child in _walk_saveable(obj):
         if attr == "layers" and not graph:
             continue  # a subclassed model's `layers` property: the same sublayers, under their own attributes
-        if isinstance(child, keras.optimizers.Optimizer):
-            continue  # a compiled model's optimizer: the copy is compiled afresh
+        if isinstance(child, keras.optimizers.Optimizer) or (
+                isinstance(obj, keras.Model) and attr in _COMPILE_STATE):
+            continue  # what compile() made (optimizer, loss, metrics): the copy is compiled afresh
         if isinstance(child, KerasSaveable) or (isinstance(child, (list, tuple, dict)) and _holds_saveable(child)):
             yield attr, child
 

@@ -154,16 +154,29 @@ def batch_size_of(inputs):
     return None
 
 
-def synthetic_targets(model, batch_size=8, loss=None, seed=1):
+def synthetic_targets(model, batch_size=8, loss=None, seed=1, inputs=None):
     """Random targets matching the model's outputs (integer labels for sparse losses).
 
     The targets have the structure of the model's outputs (a dict or list
-    for a multi-output functional model), which is what ``fit`` expects.
+    for a multi-output functional model), which is what ``fit`` expects. A
+    subclassed model has no symbolic outputs: given `inputs`, its output
+    shapes come from ``model.compute_output_spec(inputs)`` (symbolic, nothing
+    runs).
     """
     import keras
 
     rng = np.random.default_rng(seed)
     outputs = getattr(model, "outputs", None) or []
+    struct = getattr(model, "_outputs_struct", None)
+    if not outputs and inputs is not None:
+        try:
+            struct = model.compute_output_spec(inputs)
+            outputs = keras.tree.flatten(struct)
+        except Exception as e:  # arbitrary user code
+            raise ValueError(
+                f"Cannot derive targets for model {model.name!r} (its output spec for these inputs failed: "
+                f"{type(e).__name__}: {e}); pass targets=. Received: targets=None"
+            ) from e
     if not outputs:
         raise ValueError(
             f"Cannot derive targets for model {model.name!r}; pass targets=. Received: targets=None"
@@ -177,7 +190,6 @@ def synthetic_targets(model, batch_size=8, loss=None, seed=1):
             values.append(rng.integers(0, int(shape[-1]), size=shape[:-1]).astype("int32"))
         else:
             values.append(rng.random(shape).astype("float32"))
-    struct = getattr(model, "_outputs_struct", None)
     if struct is not None and not keras.tree.is_nested(struct):
         return values[0]
     if struct is not None:
@@ -281,7 +293,8 @@ def capture_step(model_or_fn, inputs=None, mode="predict", *, targets=None, samp
             cap = capture_predict(model, x)
         else:
             batch = batch_size_of(x) or batch_size  # targets follow the inputs' batch
-            y = targets if targets is not None else synthetic_targets(model, batch, getattr(model, "loss", None))
+            y = targets if targets is not None else synthetic_targets(model, batch, getattr(model, "loss", None),
+                                                                      inputs=x)
             cap = capture_train(model, x, y, sample_weight)
         return cap, model, notes
     if not callable(model_or_fn):
