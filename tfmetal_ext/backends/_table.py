@@ -95,6 +95,10 @@ class Backend:
             the stock layer's train step, so the stock form runs there
             (`tfmetal_ext.layers._rnn.cpu_form`); None or a missing cell: the
             fused form everywhere.
+        pass_failure: a known graph shape on which the remapper pass fails
+            as a whole here (TF logs "remapper failed: ... Mutation::Apply
+            error" and rolls every remapper fusion of that graph back), as
+            text for reports; None when none is known.
         source: where the facts come from.
     """
 
@@ -107,6 +111,7 @@ class Backend:
     addv2_bias: bool = False
     pointwise_train_as_matmul: bool = False
     rnn_stock_from: types.MappingProxyType | None = None
+    pass_failure: str | None = None
     source: str = ""
 
     def fusion(self, pattern):

@@ -252,14 +252,22 @@ def _training_model(model, optimizer, loss, jit_compile, notes):
 
     if optimizer is None and loss is None and getattr(model, "compiled", False):
         return model
+    how = "clone"
     try:
         clone = keras.models.clone_model(model, clone_function=_clone_layer)
-    except Exception as e:  # clone_model raises many types for subclassed models
-        raise ValueError(
-            "To inspect the train step with a different optimizer/loss the model is cloned, "
-            f"and cloning failed ({e}). Compile the model instead. Received: model={model.name!r}"
-        ) from e
-    clone.set_weights(model.get_weights())
+        clone.set_weights(model.get_weights())
+    except Exception as e:  # clone_model raises many types for subclassed layers and models
+        # A layer Keras cannot re-create from its config (a subclassed block whose __init__ takes
+        # no **kwargs): a Functional view over the model's own layers instead. The capture
+        # snapshots every variable the step changes and restores it afterwards.
+        inputs, outputs = getattr(model, "inputs", None), getattr(model, "outputs", None)
+        if not inputs or not outputs:
+            raise ValueError(
+                "To inspect the train step with a different optimizer/loss the model is cloned, "
+                f"and cloning failed ({e}). Compile the model instead. Received: model={model.name!r}"
+            ) from e
+        clone = keras.Model(inputs, outputs, name=model.name)
+        how = f"view over the model's own layers (cloning failed: {type(e).__name__}; its weights are restored)"
     if optimizer is None and getattr(model, "compiled", False):
         optimizer = model.optimizer
     if loss is None:
@@ -270,7 +278,7 @@ def _training_model(model, optimizer, loss, jit_compile, notes):
     jit = jit_compile if jit_compile is not None else getattr(model, "jit_compile", False)
     clone.compile(optimizer=optimizer, loss=loss, jit_compile=bool(jit) and jit != "auto")
     notes.append(
-        f"train step inspected on a compiled clone (optimizer={_describe(optimizer)}, "
+        f"train step inspected on a compiled {how} (optimizer={_describe(optimizer)}, "
         f"loss={_describe(loss)}); the model itself is untouched"
     )
     return clone

@@ -90,6 +90,11 @@ class Expectation:
         ideal_op: the fused op of the full pattern when it differs from what
             may fuse here (e.g. ``_FusedBatchNormEx`` while the CPU fuses
             ``_FusedConv2D``); None means `op`.
+        may_fuse: with ``op=None``, ``(op, fused_ops)`` fusions that are
+            right when present but cannot be required: they depend on code the
+            rule cannot see (a layer called inside a subclass's own ``call``,
+            whose neighbours are in no layer graph). One present (``fused_ops``
+            a prefix), the row is "fused"; none, "not fused" with `reason`.
     """
 
     pattern: str
@@ -100,6 +105,7 @@ class Expectation:
     match_layer: str | None = None
     note: str | None = None
     ideal_op: str | None = None
+    may_fuse: tuple = ()
 
 
 _RULES = []  # (layer class, rule function), most specific registered last

@@ -477,6 +477,19 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
         row.ran = dict(ran.get(path, {})) or None
         verdicts.append((row, node, exp))
     rows = _credit_shared_nodes(verdicts)
+    notes = list(notes)
+    missed = [r for r in rows if r.status == "missed"]
+    if missed and not fused and not capture.jit_compile:
+        # Not one fused node although rows expect some: the remapper pass itself failed on this
+        # graph (it then rolls back every fusion), not each layer on its own.
+        known = catalog.table(ctx).pass_failure
+        why = "grappler's remapper pass failed on this graph as a whole (no node in it fused)"
+        if known:
+            why += f"; known here: {known}"
+        notes.append(why)
+        for r in missed:
+            r.reason = (f"{r.reason.split(' (is the pre-activation')[0]}: the remapper pass failed on this "
+                        "whole graph (see the note)")
     return FusionReport(
         mode=capture.mode,
         backend=ctx.backend,
@@ -487,7 +500,7 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
         ops_by_type=dict(counts),
         fused=fused,
         layers=rows,
-        notes=list(notes),
+        notes=notes,
     )
 
 
@@ -555,7 +568,10 @@ def _layer_row(layer, path, exp, fused):
     if actual is None and candidates:
         actual = candidates[0]
     reason = exp.reason
-    if exp.op is None:
+    if exp.op is None and actual is not None and any(
+            actual.op == op and _has_prefix(actual.fused_ops, ops) for op, ops in exp.may_fuse):
+        status, reason = "fused", None  # a fusion with code the rule could not see (see Expectation)
+    elif exp.op is None:
         status = "unexpected" if actual else "not fused"
         if actual:
             reason = f"catalog expected no fusion ({exp.reason}), graph has {actual.label()}"

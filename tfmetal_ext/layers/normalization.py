@@ -568,6 +568,10 @@ class FusedLayerNorm(keras.layers.Layer):
 # Inspection rules.
 
 REASON_NO_RELU = "FusedBatchNormV3 (one op); no ReLU follows, so no remapper fusion applies"
+REASON_UNSEEN = (
+    "FusedBatchNormV3 (one op); called inside its parent layer's own call, where neither a ReLU "
+    "after it nor a bias-free conv before it fused with it"
+)
 REASON_FLAT = (
     "{rank}-D input: reshaped to 4-D NHWC around FusedBatchNormV3, and the Reshape back "
     "keeps the ReLU from fusing"
@@ -619,21 +623,32 @@ def _fused_batch_norm_rule(layer, ctx):
     if why is not None:
         return Expectation("batchnorm_act", None, None, None, reason=REASON_STOCK_BN.format(why=why))
     relu = _is_plain_relu(_single_consumer(layer))
+    # Called only inside a parent layer's own call (a subclassed block): no layer graph says what
+    # feeds it or what follows it.
+    unseen = not getattr(layer, "_inbound_nodes", None)
     dtype = layer.compute_dtype
     if ctx.xla:
         return Expectation("batchnorm_act", None, None, None, reason=catalog.REASON_XLA)
-    if ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype) and _bias_free_conv_before(layer) is not None:
+    conv_fuses = ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype)
+    if conv_fuses and _bias_free_conv_before(layer) is not None:
         ops = ("FusedBatchNorm", "Relu") if relu else ("FusedBatchNorm",)
         return Expectation("conv2d_batchnorm_act", "_FusedConv2D", ops, ops)
-    if not relu:
-        return Expectation("batchnorm_act", None, None, None, reason=REASON_NO_RELU)
-    if rank is not None and rank != 4:
-        return Expectation("batchnorm_act", None, None, None, reason=REASON_FLAT.format(rank=rank))
     training = ctx.mode == "train" and layer.trainable
     channels = layer.moving_mean.shape[0] if layer.moving_mean is not None else 0
     blocked = catalog.dtype_block(ctx, dtype, "batchnorm_act") or catalog.batch_norm_ex_block(
         dataclasses.replace(ctx, mode="train" if training else "predict"), dtype, channels
     )
+    if unseen and not relu:
+        # What fuses depends on the parent's code: a bias-free conv before it (inference), a
+        # ReLU after it. Either is right when present; neither can be required.
+        may = (("_FusedConv2D", ("FusedBatchNorm",)),) if conv_fuses else ()
+        if not blocked and rank in (None, 4):
+            may += (("_FusedBatchNormEx", ()),)
+        return Expectation("batchnorm_act", None, None, None, reason=REASON_UNSEEN, may_fuse=may)
+    if not relu:
+        return Expectation("batchnorm_act", None, None, None, reason=REASON_NO_RELU)
+    if rank is not None and rank != 4:
+        return Expectation("batchnorm_act", None, None, None, reason=REASON_FLAT.format(rank=rank))
     if blocked:
         return Expectation("batchnorm_act", None, None, (), reason=blocked)
     return Expectation("batchnorm_act", "_FusedBatchNormEx", (), ())
