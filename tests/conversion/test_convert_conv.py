@@ -94,6 +94,10 @@ def test_conv1d_batch_norm_relu_becomes_one_block(inference):
     else:
         inspect.assert_fused(report, layer="conv", op=fusion.FUSED_CONV2D, fused_ops=["FusedBatchNorm", "Relu"])
         assert new.get_layer("conv").fold().__class__ is fl.FusedConv1D
+        # Converting the converted model again for inference folds its ConvBNAct1D by fold().
+        deploy = tfmetal_ext.convert(new, inference=True, count_ops=False)
+        assert type(deploy.get_layer("conv")) is fl.FusedConv1D
+        _same_outputs(stock, deploy, _x((20, 3)))
 
 
 def test_separable_conv2d_with_activation_becomes_fused_separable():

@@ -516,9 +516,9 @@ def _activation(ctx, node):
                       "pre-activation tensor has other consumers, or it is a model output)")
 
 
-@register_planner(fl.ConvBNAct, fl.ResidualBlock)
+@register_planner(fl.ConvBNAct, fl.ConvBNAct1D, fl.ResidualBlock)
 def _refold(ctx, node):
-    """A tfmetal_ext ConvBNAct / ResidualBlock of an already converted model: its own `fold()`."""
+    """A ConvBNAct / ConvBNAct1D / ResidualBlock of an already converted model: its own `fold()`."""
     if not ctx.inference:
         return None
     layer = node.operation
@@ -528,7 +528,11 @@ def _refold(ctx, node):
         new.trainable = layer.trainable
         return new
 
-    new_class = fused_class(L.Conv2D).__name__ if type(layer) is fl.ConvBNAct else fl.FoldedResidualBlock.__name__
+    new_class = {
+        fl.ConvBNAct: fused_class(L.Conv2D).__name__,
+        fl.ConvBNAct1D: fused_class(L.Conv1D).__name__,
+        fl.ResidualBlock: fl.FoldedResidualBlock.__name__,
+    }[type(layer)]
     return ctx.replace([node], new_class, make, lambda new, pairs: None,
                        f"{type(layer).__name__}.fold(): batch norm folded into kernel and bias (inference only)")
 
@@ -577,20 +581,6 @@ def _conv1d(ctx, node):
     return _plan_conv_bn(ctx, node, bn_node, fl.ConvBNAct1D)
 
 
-@register_planner(fl.ConvBNAct1D)
-def _refold_1d(ctx, node):
-    """A ConvBNAct1D of an already converted model, in the inference form: its own `fold()` (a FusedConv1D)."""
-    if not ctx.inference:
-        return None
-    layer = node.operation
-
-    def make():
-        new = layer.fold(name=layer.name)
-        new.trainable = layer.trainable
-        return new
-
-    return ctx.replace([node], fused_class(L.Conv1D).__name__, make, lambda new, pairs: None,
-                       "ConvBNAct1D.fold(): batch norm folded into kernel and bias (inference only)")
 
 
 @register_planner(L.SeparableConv2D)
