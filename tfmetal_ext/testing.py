@@ -121,6 +121,15 @@ def outputs_and_gradients(layer, x, training):
     return np.asarray(tf.cast(y, tf.float32)), [np.asarray(g) for g in grads]
 
 
+def error_type(fn):
+    """The type of the exception ``fn()`` raises, or None: to compare a drop-in's errors with stock's."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the exception types themselves are compared
+        return type(e)
+    return None
+
+
 def assert_close(got, want, policy):
     """Equivalence tolerance by dtype policy: float32 1e-5; half/bfloat16 1e-2 relative, in norm."""
     if policy == "float32":

@@ -7,7 +7,7 @@ import pytest
 from tfmetal_ext import inspect
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.layers import FusedConv1D
-from tfmetal_ext.testing import assert_close, outputs_and_gradients, run_layer_test
+from tfmetal_ext.testing import assert_close, error_type, outputs_and_gradients, run_layer_test
 
 
 def check_equivalence(ours, stock, input_shape, seed=0):
@@ -93,19 +93,11 @@ BAD_ARGS = [
 ]
 
 
-def _error_type(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - comparing the exception types themselves
-        return type(e)
-    return None
-
-
 def test_bad_arguments_raise_what_stock_raises():
     for kwargs in BAD_ARGS:
-        want = _error_type(lambda: keras.layers.Conv1D(**kwargs))
+        want = error_type(lambda: keras.layers.Conv1D(**kwargs))
         assert want is not None, kwargs
-        assert _error_type(lambda: FusedConv1D(**kwargs)) is want, kwargs
+        assert error_type(lambda: FusedConv1D(**kwargs)) is want, kwargs
 
 
 # ----------------------------------------------------------------------------

@@ -32,6 +32,14 @@ def stock_conv_bn_act(layer):
     return model, bn
 
 
+def _input_and_weight_grads(fn, x, upstream, weights, training):
+    """d(sum(fn(x) * upstream)) / d[x, *weights]."""
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(fn(x, training=training) * upstream)
+    return tape.gradient(loss, [x] + weights)
+
+
 def _pair(kw, policy="float32", channels=3, seed=0):
     keras.mixed_precision.set_global_policy(policy)
     layer = ConvBNAct(**kw)
@@ -63,10 +71,7 @@ def test_outputs_and_gradients_match_stock(kw, training):
     upstream = tf.constant(np.random.default_rng(2).normal(size=layer.compute_output_shape(x.shape)), tf.float32)
 
     def grads(fn, weights):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(fn(x, training=training) * upstream)
-        return tape.gradient(loss, [x] + weights)
+        return _input_and_weight_grads(fn, x, upstream, weights, training)
 
     assert_close(layer(x, training=training), stock(x, training=training), 1e-5)
     ours = grads(layer, [layer.kernel, layer.gamma, layer.beta])
@@ -326,10 +331,7 @@ def test_1d_outputs_gradients_and_moving_statistics_match_stock(kw, training):
     upstream = tf.constant(np.random.default_rng(2).normal(size=layer.compute_output_shape(x.shape)), tf.float32)
 
     def grads(fn, weights):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(fn(x, training=training) * upstream)
-        return tape.gradient(loss, [x] + weights)
+        return _input_and_weight_grads(fn, x, upstream, weights, training)
 
     ours = grads(layer, [layer.kernel, layer.gamma, layer.beta])
     ref = grads(stock, stock.trainable_weights)
