@@ -1,37 +1,12 @@
 """FusedSeparableConv2D: a drop-in for keras.layers.SeparableConv2D, pointwise conv + bias + act fused."""
 
 import keras
-import numpy as np
 import pytest
 
 from tfmetal_ext import inspect
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.layers import FusedSeparableConv2D
-from tfmetal_ext.testing import assert_close, error_type, outputs_and_gradients, run_layer_test
-
-
-def check_equivalence(ours, stock, input_shape, seed=0):
-    """Same weights in (stock -> ours and back), same outputs and gradients out, in train and predict."""
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(input_shape).astype("float32")
-    stock(x)
-    ours(x)
-    assert [(w.name, w.shape) for w in ours.weights] == [(w.name, w.shape) for w in stock.weights]
-    stock.set_weights([w + rng.standard_normal(w.shape).astype(w.dtype) * 0.1 for w in stock.get_weights()])
-    ours.set_weights(stock.get_weights())
-    back = type(stock).from_config(stock.get_config())
-    back(x)
-    back.set_weights(ours.get_weights())
-    for a, b in zip(back.get_weights(), stock.get_weights()):
-        np.testing.assert_array_equal(a, b)
-    for training in (True, False):
-        y, grads = outputs_and_gradients(ours, x, training)
-        y_ref, grads_ref = outputs_and_gradients(stock, x, training)
-        assert y.shape == y_ref.shape
-        assert_close(y, y_ref, "float32")
-        assert len(grads) == len(grads_ref)
-        for g, g_ref in zip(grads, grads_ref):
-            assert_close(g, g_ref, "float32")
+from tfmetal_ext.testing import check_equivalence, error_type, run_layer_test
 
 
 CASES = [
