@@ -300,20 +300,23 @@ class ConvBNAct(keras.layers.Layer):
         Raises:
             ValueError: if this layer is not built.
         """
-        from tfmetal_ext.layers.conv import FusedConv2D  # lazy: sibling module
-
         if not self.built:
             raise ValueError(f"Only a built layer can be folded. Received: layer={self.name!r} (not built)")
         kernel, bias = self.folded_weights()
-        conv = FusedConv2D(
+        conv = self._folded_class()(
             self.filters, self.kernel_size, strides=self.strides, padding=self.padding,
             activation=None if self.activation == "linear" else self.activation, use_bias=True,
             name=name or f"{self.name}_folded", dtype=self.dtype_policy,
         )
-        conv.build((None, None, None, kernel.shape[2]))
+        conv.build((None,) * (len(kernel.shape) - 1) + (kernel.shape[-2],))  # (batch, spatial..., in)
         conv.kernel.assign(kernel)
         conv.bias.assign(bias)
         return conv
+
+    def _folded_class(self):
+        from tfmetal_ext.layers.conv import FusedConv2D  # lazy: sibling module
+
+        return FusedConv2D
 
     def get_config(self):
         config = super().get_config()
@@ -419,20 +422,12 @@ class ConvBNAct1D(ConvBNAct):
         Raises:
             ValueError: if this layer is not built.
         """
+        return super().fold(name)
+
+    def _folded_class(self):
         from tfmetal_ext.layers.conv1d import FusedConv1D  # lazy: sibling module
 
-        if not self.built:
-            raise ValueError(f"Only a built layer can be folded. Received: layer={self.name!r} (not built)")
-        kernel, bias = self.folded_weights()
-        conv = FusedConv1D(
-            self.filters, self.kernel_size, strides=self.strides, padding=self.padding,
-            activation=None if self.activation == "linear" else self.activation, use_bias=True,
-            name=name or f"{self.name}_folded", dtype=self.dtype_policy,
-        )
-        conv.build((None, None, kernel.shape[1]))
-        conv.kernel.assign(kernel)
-        conv.bias.assign(bias)
-        return conv
+        return FusedConv1D
 
 
 # ----------------------------------------------------------------------------
