@@ -296,3 +296,86 @@ def np_adam_step(state, g, scalars, np_dtype, amsgrad=False, decay_rate=None):
         base = vhat
     var = r(var - r(r(m * alpha) / r(r(np.sqrt(base)) + eps)))
     return var, m, v, vhat
+
+
+class SourceUnavailable(RuntimeError):
+    """The tensorflow-metal-plugin sdist could not be fetched (no package index, or a bad download)."""
+
+
+def metal_plugin_source(version=None, cache_dir=None):
+    """The extracted source tree of the pinned tensorflow-metal-plugin sdist, fetched with pip once.
+
+    tfmetal-ext contains none of the plugin's code: its tests and scripts
+    that read or compile the plugin's source (the kernel-table generator,
+    the graph-pass tests, the host-code syntax check) fetch the sdist like
+    any other dependency, with ``pip download --no-deps``, check its sha256
+    when it is the pinned release, and extract it (tar "data" filter: no
+    links out of the tree, no device files) into a cache directory.
+
+    Args:
+        version: the release; defaults to `tfmetal_ext.backends.metal_plugin.PIN`.
+        cache_dir: where to keep it; defaults to ``$TFMETAL_EXT_SDIST_CACHE``,
+            else ``$XDG_CACHE_HOME/tfmetal-ext/sdist`` (``~/.cache/...``).
+
+    Returns:
+        A `pathlib.Path` to the source root (the directory holding
+        ``TF_SUPPORTED_VERSION`` and ``src/``).
+
+    Raises:
+        SourceUnavailable: pip could not fetch it (no index reachable), or
+            the download does not match the recorded sha256. Tests skip on
+            it with its message as the reason.
+    """
+    import hashlib
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+    import tarfile
+
+    from tfmetal_ext.backends import metal_plugin
+
+    version = version or metal_plugin.PIN
+    if cache_dir is None:
+        cache_dir = os.environ.get("TFMETAL_EXT_SDIST_CACHE") or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "tfmetal-ext", "sdist"
+        )
+    cache = pathlib.Path(cache_dir)
+    root = cache / f"tensorflow_metal_plugin-{version}"
+    if (root / "TF_SUPPORTED_VERSION").is_file():
+        return root
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+               "--disable-pip-version-check", "-q", "-d", tmp, f"tensorflow-metal-plugin=={version}"]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise SourceUnavailable(f"could not run pip download for tensorflow-metal-plugin=={version}: {e}") from e
+        archives = sorted(pathlib.Path(tmp).glob("tensorflow_metal_plugin-*.tar.gz"))
+        if done.returncode != 0 or not archives:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise SourceUnavailable(
+                f"pip download tensorflow-metal-plugin=={version} failed (no package index reachable?): {tail[0]}"
+            )
+        archive = archives[0]
+        if version == metal_plugin.PIN:
+            digest = hashlib.sha256(archive.read_bytes()).hexdigest()
+            if digest != metal_plugin.SDIST_SHA256:
+                raise SourceUnavailable(
+                    f"{archive.name} has sha256 {digest}, expected {metal_plugin.SDIST_SHA256} "
+                    "(tfmetal_ext.backends.metal_plugin.SDIST_SHA256)"
+                )
+        out = pathlib.Path(tmp) / "x"
+        with tarfile.open(archive) as tar:
+            tar.extractall(out, filter="data")
+        found = [p.parent for p in out.glob("*/TF_SUPPORTED_VERSION")]
+        if len(found) != 1:
+            raise SourceUnavailable(f"{archive.name} does not hold one source tree with TF_SUPPORTED_VERSION")
+        try:
+            found[0].rename(root)
+        except OSError:
+            if not (root / "TF_SUPPORTED_VERSION").is_file():  # another process won the race: use theirs
+                raise
+        shutil.rmtree(out, ignore_errors=True)
+    return root
