@@ -10,11 +10,12 @@ from tfmetal_ext import devices
 def fake_host(monkeypatch):
     """Replaces the hardware probes; returns a setter."""
 
-    def set_host(system="Linux", machine="x86_64", gpus=(), cuda=False, metal=None, flags=()):
+    def set_host(system="Linux", machine="x86_64", gpus=(), cuda=False, metal=None, flags=(),
+                 plugin="tensorflow-metal"):
         monkeypatch.setattr(devices, "_platform", lambda: (system, machine))
         monkeypatch.setattr(devices, "_gpu_devices", lambda: list(gpus))
         monkeypatch.setattr(devices, "_built_with_cuda", lambda: cuda)
-        monkeypatch.setattr(devices, "_metal_plugin_version", lambda: metal)
+        monkeypatch.setattr(devices, "_metal_plugins", lambda: {plugin: metal} if metal else {})
         monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset(flags))
 
     return set_host

@@ -13,6 +13,7 @@ the hardware is absent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.metadata
@@ -63,6 +64,9 @@ class Capabilities:
             ``"not-applicable"`` (no tensorflow-metal installed).
         pairing_fix: a pip command that fixes a broken pairing, else None.
         gpus: names of the physical GPU devices.
+        metal_plugin: the Metal PluggableDevice distribution installed:
+            ``"tensorflow-metal"`` (Apple's), ``"tensorflow-metal-plugin"``
+            (the open one) or None. `metal_plugin_version` is its version.
     """
 
     backend: str
@@ -76,6 +80,7 @@ class Capabilities:
     pairing: str
     pairing_fix: str | None
     gpus: tuple = ()
+    metal_plugin: str | None = None
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -101,11 +106,87 @@ def _built_with_cuda():
     return bool(tf.test.is_built_with_cuda())
 
 
+# The two Metal PluggableDevice distributions (Apple's, then the open one).
+METAL_PLUGINS = ("tensorflow-metal", "tensorflow-metal-plugin")
+
+
+def _metal_plugins():
+    """``{distribution: version}`` of the Metal plugins installed (none, one, or both)."""
+    found = {}
+    for name in METAL_PLUGINS:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return found
+
+
 def _metal_plugin_version():
+    """The version of the Metal plugin installed (Apple's when both are), or None."""
+    found = _metal_plugins()
+    return next((found[n] for n in METAL_PLUGINS if n in found), None)
+
+
+# `assume_backend` stack: the Metal plugin distribution being assumed.
+_ASSUMED = []
+
+
+@contextlib.contextmanager
+def assume_backend(metal_plugin="tensorflow-metal-plugin"):
+    """Within this context, this process describes itself as a Mac with `metal_plugin`.
+
+    `backend()` returns ``"metal"`` and `capabilities()` a Darwin/arm64 host
+    with one GPU, no oneDNN, and `metal_plugin` installed at its known-good
+    version for the installed TensorFlow (or its pin). Our layers and
+    `configure()` then choose what they would choose on that backend. It
+    changes what this package decides, not where TensorFlow runs anything:
+    `tfmetal_ext.inspect.placement_report(..., predict_for=...)` traces the
+    step inside it, and tests use it to reach the Metal code paths on any host.
+
+    Args:
+        metal_plugin: ``"tensorflow-metal"`` or ``"tensorflow-metal-plugin"``.
+
+    Raises:
+        ValueError: for any other name.
+    """
+    if metal_plugin not in METAL_PLUGINS:
+        raise ValueError(
+            f"metal_plugin must be one of {', '.join(METAL_PLUGINS)}. Received: metal_plugin={metal_plugin!r}"
+        )
+    _ASSUMED.append(metal_plugin)
     try:
-        return importlib.metadata.version("tensorflow-metal")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+        yield
+    finally:
+        _ASSUMED.pop()
+
+
+def assumed_backend():
+    """The Metal plugin `assume_backend` is assuming, or None outside it."""
+    return _ASSUMED[-1] if _ASSUMED else None
+
+
+def _assumed_capabilities(metal_plugin):
+    import keras
+    import tensorflow as tf
+
+    from tfmetal_ext.backends import metal_plugin as open_plugin
+
+    version = open_plugin.PIN if metal_plugin == "tensorflow-metal-plugin" else "1.2.0"
+    verdict = pairing_verdict(tf.__version__, version, plugin=metal_plugin)
+    return Capabilities(
+        backend="metal",
+        tf_version=tf.__version__,
+        keras_version=keras.__version__,
+        metal_plugin_version=version,
+        platform="Darwin/arm64",
+        cpu_bf16=False,
+        cpu_fp16=False,
+        onednn=False,
+        pairing=verdict,
+        pairing_fix=None,
+        gpus=("/physical_device:GPU:0",),
+        metal_plugin=metal_plugin,
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -161,6 +242,8 @@ def backend():
     >>> tfmetal_ext.devices.backend() in ("metal", "cuda", "cpu")
     True
     """
+    if _ASSUMED:
+        return "metal"
     gpus = _gpu_devices()
     if not gpus:
         return "cpu"
@@ -175,7 +258,7 @@ def backend():
     return "cuda"
 
 
-def pairing_verdict(tf_version, metal_version):
+def pairing_verdict(tf_version, metal_version, plugin="tensorflow-metal", python_version=None):
     """Verdict on a TensorFlow / tensorflow-metal pairing.
 
     Args:
@@ -188,6 +271,10 @@ def pairing_verdict(tf_version, metal_version):
     """
     if metal_version is None:
         return NOT_APPLICABLE
+    if plugin == "tensorflow-metal-plugin":
+        from tfmetal_ext.backends import metal_plugin as open_plugin
+
+        return KNOWN_GOOD if tf_version.split("+")[0] == open_plugin.TF_VERSION else KNOWN_BROKEN
     tf_parts = tf_version.split("+")[0].split(".")
     tf_minor = ".".join(tf_parts[:2])
     tf_patch = ".".join(tf_parts[:3])
@@ -209,13 +296,17 @@ def capabilities():
     Returns:
         A `Capabilities` instance.
     """
+    if _ASSUMED:
+        return _assumed_capabilities(_ASSUMED[-1])
     import keras
     import tensorflow as tf
 
     system, machine = _platform()
     flags = _cpu_flags()
-    metal = _metal_plugin_version()
-    verdict = pairing_verdict(tf.__version__, metal)
+    found = _metal_plugins()
+    plugin = next((n for n in METAL_PLUGINS if n in found), None)
+    metal = found.get(plugin)
+    verdict = pairing_verdict(tf.__version__, metal, plugin=plugin or "tensorflow-metal")
     return Capabilities(
         backend=backend(),
         tf_version=tf.__version__,
@@ -228,4 +319,5 @@ def capabilities():
         pairing=verdict,
         pairing_fix=FIX_PAIRING_COMMAND if verdict == KNOWN_BROKEN else None,
         gpus=tuple(_gpu_devices()),
+        metal_plugin=plugin,
     )

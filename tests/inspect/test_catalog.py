@@ -32,7 +32,7 @@ def ctx(backend, **kw):
 
 def test_every_pattern_names_all_backends():
     for p in PATTERNS.values():
-        assert set(p.support) == {"cpu_onednn", "cpu", "cuda", "metal"}, p.name
+        assert set(p.support) == {"cpu_onednn", "cpu", "cuda", "metal", "metal_plugin"}, p.name
 
 
 def test_metal_conv_relu_float_and_half_fuse_bf16_does_not():

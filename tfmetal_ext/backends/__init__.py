@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import types
 
-from tfmetal_ext.backends import cpu, cuda, fusion, metal
+from tfmetal_ext.backends import cpu, cuda, fusion, metal, metal_plugin
 from tfmetal_ext.backends._table import PREDICT, TRAIN, Backend, Fusion
 from tfmetal_ext.backends.fusion import (
     ACTIVATION_OPS,
@@ -56,7 +56,7 @@ __all__ = [
 
 # support key (FusionContext.support_key) -> table.
 TABLES = types.MappingProxyType(
-    {t.key: t for t in (cpu.ONEDNN, cpu.EIGEN, cuda.CUDA, metal.METAL)}
+    {t.key: t for t in (cpu.ONEDNN, cpu.EIGEN, cuda.CUDA, metal.METAL, metal_plugin.METAL_PLUGIN)}
 )
 
 # devices.backend() value -> precision(caps) -> (policy, reason).
@@ -80,10 +80,17 @@ def precision(caps):
     return PRECISION[caps.backend](caps)
 
 
-def support_key(backend, onednn):
-    """The table key for a `devices.backend()` value: the CPU has one table with oneDNN, one without."""
+def support_key(backend, onednn, metal_plugin=None):
+    """The table key for a `devices.backend()` value.
+
+    The CPU has one table with oneDNN and one without; Metal has one per
+    plugin (``"metal"``: Apple's tensorflow-metal, also when `metal_plugin`
+    is unknown; ``"metal_plugin"``: the open tensorflow-metal-plugin).
+    """
     if backend == "cpu":
         return "cpu_onednn" if onednn else "cpu"
+    if backend == "metal" and metal_plugin == "tensorflow-metal-plugin":
+        return "metal_plugin"
     return backend
 
 
@@ -93,7 +100,7 @@ def current(caps=None):
         from tfmetal_ext import devices
 
         caps = devices.capabilities()
-    return table(support_key(caps.backend, caps.onednn))
+    return table(support_key(caps.backend, caps.onednn, getattr(caps, "metal_plugin", None)))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -99,6 +99,15 @@ class Backend:
             as a whole here (TF logs "remapper failed: ... Mutation::Apply
             error" and rolls every remapper fusion of that graph back), as
             text for reports; None when none is known.
+        kernels_complete: `kernels` lists every op the backend registers
+            (generated from its source), so an op missing there has no
+            kernel; False: `kernels` holds only the facts known.
+        missing_kernels: ops known to have no kernel here, whatever dtype.
+        host_ops: op -> reason, for ops whose kernels the backend's source
+            has but does not register on the TensorFlow it runs on (they run
+            on the host).
+        unsupported_layers: Keras class name -> reason (with the fix) for
+            stock layers that fail on this backend.
         source: where the facts come from.
     """
 
@@ -112,7 +121,28 @@ class Backend:
     pointwise_train_as_matmul: bool = False
     rnn_stock_from: types.MappingProxyType | None = None
     pass_failure: str | None = None
+    kernels_complete: bool = False
+    missing_kernels: frozenset = frozenset()
+    host_ops: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    unsupported_layers: types.MappingProxyType = dataclasses.field(
+        default_factory=lambda: types.MappingProxyType({})
+    )
     source: str = ""
+
+    def has_kernel(self, op, dtype=None):
+        """True / False / None (unknown): whether `op` has a kernel here for `dtype` (a dtype name).
+
+        An op in `host_ops` has none (it runs on the host). With `kernels`
+        None or incomplete, an op it does not list is None (unknown).
+        """
+        if op in self.host_ops or op in self.missing_kernels:
+            return False
+        if self.kernels is None:
+            return None
+        if op in self.kernels:
+            dtypes = self.kernels[op]
+            return True if dtype is None or not dtypes else dtype in dtypes
+        return False if self.kernels_complete else None
 
     def fusion(self, pattern):
         """The `Fusion` of `pattern` here (a never-fusing one when the table has no row)."""

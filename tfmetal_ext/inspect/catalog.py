@@ -52,6 +52,8 @@ class FusionContext:
         xla: the step is XLA compiled.
         cpu_fp16: the CPU computes float16 natively (then half fuses on CPU).
         cublaslt: ``TF_USE_CUBLASLT=1`` (CUDA MatMul fusions).
+        metal_plugin: on Metal, which plugin (``devices.METAL_PLUGINS``);
+            None reads as Apple's tensorflow-metal.
         logits_read: ``id()`` of the layers whose activation's input the
             compiled loss reads as logits (see `read_as_logits`); in a train
             step their activation cannot fuse.
@@ -66,10 +68,11 @@ class FusionContext:
         default_factory=lambda: os.environ.get("TF_USE_CUBLASLT", "0") == "1"
     )
     logits_read: frozenset = frozenset()  # ids of layers whose pre-activation the loss reads (`read_as_logits`)
+    metal_plugin: str | None = None  # with backend "metal": "tensorflow-metal" or "tensorflow-metal-plugin"
 
     @property
     def support_key(self):
-        return backends.support_key(self.backend, self.onednn)
+        return backends.support_key(self.backend, self.onednn, self.metal_plugin)
 
 
 @dataclasses.dataclass(frozen=True)

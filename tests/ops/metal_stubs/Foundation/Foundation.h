@@ -18,13 +18,21 @@ typedef signed char BOOL;
 #define nil nullptr
 #endif
 
+@class Protocol;
+typedef struct objc_selector* SEL;
+
 @protocol NSObject
+- (BOOL)respondsToSelector:(SEL)aSelector;
+- (BOOL)conformsToProtocol:(Protocol*)aProtocol;
 @end
 
 __attribute__((objc_root_class))
 @interface NSObject <NSObject>
 + (instancetype)alloc;
 - (instancetype)init;
+@end
+
+@interface Protocol : NSObject
 @end
 
 @interface NSString : NSObject

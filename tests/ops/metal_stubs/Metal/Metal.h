@@ -85,10 +85,33 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
                      size:(NSUInteger)size;
 @end
 
+@protocol MTLEvent <NSObject>
+@property(readonly) id<MTLDevice> device;
+@end
+
+@protocol MTLSharedEvent <MTLEvent>
+@property(readwrite) uint64_t signaledValue;
+- (BOOL)waitUntilSignaledValue:(uint64_t)value timeoutMS:(uint64_t)milliseconds;
+@end
+
+@protocol MTLCommandBuffer;
+typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
+
 @protocol MTLCommandBuffer <NSObject>
 @property(readonly) id<MTLDevice> device;
 @property(readonly) MTLCommandBufferStatus status;
 @property(readonly) NSError* error;
+@property(copy, atomic) NSString* label;
 - (id<MTLComputeCommandEncoder>)computeCommandEncoder;
 - (id<MTLBlitCommandEncoder>)blitCommandEncoder;
+- (void)encodeWaitForEvent:(id<MTLEvent>)event value:(uint64_t)value;
+- (void)encodeSignalEvent:(id<MTLEvent>)event value:(uint64_t)value;
+- (void)addCompletedHandler:(MTLCommandBufferHandler)block;
+- (void)commit;
+- (void)waitUntilCompleted;
+@end
+
+@protocol MTLCommandQueue <NSObject>
+@property(readonly) id<MTLDevice> device;
+- (id<MTLCommandBuffer>)commandBuffer;
 @end
