@@ -1,6 +1,7 @@
 // layer_norm_metal.mm: Metal (GPU) kernels of TfmetalExt>LayerNorm and
 // TfmetalExt>LayerNormGrad, registered through TF's C kernel API for the
-// tensorflow-metal PluggableDevice. Objective-C++ with ARC, macOS arm64 only.
+// Metal PluggableDevice (either backend: see metal_helper.h). Objective-C++ with
+// ARC, macOS arm64 only.
 //
 // Checks as the CPU kernel does (cpu/layer_norm_kernels.cc), allocates the
 // outputs, binds the buffers, dispatches (kernels in layer_norm.h):
@@ -61,14 +62,8 @@ bool RowsAndChannels(const std::vector<int64_t>& dims, int64_t* rows, int64_t* c
   return true;
 }
 
-// The tensor's buffer, or `placeholder`'s when it has none (an empty tensor
-// may have no MTLBuffer, and Metal's API validation rejects a dispatch with
-// an unbound buffer argument). The kernels never read a placeholder: they
-// only bind it where the tensor is empty.
-id<MTLBuffer> BufferOr(const TF_Tensor* tensor, const TF_Tensor* placeholder) {
-  id<MTLBuffer> buffer = TensorBuffer(tensor);
-  return buffer != nil ? buffer : TensorBuffer(placeholder);
-}
+// Where an empty tensor has no MTLBuffer, a non-empty output's is bound in
+// its place (Or in metal_helper.h): the kernels never read it.
 
 bool CheckVector(const TF_Tensor* t, const char* name, int64_t n, const char* what, TF_Status* status) {
   const std::vector<int64_t> dims = Dims(t);
@@ -121,21 +116,25 @@ void LayerNormCompute(const LayerNormKernel& kernel, TF_OpKernelContext* ctx, TF
   if (rows == 0) return;  // nothing to write (C == 0 still has rows to fill)
 
   const tfm_layer_norm_params params{static_cast<uint32_t>(rows), static_cast<uint32_t>(channels), kernel.epsilon};
-  TF_Tensor* x_t = x.get();
-  TF_Tensor* gamma_t = gamma.get();
-  TF_Tensor* beta_t = beta.get();
-  TF_Tensor* y_t = y.get();
-  TF_Tensor* mean_t = mean.get();
-  TF_Tensor* rstd_t = rstd.get();
+  MetalSlice xs, gs, bs, ys, ms, rs;
+  if (!Resolve(x.get(), "x", &xs, status) || !Resolve(gamma.get(), "gamma", &gs, status) ||
+      !Resolve(beta.get(), "beta", &bs, status) || !Resolve(y.get(), "y", &ys, status) ||
+      !Resolve(mean.get(), "mean", &ms, status) || !Resolve(rstd.get(), "rstd", &rs, status)) {
+    return;
+  }
+  // With C == 0, x, gamma, beta and y are empty: mean (rows > 0 here) is their placeholder.
+  xs = Or(xs, ms);
+  gs = Or(gs, ms);
+  bs = Or(bs, ms);
+  ys = Or(ys, ms);
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 // With C == 0, x, gamma, beta and y are empty: mean is their placeholder.
-                 [encoder setBuffer:BufferOr(x_t, mean_t) offset:0 atIndex:0];      // device const T* x [[buffer(0)]]
-                 [encoder setBuffer:BufferOr(gamma_t, mean_t) offset:0 atIndex:1];  // device const float* gamma [[buffer(1)]]
-                 [encoder setBuffer:BufferOr(beta_t, mean_t) offset:0 atIndex:2];   // device const float* beta [[buffer(2)]]
-                 [encoder setBuffer:BufferOr(y_t, mean_t) offset:0 atIndex:3];      // device T* y [[buffer(3)]]
-                 [encoder setBuffer:TensorBuffer(mean_t) offset:0 atIndex:4];       // device float* mean_out [[buffer(4)]]
-                 [encoder setBuffer:TensorBuffer(rstd_t) offset:0 atIndex:5];       // device float* rstd_out [[buffer(5)]]
+                 [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const T* x [[buffer(0)]]
+                 [encoder setBuffer:gs.buffer offset:gs.offset atIndex:1];  // device const float* gamma [[buffer(1)]]
+                 [encoder setBuffer:bs.buffer offset:bs.offset atIndex:2];  // device const float* beta [[buffer(2)]]
+                 [encoder setBuffer:ys.buffer offset:ys.offset atIndex:3];  // device T* y [[buffer(3)]]
+                 [encoder setBuffer:ms.buffer offset:ms.offset atIndex:4];  // device float* mean_out [[buffer(4)]]
+                 [encoder setBuffer:rs.buffer offset:rs.offset atIndex:5];  // device float* rstd_out [[buffer(5)]]
                  SetBytes(encoder, params, 6);  // constant tfm_layer_norm_params& p [[buffer(6)]]
                  DispatchRows(encoder, params.rows,
                               ReductionThreadgroupSize(pipeline, params.channels, kElementsPerThread, kMaxRowThreads));
@@ -177,14 +176,16 @@ void LayerNormGradCompute(const LayerNormKernel&, TF_OpKernelContext* ctx, TF_St
 
   const tfm_layer_norm_params params{static_cast<uint32_t>(rows), static_cast<uint32_t>(channels), 0.0f};
   const bool has_rows = rows > 0;
-  TF_Tensor* dy_t = in[0].get();
-  TF_Tensor* x_t = in[1].get();
-  TF_Tensor* gamma_t = in[2].get();
-  TF_Tensor* mean_t = in[3].get();
-  TF_Tensor* rstd_t = in[4].get();
-  TF_Tensor* dx_t = dx.get();
-  TF_Tensor* dgamma_t = dgamma.get();
-  TF_Tensor* dbeta_t = dbeta.get();
+  MetalSlice dys, xs, gs, ms, rs, dxs, dgs, dbs;
+  if (!Resolve(in[0].get(), "dy", &dys, status) || !Resolve(in[1].get(), "x", &xs, status) ||
+      !Resolve(in[2].get(), "gamma", &gs, status) || !Resolve(in[3].get(), "mean", &ms, status) ||
+      !Resolve(in[4].get(), "rstd", &rs, status) || !Resolve(dx.get(), "dx", &dxs, status) ||
+      !Resolve(dgamma.get(), "dgamma", &dgs, status) || !Resolve(dbeta.get(), "dbeta", &dbs, status)) {
+    return;
+  }
+  // With rows == 0, dy, x, mean and rstd are empty: dgamma (C > 0 here) is their placeholder
+  // in the param-grad pass (the dx pass is not encoded then).
+  const MetalSlice dy_or = Or(dys, dgs), x_or = Or(xs, dgs), mean_or = Or(ms, dgs), rstd_or = Or(rs, dgs);
   EncodeKernel(
       ctx, kLibrary, param_name.c_str(), status,
       [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> param_pipeline) {
@@ -200,25 +201,24 @@ void LayerNormGradCompute(const LayerNormKernel&, TF_OpKernelContext* ctx, TF_St
         const NSUInteger lanes_wanted = std::max<NSUInteger>(params.rows, 1);
         const NSUInteger param_threads =
             std::max(width, ReductionThreadgroupSize(param_pipeline, lanes_wanted * width, 1, kMaxRowThreads));
-        // With rows == 0, dy, x, mean and rstd are empty: dgamma is their placeholder.
-        [encoder setBuffer:BufferOr(dy_t, dgamma_t) offset:0 atIndex:0];      // device const T* dy [[buffer(0)]]
-        [encoder setBuffer:BufferOr(x_t, dgamma_t) offset:0 atIndex:1];       // device const T* x [[buffer(1)]]
-        [encoder setBuffer:BufferOr(mean_t, dgamma_t) offset:0 atIndex:2];    // device const float* mean [[buffer(2)]]
-        [encoder setBuffer:BufferOr(rstd_t, dgamma_t) offset:0 atIndex:3];    // device const float* rstd [[buffer(3)]]
-        [encoder setBuffer:TensorBuffer(dgamma_t) offset:0 atIndex:4];  // device float* dgamma [[buffer(4)]]
-        [encoder setBuffer:TensorBuffer(dbeta_t) offset:0 atIndex:5];   // device float* dbeta [[buffer(5)]]
+        [encoder setBuffer:dy_or.buffer offset:dy_or.offset atIndex:0];      // device const T* dy [[buffer(0)]]
+        [encoder setBuffer:x_or.buffer offset:x_or.offset atIndex:1];        // device const T* x [[buffer(1)]]
+        [encoder setBuffer:mean_or.buffer offset:mean_or.offset atIndex:2];  // device const float* mean [[buffer(2)]]
+        [encoder setBuffer:rstd_or.buffer offset:rstd_or.offset atIndex:3];  // device const float* rstd [[buffer(3)]]
+        [encoder setBuffer:dgs.buffer offset:dgs.offset atIndex:4];  // device float* dgamma [[buffer(4)]]
+        [encoder setBuffer:dbs.buffer offset:dbs.offset atIndex:5];  // device float* dbeta [[buffer(5)]]
         SetBytes(encoder, params, 6);  // constant tfm_layer_norm_params& p [[buffer(6)]]
         DispatchRows(encoder, (params.channels + width - 1) / width, param_threads);
         if (!has_rows) return;
 
         // dx: one threadgroup per row.
         [encoder setComputePipelineState:dx_pipeline];
-        [encoder setBuffer:TensorBuffer(dy_t) offset:0 atIndex:0];     // device const T* dy [[buffer(0)]]
-        [encoder setBuffer:TensorBuffer(x_t) offset:0 atIndex:1];      // device const T* x [[buffer(1)]]
-        [encoder setBuffer:TensorBuffer(gamma_t) offset:0 atIndex:2];  // device const float* gamma [[buffer(2)]]
-        [encoder setBuffer:TensorBuffer(mean_t) offset:0 atIndex:3];   // device const float* mean [[buffer(3)]]
-        [encoder setBuffer:TensorBuffer(rstd_t) offset:0 atIndex:4];   // device const float* rstd [[buffer(4)]]
-        [encoder setBuffer:TensorBuffer(dx_t) offset:0 atIndex:5];     // device T* dx [[buffer(5)]]
+        [encoder setBuffer:dys.buffer offset:dys.offset atIndex:0];  // device const T* dy [[buffer(0)]]
+        [encoder setBuffer:xs.buffer offset:xs.offset atIndex:1];    // device const T* x [[buffer(1)]]
+        [encoder setBuffer:gs.buffer offset:gs.offset atIndex:2];    // device const float* gamma [[buffer(2)]]
+        [encoder setBuffer:ms.buffer offset:ms.offset atIndex:3];    // device const float* mean [[buffer(3)]]
+        [encoder setBuffer:rs.buffer offset:rs.offset atIndex:4];    // device const float* rstd [[buffer(4)]]
+        [encoder setBuffer:dxs.buffer offset:dxs.offset atIndex:5];  // device T* dx [[buffer(5)]]
         SetBytes(encoder, params, 6);  // constant tfm_layer_norm_params& p [[buffer(6)]]
         DispatchRows(encoder, params.rows,
                      ReductionThreadgroupSize(dx_pipeline, params.channels, kElementsPerThread, kMaxRowThreads));

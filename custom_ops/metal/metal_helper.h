@@ -1,6 +1,7 @@
 // metal_helper.h: the one host-side helper every <op>_metal.mm uses to run its
 // Metal kernels inside TensorFlow (tensorflow-metal's PluggableDevice).
-// Objective-C++ with ARC (-fobjc-arc), macOS arm64 only.
+// Objective-C++ with ARC (-fobjc-arc), macOS arm64 only. Binds to both Metal
+// backends: Apple's tensorflow-metal and the open tensorflow-metal-plugin.
 //
 // An op's .mm only reads its attrs and inputs, binds buffers and sets its
 // arguments:
@@ -12,11 +13,13 @@
 //                                                  tfm_softshrink_metal_source};
 //   void SoftshrinkCompute(const SoftshrinkKernel& kernel, TF_OpKernelContext* ctx, TF_Status* status) {
 //     ... inputs, outputs; name = KernelName("softshrink", "", dtype, status) ...
+//     tfmetal_ext::MetalSlice xs, ys;   // buffer + offset of each tensor
+//     if (!Resolve(x, "x", &xs, status) || !Resolve(y, "y", &ys, status)) return;
 //     tfmetal_ext::EncodeKernel(ctx, kLibrary, name.c_str(), status,
 //         [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-//           [encoder setBuffer:tfmetal_ext::TensorBuffer(x) offset:0 atIndex:0];  // device const T* x [[buffer(0)]]
-//           [encoder setBuffer:tfmetal_ext::TensorBuffer(y) offset:0 atIndex:1];  // device T* y       [[buffer(1)]]
-//           tfmetal_ext::SetBytes(encoder, params, 2);                            // constant P& p     [[buffer(2)]]
+//           [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const T* x [[buffer(0)]]
+//           [encoder setBuffer:ys.buffer offset:ys.offset atIndex:1];  // device T* y       [[buffer(1)]]
+//           tfmetal_ext::SetBytes(encoder, params, 2);                 // constant P& p     [[buffer(2)]]
 //           tfmetal_ext::DispatchThreads1D(encoder, pipeline, n);
 //         });
 //   }
@@ -25,14 +28,29 @@
 //   });
 //
 // What the helper does:
+// - the backend: decided once when the library loads (metal_binding.h:
+//   which libmetal_plugin.dylib is loaded, and the installed distributions).
+//   Where the host code cannot bind (no or an unknown Metal backend, the open
+//   plugin at a release whose layout we did not check, its registry not
+//   exported) no GPU kernel is registered, so TF runs the CPU kernel, and
+//   TfmetalExt_MetalKernelStatus() says why (read by tfmetal_ext.ops.status());
 // - registration: RegisterFloatKernels registers an op's GPU kernel for
 //   float, half and bfloat16 from a static initializer (KernelRegistrar),
 //   with the one compute trampoline TF calls (status in, TF_OpKernelContext_Failure
 //   out) and the kernel names <op>_<variant>_<dtype> (KernelName);
-// - the stream: TF_GetStream() is an object conforming to TF_MetalStream
-//   (Apple's published protocol, declared below); encoding happens inside
-//   dispatch_sync on its queue, on its current command buffer, then
-//   [stream commit] (commitAndWait + error check with TFMETAL_EXT_METAL_SYNC=1);
+// - the stream (GetMetalStream, internal::Submit): on Apple's tensorflow-metal,
+//   TF_GetStream() is an object conforming to TF_MetalStream (its published
+//   protocol, declared below); encoding happens inside dispatch_sync on its
+//   queue, on its current command buffer, then [stream commit]. On the open
+//   tensorflow-metal-plugin it is the plugin's SP_Stream_st
+//   (metal_plugin_stream.h): our own command buffer from its queue, numbered
+//   in its sequence under its locks (wait for N-1, signal N), committed, and
+//   waited for when the plugin runs synchronously (TF_METAL_SYNCHRONOUS, and
+//   always on TF 2.20/2.21). TFMETAL_EXT_METAL_SYNC=1 waits and checks errors
+//   on both;
+// - tensors (Resolve): Apple's TF_TensorData is the id<MTLBuffer>; the open
+//   plugin's is a unified-memory address inside one of its MTLBuffers, found
+//   with its MetalBufferRegistry (buffer + offset);
 // - pipelines: one process-wide, thread-safe cache keyed by device and kernel
 //   host name; libraries compiled at run time from the embedded, flattened
 //   source with newLibraryWithSource:options:error: (no Xcode needed), or
@@ -64,6 +82,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "metal/metal_binding.h"
+#include "metal/metal_plugin_stream.h"
 #include "tensorflow/c/kernels.h"
 #include "tensorflow/c/tf_datatype.h"
 #include "tensorflow/c/tf_status.h"
@@ -88,12 +108,39 @@ struct MetalLibrarySource {
   const char* source;  // Metal Shading Language source
 };
 
-// The op's Metal stream; nil with `status` set if there is none.
-id<TF_MetalStream> GetMetalStream(TF_OpKernelContext* ctx, TF_Status* status);
+// The binding of this process's Metal backend, decided at the first call
+// (the first kernel registration, while the library loads).
+const binding::Decision& Binding();
 
-// The MTLBuffer behind a tensor on the Metal device (offset 0).
-inline id<MTLBuffer> TensorBuffer(const TF_Tensor* tensor) {
-  return (__bridge id<MTLBuffer>)TF_TensorData(tensor);
+// The op's stream on the bound Metal backend: one of the two is set.
+struct MetalStream {
+  id<TF_MetalStream> apple = nil;             // Apple's tensorflow-metal
+  open_plugin::StreamLayout* open = nullptr;  // tensorflow-metal-plugin's SP_Stream_st
+  explicit operator bool() const { return apple != nil || open != nullptr; }
+  // Its device when known before encoding (the open plugin's queue's); nil on Apple's.
+  id<MTLDevice> Device() const;
+};
+
+// The op's stream; empty with `status` set if there is none or it is not
+// what the bound backend hands out.
+MetalStream GetMetalStream(TF_OpKernelContext* ctx, TF_Status* status);
+
+// A tensor's storage as an encoder binds it: setBuffer:buffer offset:offset(+ more).
+struct MetalSlice {
+  id<MTLBuffer> buffer = nil;
+  NSUInteger offset = 0;
+};
+
+// Where `tensor` (the op's input or output called `name`) lives on the bound
+// backend. false with `status` set if a non-empty tensor is not in Metal
+// device memory; an empty tensor may have no buffer (nil).
+bool Resolve(const TF_Tensor* tensor, const char* name, MetalSlice* slice, TF_Status* status);
+
+// `slice`, or `placeholder` where it has no buffer (an empty tensor: Metal's
+// API validation rejects a dispatch with an unbound buffer argument, and the
+// kernels never read a placeholder).
+inline MetalSlice Or(const MetalSlice& slice, const MetalSlice& placeholder) {
+  return slice.buffer != nil ? slice : placeholder;
 }
 
 // TF_INTERNAL status "tfmetal_ext: <what>: <error description>".
@@ -200,11 +247,17 @@ void ComputeTrampoline(void* kernel, TF_OpKernelContext* ctx) {
   if (!Ok(status.get())) TF_OpKernelContext_Failure(ctx, status.get());
 }
 
-// Registers `op`'s GPU kernel for T in {float, half, bfloat16}. A dtype that
-// fails to register leaves the op without a GPU kernel for it: TF then places
-// the op on the CPU. Registered builders belong to TF.
+// Registers `op`'s GPU kernel for T in {float, half, bfloat16}, if the host
+// code binds to this process's Metal backend (Binding()); otherwise nothing
+// is registered and TF places the op on the CPU. A dtype that fails to
+// register leaves the op without a GPU kernel for it too. Registered builders
+// belong to TF. Either way the outcome is recorded for status().
 void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstruction*),
                           void (*compute)(void*, TF_OpKernelContext*), void (*destroy)(void*));
+
+// Records that `op` registers no GPU kernel for a reason of its own (e.g. the
+// TF C API it needs is not exported).
+void RecordNotRegistered(const char* op, const std::string& reason);
 
 template <class Kernel, void (*Run)(const Kernel&, TF_OpKernelContext*, TF_Status*)>
 void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstruction*)) {
@@ -288,11 +341,18 @@ inline void SetBytes(id<MTLComputeCommandEncoder> encoder, const T& value, NSUIn
 }
 
 namespace internal {
-// [stream commit], or commitAndWait and a status from the command buffer's
-// error when TFMETAL_EXT_METAL_SYNC=1 (debugging: GPU faults then surface in
-// the op that caused them).
-void Commit(id<TF_MetalStream> stream, id<MTLCommandBuffer> command_buffer, const char* kernel_name,
-            TF_Status* status);
+using EncodeBlock = void (^)(id<MTLCommandBuffer> command_buffer);
+
+// Runs `encode` on one command buffer in `stream`'s order and commits it
+// (see the top of the file for each backend). Whatever `encode` does, the
+// command buffer is committed: on the open plugin its sequence number must
+// be signalled or the stream stalls. Waits for the GPU, with a status from
+// the command buffer's error, when TFMETAL_EXT_METAL_SYNC=1 (debugging: GPU
+// faults then surface in the op that caused them) or the open plugin runs
+// synchronously. `encode` must not submit to the stream itself (the open
+// plugin's submission lock is held while it runs). `what` names the work in
+// messages and in the command buffer's label.
+void Submit(const MetalStream& stream, const char* what, TF_Status* status, EncodeBlock encode);
 }  // namespace internal
 
 // Encodes one compute pass running `kernel_name` on the op's stream:
@@ -302,34 +362,36 @@ void Commit(id<TF_MetalStream> stream, id<MTLCommandBuffer> command_buffer, cons
 template <class Encode>
 void EncodeKernel(TF_OpKernelContext* ctx, const MetalLibrarySource& library, const char* kernel_name,
                   TF_Status* status, Encode&& encode) {
-  id<TF_MetalStream> stream = GetMetalStream(ctx, status);
-  if (stream == nil) return;
-  // Plain pointers into the block: dispatch_sync runs it before returning.
+  MetalStream stream = GetMetalStream(ctx, status);
+  if (!stream) return;
+  // Where the device is known up front (the open plugin), build the pipeline
+  // before taking a place in the stream's sequence: a first-use compile must
+  // not hold the stream's submission lock, and a failure then commits nothing.
+  id<MTLDevice> device = stream.Device();
+  if (device != nil && PipelineCache::Global().Pipeline(device, library, kernel_name, status) == nil) return;
+  // Plain pointers into the block: Submit runs it before returning.
   typename std::remove_reference<Encode>::type* encode_ptr = &encode;
   const MetalLibrarySource* library_ptr = &library;
-  dispatch_sync(stream.queue, ^{
-    @autoreleasepool {
-      id<MTLCommandBuffer> command_buffer = stream.currentCommandBuffer;
-      if (command_buffer == nil) {
-        SetStatus(status, TF_INTERNAL, std::string("no Metal command buffer to encode ") + kernel_name);
-        return;
-      }
-      id<MTLComputePipelineState> pipeline =
-          PipelineCache::Global().Pipeline(command_buffer.device, *library_ptr, kernel_name, status);
-      if (pipeline == nil) return;
-      id<MTLComputeCommandEncoder> encoder = [command_buffer computeCommandEncoder];
-      if (encoder == nil) {
-        SetStatus(status, TF_INTERNAL, std::string("could not create a compute encoder for ") + kernel_name);
-        return;
-      }
-      [encoder setComputePipelineState:pipeline];
-      (*encode_ptr)(encoder, pipeline);
-      [encoder endEncoding];
-      internal::Commit(stream, command_buffer, kernel_name, status);
+  internal::Submit(stream, kernel_name, status, ^(id<MTLCommandBuffer> command_buffer) {
+    id<MTLComputePipelineState> pipeline =
+        PipelineCache::Global().Pipeline(command_buffer.device, *library_ptr, kernel_name, status);
+    if (pipeline == nil) return;
+    id<MTLComputeCommandEncoder> encoder = [command_buffer computeCommandEncoder];
+    if (encoder == nil) {
+      SetStatus(status, TF_INTERNAL, std::string("could not create a compute encoder for ") + kernel_name);
+      return;
     }
+    [encoder setComputePipelineState:pipeline];
+    (*encode_ptr)(encoder, pipeline);
+    [encoder endEncoding];
   });
 }
 
 }  // namespace tfmetal_ext
+
+// What RegisterFloatKernels and RecordNotRegistered recorded, one line per op
+// (binding::FormatRecords: "<op>\t<1|0>\t<backend>\t<reason>"); read by
+// tfmetal_ext.ops.status() through ctypes. Valid until the next registration.
+extern "C" __attribute__((visibility("default"))) const char* TfmetalExt_MetalKernelStatus();
 
 #endif  // TFMETAL_METAL_HELPER_H_

@@ -2,6 +2,7 @@
 #include "metal/metal_helper.h"
 
 #include <dlfcn.h>
+#include <mach-o/dyld.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,10 @@
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
+
+#ifndef TFMETAL_EXT_OPEN_PLUGIN_VERIFIED
+#error "TFMETAL_EXT_OPEN_PLUGIN_VERIFIED (the tensorflow-metal-plugin release metal_plugin_stream.h is checked against) is defined by tfmetal_ext.ops._loader from backends/metal_plugin.py's PIN"
+#endif
 
 namespace tfmetal_ext {
 namespace {
@@ -78,7 +83,104 @@ bool SyncRequested() {
   return env != nullptr && env[0] != '\0' && std::strcmp(env, "0") != 0;
 }
 
+// ---------------------------------------------------------------------------
+// The backend binding (metal_binding.h, metal_plugin_stream.h)
+
+// The open plugin's functions, found in its image when it is the loaded backend.
+struct OpenPluginApi {
+  const void* registry = nullptr;  // MetalBufferRegistry::Global()
+  open_plugin::RegistryLookupFn lookup = nullptr;
+  open_plugin::SynchronousModeFn synchronous_mode = nullptr;  // optional
+  open_plugin::NoteCompletionFn note_completion = nullptr;    // optional
+};
+
+struct BindingState {
+  binding::Decision decision;
+  OpenPluginApi open;
+  bool synchronous = false;  // the open plugin's kernels wait for the GPU
+};
+
+bool EndsWith(const char* s, const char* suffix) {
+  const size_t n = std::strlen(s), m = std::strlen(suffix);
+  return n >= m && std::strcmp(s + n - m, suffix) == 0;
+}
+
+// Looks at the loaded images (never at a stream): see metal_binding.h.
+BindingState ProbeBinding() {
+  BindingState state;
+  binding::Probe probe;
+  open_plugin::RegistryGlobalFn global = nullptr;
+  const uint32_t count = _dyld_image_count();
+  for (uint32_t i = 0; i < count; ++i) {
+    const char* name = _dyld_get_image_name(i);
+    if (name == nullptr || !EndsWith(name, "/libmetal_plugin.dylib")) continue;
+    ++probe.plugin_images;
+    // TF loads PluggableDevices with RTLD_LOCAL: their symbols are only found
+    // through a handle to their image (already loaded: RTLD_NOLOAD).
+    void* handle = dlopen(name, RTLD_LAZY | RTLD_NOLOAD);
+    if (handle == nullptr) continue;
+    void* found = dlsym(handle, open_plugin::kRegistryGlobalSymbol);
+    if (found == nullptr) continue;
+    ++probe.open_plugin_images;
+    global = reinterpret_cast<open_plugin::RegistryGlobalFn>(found);
+    state.open.lookup =
+        reinterpret_cast<open_plugin::RegistryLookupFn>(dlsym(handle, open_plugin::kRegistryLookupSymbol));
+    state.open.synchronous_mode =
+        reinterpret_cast<open_plugin::SynchronousModeFn>(dlsym(handle, open_plugin::kSynchronousModeSymbol));
+    state.open.note_completion =
+        reinterpret_cast<open_plugin::NoteCompletionFn>(dlsym(handle, open_plugin::kNoteCompletionSymbol));
+    probe.registry_lookup = state.open.lookup != nullptr;
+  }
+  probe.installed = std::getenv(binding::kInstalledEnv);
+  state.decision = binding::Decide(probe, TFMETAL_EXT_OPEN_PLUGIN_VERIFIED);
+  if (state.decision.gpu && std::strcmp(state.decision.backend, binding::kOpenPlugin) == 0) {
+    state.open.registry = global();
+    if (state.open.synchronous_mode != nullptr) {
+      state.synchronous = state.open.synchronous_mode();
+    } else {
+      const bool variable_api = dlsym(RTLD_DEFAULT, "TF_GetInputTensorFromVariable") != nullptr &&
+                                dlsym(RTLD_DEFAULT, "TF_MaybeLockVariableInputMutexesInOrder") != nullptr;
+      state.synchronous = open_plugin::SynchronousModeRule(std::getenv("TF_METAL_SYNCHRONOUS"), variable_api);
+    }
+  }
+  return state;
+}
+
+const BindingState& GetBindingState() {
+  static const BindingState* state = new BindingState(ProbeBinding());  // never destroyed
+  return *state;
+}
+
+bool IsOpenPlugin(const BindingState& s) {
+  return s.decision.gpu && std::strcmp(s.decision.backend, binding::kOpenPlugin) == 0;
+}
+
+// What registration recorded per op, for TfmetalExt_MetalKernelStatus().
+struct Records {
+  std::mutex mutex;
+  std::vector<binding::OpRecord> ops;
+  std::string text;
+};
+
+Records& GetRecords() {
+  static Records* records = new Records();
+  return *records;
+}
+
+void Record(const char* op, bool gpu, const std::string& reason) {
+  Records& r = GetRecords();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  binding::OpRecord record;
+  record.op = op;
+  record.gpu = gpu;
+  record.backend = Binding().backend;
+  record.reason = reason;
+  r.ops.push_back(record);
+}
+
 }  // namespace
+
+const binding::Decision& Binding() { return GetBindingState().decision; }
 
 void SetStatus(TF_Status* status, TF_Code code, const std::string& message) {
   TF_SetStatus(status, code, ("tfmetal_ext: " + message).c_str());
@@ -166,27 +268,103 @@ TensorPtr ForwardInputOrAllocateOutput(TF_OpKernelContext* ctx, int input, int o
 
 void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstruction*),
                           void (*compute)(void*, TF_OpKernelContext*), void (*destroy)(void*)) {
+  const binding::Decision& decision = Binding();
+  if (!decision.gpu) {
+    Record(op, false, decision.reason);
+    return;
+  }
   const TF_DataType dtypes[] = {TF_FLOAT, TF_HALF, TF_BFLOAT16};
   StatusPtr status(TF_NewStatus());
+  std::string failed;
+  int registered = 0;
   for (TF_DataType dtype : dtypes) {
+    TF_SetStatus(status.get(), TF_OK, "");
     TF_KernelBuilder* builder = TF_NewKernelBuilder(op, "GPU", create, compute, destroy);
     TF_KernelBuilder_TypeConstraint(builder, "T", dtype, status.get());
     if (!Ok(status.get())) {
       TF_DeleteKernelBuilder(builder);  // not registered: still ours
+      failed += std::string(failed.empty() ? "" : ", ") + DtypeName(dtype) + ": " + TF_Message(status.get());
       continue;
     }
     TF_RegisterKernelBuilder((std::string(op) + "_GPU_" + KernelSuffix(dtype)).c_str(), builder, status.get());
+    if (Ok(status.get())) {
+      ++registered;
+    } else {
+      failed += std::string(failed.empty() ? "" : ", ") + DtypeName(dtype) + ": " + TF_Message(status.get());
+    }
   }
+  Record(op, registered > 0, failed.empty() ? std::string() : "GPU kernel registration failed for " + failed);
 }
 
-id<TF_MetalStream> GetMetalStream(TF_OpKernelContext* ctx, TF_Status* status) {
-  SP_Stream stream = TF_GetStream(ctx, status);
-  if (TF_GetCode(status) != TF_OK) return nil;
-  if (stream == nullptr) {
-    SetStatus(status, TF_INTERNAL, "the op has no Metal stream (is tensorflow-metal loaded?)");
-    return nil;
+void RecordNotRegistered(const char* op, const std::string& reason) { Record(op, false, reason); }
+
+id<MTLDevice> MetalStream::Device() const {
+  return open != nullptr ? ((__bridge id<MTLCommandQueue>)open->queue).device : nil;
+}
+
+MetalStream GetMetalStream(TF_OpKernelContext* ctx, TF_Status* status) {
+  MetalStream stream;
+  SP_Stream handle = TF_GetStream(ctx, status);
+  if (TF_GetCode(status) != TF_OK) return stream;
+  if (handle == nullptr) {
+    SetStatus(status, TF_INTERNAL, "the op has no Metal stream (is a Metal PluggableDevice loaded?)");
+    return stream;
   }
-  return (__bridge id<TF_MetalStream>)static_cast<void*>(stream);
+  const BindingState& state = GetBindingState();
+  if (!state.decision.gpu) {  // unreachable: no GPU kernel is registered then
+    SetStatus(status, TF_INTERNAL, "no Metal backend is bound: " + state.decision.reason);
+    return stream;
+  }
+  if (IsOpenPlugin(state)) {
+    // The backend is known (decided at load), so the handle is its C++
+    // struct, laid out as metal_plugin_stream.h declares (checked in tests).
+    auto* layout = reinterpret_cast<open_plugin::StreamLayout*>(handle);
+    id queue = (__bridge id)layout->queue;
+    id event = (__bridge id)layout->order_event;
+    if (queue == nil || event == nil || ![queue respondsToSelector:@selector(commandBuffer)] ||
+        ![event respondsToSelector:@selector(signaledValue)]) {
+      SetStatus(status, TF_INTERNAL, "tensorflow-metal-plugin's stream has no command queue and order event");
+      return stream;
+    }
+    stream.open = layout;
+    return stream;
+  }
+  // Apple's: an Objective-C object (the loaded backend says so); make sure it
+  // answers the protocol before using it.
+  id object = (__bridge id)static_cast<void*>(handle);
+  if (![object respondsToSelector:@selector(queue)] || ![object respondsToSelector:@selector(currentCommandBuffer)] ||
+      ![object respondsToSelector:@selector(commit)] || ![object respondsToSelector:@selector(commitAndWait)]) {
+    SetStatus(status, TF_INTERNAL, "tensorflow-metal's stream does not answer the TF_MetalStream protocol");
+    return stream;
+  }
+  stream.apple = (id<TF_MetalStream>)object;
+  return stream;
+}
+
+bool Resolve(const TF_Tensor* tensor, const char* name, MetalSlice* slice, TF_Status* status) {
+  *slice = MetalSlice();
+  void* data = TF_TensorData(tensor);
+  const bool empty = TF_TensorByteSize(tensor) == 0;
+  const BindingState& state = GetBindingState();
+  if (!IsOpenPlugin(state)) {
+    slice->buffer = (__bridge id<MTLBuffer>)data;  // Apple's: the tensor's data is its MTLBuffer
+    if (slice->buffer == nil && !empty) {
+      SetStatus(status, TF_INTERNAL, std::string(name) + " has no Metal buffer");
+      return false;
+    }
+    return true;
+  }
+  void* buffer = nullptr;
+  size_t offset = 0;
+  if (data == nullptr || !state.open.lookup(state.open.registry, data, &buffer, &offset) || buffer == nullptr) {
+    if (empty) return true;
+    SetStatus(status, TF_INTERNAL,
+              std::string(name) + " is not in tensorflow-metal-plugin's device memory (no Metal allocation holds it)");
+    return false;
+  }
+  slice->buffer = (__bridge id<MTLBuffer>)buffer;  // not retained by the registry; the tensor keeps it alive
+  slice->offset = static_cast<NSUInteger>(offset);
+  return true;
 }
 
 // ---------------------------------------------------------------------------
@@ -329,18 +507,91 @@ void SetThreadgroupMemory(id<MTLComputeCommandEncoder> encoder, NSUInteger bytes
 }
 
 namespace internal {
+namespace {
 
-void Commit(id<TF_MetalStream> stream, id<MTLCommandBuffer> command_buffer, const char* kernel_name,
-            TF_Status* status) {
-  if (!SyncRequested()) {
-    [stream commit];
+void SubmitApple(id<TF_MetalStream> stream, const char* what, TF_Status* status, EncodeBlock encode) {
+  dispatch_sync(stream.queue, ^{
+    @autoreleasepool {
+      id<MTLCommandBuffer> command_buffer = stream.currentCommandBuffer;
+      if (command_buffer == nil) {
+        SetStatus(status, TF_INTERNAL, std::string("no Metal command buffer to encode ") + what);
+        return;
+      }
+      encode(command_buffer);
+      if (!SyncRequested()) {
+        [stream commit];
+        return;
+      }
+      [stream commitAndWait];
+      if (command_buffer.status == MTLCommandBufferStatusError) {
+        SetStatusFromNSError(status, command_buffer.error, std::string("running ") + what);
+      }
+    }
+  });
+}
+
+void SubmitOpenPlugin(open_plugin::StreamLayout* stream, const char* what, TF_Status* status, EncodeBlock encode) {
+  const BindingState& state = GetBindingState();
+  std::string failure;
+  if (open_plugin::StreamFailed(stream, &failure)) {
+    SetStatus(status, TF_INTERNAL, "the Metal stream previously failed: " + failure);
     return;
   }
-  [stream commitAndWait];
-  if (command_buffer.status == MTLCommandBufferStatusError) {
-    SetStatusFromNSError(status, command_buffer.error, std::string("running ") + kernel_name);
+  @autoreleasepool {
+    id<MTLCommandQueue> queue = (__bridge id<MTLCommandQueue>)stream->queue;
+    id<MTLSharedEvent> order_event = (__bridge id<MTLSharedEvent>)stream->order_event;
+    open_plugin::Submission submission(stream);  // the next number, under the stream's locks
+    id<MTLCommandBuffer> command_buffer = [queue commandBuffer];
+    if (command_buffer == nil) {
+      submission.Cancel();  // the number goes back: nothing will signal it
+      SetStatus(status, TF_INTERNAL, std::string("the Metal command queue gave no command buffer for ") + what);
+      return;
+    }
+    command_buffer.label = [NSString stringWithUTF8String:what];
+    if (submission.wait_value() > 0) [command_buffer encodeWaitForEvent:order_event value:submission.wait_value()];
+    encode(command_buffer);  // on failure it leaves the buffer empty, which still advances the sequence
+    [command_buffer encodeSignalEvent:order_event value:submission.signal_value()];
+    const open_plugin::NoteCompletionFn note = state.open.note_completion;
+    open_plugin::StreamLayout* raw_stream = stream;  // outlives the buffer: the plugin drains a stream before freeing it
+    [command_buffer addCompletedHandler:^(id<MTLCommandBuffer> completed) {
+      if (note != nullptr) {
+        note(raw_stream, (__bridge void*)completed);  // the plugin's own failure (and profiler) bookkeeping
+      } else if (completed.error != nil) {
+        NSString* label = completed.label;
+        const char* name = label != nil ? label.UTF8String : nullptr;
+        open_plugin::NoteFailure(raw_stream,
+                                 Describe(completed.error) + (name != nullptr ? std::string(", encoded by ") + name : ""));
+      }
+    }];
+    [command_buffer commit];
+    submission.Release();
+    if (state.synchronous || SyncRequested()) {
+      [command_buffer waitUntilCompleted];
+      if (command_buffer.status == MTLCommandBufferStatusError) {
+        SetStatusFromNSError(status, command_buffer.error, std::string("running ") + what);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void Submit(const MetalStream& stream, const char* what, TF_Status* status, EncodeBlock encode) {
+  if (stream.open != nullptr) {
+    SubmitOpenPlugin(stream.open, what, status, encode);
+  } else if (stream.apple != nil) {
+    SubmitApple(stream.apple, what, status, encode);
+  } else {
+    SetStatus(status, TF_INTERNAL, std::string("no Metal stream to encode ") + what);
   }
 }
 
 }  // namespace internal
 }  // namespace tfmetal_ext
+
+extern "C" const char* TfmetalExt_MetalKernelStatus() {
+  tfmetal_ext::Records& r = tfmetal_ext::GetRecords();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.text = tfmetal_ext::binding::FormatRecords(r.ops);
+  return r.text.c_str();
+}

@@ -1,6 +1,6 @@
 // multi_tensor_adam_metal.mm: Metal (GPU) kernel of TfmetalExt>MultiTensorAdam,
-// registered through TF's C kernel API for the tensorflow-metal
-// PluggableDevice. Objective-C++ with ARC, macOS arm64 only.
+// registered through TF's C kernel API for the Metal PluggableDevice (either
+// backend: see metal_helper.h). Objective-C++ with ARC, macOS arm64 only.
 //
 // One launch for N variables, the Metal way. apex's FusedAdam launches one
 // CUDA kernel over a table of raw device pointers. Metal buffers are separate
@@ -115,26 +115,26 @@ void CopyTensorOnStream(TF_OpKernelContext* ctx, TF_Tensor* source, TF_Tensor* d
   const NSUInteger bytes = TF_TensorByteSize(source);
   if (bytes == 0) return;
   StatusPtr status(TF_NewStatus());
-  id<TF_MetalStream> stream = GetMetalStream(ctx, status.get());
-  if (stream == nil) {
+  MetalStream stream = GetMetalStream(ctx, status.get());
+  if (!stream) {
     TF_OpKernelContext_Failure(ctx, status.get());
     return;
   }
-  id<MTLBuffer> from = TensorBuffer(source);
-  id<MTLBuffer> to = TensorBuffer(dest);
+  MetalSlice from, to;
+  if (!Resolve(source, "a variable's tensor", &from, status.get()) ||
+      !Resolve(dest, "a variable's copy-on-write copy", &to, status.get())) {
+    TF_OpKernelContext_Failure(ctx, status.get());
+    return;
+  }
   TF_Status* raw_status = status.get();
-  dispatch_sync(stream.queue, ^{
-    @autoreleasepool {
-      id<MTLCommandBuffer> command_buffer = stream.currentCommandBuffer;
-      id<MTLBlitCommandEncoder> blit = [command_buffer blitCommandEncoder];
-      if (blit == nil) {
-        SetStatus(raw_status, TF_INTERNAL, "could not create a blit encoder for a variable's copy-on-write copy");
-        return;
-      }
-      [blit copyFromBuffer:from sourceOffset:0 toBuffer:to destinationOffset:0 size:bytes];
-      [blit endEncoding];
-      [stream commit];
+  internal::Submit(stream, "multi_tensor_adam copy-on-write", raw_status, ^(id<MTLCommandBuffer> command_buffer) {
+    id<MTLBlitCommandEncoder> blit = [command_buffer blitCommandEncoder];
+    if (blit == nil) {
+      SetStatus(raw_status, TF_INTERNAL, "could not create a blit encoder for a variable's copy-on-write copy");
+      return;
     }
+    [blit copyFromBuffer:from.buffer sourceOffset:from.offset toBuffer:to.buffer destinationOffset:to.offset size:bytes];
+    [blit endEncoding];
   });
   if (!Ok(status.get())) TF_OpKernelContext_Failure(ctx, status.get());
 }
@@ -275,30 +275,48 @@ void Run(const AdamKernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
   const size_t element_size = TF_DataTypeSize(k.dtype);
   const uint32_t amsgrad = k.num_vhat ? 1u : 0u;
   const uint32_t has_decay = k.num_decay ? 1u : 0u;
+  // Every tensor's buffer and offset, resolved before anything is encoded.
+  std::vector<MetalSlice> scalar_slices(static_cast<size_t>(num_scalars));
+  for (int s = 0; s < num_scalars; ++s) {
+    if (!Resolve(scalars[s].get(), kScalarNames[s], &scalar_slices[s], status)) return;
+  }
+  std::vector<MetalSlice> var_slices(static_cast<size_t>(num_resources)), grad_slices(static_cast<size_t>(n));
+  for (int i = 0; i < num_resources; ++i) {
+    if (!Resolve(vars[i].get(), InputName(i, n).c_str(), &var_slices[i], status)) return;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!Resolve(grads[i].get(), ("grad[" + std::to_string(i) + "]").c_str(), &grad_slices[i], status)) return;
+  }
   EncodeKernel(ctx, kLibrary, k.kernel_name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
                  // The scalars, bound once: bindings persist across the dispatches of an encoder.
-                 [encoder setBuffer:TensorBuffer(scalars[0].get()) offset:0 atIndex:5];  // device const T* lr [[buffer(5)]]
-                 [encoder setBuffer:TensorBuffer(scalars[1].get()) offset:0 atIndex:6];  // device const T* beta1 [[buffer(6)]]
-                 [encoder setBuffer:TensorBuffer(scalars[2].get()) offset:0 atIndex:7];  // device const T* beta2 [[buffer(7)]]
-                 [encoder setBuffer:TensorBuffer(scalars[3].get()) offset:0 atIndex:8];  // device const T* epsilon [[buffer(8)]]
-                 [encoder setBuffer:TensorBuffer(scalars[4].get()) offset:0 atIndex:9];  // device const T* beta1_power [[buffer(9)]]
-                 [encoder setBuffer:TensorBuffer(scalars[5].get()) offset:0 atIndex:10];  // device const T* beta2_power [[buffer(10)]]
+                 const MetalSlice* sc = scalar_slices.data();
+                 [encoder setBuffer:sc[0].buffer offset:sc[0].offset atIndex:5];  // device const T* lr [[buffer(5)]]
+                 [encoder setBuffer:sc[1].buffer offset:sc[1].offset atIndex:6];  // device const T* beta1 [[buffer(6)]]
+                 [encoder setBuffer:sc[2].buffer offset:sc[2].offset atIndex:7];  // device const T* beta2 [[buffer(7)]]
+                 [encoder setBuffer:sc[3].buffer offset:sc[3].offset atIndex:8];  // device const T* epsilon [[buffer(8)]]
+                 [encoder setBuffer:sc[4].buffer offset:sc[4].offset atIndex:9];  // device const T* beta1_power [[buffer(9)]]
+                 [encoder setBuffer:sc[5].buffer offset:sc[5].offset atIndex:10];  // device const T* beta2_power [[buffer(10)]]
                  // device const T* weight_decay_rate [[buffer(11)]]; without decay lr is a
                  // placeholder the kernel does not read (p.has_decay == 0).
-                 [encoder setBuffer:TensorBuffer(scalars[has_decay ? 6 : 0].get()) offset:0 atIndex:11];
+                 const MetalSlice& decay = sc[has_decay ? 6 : 0];
+                 [encoder setBuffer:decay.buffer offset:decay.offset atIndex:11];
                  for (int i = 0; i < n; ++i) {
                    // Without AMSGrad var is vhat's placeholder (not read: p.amsgrad == 0).
-                   TF_Tensor* vhat = vars[(amsgrad ? 3 * n : 0) + i].get();
+                   const MetalSlice& var = var_slices[i];
+                   const MetalSlice& m = var_slices[n + i];
+                   const MetalSlice& v = var_slices[2 * n + i];
+                   const MetalSlice& vhat = var_slices[(amsgrad ? 3 * n : 0) + i];
+                   const MetalSlice& grad = grad_slices[i];
                    // Nothing is dispatched for an empty variable.
                    DispatchChunked1D(encoder, pipeline, TF_TensorElementCount(grads[i].get()), element_size,
                                      [&](NSUInteger offset, uint32_t count) {
                      const tfm_multi_tensor_adam_params params{count, amsgrad, has_decay};
-                     [encoder setBuffer:TensorBuffer(vars[i].get()) offset:offset atIndex:0];  // device T* var [[buffer(0)]]
-                     [encoder setBuffer:TensorBuffer(vars[n + i].get()) offset:offset atIndex:1];  // device T* m [[buffer(1)]]
-                     [encoder setBuffer:TensorBuffer(vars[2 * n + i].get()) offset:offset atIndex:2];  // device T* v [[buffer(2)]]
-                     [encoder setBuffer:TensorBuffer(vhat) offset:offset atIndex:3];  // device T* vhat [[buffer(3)]]
-                     [encoder setBuffer:TensorBuffer(grads[i].get()) offset:offset atIndex:4];  // device const T* grad [[buffer(4)]]
+                     [encoder setBuffer:var.buffer offset:var.offset + offset atIndex:0];  // device T* var [[buffer(0)]]
+                     [encoder setBuffer:m.buffer offset:m.offset + offset atIndex:1];  // device T* m [[buffer(1)]]
+                     [encoder setBuffer:v.buffer offset:v.offset + offset atIndex:2];  // device T* v [[buffer(2)]]
+                     [encoder setBuffer:vhat.buffer offset:vhat.offset + offset atIndex:3];  // device T* vhat [[buffer(3)]]
+                     [encoder setBuffer:grad.buffer offset:grad.offset + offset atIndex:4];  // device const T* grad [[buffer(4)]]
                      SetBytes(encoder, params, 12);  // constant tfm_multi_tensor_adam_params& p [[buffer(12)]]
                    });
                  }
@@ -308,7 +326,12 @@ void Run(const AdamKernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
 // Resource handles live in host memory on every device (DT_RESOURCE); grads
 // and scalars stay in device memory.
 const KernelRegistrar registrar([] {
-  if (!Variables().available()) return;  // this TF does not export the variable API
+  if (!Variables().available()) {
+    RecordNotRegistered("TfmetalExt>MultiTensorAdam",
+                        "this TensorFlow does not export the resource-variable kernel C API "
+                        "(TF_GetInputTensorFromVariable, TF_MaybeLockVariableInputMutexesInOrder: TF 2.20/2.21)");
+    return;
+  }
   RegisterFloatKernels<AdamKernel, &Run>("TfmetalExt>MultiTensorAdam", &Create);
 });
 

@@ -1,6 +1,7 @@
 // softshrink_metal.mm: Metal (GPU) kernels of TfmetalExt>Softshrink and
 // TfmetalExt>SoftshrinkGrad, registered through TF's C kernel API for the
-// tensorflow-metal PluggableDevice. Objective-C++ with ARC, macOS arm64 only.
+// Metal PluggableDevice (either backend: see metal_helper.h). Objective-C++ with
+// ARC, macOS arm64 only.
 //
 // Thin by design: check the inputs, allocate the output, bind the buffers
 // (metal_helper does registration, the stream, pipelines, sizing and the
@@ -50,14 +51,14 @@ void SoftshrinkCompute(const SoftshrinkKernel& kernel, TF_OpKernelContext* ctx, 
   const int64_t n = TF_TensorElementCount(x.get());
   if (n == 0) return;  // Metal rejects empty dispatches
   const float lambd = kernel.lambd;
-  TF_Tensor* x_t = x.get();
-  TF_Tensor* y_t = y.get();
+  MetalSlice xs, ys;
+  if (!Resolve(x.get(), "x", &xs, status) || !Resolve(y.get(), "y", &ys, status)) return;
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
                  DispatchChunked1D(encoder, pipeline, n, TF_DataTypeSize(dtype), [&](NSUInteger offset, uint32_t count) {
                    const tfm_softshrink_params params{count, lambd};
-                   [encoder setBuffer:TensorBuffer(x_t) offset:offset atIndex:0];  // device const T* x [[buffer(0)]]
-                   [encoder setBuffer:TensorBuffer(y_t) offset:offset atIndex:1];  // device T* y [[buffer(1)]]
+                   [encoder setBuffer:xs.buffer offset:xs.offset + offset atIndex:0];  // device const T* x [[buffer(0)]]
+                   [encoder setBuffer:ys.buffer offset:ys.offset + offset atIndex:1];  // device T* y [[buffer(1)]]
                    SetBytes(encoder, params, 2);  // constant tfm_softshrink_params& p [[buffer(2)]]
                  });
                });
@@ -77,16 +78,18 @@ void SoftshrinkGradCompute(const SoftshrinkKernel& kernel, TF_OpKernelContext* c
   const int64_t n = TF_TensorElementCount(x.get());
   if (n == 0) return;
   const float lambd = kernel.lambd;
-  TF_Tensor* dy_t = dy.get();
-  TF_Tensor* x_t = x.get();
-  TF_Tensor* dx_t = dx.get();
+  MetalSlice dys, xs, dxs;
+  if (!Resolve(dy.get(), "dy", &dys, status) || !Resolve(x.get(), "x", &xs, status) ||
+      !Resolve(dx.get(), "dx", &dxs, status)) {
+    return;
+  }
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
                  DispatchChunked1D(encoder, pipeline, n, TF_DataTypeSize(dtype), [&](NSUInteger offset, uint32_t count) {
                    const tfm_softshrink_params params{count, lambd};
-                   [encoder setBuffer:TensorBuffer(dy_t) offset:offset atIndex:0];  // device const T* dy [[buffer(0)]]
-                   [encoder setBuffer:TensorBuffer(x_t) offset:offset atIndex:1];   // device const T* x [[buffer(1)]]
-                   [encoder setBuffer:TensorBuffer(dx_t) offset:offset atIndex:2];  // device T* dx [[buffer(2)]]
+                   [encoder setBuffer:dys.buffer offset:dys.offset + offset atIndex:0];  // device const T* dy [[buffer(0)]]
+                   [encoder setBuffer:xs.buffer offset:xs.offset + offset atIndex:1];   // device const T* x [[buffer(1)]]
+                   [encoder setBuffer:dxs.buffer offset:dxs.offset + offset atIndex:2];  // device T* dx [[buffer(2)]]
                    SetBytes(encoder, params, 3);  // constant tfm_softshrink_params& p [[buffer(3)]]
                  });
                });

@@ -160,3 +160,92 @@ def test_non_editable_install_builds_from_shipped_sources(tmp_path):
     result = run_python(code, tmp_path / "cache", env={"PYTHONPATH": str(target)}, cwd=tmp_path)
     assert "STATUS True" in result.stdout
     assert str(tmp_path / "cache") in result.stdout
+
+
+# ----------------------------------------------------------------------------
+# status(): which kernels each op has, and why no GPU kernel (the Metal host
+# code's records are faked here: no Metal build runs on Linux).
+
+
+def _fake_metal_library(monkeypatch, text):
+    """The loader's state as after loading a Metal build whose host code recorded `text`."""
+    import dataclasses as dc
+
+    plan = dc.replace(_loader.plan(), units=(Path("metal/softshrink_metal.mm"),))
+    assert plan.with_metal
+    monkeypatch.setattr(_loader, "_state", _loader._State(module=object(), plan=plan, attempted=True))
+    monkeypatch.setattr(_loader, "_read_gpu_status_text", lambda library: text)
+    monkeypatch.delenv("TFMETAL_EXT_REFERENCE_OPS", raising=False)
+
+
+def test_status_reports_gpu_kernels_per_op(monkeypatch):
+    from tfmetal_ext.backends import fusion
+
+    records = "".join(f"{n}\t1\ttensorflow-metal-plugin\t\n" for op in fusion.CUSTOM_OPS.values() for n in op.op_names)
+    _fake_metal_library(monkeypatch, records)
+    st = ops.status(load=False)
+    assert st.metal_kernels and st.metal_backend == "tensorflow-metal-plugin"
+    assert set(st.kernels) == set(fusion.CUSTOM_OPS)
+    assert all(k == {"cpu": True, "gpu": True, "gpu_reason": None} for k in st.kernels.values())
+    assert "for tensorflow-metal-plugin" in str(st) and "no GPU kernel" not in str(st)
+
+
+def test_status_says_why_an_op_has_no_gpu_kernel(monkeypatch):
+    unbound = "tensorflow-metal-plugin 0.5.0 is installed; verified against 0.4.1 only"
+    no_api = "this TensorFlow does not export the resource-variable kernel C API"
+    text = (f"TfmetalExt>Softshrink\t0\ttensorflow-metal-plugin\t{unbound}\n"
+            f"TfmetalExt>SoftshrinkGrad\t0\ttensorflow-metal-plugin\t{unbound}\n"
+            "TfmetalExt>LayerNorm\t1\ttensorflow-metal-plugin\t\n"  # its gradient op recorded nothing
+            f"TfmetalExt>MultiTensorAdam\t0\ttensorflow-metal-plugin\t{no_api}\n")
+    _fake_metal_library(monkeypatch, text)
+    st = ops.status(load=False)
+    assert st.kernels["softshrink"] == {"cpu": True, "gpu": False, "gpu_reason": unbound}
+    assert st.kernels["multi_tensor_adam"] == {"cpu": True, "gpu": False, "gpu_reason": no_api}
+    assert not st.kernels["layer_norm"]["gpu"]
+    assert "TfmetalExt>LayerNormGrad" in st.kernels["layer_norm"]["gpu_reason"]
+    assert st.to_dict()["kernels"]["softshrink"]["gpu_reason"] == unbound
+    text_form = str(st)
+    assert f"softshrink: no GPU kernel ({unbound})" in text_form
+    assert f"multi_tensor_adam: no GPU kernel ({no_api})" in text_form
+
+
+def test_one_log_line_names_the_ops_without_gpu_kernels(monkeypatch, caplog):
+    reason = "no Metal PluggableDevice (libmetal_plugin.dylib) is loaded in this process"
+    _fake_metal_library(monkeypatch, f"TfmetalExt>Softshrink\t0\t\t{reason}\nTfmetalExt>LayerNorm\t0\t\t{reason}\n"
+                                     "TfmetalExt>MultiTensorAdam\t1\ttensorflow-metal\t\n")
+    with caplog.at_level("WARNING", logger="tfmetal_ext"):
+        _loader._log_gpu_fallback()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1
+    assert "TfmetalExt>LayerNorm, TfmetalExt>Softshrink: " + reason in lines[0]
+    assert "MultiTensorAdam" not in lines[0]
+    caplog.clear()
+    _fake_metal_library(monkeypatch, "TfmetalExt>Softshrink\t1\ttensorflow-metal\t\n")
+    with caplog.at_level("WARNING", logger="tfmetal_ext"):
+        _loader._log_gpu_fallback()
+    assert not caplog.records  # every op bound: nothing to say
+
+
+def test_status_without_metal_kernels_says_so():
+    st = ops.status()
+    if _loader.is_macos_arm():
+        pytest.skip("a macOS arm64 build has Metal kernels")
+    assert st.metal_backend is None
+    assert all(k["cpu"] and not k["gpu"] and "no Metal kernels" in k["gpu_reason"] for k in st.kernels.values())
+
+
+def test_malformed_gpu_records_are_an_error():
+    with pytest.raises(ValueError, match="Received: line="):
+        _loader.parse_gpu_registrations("TfmetalExt>Softshrink\tyes\n")
+
+
+def test_the_loader_tells_the_host_code_which_metal_plugins_are_installed(monkeypatch):
+    from tfmetal_ext import devices
+
+    monkeypatch.setattr(devices, "_metal_plugins", lambda: {"tensorflow-metal-plugin": "0.4.1"})
+    assert _loader.installed_metal_plugins() == "tensorflow-metal-plugin==0.4.1"
+    monkeypatch.setattr(devices, "_metal_plugins", lambda: {})
+    assert _loader.installed_metal_plugins() == ""
+    from tfmetal_ext.backends import metal_plugin
+
+    assert _loader.metal_defines() == (f'-DTFMETAL_EXT_OPEN_PLUGIN_VERIFIED="{metal_plugin.PIN}"',)

@@ -6,9 +6,22 @@
 - every buffer binding's comment names a kernel parameter declared at that
   [[buffer(n)]] index, and every kernel parameter is bound somewhere;
 - the macOS branch of the op loader writes the embedded kernel sources and puts
-  them on the include path (its compiler command is run as a syntax check).
-What stays unverified here: linking against the real frameworks and running on a GPU
-(`pytest -m metal` on a Mac).
+  them on the include path (its compiler command is run as a syntax check);
+- against the open tensorflow-metal-plugin's real headers (its pinned sdist,
+  fetched by `tfmetal_ext.testing.metal_plugin_source`; skipped with the reason
+  when no index is reachable): every .mm compiles with them included, our
+  declaration of its stream (custom_ops/metal/metal_plugin_stream.h) has the
+  offsets, size and alignment of its SP_Stream_st (static_asserts; a swapped
+  field fails them), and the symbol names we dlsym are what clang mangles for
+  its declarations;
+- the load-time decision (metal_binding.h: which backend, GPU kernels or not,
+  and why), its status text as tfmetal_ext.ops reads it, the plugin's
+  synchronous-mode rule, and the stream-sequence protocol under contention
+  (Submission from many threads: commit order is number order, every buffer
+  waits for its predecessor) compiled with the host C++ compiler and run.
+What stays unverified here: linking against the real frameworks, the dyld
+probe of the loaded images, Metal itself and running on a GPU, on either
+backend (`pytest -m metal` and `tfmetal-ext doctor --selftest` on a Mac).
 """
 
 import importlib.util
@@ -22,6 +35,8 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
+from tfmetal_ext import testing
+from tfmetal_ext.backends import metal_plugin
 from tfmetal_ext.ops import _loader
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,7 +46,10 @@ HOST_FILES = sorted(METAL_DIR.glob("*.mm"))
 OP_HOST_FILES = [f for f in HOST_FILES if f.name != "metal_helper.mm"]
 # No macOS SDK here: the Objective-C runtime must be named for -fobjc-arc.
 SYNTAX_FLAGS = ["-fsyntax-only", "-x", "objective-c++", "-std=c++17", "-fobjc-runtime=macosx-13.0", "-fobjc-arc",
-                "-fblocks", "-Wall", "-Werror"]
+                "-fblocks", "-Wall", "-Werror"] + list(_loader.metal_defines())
+# The open plugin's sources are manual retain/release (no ARC), as it builds them.
+PLUGIN_FLAGS = ["-x", "objective-c++", "-std=c++17", "-fobjc-runtime=macosx-13.0", "-fblocks", "-Wall", "-Werror"]
+PLUGIN_METAL = "tensorflow/core/common_runtime/metal"
 SDKS = {"sdk-macos14": [], "sdk-macos15": ["-D__MAC_15_0=150000"]}
 _RUN = subprocess.run  # test_macos_build_embeds_the_kernel_sources replaces subprocess.run
 
@@ -72,6 +90,17 @@ def embedded(tmp_path_factory):
     out = tmp_path_factory.mktemp("metal_sources")
     _load_embed().write_embedded_sources(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def plugin_src():
+    """The pinned tensorflow-metal-plugin sdist's src/ (its headers)."""
+    try:
+        root = testing.metal_plugin_source()
+    except testing.SourceUnavailable as e:
+        pytest.skip(str(e))
+    assert (root / "TF_SUPPORTED_VERSION").read_text().strip() == metal_plugin.TF_VERSION
+    return root / "src"
 
 
 def syntax_check(clang, sources, include_dirs, extra=()):
@@ -157,6 +186,7 @@ def test_macos_build_embeds_the_kernel_sources(clang, tmp_path, monkeypatch):
         assert headers == sorted(f"{p.stem}_metal_source.h" for p in METAL_DIR.glob("*.metal"))
         mm = [c for c in cmd if c.endswith(".mm")]
         assert cmd.index("objective-c++") < cmd.index(mm[0]) and "-fobjc-arc" in cmd
+        assert set(_loader.metal_defines()) <= set(cmd)  # the open plugin's verified release, from the pin
         syntax_check(clang, mm, includes)
         Path(cmd[cmd.index("-o") + 1]).write_bytes(b"not a library")
         return subprocess.CompletedProcess(cmd, 0, "", "")
@@ -164,3 +194,323 @@ def test_macos_build_embeds_the_kernel_sources(clang, tmp_path, monkeypatch):
     monkeypatch.setattr(_loader.subprocess, "run", fake_run)
     _loader._compile(plan)
     assert "cmd" in seen and plan.library.read_bytes() == b"not a library"
+
+
+# ----------------------------------------------------------------------------
+# The open tensorflow-metal-plugin: its real headers.
+
+
+@pytest.mark.parametrize("source", HOST_FILES, ids=lambda p: p.name)
+def test_metal_host_code_compiles_with_the_plugins_headers(clang, embedded, plugin_src, source):
+    # The plugin's stream, registry and kernel-util declarations included in
+    # front of our host code: no clash with our own declaration of its stream.
+    pre = [f"{PLUGIN_METAL}/metal_stream.h", f"{PLUGIN_METAL}/metal_buffer_registry.h",
+           f"{PLUGIN_METAL}/kernels/metal_kernel_util.h"]
+    for header in pre:
+        assert (plugin_src / header).is_file(), header
+    extra = [arg for h in pre for arg in ("-include", h)]
+    syntax_check(clang, [source], [plugin_src, ROOT / "custom_ops" / "include", ROOT / "custom_ops", embedded], extra)
+
+
+LAYOUT_TU = """
+#include <cstddef>
+#include <string>
+#include <type_traits>
+
+#include "{plugin}/metal_stream.h"
+#include "{plugin}/metal_buffer_registry.h"
+#include "{ours}"
+
+using Ours = tfmetal_ext::open_plugin::StreamLayout;
+using Theirs = SP_Stream_st;
+#pragma clang diagnostic ignored "-Winvalid-offsetof"  // neither is standard-layout; offsetof works in clang
+
+#define SAME_FIELD(f, type)                                                              \\
+  static_assert(offsetof(Theirs, f) == offsetof(Ours, f), "offset of " #f);              \\
+  static_assert(sizeof(Theirs::f) == sizeof(Ours::f), "size of " #f);                    \\
+  static_assert(std::is_same<decltype(Ours::f), type>::value, "our type of " #f)
+
+SAME_FIELD(queue, void*);
+SAME_FIELD(order_event, void*);
+SAME_FIELD(submit, absl::Mutex);
+SAME_FIELD(mu, absl::Mutex);
+SAME_FIELD(last_enqueued, uint64_t);
+SAME_FIELD(failed, bool);
+SAME_FIELD(failure_message, std::string);
+static_assert(std::is_same<decltype(Theirs::submit), absl::Mutex>::value, "their submit");
+static_assert(std::is_same<decltype(Theirs::mu), absl::Mutex>::value, "their mu");
+static_assert(std::is_same<decltype(Theirs::last_enqueued), uint64_t>::value, "their last_enqueued");
+static_assert(std::is_same<decltype(Theirs::failed), bool>::value, "their failed");
+static_assert(std::is_same<decltype(Theirs::failure_message), std::string>::value, "their failure_message");
+static_assert(sizeof(Theirs::queue) == sizeof(void*) && sizeof(Theirs::order_event) == sizeof(void*), "object pointers");
+static_assert(sizeof(Theirs) == sizeof(Ours), "size of the stream");
+static_assert(alignof(Theirs) == alignof(Ours), "alignment of the stream");
+
+// The registry functions we call through C-level pointers: their declared signatures.
+namespace plugin = tensorflow::metal;
+static_assert(std::is_same<decltype(&plugin::MetalBufferRegistry::Global), plugin::MetalBufferRegistry& (*)()>::value,
+              "MetalBufferRegistry::Global");
+static_assert(std::is_same<decltype(&plugin::MetalBufferRegistry::Lookup),
+                           bool (plugin::MetalBufferRegistry::*)(const void*, id<MTLBuffer>*, size_t*) const>::value,
+              "MetalBufferRegistry::Lookup");
+static_assert(std::is_same<decltype(&plugin::NoteCommandBufferCompletion), void (*)(SP_Stream, id<MTLCommandBuffer>)>::value,
+              "NoteCommandBufferCompletion");
+"""
+
+
+def _layout_check(clang, plugin_src, ours):
+    tu = ours.parent / "layout_check.mm"
+    tu.write_text(LAYOUT_TU.replace("{plugin}", PLUGIN_METAL).replace("{ours}", str(ours)))
+    cmd = [clang, "-fsyntax-only"] + PLUGIN_FLAGS + ["-I", str(STUBS), "-I", tf.sysconfig.get_include(),
+                                                     "-I", str(plugin_src), str(tu)]
+    return _RUN(cmd, capture_output=True, text=True, timeout=600)
+
+
+def test_our_stream_layout_is_the_plugins(clang, plugin_src, tmp_path):
+    ours = tmp_path / "metal_plugin_stream.h"
+    ours.write_text((METAL_DIR / "metal_plugin_stream.h").read_text())
+    result = _layout_check(clang, plugin_src, ours)
+    assert result.returncode == 0, "our SP_Stream_st layout differs from the plugin's:\n" + result.stderr[-10000:]
+
+
+def test_a_wrong_stream_layout_fails_the_layout_check(clang, plugin_src, tmp_path):
+    # The check can fail: the same header with two fields swapped.
+    text = (METAL_DIR / "metal_plugin_stream.h").read_text()
+    a, b = "  absl::Mutex submit;", "  absl::Mutex mu;"
+    assert a in text and b in text
+    ours = tmp_path / "metal_plugin_stream.h"
+    ours.write_text(text.replace(a, "@@A@@").replace(b, a).replace("@@A@@", b)
+                    .replace("  uint64_t last_enqueued;\n  bool failed;", "  bool failed;\n  uint64_t last_enqueued;"))
+    result = _layout_check(clang, plugin_src, ours)
+    assert result.returncode != 0
+    assert "offset of last_enqueued" in result.stderr
+
+
+_SYMBOL = re.compile(r'constexpr char (k\w+Symbol)\[\]\s*=\s*"([^"]+)"')
+
+SYMBOLS_TU = """
+#include "{plugin}/metal_stream.h"
+#include "{plugin}/metal_buffer_registry.h"
+#include "{plugin}/kernels/metal_kernel_util.h"
+namespace plugin = tensorflow::metal;
+// Addresses of the plugin's declared functions: the object file names each as
+// an undefined symbol, spelled as the linker (and dlsym) sees it.
+bool (plugin::MetalBufferRegistry::*lookup)(const void*, id<MTLBuffer>*, size_t*) const = &plugin::MetalBufferRegistry::Lookup;
+plugin::MetalBufferRegistry& (*global)() = &plugin::MetalBufferRegistry::Global;
+bool (*synchronous_mode)() = &plugin::SynchronousMode;
+void (*note_completion)(SP_Stream, id<MTLCommandBuffer>) = &plugin::NoteCommandBufferCompletion;
+"""
+
+
+def test_the_symbols_we_look_up_are_the_plugins(clang, plugin_src, tmp_path):
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm (binutils) is not installed: the mangled names cannot be listed")
+    ours = dict(_SYMBOL.findall((METAL_DIR / "metal_plugin_stream.h").read_text()))
+    assert set(ours) == {"kRegistryGlobalSymbol", "kRegistryLookupSymbol", "kSynchronousModeSymbol",
+                         "kNoteCompletionSymbol"}
+    tu = tmp_path / "symbols.mm"
+    tu.write_text(SYMBOLS_TU.replace("{plugin}", PLUGIN_METAL))
+    obj = tmp_path / "symbols.o"
+    cmd = [clang, "-c"] + PLUGIN_FLAGS + ["-I", str(STUBS), "-I", tf.sysconfig.get_include(), "-I", str(plugin_src),
+                                          str(tu), "-o", str(obj)]
+    result = _RUN(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-10000:]
+    undefined = set(_RUN([nm, "-u", str(obj)], capture_output=True, text=True).stdout.split()) - {"U"}
+    # Itanium mangling is the same on Linux and macOS (which only adds a leading
+    # underscore in the Mach-O symbol table; dlsym takes the name without it).
+    for name, symbol in ours.items():
+        assert symbol in undefined, f"{name} = {symbol} is not what the plugin declares; it declares {sorted(undefined)}"
+
+
+# ----------------------------------------------------------------------------
+# The load-time decision, the status text and the stream sequence, run here.
+
+DRIVER_CC = r"""
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "metal/metal_binding.h"
+#include "metal/metal_plugin_stream.h"
+
+using namespace tfmetal_ext;
+
+// A stream laid out as the plugin's (the layout test checks ours is its).
+struct FakeStream {
+  void* queue = nullptr;
+  void* order_event = nullptr;
+  absl::Mutex submit;
+  absl::Mutex mu;
+  uint64_t last_enqueued = 0;
+  bool failed = false;
+  std::string failure_message;
+};
+static_assert(sizeof(FakeStream) == sizeof(open_plugin::StreamLayout), "fake stream layout");
+
+int Decide(int argc, char** argv) {
+  binding::Probe probe;
+  probe.plugin_images = std::atoi(argv[2]);
+  probe.open_plugin_images = std::atoi(argv[3]);
+  probe.registry_lookup = std::strcmp(argv[4], "1") == 0;
+  probe.installed = std::strcmp(argv[5], "-") == 0 ? nullptr : argv[5];
+  const binding::Decision d = binding::Decide(probe, argv[6]);
+  std::printf("%s\t%d\t%s\n", d.backend, d.gpu ? 1 : 0, d.reason.c_str());
+  return 0;
+}
+
+int Format() {
+  std::vector<binding::OpRecord> records(3);
+  records[0].op = "TfmetalExt>LayerNorm"; records[0].gpu = true; records[0].backend = binding::kOpenPlugin;
+  records[1].op = "TfmetalExt>Softshrink"; records[1].backend = binding::kOpenPlugin;
+  records[1].reason = "a reason\twith a tab\nand a newline";
+  records[2].op = "TfmetalExt>MultiTensorAdam"; records[2].reason = "no backend";
+  std::fputs(binding::FormatRecords(records).c_str(), stdout);
+  return 0;
+}
+
+int Sync(char** argv) {
+  const char* env = std::strcmp(argv[2], "-") == 0 ? nullptr : argv[2];
+  std::printf("%d\n", open_plugin::SynchronousModeRule(env, std::strcmp(argv[3], "1") == 0) ? 1 : 0);
+  return 0;
+}
+
+// Many threads submit to one stream as the host code does: take a number,
+// (sometimes fail to get a command buffer and give it back), "commit". The
+// commit log must hold every committed number once, in order, each waiting
+// for the one committed before it.
+int Sequence(char** argv) {
+  const int threads = std::atoi(argv[2]), per_thread = std::atoi(argv[3]);
+  FakeStream fake;
+  auto* stream = reinterpret_cast<open_plugin::StreamLayout*>(&fake);
+  std::vector<std::pair<uint64_t, uint64_t>> commits;  // (wait, signal) in commit order
+  std::mutex log_mutex;
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int i = 0; i < per_thread; ++i) {
+        open_plugin::Submission s(stream);
+        if ((i + t) % 7 == 3) {  // no command buffer
+          s.Cancel();
+          continue;
+        }
+        for (int y = 0; y < 4; ++y) std::this_thread::yield();  // encoding: let other threads in
+        {
+          std::lock_guard<std::mutex> lock(log_mutex);  // the queue's commit
+          commits.emplace_back(s.wait_value(), s.signal_value());
+        }
+        s.Release();
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  uint64_t expected_wait = 0;
+  for (const auto& c : commits) {
+    if (c.first != expected_wait || c.second != c.first + 1) {
+      std::printf("out of order: waits for %llu, signals %llu, after %llu\n", (unsigned long long)c.first,
+                  (unsigned long long)c.second, (unsigned long long)expected_wait);
+      return 1;
+    }
+    expected_wait = c.second;
+  }
+  absl::MutexLock lock(&fake.mu);
+  std::printf("%zu %llu\n", commits.size(), (unsigned long long)fake.last_enqueued);
+  return fake.last_enqueued == commits.size() ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  if (argc >= 7 && std::strcmp(argv[1], "decide") == 0) return Decide(argc, argv);
+  if (argc >= 2 && std::strcmp(argv[1], "format") == 0) return Format();
+  if (argc >= 4 && std::strcmp(argv[1], "sync") == 0) return Sync(argv);
+  if (argc >= 4 && std::strcmp(argv[1], "sequence") == 0) return Sequence(argv);
+  return 2;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory):
+    """metal_binding.h and metal_plugin_stream.h in a small program, built with TF's flags (absl from TF)."""
+    compiler = _loader.find_compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler found: the binding logic cannot be built here")
+    out = tmp_path_factory.mktemp("binding")
+    src = out / "driver.cc"
+    src.write_text(DRIVER_CC)
+    exe = out / "driver"
+    cmd = shlex.split(compiler) + ["-std=c++17", "-O1", "-pthread"] + list(tf.sysconfig.get_compile_flags())
+    cmd += ["-I", str(ROOT / "custom_ops"), str(src), "-o", str(exe)] + list(tf.sysconfig.get_link_flags())
+    cmd += [f"-Wl,-rpath,{tf.sysconfig.get_lib()}"]
+    result = _RUN(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-10000:]
+    return exe
+
+
+def _drive(driver, *args):
+    result = _RUN([str(driver)] + [str(a) for a in args], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, (args, result.stdout, result.stderr)
+    return result.stdout
+
+
+PIN = metal_plugin.PIN
+OPEN = f"tensorflow-metal-plugin=={PIN}"
+APPLE = "tensorflow-metal==1.2.0"
+
+
+@pytest.mark.parametrize(
+    "probe, backend, gpu, reason",
+    [
+        # (plugin images, open-plugin images, Lookup exported, installed), expected.
+        ((1, 1, 1, OPEN), "tensorflow-metal-plugin", True, ""),
+        ((1, 0, 0, APPLE), "tensorflow-metal", True, ""),
+        ((1, 0, 0, "-"), "tensorflow-metal", True, ""),  # loaded by hand: Apple's image has no registry
+        ((1, 1, 1, "tensorflow-metal-plugin==0.5.0"), "tensorflow-metal-plugin", False, f"verified against {PIN} only"),
+        ((1, 1, 0, OPEN), "tensorflow-metal-plugin", False, "does not export MetalBufferRegistry::Lookup"),
+        ((1, 1, 1, "-"), "tensorflow-metal-plugin", False, "version is unknown"),
+        ((1, 1, 1, APPLE), "tensorflow-metal-plugin", False, "distribution is not installed"),
+        ((1, 0, 0, OPEN), "tensorflow-metal-plugin", False, "exports none of the symbols"),
+        ((1, 1, 1, f"{APPLE},{OPEN}"), "", False, "both tensorflow-metal and tensorflow-metal-plugin"),
+        ((0, 0, 0, OPEN), "", False, "no Metal PluggableDevice"),
+        ((0, 0, 0, ""), "", False, "no Metal PluggableDevice"),
+        ((2, 1, 1, OPEN), "", False, "ambiguous"),
+        ((1, 0, 0, ""), "", False, "no Metal plugin distribution is installed"),
+    ],
+)
+def test_which_backend_gets_gpu_kernels(driver, probe, backend, gpu, reason):
+    out = _drive(driver, "decide", *probe, PIN).rstrip("\n").split("\t")
+    assert out[0] == backend and out[1] == ("1" if gpu else "0")
+    assert (reason in out[2]) if reason else out[2] == ""
+
+
+def test_status_text_round_trips_to_python(driver):
+    records = _loader.parse_gpu_registrations(_drive(driver, "format"))
+    assert records["TfmetalExt>LayerNorm"] == _loader.GpuRegistration(
+        "TfmetalExt>LayerNorm", True, "tensorflow-metal-plugin", None)
+    assert records["TfmetalExt>Softshrink"].reason == "a reason with a tab and a newline"
+    assert not records["TfmetalExt>Softshrink"].gpu
+    assert records["TfmetalExt>MultiTensorAdam"].backend is None
+
+
+@pytest.mark.parametrize("env, variable_api, synchronous", [
+    ("-", "0", 1),  # TF 2.20/2.21: no resource-variable C API, every kernel waits
+    ("-", "1", 0),
+    ("0", "0", 0),
+    ("1", "1", 1),
+    ("yes", "1", 1),
+    ("", "1", 0),  # empty: as if unset
+])
+def test_synchronous_mode_follows_the_plugins_rule(driver, env, variable_api, synchronous):
+    assert _drive(driver, "sync", env, variable_api).strip() == str(synchronous)
+
+
+def test_stream_sequence_under_contention(driver):
+    # A Submission without the submit lock fails this in about half the rounds on 2 cores.
+    threads, per_thread = 8, 1000
+    cancelled = sum(1 for t in range(threads) for i in range(per_thread) if (i + t) % 7 == 3)
+    for _ in range(5):
+        count, last = _drive(driver, "sequence", threads, per_thread).split()
+        assert int(count) == threads * per_thread - cancelled == int(last)

@@ -43,6 +43,23 @@ _BUILD_FLAGS = ("-std=c++17", "-shared", "-fPIC", "-O3", "-fno-math-errno", "-Wa
                "-Wno-unused-function", "-Wno-deprecated-declarations")
 
 
+# The Metal host code's declaration of tensorflow-metal-plugin's stream
+# (custom_ops/metal/metal_plugin_stream.h) is checked against this release's
+# headers (tests/ops/test_metal_host_code.py); the op library binds to that
+# plugin only at this release. Passed to the compiler from the one pin.
+def metal_defines() -> tuple:
+    """The preprocessor definitions the Metal host code is compiled with."""
+    from tfmetal_ext.backends import metal_plugin
+
+    return (f'-DTFMETAL_EXT_OPEN_PLUGIN_VERIFIED="{metal_plugin.PIN}"',)
+
+
+# The environment variable through which the Metal host code learns which
+# Metal plugin distributions are installed ("name==version", comma-separated),
+# set before the library loads (custom_ops/metal/metal_binding.h).
+METAL_PLUGINS_ENV = "TFMETAL_EXT_METAL_PLUGINS"
+
+
 class BuildError(RuntimeError):
     """The op library failed to compile; the message holds the compiler's output."""
 
@@ -146,6 +163,8 @@ def plan(compiler: str | None = None) -> BuildPlan:
     for part in (tf.__version__, _compiler_identity(compiler), platform.machine(), sys.platform,
                  " ".join(compile_flags), " ".join(link_flags), " ".join(_BUILD_FLAGS)):
         digest.update(part.encode() + b"\0")
+    if is_macos_arm():
+        digest.update(" ".join(metal_defines()).encode() + b"\0")
     for f in files:
         digest.update(str(f.relative_to(src)).encode() + b"\0" + f.read_bytes() + b"\0")
     key = digest.hexdigest()[:20]
@@ -203,7 +222,7 @@ def _compile(p: BuildPlan) -> None:
                 embed.write_embedded_sources(embedded, sorted(src.glob("metal/*.metal")))
             except embed.FlattenError as e:
                 raise BuildError(f"embedding the Metal kernel sources failed: {e}") from e
-            cmd += ["-I", str(embedded)]
+            cmd += ["-I", str(embedded)] + list(metal_defines())
             cmd += ["-x", "objective-c++", "-fobjc-arc"] + [str(u) for u in p.units if u.suffix == ".mm"]
             cmd += ["-framework", "Foundation", "-framework", "Metal", "-undefined", "dynamic_lookup"]
         cmd += ["-o", str(out)] + list(p.link_flags)
@@ -289,6 +308,7 @@ def load():
             return _state.module
         try:
             _state.module, _state.plan = _load_or_rebuild()
+            _log_gpu_fallback()
         except (BuildError, FileNotFoundError, OSError) as e:
             _state.error = str(e)
             warnings.warn(
@@ -301,10 +321,21 @@ def load():
     return _state.module
 
 
+def installed_metal_plugins() -> str:
+    """``"name==version"`` of each installed Metal plugin distribution, comma-separated."""
+    from tfmetal_ext import devices
+
+    return ",".join(f"{name}=={version}" for name, version in sorted(devices._metal_plugins().items()))
+
+
 def _load_or_rebuild():
     import tensorflow as tf
 
     p = build()
+    if p.with_metal:
+        # Read by the Metal host code's static initializers while the library
+        # loads: which backend's stream it may bind to (metal_binding.h).
+        os.environ[METAL_PLUGINS_ENV] = installed_metal_plugins()
     try:
         return tf.load_op_library(str(p.library)), p
     except (tf.errors.NotFoundError, OSError) as e:
@@ -317,6 +348,87 @@ def _load_or_rebuild():
 
 def state() -> _State:
     return _state
+
+
+# ----------------------------------------------------------------------------
+# Which GPU kernels the Metal host code registered, and why not.
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuRegistration:
+    """One op's GPU kernel registration, as the Metal host code recorded it."""
+
+    op: str  # "TfmetalExt>LayerNorm"
+    gpu: bool
+    backend: str | None  # "tensorflow-metal", "tensorflow-metal-plugin", or None
+    reason: str | None  # why no GPU kernel, when not gpu
+
+
+def parse_gpu_registrations(text: str) -> dict:
+    """``{op: GpuRegistration}`` from ``TfmetalExt_MetalKernelStatus()``'s text.
+
+    One line per op, ``<op>\t<1|0>\t<backend>\t<reason>`` (``binding::FormatRecords``
+    in custom_ops/metal/metal_binding.h). Raises ValueError on a malformed line.
+    """
+    found = {}
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if len(parts) != 4 or parts[1] not in ("0", "1"):
+            raise ValueError(f"malformed GPU registration record. Received: line={line!r}")
+        op, gpu, backend, reason = parts
+        found[op] = GpuRegistration(op, gpu == "1", backend or None, reason or None)
+    return found
+
+
+def _read_gpu_status_text(library: Path) -> str | None:
+    """The loaded library's ``TfmetalExt_MetalKernelStatus()``, or None without it."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL(str(library))  # already loaded: the same image
+        fn = lib.TfmetalExt_MetalKernelStatus
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    raw = fn()
+    return raw.decode("utf-8", "replace") if raw is not None else None
+
+
+def gpu_registrations() -> dict | None:
+    """``{op: GpuRegistration}`` of the loaded library; None when it has no Metal kernels."""
+    if _state.module is None or _state.plan is None or not _state.plan.with_metal:
+        return None
+    text = _read_gpu_status_text(_state.plan.library)
+    if text is None:
+        return None
+    return parse_gpu_registrations(text)
+
+
+def gpu_fallback_message(registrations: dict) -> str | None:
+    """The one log line for ops without a GPU kernel on this Metal backend, or None."""
+    by_reason = {}
+    for r in registrations.values():
+        if not r.gpu:
+            by_reason.setdefault(r.reason or "no reason recorded", []).append(r.op)
+    if not by_reason:
+        return None
+    parts = "; ".join(f"{', '.join(sorted(ops))}: {reason}" for reason, ops in by_reason.items())
+    return (f"tfmetal_ext: custom ops with no Metal GPU kernel registered ({parts}); each runs its CPU kernel "
+            "where TF places it on the CPU, and its pure-TF reference where it would run on the GPU")
+
+
+def _log_gpu_fallback() -> None:
+    try:
+        registrations = gpu_registrations()
+    except ValueError as e:
+        logger.warning("tfmetal_ext: could not read the Metal kernels' registration status: %s", e)
+        return
+    message = gpu_fallback_message(registrations or {})
+    if message:
+        logger.warning("%s", message)
 
 
 def reset_for_tests() -> None:
