@@ -114,7 +114,7 @@ def test_selftest_passes_here(healthy):
         assert c.status in ("PASS", "SKIP"), c
         if c.status == "SKIP":
             assert c.detail and c.fix, c
-        elif c.name != "cpu_fallback":
+        elif c.name not in ("cpu_fallback", "metal_pairing"):
             assert 0 <= c.max_abs_err <= c.tolerance, c
             assert "float32" in c.dtypes
     assert healthy.device == (tf.config.list_logical_devices("GPU") or tf.config.list_logical_devices("CPU"))[0].name
@@ -154,7 +154,7 @@ def test_selftest_str_and_json(healthy):
 
 def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
-        "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
+        "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
         "multi_tensor_adam", "cpu_fallback",
     )
     for name, check in checks.REGISTRY.items():
@@ -273,7 +273,7 @@ def test_custom_op_failure_fix_says_report_it():
 
 @pytest.mark.parametrize("bad", [["matmul_bias_relu", "nope"], "matmul_bias_relu"])
 def test_bad_faults_argument(bad):
-    with pytest.raises(ValueError, match=r"`faults`.*conv_bias_relu.*cpu_fallback.*Received: faults="):
+    with pytest.raises(ValueError, match=r"`faults`.*metal_pairing.*conv_bias_relu.*cpu_fallback.*Received: faults="):
         doctor.selftest(checks=["conv_bias_relu"], faults=bad)
 
 
@@ -331,6 +331,175 @@ def test_selftest_on_metal_runs_float16_and_checks_matmul(healthy):
     # The known Metal miscompute: if it is there, the fix must be the safe form.
     check = healthy.check("matmul_bias_relu")
     assert check.status == "PASS" or "avoid_fusions=['matmul_bias_relu']" in check.fix
+
+
+# ----------------------------------------------------------------------------
+# The Metal backend: which plugin, its pairing and fixes, both installed, the self-test naming it
+
+APPLE, PLUGIN = "tensorflow-metal", "tensorflow-metal-plugin"
+# The published commands (REFERENCE.md sections 4 and 7; the plugin's README install section).
+UNINSTALL_APPLE = "pip uninstall -y tensorflow-metal"
+UNINSTALL_PLUGIN = "pip uninstall -y tensorflow-metal-plugin"
+INSTALL_PLUGIN = "pip install --no-cache-dir tensorflow-metal-plugin==0.4.1"
+APPLE_ROUTE = 'pip install "tensorflow>=2.16,<2.20" "tensorflow-metal==1.2.*"'
+
+# What another part of the package fills in the open plugin's table: fixed stand-ins here, so the test
+# checks that the doctor prints the table's entries, whatever they are.
+_LAYERS = {"LSTM": "emits CudnnRNNV3: no kernel on the plugin and none on the CPU; use FusedLSTM"}
+_HOST_OPS = {"ResourceApplyAdam": "not registered on TF 2.21 (kernel C API missing)",
+             "ResourceApplyKerasMomentum": "not registered on TF 2.21 (kernel C API missing)"}
+
+
+@pytest.fixture
+def mac(monkeypatch):
+    """A Mac with the given Metal plugins installed: probes replaced, op library state fixed."""
+    from tfmetal_ext import backends
+    from tfmetal_ext.doctor import report
+
+    real_table = backends.table
+
+    def table(key):
+        t = real_table(key)
+        if key == "metal_plugin":
+            return dataclasses.replace(t, unsupported_layers=_LAYERS, host_ops=_HOST_OPS)
+        return t
+
+    monkeypatch.setattr(backends, "table", table)
+    monkeypatch.setattr(report, "_ops_info", lambda: {
+        "built": True, "loaded": True, "library": "/x/lib.so", "tf_version": tf.__version__, "metal_kernels": True,
+        "reference_forced": False, "error": None, "metal_backend": PLUGIN,
+        "kernels": {"softshrink": {"cpu": True, "gpu": False, "gpu_reason": "stream type not recognised"},
+                    "layer_norm": {"cpu": True, "gpu": True, "gpu_reason": None}},
+    })
+
+    def set_mac(plugins, tf_version="2.21.0", python="3.12.8", macos="15.3"):
+        monkeypatch.setattr(devices, "_platform", lambda: ("Darwin", "arm64"))
+        monkeypatch.setattr(devices, "_gpu_devices", lambda: ["/physical_device:GPU:0"])
+        monkeypatch.setattr(devices, "_metal_plugins", lambda: dict(plugins))
+        monkeypatch.setattr(devices, "_python_version", lambda: python)
+        monkeypatch.setattr(devices, "_macos_version", lambda: macos)
+        monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset())
+        monkeypatch.setattr(tf, "__version__", tf_version)
+
+    return set_mac
+
+
+def _section(text, title):
+    lines = text.splitlines()
+    start = lines.index(title) + 1
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith(" ")), len(lines))
+    return "\n".join(lines[start:end])
+
+
+def test_doctor_on_the_open_plugin(mac):
+    mac({PLUGIN: "0.4.1"})
+    info = doctor.collect()
+    assert (info.metal_plugin, info.tensorflow_metal, info.pairing) == (PLUGIN, "0.4.1", "known-good")
+    assert info.errors == [] and info.pairing_fixes == []
+    text = str(info)
+    metal = _section(text, "Metal backend")
+    assert "tensorflow-metal-plugin 0.4.1 (the open plugin)" in metal and "known-good" in metal
+    # The table's notes, printed as they are: stock LSTM fails there, ResourceApply* on the host.
+    assert "LSTM: emits CudnnRNNV3" in metal
+    assert re.search(r"on the host.*ResourceApplyAdam, ResourceApplyKerasMomentum: not registered on TF 2.21", metal)
+    assert "\nErrors\n" not in text
+    # The op library's per-op GPU reason.
+    ops = _section(text, "Custom ops")
+    assert "softshrink: stream type not recognised" in ops and "layer_norm:" not in ops
+    assert "bound to tensorflow-metal-plugin" in ops
+
+
+def test_doctor_on_apple_plugin_known_good(mac):
+    mac({APPLE: "1.2.0"}, tf_version="2.19.1", python="3.12.8")
+    info = doctor.collect()
+    assert (info.metal_plugin, info.pairing, info.errors) == (APPLE, "known-good", [])
+    metal = _section(str(info), "Metal backend")
+    assert "tensorflow-metal 1.2.0 (Apple's)" in metal
+    assert "notes" not in metal  # Apple's table records no unsupported layers or host ops
+
+
+def test_doctor_on_apple_plugin_with_tf_2_21_gives_both_routes(mac):
+    mac({APPLE: "1.2.0"}, tf_version="2.21.0", python="3.12.8")
+    info = doctor.collect()
+    assert info.pairing == "known-broken" and len(info.errors) == 1
+    assert [f["commands"] for f in info.pairing_fixes] == [[UNINSTALL_APPLE, INSTALL_PLUGIN], [APPLE_ROUTE]]
+    text = str(info)
+    assert "\nErrors\n" in text
+    metal = _section(text, "Metal backend")
+    lines = [line.strip() for line in metal.splitlines()]
+    # Each command on its own line, in order, the plugin route first.
+    assert lines.index(UNINSTALL_APPLE) < lines.index(INSTALL_PLUGIN) < lines.index(APPLE_ROUTE)
+    assert json.loads(json.dumps(info.to_dict()))["pairing_fixes"][0]["commands"][1] == INSTALL_PLUGIN
+
+
+def test_doctor_on_python_3_13_with_apple_plugin_offers_only_the_open_plugin(mac):
+    mac({APPLE: "1.2.0"}, tf_version="2.21.0", python="3.13.1")
+    info = doctor.collect()
+    assert info.pairing == "known-broken"
+    assert [f["commands"] for f in info.pairing_fixes] == [[UNINSTALL_APPLE, INSTALL_PLUGIN]]
+
+
+def test_doctor_on_macos_14_with_the_open_plugin(mac):
+    mac({PLUGIN: "0.4.1"}, macos="14.6")
+    info = doctor.collect()
+    assert info.pairing == "known-broken" and "macOS 15" in info.pairing_reason
+    assert info.pairing_fixes[0]["commands"] == [UNINSTALL_PLUGIN, APPLE_ROUTE]
+
+
+def test_doctor_both_installed_is_an_error_with_the_fix(mac):
+    mac({APPLE: "1.2.0", PLUGIN: "0.4.1"})
+    info = doctor.collect()
+    assert info.pairing == "both-installed" and info.metal_plugins == {APPLE: "1.2.0", PLUGIN: "0.4.1"}
+    assert info.errors and "both-installed" in info.errors[0] and UNINSTALL_APPLE in info.errors[0]
+    text = str(info)
+    assert "\nErrors\n" in text and "both installed: an error" in _section(text, "Metal backend")
+    # TF 2.21: keep the plugin (uninstall Apple's, rebuild the plugin: both own the same dylib).
+    assert info.pairing_fixes[0]["commands"][0] == UNINSTALL_APPLE
+    result = doctor.selftest(checks=["metal_pairing"])
+    check = result.check("metal_pairing")
+    assert check.status == "FAIL" and not result.passed
+    assert check.fix.startswith(UNINSTALL_APPLE) and "both-installed" in check.detail
+
+
+def test_selftest_metal_pairing_fails_on_a_broken_pairing(mac):
+    mac({PLUGIN: "0.4.1"}, tf_version="2.20.0")
+    check = doctor.selftest(checks=["metal_pairing"]).check("metal_pairing")
+    assert check.status == "FAIL" and 'pip install "tensorflow==2.21.0"' in check.fix
+    mac({PLUGIN: "0.4.1"}, tf_version="2.21.0")
+    assert doctor.selftest(checks=["metal_pairing"]).check("metal_pairing").status == "PASS"
+
+
+def test_selftest_names_the_open_plugin_and_notes_what_fails_there(mac, monkeypatch):
+    from tfmetal_ext.doctor import runner
+
+    mac({PLUGIN: "0.4.1"})
+    monkeypatch.setattr(runner, "_device", lambda: "/job:localhost/replica:0/task:0/device:GPU:0")
+    result = doctor.selftest(checks=["metal_pairing"])
+    assert (result.backend, result.tested) == ("metal", "tensorflow-metal-plugin 0.4.1")
+    text = str(result)
+    assert text.splitlines()[0].endswith("(backend metal: tested tensorflow-metal-plugin 0.4.1)")
+    assert any(line.startswith("  note: LSTM: emits CudnnRNNV3") for line in text.splitlines())
+    assert any("note: on the host" in line and "ResourceApplyAdam" in line for line in text.splitlines())
+    data = result.to_dict()
+    assert data["tested"] == "tensorflow-metal-plugin 0.4.1" and data["metal_plugin_version"] == "0.4.1"
+
+
+def test_selftest_names_apple_plugin(mac, monkeypatch):
+    from tfmetal_ext.doctor import runner
+
+    mac({APPLE: "1.2.0"}, tf_version="2.19.1")
+    monkeypatch.setattr(runner, "_device", lambda: "/job:localhost/replica:0/task:0/device:GPU:0")
+    result = doctor.selftest(checks=["metal_pairing"])
+    assert result.tested == "tensorflow-metal 1.2.0" and result.notes == []
+    assert result.check("metal_pairing").status == "PASS"
+
+
+def test_selftest_names_the_cpu_here(healthy):
+    if tf.config.list_physical_devices("GPU"):
+        pytest.skip("a GPU is present here")
+    assert healthy.tested == "CPU" and healthy.notes == []
+    assert str(healthy).splitlines()[0].endswith(f"(backend {healthy.backend}: tested CPU)")
+    assert healthy.check("metal_pairing").status == "PASS"
 
 
 # ----------------------------------------------------------------------------

@@ -4,7 +4,7 @@ A check is a `Check`: its name, the case that builds it and, where it is
 not the safe form's, its fix. Adding a check is one decorated case function
 here; `selftest()` runs what `REGISTRY` holds, in order.
 
-Two kinds:
+Three kinds:
 
 * `NUMERIC`: ``case(dtype) -> (fn, args, reference)``. `selftest()` runs
   ``fn(*args)`` as a fresh graph-mode `tf.function` (grappler fuses it) and
@@ -16,6 +16,9 @@ Two kinds:
 * `PLACEMENT`: ``case() -> compiled keras.Model``; `selftest()` places one
   train step of it and fails on each op that falls back to the CPU while a GPU
   is present (the fix comes from the safe form that avoids that op).
+* `ENVIRONMENT`: ``case() -> devices.Capabilities``; fails on a Metal plugin
+  install that cannot work: a known-broken pairing, or both plugins
+  installed (the fix: the pairing's commands).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from tfmetal_ext import testing
 from tfmetal_ext.backends import fusion
 
-NUMERIC, PLACEMENT = "numeric", "placement"
+NUMERIC, PLACEMENT, ENVIRONMENT = "numeric", "placement", "environment"
 
 REPORT_IT = "and report it (attach `tfmetal-ext doctor --selftest --json`)"
 
@@ -41,7 +44,7 @@ class Check:
         name: the check's name; for a fused pattern, its
             ``configure(avoid_fusions=...)`` name (a `SAFE_FORMS` key).
         case: builds what is checked (see the module docstring for `kind`).
-        kind: `NUMERIC` or `PLACEMENT`.
+        kind: `NUMERIC`, `PLACEMENT` or `ENVIRONMENT`.
         op: the `CustomOp` the case runs, or None.
         fix: what to do when the check fails (or crashes).
     """
@@ -62,7 +65,7 @@ def register(name, *, kind=NUMERIC, op=None, fix=None):
 
     Args:
         name: the check's name.
-        kind: `NUMERIC` or `PLACEMENT`.
+        kind: `NUMERIC`, `PLACEMENT` or `ENVIRONMENT`.
         op: the `tfmetal_ext.backends.fusion.CUSTOM_OPS` entry the case runs, or None.
         fix: the fix of a failure; None derives it from the safe form of `op`
             (else of `name`): ``fusion.safe_form_fix``, plus "report it" for
@@ -74,8 +77,10 @@ def register(name, *, kind=NUMERIC, op=None, fix=None):
     """
     if name in REGISTRY:
         raise ValueError(f"A check named {name!r} is registered already. Received: name={name!r}")
-    if kind not in (NUMERIC, PLACEMENT):
-        raise ValueError(f"`kind` must be {NUMERIC!r} or {PLACEMENT!r}. Received: kind={kind!r}")
+    if kind not in (NUMERIC, PLACEMENT, ENVIRONMENT):
+        raise ValueError(
+            f"`kind` must be {NUMERIC!r}, {PLACEMENT!r} or {ENVIRONMENT!r}. Received: kind={kind!r}"
+        )
     if fix is None:
         form = op.safe_form if op is not None else name
         if form not in fusion.SAFE_FORMS:
@@ -106,6 +111,20 @@ def _rng(seed):
 
 def _f64(t):
     return np.asarray(t, np.float64)
+
+
+# ----------------------------------------------------------------------------
+# The Metal plugin install: its pairing with this TensorFlow and Python, and both plugins at once.
+
+
+@register(
+    "metal_pairing", kind=ENVIRONMENT,
+    fix="install one Metal plugin that fits this TensorFlow and Python (`tfmetal-ext version` names the commands)",
+)
+def metal_pairing():
+    from tfmetal_ext import devices
+
+    return devices.capabilities()
 
 
 # ----------------------------------------------------------------------------
@@ -290,4 +309,4 @@ def fallback_fix(op, layer):
 
 CHECKS = tuple(REGISTRY)
 
-__all__ = ["CHECKS", "NUMERIC", "PLACEMENT", "REGISTRY", "Check", "custom_op_library", "fallback_fix", "register"]
+__all__ = ["CHECKS", "ENVIRONMENT", "NUMERIC", "PLACEMENT", "REGISTRY", "Check", "custom_op_library", "fallback_fix", "register"]

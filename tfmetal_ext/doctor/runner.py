@@ -63,11 +63,28 @@ class SelfTestResult:
         device: the device the checks ran on.
         backend: ``"metal"``, ``"cuda"`` or ``"cpu"``.
         checks: one `CheckResult` per check.
+        metal_plugin: the Metal plugin the GPU checks ran on
+            (``"tensorflow-metal"``, ``"tensorflow-metal-plugin"``), or None.
+        metal_plugin_version: its version, or None.
+        notes: what fails or runs on the host on this backend
+            (`tfmetal_ext.doctor.report.backend_notes`).
     """
 
     device: str
     backend: str
     checks: list
+    metal_plugin: str | None = None
+    metal_plugin_version: str | None = None
+    notes: list = dataclasses.field(default_factory=list)
+
+    @property
+    def tested(self):
+        """What was tested: ``"tensorflow-metal-plugin 0.4.1"``, ``"tensorflow-metal 1.2.0"``, ``"CUDA"`` or ``"CPU"``."""
+        if "GPU" in self.device.upper():
+            if self.backend == "metal" and self.metal_plugin:
+                return f"{self.metal_plugin} {self.metal_plugin_version}"
+            return "CUDA" if self.backend == "cuda" else "GPU"
+        return "CPU"
 
     @property
     def passed(self):
@@ -90,6 +107,10 @@ class SelfTestResult:
         return {
             "device": self.device,
             "backend": self.backend,
+            "tested": self.tested,
+            "metal_plugin": self.metal_plugin,
+            "metal_plugin_version": self.metal_plugin_version,
+            "notes": list(self.notes),
             "passed": self.passed,
             "failed_patterns": list(self.failed_patterns),
             "checks": [c.to_dict() for c in self.checks],
@@ -97,11 +118,13 @@ class SelfTestResult:
 
     def __str__(self):
         width = max((len(c.name) for c in self.checks), default=0)
-        lines = [f"Self-test on {self.device} (backend {self.backend})"]
+        lines = [f"Self-test on {self.device} (backend {self.backend}: tested {self.tested})"]
         for c in self.checks:
             lines.append(f"  {c.status}  {c.name:<{width}}  {c.detail}")
             if c.fix and c.status != PASS:
                 lines.append(f"  {'':4}  {'':<{width}}  fix: {c.fix}")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
         counts = {s: sum(c.status == s for c in self.checks) for s in (PASS, FAIL, SKIP)}
         lines.append(f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[SKIP]} skipped")
         if self.failed_patterns:
@@ -254,7 +277,28 @@ def _run_placement(check, dtypes, device, faulty):
     return CheckResult(check.name, PASS, detail=detail + tail)
 
 
-_RUNNERS = {registry.NUMERIC: _run_numeric, registry.PLACEMENT: _run_placement}
+# ----------------------------------------------------------------------------
+# ENVIRONMENT checks.
+
+
+def _run_environment(check, dtypes, device, faulty):
+    """FAIL on a known-broken Metal pairing or both Metal plugins installed, with the pairing's fix."""
+    caps = check.case()
+    tail = _INJECTED if faulty else ""
+    plugins = ", ".join(f"{n} {v}" for n, v in caps.metal_plugins) or "no Metal plugin"
+    detail = f"{plugins} with TensorFlow {caps.tf_version}, Python {caps.python or '?'}: {caps.pairing}"
+    if caps.pairing_reason and caps.pairing != devices.NOT_APPLICABLE:
+        detail += f" ({caps.pairing_reason})"
+    broken = caps.pairing in (devices.KNOWN_BROKEN, devices.BOTH_INSTALLED)
+    if broken or faulty:
+        fixes = [f.command for f in caps.pairing_fixes]
+        fix = " ; or: ".join(fixes) if fixes else check.fix
+        return CheckResult(check.name, FAIL, detail=detail + tail, fix=fix)
+    return CheckResult(check.name, PASS, detail=detail)
+
+
+_RUNNERS = {registry.NUMERIC: _run_numeric, registry.PLACEMENT: _run_placement,
+            registry.ENVIRONMENT: _run_environment}
 
 
 def _names(argument, value, allowed):
@@ -294,6 +338,9 @@ def selftest(checks=None, *, faults=()):
     - ``softshrink``, ``layer_norm``, ``multi_tensor_adam``: our custom ops
       (forward and gradient ops) against numpy; SKIP when the op library is
       not loaded (fix: ``tfmetal-ext build-ops``).
+    - ``metal_pairing``: the Metal plugin installed fits this TensorFlow and
+      Python (FAIL on a known-broken pairing or both plugins installed, with
+      the commands that fix it).
     - ``cpu_fallback``: one train step of a small model of our layers
       (FusedConv2D, ConvBNAct, FusedBatchNorm, FusedDense, FusedLayerNorm,
       FusedAdam); FAIL listing each op that ran on the CPU while a GPU is
@@ -311,6 +358,11 @@ def selftest(checks=None, *, faults=()):
             perturbed before the comparison (for ``cpu_fallback``: a fake
             fallback is added), so the failure path can be tested on a
             healthy machine.
+
+    The result names what it tested (`SelfTestResult.tested`: the Metal
+    plugin and its version, ``"CUDA"`` or ``"CPU"``) and, on Metal, notes
+    what fails or runs on the host there (on the open plugin: stock
+    LSTM/GRU, the ``ResourceApply*`` ops on TF 2.21).
 
     Returns:
         A `SelfTestResult`.
@@ -334,7 +386,15 @@ def selftest(checks=None, *, faults=()):
                 name, FAIL, detail=f"raised {type(e).__name__}: {e}".splitlines()[0][:300],
                 fix=check.fix, dtypes=tuple(dtypes),
             ))
-    return SelfTestResult(device=device, backend=backend, checks=results)
+    from tfmetal_ext.doctor.report import backend_notes
+
+    caps = devices.capabilities()
+    return SelfTestResult(
+        device=device, backend=backend, checks=results,
+        metal_plugin=caps.metal_plugin if backend == "metal" else None,
+        metal_plugin_version=caps.metal_plugin_version if backend == "metal" else None,
+        notes=backend_notes(caps) if backend == "metal" else [],
+    )
 
 
 __all__ = ["FAIL", "PASS", "SKIP", "CheckResult", "SelfTestResult", "selftest"]
