@@ -74,6 +74,32 @@ def test_support_key_selects_the_cpu_table_by_onednn(onednn):
     assert ("bfloat16" in table.fusion("conv2d_bias_act").dtypes) is onednn
 
 
+def test_tables_are_the_five_backends():
+    assert set(backends.TABLES) == {"cpu_onednn", "cpu", "cuda", "metal", "metal_plugin"}
+    assert backends.TABLES["metal"].device == backends.TABLES["metal_plugin"].device == "metal"
+
+
+@pytest.mark.parametrize(
+    "plugin, key", [(None, "metal"), ("tensorflow-metal", "metal"), ("tensorflow-metal-plugin", "metal_plugin")]
+)
+def test_support_key_selects_the_metal_table_by_plugin(plugin, key):
+    caps = dataclasses.replace(devices.capabilities(), backend="metal", onednn=False, metal_plugin=plugin)
+    assert backends.current(caps).key == key
+    assert catalog.FusionContext(backend="metal", metal_plugin=plugin).support_key == key
+
+
+def test_kernel_records_are_consistent():
+    for table in backends.TABLES.values():
+        if table.kernels_complete:
+            assert table.kernels is not None, table.key
+        assert not set(table.host_ops) & set(table.kernels or {}), table.key
+        assert not set(table.missing_kernels) & set(table.kernels or {}), table.key
+        for name in table.unsupported_layers:
+            assert issubclass(getattr(keras.layers, name), keras.layers.Layer), (table.key, name)
+        for dtypes in (table.kernels or {}).values():
+            assert isinstance(dtypes, tuple), table.key
+
+
 def test_unknown_table_key_is_a_clear_error():
     with pytest.raises(ValueError, match="Received: key='tpu'"):
         backends.table("tpu")

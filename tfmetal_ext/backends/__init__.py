@@ -5,10 +5,14 @@
 * `PATTERNS`: every fusion pattern this package targets, with the op it
   becomes.
 * One table per backend: `cpu` (``ONEDNN`` and ``EIGEN``, the CPU without
-  oneDNN), `cuda`, `metal` (Apple's tensorflow-metal). Each declares, per
-  pattern, the dtypes, activations, modes and conditions under which it
-  fuses (a `Fusion`), the kernels it has where known, and its precision
-  choice.
+  oneDNN), `cuda`, `metal` (Apple's tensorflow-metal: its kernels are the
+  facts known from its binary) and `metal_plugin` (the open
+  tensorflow-metal-plugin: its kernels generated from its sdist by
+  ``scripts/gen_metal_plugin_kernels.py``, complete, with the ops it leaves
+  to the host on this TensorFlow and the stock layers that fail there).
+  Each declares, per pattern, the dtypes, activations, modes and conditions
+  under which it fuses (a `Fusion`), the kernels it has where known
+  (`Backend.has_kernel`), and its precision choice.
 
 Everything else reads these: `inspect`'s catalog and rules, the layers,
 `convert()`, `MetalCallback`, the doctor and `configure()`. Adding a pattern
@@ -64,7 +68,7 @@ PRECISION = types.MappingProxyType({"cpu": cpu.precision, "cuda": cuda.precision
 
 
 def table(key):
-    """The `Backend` table for a support key (``"cpu_onednn"``, ``"cpu"``, ``"cuda"``, ``"metal"``).
+    """The `Backend` table for a support key (``"cpu_onednn"``, ``"cpu"``, ``"cuda"``, ``"metal"``, ``"metal_plugin"``).
 
     Raises:
         ValueError: for an unknown key.

@@ -33,6 +33,9 @@ class Fusion:
         why_not: the reason when nothing fuses here (dtypes empty or `needs`
             unmet); defaults to a generic one.
         note: a caveat worth reading even when fused.
+        dtype_notes: dtype -> what happens to that dtype's nodes, for a dtype
+            outside `dtypes` whose story is more than "no fused kernel"
+            (e.g. a pass that would fuse it into an op with no kernel).
     """
 
     summary: str
@@ -50,6 +53,11 @@ class Fusion:
     side_input: bool = True
     why_not: str | None = None
     note: str | None = None
+    dtype_notes: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+    def __post_init__(self):
+        if not isinstance(self.dtype_notes, types.MappingProxyType):
+            object.__setattr__(self, "dtype_notes", types.MappingProxyType(dict(self.dtype_notes)))
 
     @property
     def fuses(self):
@@ -76,8 +84,10 @@ class Backend:
     """What one backend has and fuses.
 
     Attributes:
-        key: ``"cpu_onednn"``, ``"cpu"``, ``"cuda"`` or ``"metal"`` (the
-            `FusionContext.support_key` that selects it).
+        key: ``"cpu_onednn"``, ``"cpu"``, ``"cuda"``, ``"metal"`` (Apple's
+            tensorflow-metal) or ``"metal_plugin"`` (the open
+            tensorflow-metal-plugin): the `FusionContext.support_key` that
+            selects it.
         device: the `devices.backend()` value it serves.
         label: how reasons name it (``"CPU without oneDNN"``).
         fusions: catalog pattern name -> `Fusion`.
@@ -100,8 +110,13 @@ class Backend:
             error" and rolls every remapper fusion of that graph back), as
             text for reports; None when none is known.
         kernels_complete: `kernels` lists every op the backend registers
-            (generated from its source), so an op missing there has no
-            kernel; False: `kernels` holds only the facts known.
+            (generated from its source), so an op missing there (and from
+            `shared_kernels`) has no kernel; False: `kernels` holds only the
+            facts known.
+        shared_kernels: op -> dtypes of TensorFlow's own ``DEVICE_DEFAULT``
+            kernels, which serve this device too (control flow, ``Const``,
+            ``Identity``, ``Shape``, ``ReadVariableOp``, int32 host-memory
+            arithmetic, ...); None: not recorded.
         missing_kernels: ops known to have no kernel here, whatever dtype.
         host_ops: op -> reason, for ops whose kernels the backend's source
             has but does not register on the TensorFlow it runs on (they run
@@ -122,6 +137,7 @@ class Backend:
     rnn_stock_from: types.MappingProxyType | None = None
     pass_failure: str | None = None
     kernels_complete: bool = False
+    shared_kernels: types.MappingProxyType | None = None
     missing_kernels: frozenset = frozenset()
     host_ops: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     unsupported_layers: types.MappingProxyType = dataclasses.field(
@@ -130,18 +146,39 @@ class Backend:
     source: str = ""
 
     def has_kernel(self, op, dtype=None):
-        """True / False / None (unknown): whether `op` has a kernel here for `dtype` (a dtype name).
+        """True / False / None: whether `op` has a kernel on this backend's device for `dtype`.
 
-        An op in `host_ops` has none (it runs on the host). With `kernels`
-        None or incomplete, an op it does not list is None (unknown).
+        `dtype` is a dtype name (``"float32"``) of the op's type attribute
+        (``T``, or the attr the table names, e.g. ``SrcT`` for Cast); None
+        asks about any dtype. In order:
+
+        * False for an op in `host_ops` (the backend does not register it on
+          this TensorFlow: it runs on the host) or in `missing_kernels`.
+        * None when the table records no kernels at all.
+        * True when `kernels` or `shared_kernels` lists the op for `dtype`
+          (an empty dtype tuple: registered without a type constraint).
+        * False when the op is listed there but not for `dtype` (the listed
+          dtypes are what is registered).
+        * Otherwise (the op is not listed): False when `kernels_complete`,
+          else None (unknown: the table holds only the facts known).
+
+        Which device runs an op without a kernel here (the CPU, or nothing
+        when TF has no CPU kernel either) is the caller's question: this
+        answers for this backend's device only.
         """
         if op in self.host_ops or op in self.missing_kernels:
             return False
         if self.kernels is None:
             return None
-        if op in self.kernels:
-            dtypes = self.kernels[op]
-            return True if dtype is None or not dtypes else dtype in dtypes
+        listed = False
+        for registered in (self.kernels, self.shared_kernels or {}):
+            if op in registered:
+                listed = True
+                dtypes = registered[op]
+                if dtype is None or not dtypes or dtype in dtypes:
+                    return True
+        if listed:
+            return False
         return False if self.kernels_complete else None
 
     def fusion(self, pattern):

@@ -6,8 +6,9 @@ Elu, LeakyRelu) and for the optimizers Adam, AdamAMSGrad, SGD, KerasMomentum,
 KerasNesterovMomentum, Adagrad and RMSprop), the kernel symbols of
 tensorflow-metal 1.2.0 (macOS arm64 wheel, 2025-01-31), and user reports
 (Apple Developer Forums, tensorflow/tensorflow issues) for the pairings and
-the graph-mode ``relu(bias_add(matmul))`` miscompute. Not measured here: no
-Mac on the project's machines.
+the graph-mode ``relu(bias_add(matmul))`` miscompute and for the silent CPU
+fallback of ops without a GPU kernel (``RngReadAndSkip``). Not measured here:
+no Mac on the project's machines.
 """
 
 import types
@@ -23,7 +24,9 @@ MATMUL_RELU_NOTE = (
     "mode; check with `tfmetal-ext doctor --selftest`"
 )
 
-# Kernels found in the binary's symbols (REGISTER names), with the dtypes registered.
+# Kernels found in the binary's symbols (REGISTER names), with the dtypes registered. Only the
+# facts known: the table is not complete (`kernels_complete=False`), so an op not listed here
+# is unknown (`Backend.has_kernel` -> None), not missing.
 KERNELS = types.MappingProxyType(
     {
         "_FusedConv2D": F32_F16,
@@ -46,6 +49,10 @@ KERNELS = types.MappingProxyType(
         "CudnnRNNBackpropV3": _ALL_FLOAT,
     }
 )
+
+# Ops known to have no kernel in tensorflow-metal 1.2 (any dtype): no fused LSTM cell kernels
+# in its symbols, and the stateless-RNG counter op users see silently fall back to the CPU.
+MISSING_KERNELS = frozenset({"BlockLSTM", "LSTMBlockCell", "RngReadAndSkip"})
 
 METAL = backend(
     "metal", "metal", "Metal",
@@ -86,6 +93,8 @@ METAL = backend(
         ),
     },
     kernels=KERNELS,
+    kernels_complete=False,
+    missing_kernels=MISSING_KERNELS,
     source=__doc__,
 )
 

@@ -315,7 +315,7 @@ def contraction_rule(pattern, op, layer, ctx, *, act=None, one_by_one=False, add
     if not f.fuses:
         return exp(None, None, _not_fused_reason(ctx, f))
     if dtype not in f.dtypes:
-        return exp(None, None, f"{dtype} on {where(ctx)}: no fused kernel for this dtype")
+        return exp(None, None, f.dtype_notes.get(dtype) or f"{dtype} on {where(ctx)}: no fused kernel for this dtype")
     if f.requires_act and act not in f.requires_act:
         return exp(None, None, f"{where(ctx)}: {op} needs a {'/'.join(f.requires_act)} activation")
     if f.no_1x1 and one_by_one:
@@ -395,6 +395,8 @@ def batch_norm_ex_block(ctx, dtype, channels):
         return f"{where(ctx)}: {f.why_not or 'no _FusedBatchNormEx kernel'}"
     if dtype not in f.dtypes:
         return f"{dtype} on {where(ctx)}: no _FusedBatchNormEx kernel"
+    if ctx.mode not in f.modes:
+        return f"{where(ctx)}: {f.train_reason or f'not fused in {ctx.mode}'}"
     if ctx.mode == "train":
         if dtype not in f.dtypes_in("train") or (channels or 0) % f.train_channels_multiple:
             need = "/".join(f.dtypes_in("train"))
@@ -495,11 +497,33 @@ def depthwise_rule(layer, ctx):
 
 
 def _stock_rnn_rule(layer, ctx):
-    """Stock LSTM/GRU: CudnnRNNV3 where Keras picks cuDNN (a GPU, cuDNN-compatible arguments), else a loop."""
+    """Stock LSTM/GRU: CudnnRNNV3 where Keras picks cuDNN (a GPU, cuDNN-compatible arguments), else a loop.
+
+    Keras picks cuDNN on any logical GPU, Metal included; on a backend whose
+    table says it has no CudnnRNNV3 kernel (the open tensorflow-metal-plugin;
+    TF has no CPU kernel either) that step fails: the row says so, with the
+    table's `unsupported_layers` reason where it has one, and the fix.
+    """
     if ctx.xla:
         return Expectation("cudnn_rnn", None, None, (), reason=REASON_XLA, ideal_op=_fusion.CUDNN_RNN)
     cudnn_ok = getattr(layer, "use_cudnn", "auto") is not False and _cudnn_compatible(layer)
     if ctx.backend in ("cuda", "metal") and cudnn_ok:
+        t = table(ctx)
+        compute = getattr(layer, "compute_dtype", None)
+        if ctx.backend == "metal" and (
+            not t.fusion("cudnn_rnn").fuses or t.has_kernel(_fusion.CUDNN_RNN, compute) is False
+        ):
+            name = type(layer).__name__
+            fused = _fusion.STOCK_TO_FUSED.get(name)
+            fix = f"{fused.qualified} (tfmetal_ext.convert() swaps it) or use_cudnn=False" if fused else (
+                "use_cudnn=False"
+            )
+            # The table's reason carries its fix (`Backend.unsupported_layers`).
+            reason = t.unsupported_layers.get(name) or (
+                f"{name} emits {_fusion.CUDNN_RNN} on any GPU, and {t.label} has no kernel for it "
+                f"(TF has no CPU kernel either): the step fails; fix: {fix}"
+            )
+            return Expectation("cudnn_rnn", None, None, (), reason=reason, ideal_op=_fusion.CUDNN_RNN)
         return Expectation("cudnn_rnn", _fusion.CUDNN_RNN, (), ())
     if ctx.backend == "cpu":
         reason = f"{type(layer).__name__} on CPU: a while loop of unfused per-step ops (CudnnRNNV3 is GPU-only)"
