@@ -38,10 +38,26 @@ setup(
         "numpy",
     ],
     extras_require={
-        # The known-good pairing (tfmetal_ext.devices): tensorflow-metal 1.2 fails to load with TF >= 2.20.
+        # Two Metal backends, one extra each (README "Which Metal backend"; the pairings live in
+        # tfmetal_ext.devices). An extra cannot depend on the TensorFlow already installed, so each pins
+        # the TensorFlow its plugin loads into.
+        #
+        # Apple's tensorflow-metal: 1.2 is its last release and loads into TF 2.16-2.19 only (it fails to
+        # load into 2.20/2.21). Its wheels stop at cp312; there is deliberately no python_version marker,
+        # so on Python >= 3.13 pip says no tensorflow-metal matches instead of installing a CPU-only setup
+        # that looks like a Metal one. Use "metal-plugin" there.
         "metal": [
             f"tensorflow-metal==1.2.* ; {_MAC_ARM}",
             f"tensorflow>=2.16,<2.20 ; {_MAC_ARM}",
+        ],
+        # The open tensorflow-metal-plugin (0.4.x is built for TF 2.21, macOS 15+, Python >= 3.10). It
+        # is an sdist compiled at install against the TensorFlow installed at that moment, and pip builds
+        # it before installing anything, so this extra works only as a second command once TF 2.21 is
+        # installed:  pip install "tensorflow==2.21.*" tfmetal-ext  then  pip install "tfmetal-ext[metal-plugin]".
+        # In one command on a fresh environment the plugin's build stops with "TensorFlow was not found".
+        "metal-plugin": [
+            f"tensorflow==2.21.* ; {_MAC_ARM}",
+            f"tensorflow-metal-plugin>=0.4.1,<0.5 ; {_MAC_ARM}",
         ],
         "test": ["pytest>=7", "hypothesis>=6"],
         "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],

@@ -338,3 +338,43 @@ def test_assume_backend_uses_the_pairing_table(plugin):
         assert (caps.pairing_fix is None) == (plugin == PLUGIN)
     if tf.__version__.startswith("2.19."):
         assert caps.pairing == ("known-broken" if plugin == PLUGIN else "known-good")
+
+
+# ----------------------------------------------------------------------------
+# setup.py's extras install only known-good pairings
+
+
+@pytest.fixture
+def extras(monkeypatch):
+    import os
+    import runpy
+
+    import setuptools
+
+    captured = {}
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: captured.update(kw))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)
+    runpy.run_path(os.path.join(root, "setup.py"))
+    from packaging.requirements import Requirement
+
+    return {name: {Requirement(r).name: Requirement(r) for r in reqs} for name, reqs in captured["extras_require"].items()}
+
+
+TF_RELEASES = ["2.15.1", "2.16.2", "2.17.1", "2.18.1", "2.19.1", "2.20.0", "2.21.0", "2.22.0"]
+
+
+@pytest.mark.parametrize("extra,plugin,version", [("metal", APPLE, "1.2.0"), ("metal-plugin", PLUGIN, "0.4.1")])
+def test_metal_extras_pin_known_good_pairings(extras, extra, plugin, version):
+    reqs = extras[extra]
+    assert set(reqs) == {"tensorflow", plugin}
+    mac = {"sys_platform": "darwin", "platform_machine": "arm64"}
+    assert all(r.marker.evaluate(mac) and not r.marker.evaluate({"sys_platform": "linux"}) for r in reqs.values())
+    assert reqs[plugin].specifier.contains(version)
+    allowed = [v for v in TF_RELEASES if reqs["tensorflow"].specifier.contains(v)]
+    assert allowed, reqs["tensorflow"]
+    # Every TF the extra admits is a known-good pairing for its plugin on Python 3.12 / macOS 15 ...
+    for tf_version in allowed:
+        assert devices.pairing_verdict(tf_version, version, plugin, "3.12.1", "15.1") == "known-good", tf_version
+    # ... and the published facts: Apple's 1.2 on TF 2.16-2.19, the open plugin on TF 2.21.
+    assert allowed == (["2.16.2", "2.17.1", "2.18.1", "2.19.1"] if extra == "metal" else ["2.21.0"])
