@@ -378,3 +378,25 @@ def test_metal_extras_pin_known_good_pairings(extras, extra, plugin, version):
         assert devices.pairing_verdict(tf_version, version, plugin, "3.12.1", "15.1") == "known-good", tf_version
     # ... and the published facts: Apple's 1.2 on TF 2.16-2.19, the open plugin on TF 2.21.
     assert allowed == (["2.16.2", "2.17.1", "2.18.1", "2.19.1"] if extra == "metal" else ["2.21.0"])
+
+
+def test_readme_names_the_commands_the_fixes_give():
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## Which Metal backend"):]
+    section = section[:section.index("\n## ", 3)]
+    install = text[text.index("## Install"):text.index("## Which Metal backend")]
+    assert REBUILD_PLUGIN.replace("pip install ", "") in install
+    for command in (UNINSTALL_APPLE, UNINSTALL_PLUGIN, REINSTALL_APPLE):
+        assert f"`{command}`" in section, command
+    for word in ("tfmetal-ext version", "tfmetal-ext doctor", "doctor --selftest", "pytest -m metal",
+                 "--predict-for tensorflow-metal-plugin", "bfloat16", "CudnnRNN", "Einsum", "ResourceApply"):
+        assert word in section, word
+    # The commands in the README are the ones the both-installed fixes give.
+    _, on_2_21 = devices.check_installed({APPLE: "1.2.0", PLUGIN: "0.4.1"}, "2.21.0", "3.12.1", "15.1")
+    _, on_2_19 = devices.check_installed({APPLE: "1.2.0", PLUGIN: "0.4.1"}, "2.19.1", "3.12.1", "15.1")
+    assert list(on_2_21.fixes[0].commands) == [UNINSTALL_APPLE, REBUILD_PLUGIN]
+    assert list(on_2_19.fixes[0].commands) == [UNINSTALL_PLUGIN, REINSTALL_APPLE]
