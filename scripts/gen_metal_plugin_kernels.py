@@ -271,11 +271,21 @@ def call_graph_from_root(sources):
     return sorted(selected.values(), key=lambda item: (str(item[0]), item[1].start))
 
 
+# Other ways a plugin could register a kernel; this script reads none of them.
+_OTHER_REGISTRATIONS = re.compile(r"\b(REGISTER_KERNEL_BUILDER|TF_RegisterKernelBuilderWithKernelDef)\b")
+
+
 def check_every_builder_is_reached(sources, graph):
     reached = collections.defaultdict(list)
     for file, fn in graph:
         reached[file].append((fn.start, fn.end))
     for file, (text, masked, _) in sources.items():
+        other = _OTHER_REGISTRATIONS.search(masked)
+        if other:
+            raise ParseError(
+                f"{file}:{line_of(text, other.start())}: {other.group(1)} registers kernels in a way this script "
+                "does not read"
+            )
         for m in re.finditer(r"\bTF_NewKernelBuilder\s*\(", masked):
             if not any(a <= m.start() < b for a, b in reached.get(file, ())):
                 raise ParseError(
@@ -530,6 +540,7 @@ def render(pin, sha, tf_version, gate_file, symbols, kernels, attrs, gated, defa
         f"# {counts[0]} registrations of {len(kernels)} ops; with the resource-variable C API, "
         f"{counts[1]} registrations, {len(gated)} more ops.",
         f"RESOURCE_VARIABLE_API_SYMBOLS = {pprint.pformat(symbols, width=100)}",
+        f"RESOURCE_VARIABLE_API_GATE = {f'{GATE_FUNCTION}() in {gate_file}: dlsym() of every symbol above'!r}",
         "",
         "KERNELS = " + pprint.pformat(kernels, width=110, sort_dicts=True),
         "",

@@ -110,19 +110,33 @@ def test_generator_reads_a_new_registration_through_its_loops(tmp_path):
     exec(compile(_generator().generate(copy), "generated", "exec"), namespace)
     assert namespace["KERNELS"]["Einsum"] == ("float16", "float32")
     assert "Einsum" not in metal_plugin.KERNELS
+    # --check against that source: the committed module is out of date, and says how to fix it.
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--check", "--source", str(copy)], capture_output=True, text=True, cwd=REPO
+    )
+    assert proc.returncode == 1
+    assert "+ 'Einsum': ('float16', 'float32')," in proc.stdout and "rerun python scripts/gen_metal_plugin_kernels.py" in proc.stdout
 
 
-def test_generator_fails_loudly_on_a_registration_it_does_not_reach(tmp_path):
+@pytest.mark.parametrize(
+    "code, message",
+    [
+        (
+            "void SomewhereElse() {\n"
+            '  TF_KernelBuilder* b = TF_NewKernelBuilder("Einsum", kMetalDeviceType, nullptr, nullptr, nullptr);\n'
+            "}\n",
+            r"metal_fused_ops\.mm:\d+: a TF_NewKernelBuilder call outside",
+        ),
+        ('REGISTER_KERNEL_BUILDER(Name("Einsum").Device("GPU"), EinsumOp);\n',
+         r"metal_fused_ops\.mm:\d+: REGISTER_KERNEL_BUILDER registers kernels in a way"),
+    ],
+    ids=["unreached", "c++-macro"],
+)
+def test_generator_fails_loudly_on_a_registration_it_does_not_read(tmp_path, code, message):
     copy = _copy_of_sdist(tmp_path)
-    path = _append_to(copy, "metal_fused_ops.mm", (
-        "void SomewhereElse() {\n"
-        '  TF_KernelBuilder* b = TF_NewKernelBuilder("Einsum", kMetalDeviceType, nullptr, nullptr, nullptr);\n'
-        "}\n"
-    ))
-    gen = _generator()
-    with pytest.raises(SystemExit, match=rf"metal_fused_ops\.mm:\d+: a TF_NewKernelBuilder call outside"):
-        gen.generate(copy)
-    assert path.exists()
+    _append_to(copy, "metal_fused_ops.mm", code)
+    with pytest.raises(SystemExit, match=message):
+        _generator().generate(copy)
 
 
 def test_generator_fails_loudly_on_a_registration_it_cannot_compile(tmp_path):

@@ -30,6 +30,7 @@ RESOURCE_VARIABLE_API_SYMBOLS = ('TF_AssignRefVariable',
  'TF_ReleaseVariableInputLockHolder',
  'TF_OpKernelConstruction_GetAttrTensorShape',
  'TF_OpKernelContext_ForwardRefInputToRefOutput')
+RESOURCE_VARIABLE_API_GATE = 'ResourceVariableApiAvailable() in src/tensorflow/core/common_runtime/metal/kernels/metal_kernel_util.mm: dlsym() of every symbol above'
 
 KERNELS = {'Abs': ('float16', 'float32'),
  'Acos': ('float16', 'float32'),

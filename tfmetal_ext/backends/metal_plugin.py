@@ -104,6 +104,7 @@ DTYPE_ATTR = types.MappingProxyType(_generated.DTYPE_ATTR)
 # TensorFlow's own DEVICE_DEFAULT kernels, which serve the plugin's device too.
 TF_DEFAULT_KERNELS = types.MappingProxyType(_generated.TF_DEFAULT_KERNELS)
 RESOURCE_VARIABLE_API_SYMBOLS = _generated.RESOURCE_VARIABLE_API_SYMBOLS
+RESOURCE_VARIABLE_API_GATE = _generated.RESOURCE_VARIABLE_API_GATE
 
 _RESOURCE_API = (
     "tensorflow-metal-plugin registers its kernel only when TensorFlow exports the resource-variable "
@@ -211,6 +212,7 @@ METAL_PLUGIN = backend(
     kernels=KERNELS,
     kernels_complete=True,
     shared_kernels=TF_DEFAULT_KERNELS,
+    dtype_attrs=DTYPE_ATTR,
     host_ops=HOST_OPS,
     unsupported_layers=UNSUPPORTED_LAYERS,
     source=__doc__,
