@@ -815,3 +815,23 @@ def test_gru_reset_after_false_runs_the_stock_form():
     layer.build((2, 4, 5))
     assert layer.bias.shape == (9,) and "reset_after" in layer.stock_form_reason()
     assert FusedGRU.from_config(layer.get_config()).reset_after is False
+
+
+# ----------------------------------------------------------------------------
+# The open tensorflow-metal-plugin (no CudnnRNNV3 kernel): the loop in its GPU form.
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru"])
+def test_open_plugin_form_matches_keras(kind, monkeypatch):
+    """Under assume_backend("tensorflow-metal-plugin") the layers run the loop with Split/ConcatV2 lists
+    and float masks (`_rnn.list_form`); outputs and gradients still equal keras.layers.LSTM/GRU on CPU.
+    Before: the CudnnRNNV3 form, which has no kernel there (nor on this CPU)."""
+    with devices.assume_backend("tensorflow-metal-plugin"):
+        assert _rnn.implementation("metal", "float32") == "loop"
+        for i, (kwargs, shape, mask, init) in enumerate(CASES):
+            check_equivalence(kind, kwargs, shape, mask, init, seed=20 + i)
+        _check_mixed_precision(kind, "mixed_float16")
+        monkeypatch.setattr(_rnn, "MAX_UNROLL", 0)  # the while loop, with its float mask TensorArray
+        check_equivalence(kind, dict(units=4, return_sequences=True, go_backwards=True, return_state=True),
+                          (3, 6, 5), "mixed", True, seed=3)
+        check_equivalence(kind, dict(units=3, zero_output_for_mask=True), (2, 5, 4), "left", False, seed=4)

@@ -1,11 +1,36 @@
 """The recurrences behind `FusedLSTM` and `FusedGRU`, one implementation per backend.
 
-Metal and CUDA: one `CudnnRNNV3` op for the whole sequence (tensorflow-metal
-implements it for float32, float16 and bfloat16), called the way Keras calls it
+CUDA and Apple's tensorflow-metal: one `CudnnRNNV3` op for the whole sequence
+(tensorflow-metal implements it for float32, float16 and bfloat16), called the way Keras calls it
 there (batch-major input, ``sequence_lengths`` always given, ``is_training``),
 with the weights packed into cuDNN's canonical flat layout by `lstm_cudnn_params`
 / `gru_cudnn_params`. A mask that is not right-padded (or has an empty row)
 switches, at run time through a `tf.cond`, to the generic loop below.
+
+The open tensorflow-metal-plugin has no `CudnnRNNV3` kernel (and TF has no CPU
+kernel): the loop below runs there, chosen from the backend table
+(`implementation`), in its GPU form: the composite cell gradient (no
+`LSTMBlockCellGrad` there), per-step tensors cut with one `Split` and stacked
+with one `ConcatV2` (`list_form`: the plugin registers no `Pack`/`Unpack`,
+which would run on the host), masks as 0/1 floats (its `Split`, `Transpose`
+and `ReverseV2`, and TF's any-device TensorList kernels, take no bool), and
+only full slice specs (its
+`StridedSlice` refuses ``x[t]`` on a 3-D tensor at run time). Why this form
+(read from the plugin's source, not measured: there is no Mac here): each op
+there is one Metal dispatch, and on TF 2.21 every Metal kernel waits for the
+GPU before returning (the plugin's `TF_METAL_SYNCHRONOUS` default while the
+resource-variable C API is missing), so fewer ops per step is the lever. The
+unrolled form (static lengths up to `MAX_UNROLL`) runs per LSTM step one
+MatMul and the gate ops forward and one MatMul and the gate gradients
+backward, with no loop control and no TensorList ops; the while loop adds
+per step the loop-control ops (`Enter`/`Merge`/`Switch`/`NextIteration`/
+`LoopCond` with a host-side predicate) and a TensorList read and write per
+recorded tensor, all kernels TensorFlow registers for any device
+(``DEVICE_DEFAULT``), so it is kept only for lengths the graph cannot unroll.
+A Mac has to measure: the step times of both forms against Keras' own loop
+(``use_cudnn=False``) there, where the unrolled form stops paying (its graph
+grows with the length), and whether TF's device-default TensorList kernels
+copy through the host on that backend.
 
 CPU (and the fallback): the input projection of all timesteps is one
 MatMul + BiasAdd before the loop (`_FusedMatMul[BiasAdd]` with oneDNN); the loop
@@ -90,18 +115,73 @@ def _in_xla_context():
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
-def implementation(backend):
-    """``"cudnn"`` or ``"loop"``: what runs the recurrence on `backend`.
+def table_for(backend):
+    """The backend table `backend` (a `tfmetal_ext.devices.backend` value) reads here.
+
+    On Metal, the table of the plugin this process has (or is assuming, see
+    `tfmetal_ext.devices.assume_backend`); Apple's tensorflow-metal when no
+    plugin is known.
+    """
+    from tfmetal_ext import backends
+
+    caps = devices.capabilities()
+    plugin = caps.metal_plugin if backend == "metal" else None
+    return backends.table(backends.support_key(backend, caps.onednn, plugin))
+
+
+def cudnn_kernels(table, dtype=None):
+    """True / False / None: whether `table`'s backend runs `CudnnRNNV3` (and its backprop) in `dtype`.
+
+    Data only: the table's ``cudnn_rnn`` row must list `dtype` and neither op
+    may be known to lack a kernel there (`Backend.has_kernel`). None: the row
+    fuses but the table does not know the kernels (taken as present).
+    """
+    from tfmetal_ext.backends import fusion
+
+    row = table.fusion("cudnn_rnn")
+    if not row.fuses or (dtype is not None and dtype not in row.dtypes):
+        return False
+    known = [table.has_kernel(op, dtype) for op in (fusion.CUDNN_RNN, fusion.CUDNN_RNN_GRAD)]
+    if False in known:
+        return False
+    return True if all(known) else None
+
+
+def implementation(backend, dtype=None, table=None):
+    """``"cudnn"`` or ``"loop"``: what runs the recurrence on `backend` in the compute `dtype`.
 
     CUDA means a CUDA build of TensorFlow with a GPU; other GPU platforms that
     `tfmetal_ext.devices.backend` reports as ``"cuda"`` (ROCm, unknown
     PluggableDevices) get the loop, since their RNN kernels' weight layouts differ.
+    On Metal the backend table decides (`cudnn_kernels`): Apple's
+    tensorflow-metal has `CudnnRNNV3`; the open tensorflow-metal-plugin has no
+    kernel for it (and TF none on the CPU), so the loop runs there.
     """
-    if backend == "metal":
-        return "cudnn"
-    if backend == "cuda" and devices._built_with_cuda():
-        return "cudnn"
-    return "loop"
+    if backend == "cuda":
+        return "cudnn" if devices._built_with_cuda() else "loop"
+    if backend != "metal":
+        return "loop"
+    table = table_for(backend) if table is None else table
+    return "loop" if cudnn_kernels(table, dtype) is False else "cudnn"
+
+
+def list_form(table, dtype):
+    """``"pack"`` or ``"split"``: how the unrolled loop cuts its per-step tensors and stacks them again.
+
+    ``"pack"``: `Unpack` / `Pack` (one op each way; the CPU form). ``"split"``:
+    one `Split` and a `Squeeze` per step, `ExpandDims` per step and one
+    `ConcatV2`: the same number of device kernels (the reshapes are
+    metadata-only kernels TensorFlow registers for every device), for a GPU
+    whose table does not know `Pack` / `Unpack` to have kernels (the open
+    tensorflow-metal-plugin registers neither: they would run on the host,
+    a round trip per use). Masks then travel as float32 and are cast back per
+    step, since such a backend's `Split` and TensorLists need not take bool.
+    """
+    if table.device == "cpu":
+        return "pack"
+    if table.has_kernel("Pack", dtype) is True and table.has_kernel("Unpack", dtype) is True:
+        return "pack"
+    return "split"
 
 
 _FORCED_FORM = []
@@ -219,16 +299,21 @@ def _finish(seq_tm, last, mask_tm, return_sequences, zero_output_for_mask):
     masked step the previous step's output, starting from zeros: so the carried
     state once any step so far was unmasked, else zeros. With
     `zero_output_for_mask=True` masked steps output zeros. `seq_tm` is
-    (time, batch, units) in processing order; returns batch-major outputs.
+    (time, batch, units) in processing order; `mask_tm` (time, batch) bool or
+    0/1 float (counted as floats: a GPU backend may have float kernels only);
+    returns batch-major outputs.
     """
-    if return_sequences:
-        if mask_tm is not None:
-            keep = mask_tm if zero_output_for_mask else tf.cumsum(tf.cast(mask_tm, tf.int32), axis=0) > 0
-            seq_tm = tf.where(keep[:, :, None], seq_tm, tf.zeros_like(seq_tm))
-        return tf.transpose(seq_tm, [1, 0, 2])
+    m = None
     if mask_tm is not None:
-        keep = mask_tm[-1] if zero_output_for_mask else tf.reduce_any(mask_tm, axis=0)
-        last = tf.where(keep[:, None], last, tf.zeros_like(last))
+        m = tf.cast(mask_tm, tf.float32) if mask_tm.dtype == tf.bool else mask_tm
+    if return_sequences:
+        if m is not None:
+            keep = (m if zero_output_for_mask else tf.cumsum(m, axis=0)) > 0
+            seq_tm = tf.where(tf.expand_dims(keep, -1), seq_tm, tf.zeros_like(seq_tm))
+        return tf.transpose(seq_tm, [1, 0, 2])
+    if m is not None:
+        keep = (m[-1, :] if zero_output_for_mask else tf.reduce_max(m, axis=0)) > 0
+        last = tf.where(tf.expand_dims(keep, -1), last, tf.zeros_like(last))
     return last
 
 
@@ -253,10 +338,32 @@ class _Recurrence:
     (batch, 1) mask or None.
     """
 
+    # `list_form`: "pack" (Unpack/Pack) or "split" (Split + Reshape, ExpandDims + ConcatV2).
+    lists = "pack"
+
     def __init__(self, steps, go_backwards, mask_tm):
         self.steps = steps
         self.go_backwards = go_backwards
         self.mask = mask_tm
+
+    def _unstack(self, x, n):
+        if self.lists == "pack":
+            return tf.unstack(x, num=n)
+        return [tf.squeeze(p, axis=0) for p in tf.split(x, n, axis=0)]
+
+    def _stack(self, ts):
+        if self.lists == "pack":
+            return tf.stack(ts)
+        return tf.concat([tf.expand_dims(t, 0) for t in ts], axis=0)
+
+    def _mask_steps(self, n):
+        """The per-step (batch, 1) bool masks of the unrolled loop, or None."""
+        if self.mask is None:
+            return None
+        if self.mask.dtype == tf.bool:
+            return tf.unstack(self.mask[:, :, None], num=n)
+        # A float mask (the "split" form): cut as floats, cast back per step.
+        return [tf.cast(m, tf.bool) for m in self._unstack(tf.expand_dims(self.mask, -1), n)]
 
     def run(self, xs, states, weights, return_sequences):
         """Returns ``(seq_or_last_h, *final_states_after_h)`` with a custom gradient."""
@@ -289,18 +396,18 @@ class _Recurrence:
 
     def _unrolled(self, xs, states, weights):
         steps = self.steps
-        x_steps = [tf.unstack(x, num=steps) for x in xs]
-        m_steps = None if self.mask is None else tf.unstack(self.mask[:, :, None], num=steps)
+        x_steps = [self._unstack(x, steps) for x in xs]
+        m_steps = self._mask_steps(steps)
         records, hprev, hs = [None] * steps, [None] * steps, []
         for t in self._order(steps):
             m = None if m_steps is None else m_steps[t]
             hprev[t] = states[0]
             states, records[t] = self.step([x[t] for x in x_steps], states, weights, m)
             hs.append(states[0])
-        seq = tf.stack(hs)
+        seq = self._stack(hs)
 
         def backward(dseq, dstates):
-            dseq_steps = None if dseq is None else tf.unstack(dseq, num=steps)
+            dseq_steps = None if dseq is None else self._unstack(dseq, steps)
             per_step = [[None] * steps for _ in range(self.per_step_outputs)]
             prepared = self.prepare_grad(weights)
             for k, t in reversed(list(enumerate(self._order(steps)))):
@@ -310,8 +417,8 @@ class _Recurrence:
                 dstates, outs = self.step_grad(records[t], dstates, prepared, m)
                 for j, d in enumerate(outs):
                     per_step[j][t] = d
-            per_step = [tf.stack(d) for d in per_step]
-            return per_step[: len(xs)], dstates, self.weight_grads(tf.stack(hprev), per_step)
+            per_step = [self._stack(d) for d in per_step]
+            return per_step[: len(xs)], dstates, self.weight_grads(self._stack(hprev), per_step)
 
         return states, seq, backward
 
@@ -321,7 +428,10 @@ class _Recurrence:
         x_tas = [tf.TensorArray(x.dtype, size=steps, element_shape=x.shape[1:]).unstack(x) for x in xs]
         m_ta = None
         if self.mask is not None:
-            m_ta = tf.TensorArray(tf.bool, size=steps).unstack(self.mask[:, :, None])
+            if self.mask.dtype == tf.bool:
+                m_ta = tf.TensorArray(tf.bool, size=steps).unstack(self.mask[:, :, None])
+            else:  # a float mask: TF's TensorList kernels for any device take numbers, not bool
+                m_ta = _BoolAsFloat(tf.TensorArray(tf.float32, size=steps).unstack(tf.expand_dims(self.mask, -1)))
         index = (lambda k: steps - 1 - k) if self.go_backwards else (lambda k: k)
         rec_tas = [tf.TensorArray(dtype, size=steps, element_shape=states[0].shape) for _ in range(self.record_size)]
         h_ta = tf.TensorArray(dtype, size=steps, element_shape=states[0].shape)
@@ -365,6 +475,16 @@ class _Recurrence:
             return per_step[: len(xs)], dstates, self.weight_grads(hp_ta.stack(), per_step)
 
         return final, seq, backward
+
+
+class _BoolAsFloat:
+    """A TensorArray of 0/1 floats read back as bool."""
+
+    def __init__(self, ta):
+        self.ta = ta
+
+    def read(self, t):
+        return tf.cast(self.ta.read(t), tf.bool)
 
 
 def _materialized_transpose(u):
@@ -540,22 +660,29 @@ def _icfo(t, units):
     return tf.concat([i, c, f, o], axis=-1)
 
 
+def _mask_time_major(mask, lists):
+    """(time, batch): bool for the "pack" form, 0/1 float32 for "split" (see `list_form`)."""
+    if mask is None:
+        return None
+    return tf.transpose(mask if lists == "pack" else tf.cast(mask, tf.float32))
+
+
 def _lstm_loop(x, h0, c0, kernel, recurrent_kernel, bias, mask, go_backwards, return_sequences,
-               zero_output_for_mask, cpu):
+               zero_output_for_mask, cpu, lists="pack"):
     units = recurrent_kernel.shape[0]
     state = _state_dtype(x.dtype)
     x_tm = _time_major(x)
-    mask_tm = None if mask is None else tf.transpose(mask)
+    mask_tm = _mask_time_major(mask, lists)
     xw = _project(x_tm, _icfo(kernel, units), None if bias is None else _icfo(bias, units))
     # LSTMBlockCellGrad has CPU kernels for float32 and float16 (none on tensorflow-metal, none in XLA).
     fused_grad = cpu and state in (tf.float32, tf.float16) and not _in_xla_context()
     rec = _LSTM(x.shape[1], go_backwards, mask_tm, fused_grad=fused_grad)
-    rec.matmul_dtype, rec.state_dtype = x.dtype, state
+    rec.matmul_dtype, rec.state_dtype, rec.lists = x.dtype, state, lists
     first, c_t = rec.run(
         [tf.cast(xw, state)], [tf.cast(h0, state), tf.cast(c0, state)], [_icfo(recurrent_kernel, units)],
         return_sequences,
     )
-    h_t = first[-1] if return_sequences else first
+    h_t = first[-1, :, :] if return_sequences else first  # a full slice spec (see `_gru_loop`)
     if mask_tm is not None and go_backwards:
         mask_tm = tf.reverse(mask_tm, [0])
     out = _finish(first if return_sequences else None, h_t, mask_tm, return_sequences, zero_output_for_mask)
@@ -563,17 +690,19 @@ def _lstm_loop(x, h0, c0, kernel, recurrent_kernel, bias, mask, go_backwards, re
 
 
 def _gru_loop(x, h0, kernel, recurrent_kernel, bias, mask, go_backwards, return_sequences,
-              zero_output_for_mask):
+              zero_output_for_mask, lists="pack"):
     units = recurrent_kernel.shape[0]
     x_tm = _time_major(x)
-    mask_tm = None if mask is None else tf.transpose(mask)
+    mask_tm = _mask_time_major(mask, lists)
     w_zr, w_h = tf.split(kernel, [2 * units, units], axis=1)
     u_zr, u_h = tf.split(recurrent_kernel, [2 * units, units], axis=1)
     b_h = None
     if bias is None:
         b_zr = b_xh = None
     else:
-        b_in, b_rec = tf.unstack(bias)
+        # Split, not Unpack (no kernel on every GPU backend); no partial slice spec
+        # either (the open plugin's StridedSlice refuses one at run time).
+        b_in, b_rec = (tf.squeeze(b, 0) for b in tf.split(bias, 2, axis=0))
         b_in_zr, b_xh = tf.split(b_in, [2 * units, units])
         b_rec_zr, b_h = tf.split(b_rec, [2 * units, units])
         b_zr = b_in_zr + b_rec_zr  # z and r see x@W + b_in + h@U + b_rec: one bias
@@ -581,11 +710,12 @@ def _gru_loop(x, h0, kernel, recurrent_kernel, bias, mask, go_backwards, return_
     xzr = tf.cast(_project(x_tm, w_zr, b_zr), state)
     xh = tf.cast(_project(x_tm, w_h, b_xh), state)
     rec = _GRU(x.shape[1], go_backwards, mask_tm)
+    rec.lists = lists
     rec.has_bias = b_h is not None
     rec.matmul_dtype = x.dtype
     weights = [u_zr, u_h] + ([tf.cast(b_h, state)] if b_h is not None else [])
     (first,) = rec.run([xzr, xh], [tf.cast(h0, state)], weights, return_sequences)
-    h_t = first[-1] if return_sequences else first
+    h_t = first[-1, :, :] if return_sequences else first  # a full slice spec (see `_gru_loop`)
     if mask_tm is not None and go_backwards:
         mask_tm = tf.reverse(mask_tm, [0])
     out = _finish(first if return_sequences else None, h_t, mask_tm, return_sequences, zero_output_for_mask)
@@ -732,11 +862,13 @@ def lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, mask, go_backwards, retur
     in processing order or the last output (batch, units), as Keras' LSTM.
     """
     units = recurrent_kernel.shape[0]
-    cpu = implementation(backend) == "loop" or not use_cudnn
+    table = table_for(backend)
+    cpu = implementation(backend, x.dtype.name, table) == "loop" or not use_cudnn
+    lists = list_form(table, x.dtype.name)
 
     def loop():
         return _lstm_loop(x, h0, c0, kernel, recurrent_kernel, bias, mask, go_backwards,
-                          return_sequences, zero_output_for_mask, cpu=backend == "cpu")
+                          return_sequences, zero_output_for_mask, cpu=backend == "cpu", lists=lists)
 
     if cpu:
         return loop()
@@ -752,11 +884,13 @@ def gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_seq
         zero_output_for_mask, backend, use_cudnn=True):
     """Runs a reset_after=True GRU over batch-major `x`; returns ``(output, [h])``."""
     units = recurrent_kernel.shape[0]
-    cpu = implementation(backend) == "loop" or not use_cudnn
+    table = table_for(backend)
+    cpu = implementation(backend, x.dtype.name, table) == "loop" or not use_cudnn
+    lists = list_form(table, x.dtype.name)
 
     def loop():
         return _gru_loop(x, h0, kernel, recurrent_kernel, bias, mask, go_backwards,
-                         return_sequences, zero_output_for_mask)
+                         return_sequences, zero_output_for_mask, lists=lists)
 
     if cpu:
         return loop()

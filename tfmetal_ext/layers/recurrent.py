@@ -8,9 +8,13 @@ documents the choice and the measurements behind it):
 
 | backend | what runs |
 |---|---|
-| Metal (tensorflow-metal) | one `CudnnRNNV3` (float32, float16, bfloat16) |
+| Metal, Apple's tensorflow-metal | one `CudnnRNNV3` (float32, float16, bfloat16) |
+| Metal, the open tensorflow-metal-plugin | no `CudnnRNNV3` kernel there (nor on the CPU): the loop below, in its GPU form (composite cell gradient; `Split`/`ConcatV2` instead of `Unpack`/`Pack`, which have no kernel there) |
 | CUDA | one `CudnnRNNV3` (cuDNN) |
 | CPU | input projection of all steps as one MatMul + BiasAdd, then a custom-gradient loop (unrolled for static lengths up to 100) with one fused `LSTMBlockCellGrad` per LSTM step |
+
+The backend table decides (`_rnn.implementation`: the ``cudnn_rnn`` row and
+`Backend.has_kernel`), not the plugin's name.
 
 Under mixed precision the CPU loop keeps its states and gate math in float32
 and runs the MatMuls in the compute dtype (faster than bfloat16 elementwise ops
@@ -160,7 +164,7 @@ class _FusedRNN(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=3)
         self.states = None
         self.form = None  # "fused" or "stock": what the last trace ran
-        if _rnn.implementation(devices.backend()) == "cudnn" and use_cudnn:
+        if _rnn.implementation(devices.backend(), self.compute_dtype) == "cudnn" and use_cudnn:
             self.supports_jit = False  # CudnnRNNV3 has no XLA kernel
 
     # ------------------------------------------------------------------ weights
@@ -260,9 +264,10 @@ class _FusedRNN(keras.layers.Layer):
             keep = keras.random.dropout(tf.ones_like(x[:, 0, :]), self.dropout, seed=self.seed_generator)
             x = x * keep[:, None, :]
         backend = devices.backend()
-        if self.use_cudnn is True and _rnn.implementation(backend) != "cudnn":
+        if self.use_cudnn is True and _rnn.implementation(backend, self.compute_dtype) != "cudnn":
             raise ValueError(
-                f"`use_cudnn=True` needs a Metal or CUDA GPU; this backend is {backend!r}. "
+                f"`use_cudnn=True` needs a backend with a CudnnRNNV3 kernel for {self.compute_dtype} (CUDA, "
+                f"Apple's tensorflow-metal); this one is {_rnn.table_for(backend).label}. "
                 f"Received: use_cudnn={self.use_cudnn!r}"
             )
         if self.unroll and x.shape[1] is None:
@@ -304,7 +309,7 @@ class _FusedRNN(keras.layers.Layer):
         if self.recurrent_dropout > 0:
             return f"recurrent_dropout={self.recurrent_dropout}: no fused kernel masks the recurrent state"
         backend = backend or devices.backend()
-        cudnn = _rnn.implementation(backend) == "cudnn" and self.use_cudnn is not False
+        cudnn = _rnn.implementation(backend, self.compute_dtype) == "cudnn" and self.use_cudnn is not False
         if backend == "cpu" and not cudnn:
             cell = type(self).__name__[5:].lower()
             if _rnn.cpu_form(cell, batch, steps, self.units) == "stock":
@@ -378,7 +383,8 @@ class FusedLSTM(_FusedRNN):
 
     | backend | op |
     |---|---|
-    | Metal (tensorflow-metal) | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16) |
+    | Metal, Apple's tensorflow-metal | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16) |
+    | Metal, tensorflow-metal-plugin | MatMul + BiasAdd for all inputs (its graph pass fuses them), then per step MatMul + gate ops forward and a composite gradient (`SigmoidGrad`/`TanhGrad`) + MatMul backward, unrolled up to 100 static steps, else a while loop; every op with a kernel there |
     | CUDA | `CudnnRNNV3` + `CudnnRNNBackpropV3` (cuDNN) |
     | CPU | `_FusedMatMul[BiasAdd]` for all inputs, then per step MatMul + gate ops forward and `LSTMBlockCellGrad` + MatMul backward (float32/float16; a composite in bfloat16), dU as one MatMul; no fused RNN kernel exists on CPU |
 
@@ -403,7 +409,8 @@ class FusedLSTM(_FusedRNN):
         unroll: True runs the stock form unrolled (Keras' loop); False lets
             the layer pick its loop.
         zero_output_for_mask: output zeros at masked steps instead of the previous output.
-        use_cudnn: ``"auto"``; False forces the loop on a GPU; True requires Metal or CUDA.
+        use_cudnn: ``"auto"``; False forces the loop on a GPU; True requires a backend with a
+            `CudnnRNNV3` kernel (CUDA, Apple's tensorflow-metal; not the open plugin).
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`), and
             Keras' ``implementation`` (1 or 2; the same math either way, kept
             in the config).
@@ -502,7 +509,8 @@ class FusedGRU(_FusedRNN):
 
     | backend | op |
     |---|---|
-    | Metal (tensorflow-metal) | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16); weights packed in Keras' gate order, as Keras packs them there |
+    | Metal, Apple's tensorflow-metal | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16); weights packed in Keras' gate order, as Keras packs them there |
+    | Metal, tensorflow-metal-plugin | the loop as `FusedLSTM` there (two MatMuls per step), every op with a kernel there |
     | CUDA | `CudnnRNNV3` + `CudnnRNNBackpropV3` (cuDNN; gates reordered to cuDNN's r, z, h) |
     | CPU | `_FusedMatMul[BiasAdd]` for all inputs, then per step two MatMuls (z/r and h) + gate ops forward and a composite gradient backward, dU as two MatMuls; no fused RNN kernel exists on CPU |
 
@@ -603,8 +611,23 @@ def _static_batch_and_steps(layer):
     return None, None
 
 
+def loop_form(steps):
+    """How the loop runs for a static sequence length `steps` (None: unknown), in words."""
+    if steps is not None and steps <= _rnn.MAX_UNROLL:
+        return f"unrolled over its {steps} steps (per step MatMul + gate ops; no loop control, no TensorLists)"
+    return "a tf.while_loop with TensorLists (length unknown or over MAX_UNROLL)"
+
+
+REASON_NO_CUDNN = (
+    "{label} has no CudnnRNNV3 kernel (and TF has no CPU one): {name} runs its loop there instead, the input "
+    "projection as one MatMul + BiasAdd, then {form}"
+)
+
+
 def _fused_rnn_rule(layer, ctx):
-    """CudnnRNNV3 on Metal/CUDA; on CPU only the hoisted input projection can fuse (`_FusedMatMul[BiasAdd]`)."""
+    """CudnnRNNV3 where the backend table has its kernels (CUDA, Apple's tensorflow-metal); elsewhere the loop:
+    on CPU the hoisted input projection fuses (`_FusedMatMul[BiasAdd]`), on a Metal backend without the kernel
+    it may (the open plugin's graph pass fuses MatMul + BiasAdd), which a Linux run cannot require."""
     name = type(layer).__name__
     batch, steps = _static_batch_and_steps(layer)
     why = layer.stock_form_reason(batch, ctx.backend, steps)
@@ -612,12 +635,22 @@ def _fused_rnn_rule(layer, ctx):
         return Expectation("cudnn_rnn", None, None, None, reason=REASON_STOCK_FORM.format(name=name, why=why))
     if ctx.xla:
         return Expectation("cudnn_rnn", None, None, None, reason=catalog.REASON_XLA)
-    if _rnn.implementation(ctx.backend) == "cudnn" and layer.use_cudnn is not False:
+    table = catalog.table(ctx)
+    cudnn = _rnn.implementation(ctx.backend, layer.compute_dtype, table) == "cudnn"
+    if cudnn and layer.use_cudnn is not False:
         return Expectation("cudnn_rnn", "CudnnRNNV3", (), ())
     if ctx.backend == "cpu":
         reason = REASON_CPU_RNN.format(name=name)
     elif layer.use_cudnn is False:
         reason = "use_cudnn=False: the generic loop runs"
+    elif ctx.backend == "metal":
+        reason = REASON_NO_CUDNN.format(label=table.label, name=name, form=loop_form(steps))
+        blocked = catalog.dtype_block(ctx, layer.compute_dtype, "matmul_bias_act")
+        row = table.fusion("matmul_bias_act")
+        may = ()
+        if layer.use_bias and not blocked and layer.compute_dtype in row.dtypes_in(ctx.mode):
+            may = (("_FusedMatMul", ("BiasAdd",)),)
+        return Expectation("cudnn_rnn", None, None, (), reason=reason, ideal_op="CudnnRNNV3", may_fuse=may)
     else:
         reason = f"{ctx.backend} without a CUDA build: the generic loop runs"
     blocked = catalog.dtype_block(ctx, layer.compute_dtype, "matmul_bias_act")
