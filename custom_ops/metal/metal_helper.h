@@ -1,5 +1,5 @@
 // metal_helper.h: the one host-side helper every <op>_metal.mm uses to run its
-// Metal kernels inside TensorFlow (tensorflow-metal's PluggableDevice).
+// Metal kernels inside TensorFlow (a Metal PluggableDevice).
 // Objective-C++ with ARC (-fobjc-arc), macOS arm64 only. Binds to both Metal
 // backends: Apple's tensorflow-metal and the open tensorflow-metal-plugin.
 //
@@ -32,8 +32,10 @@
 //   which libmetal_plugin.dylib is loaded, and the installed distributions).
 //   Where the host code cannot bind (no or an unknown Metal backend, the open
 //   plugin at a release whose layout we did not check, its registry not
-//   exported) no GPU kernel is registered, so TF runs the CPU kernel, and
-//   TfmetalExt_MetalKernelStatus() says why (read by tfmetal_ext.ops.status());
+//   exported) no GPU kernel is registered: TF places the op on the CPU (its
+//   CPU kernel), or the Python wrapper runs the op's pure-TF reference where
+//   it would run on the GPU (ops/_common.py), and TfmetalExt_MetalKernelStatus()
+//   says why (read by tfmetal_ext.ops.status(), logged once at load);
 // - registration: RegisterFloatKernels registers an op's GPU kernel for
 //   float, half and bfloat16 from a static initializer (KernelRegistrar),
 //   with the one compute trampoline TF calls (status in, TF_OpKernelContext_Failure
@@ -62,6 +64,15 @@
 //   into chunks at buffer offsets (DispatchChunked1D);
 // - errors (NSError, missing kernels, bad sizes) become TF_Status errors, with
 //   dtypes named as TF names them (DtypeName); nothing throws or aborts.
+//
+// Verified without a Mac (tests/ops/test_metal_host_code.py): every .mm
+// compiles (clang, ARC) against stub Foundation/Metal headers and against the
+// open plugin's real headers; our declaration of its stream and the symbol
+// names we look up match its sdist; the load-time decision, the status text
+// and the sequence protocol under contention run on Linux. Only a Mac can
+// confirm the rest (`pytest -m metal`, `tfmetal-ext doctor --selftest`): the
+// dyld probe, dlsym of the plugin's symbols, Metal itself, the kernels'
+// results and their ordering with each backend's own work.
 #ifndef TFMETAL_METAL_HELPER_H_
 #define TFMETAL_METAL_HELPER_H_
 
