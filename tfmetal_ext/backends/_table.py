@@ -117,6 +117,9 @@ class Backend:
             kernels, which serve this device too (control flow, ``Const``,
             ``Identity``, ``Shape``, ``ReadVariableOp``, int32 host-memory
             arithmetic, ...); None: not recorded.
+        dtype_attrs: op -> the type attribute whose dtypes `kernels` lists,
+            where it is not ``T`` (``Cast``: ``SrcT``): the attribute whose
+            dtype to ask `has_kernel` about.
         missing_kernels: ops known to have no kernel here, whatever dtype.
         host_ops: op -> reason, for ops whose kernels the backend's source
             has but does not register on the TensorFlow it runs on (they run
@@ -138,6 +141,7 @@ class Backend:
     pass_failure: str | None = None
     kernels_complete: bool = False
     shared_kernels: types.MappingProxyType | None = None
+    dtype_attrs: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     missing_kernels: frozenset = frozenset()
     host_ops: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     unsupported_layers: types.MappingProxyType = dataclasses.field(
