@@ -25,7 +25,7 @@ def fake_host(monkeypatch):
     """Replaces the hardware probes; returns a setter."""
 
     def set_host(system="Linux", machine="x86_64", gpus=(), cuda=False, metal=None, flags=(),
-                 plugin=APPLE, plugins=None, python="3.11.9", macos=None):
+                 plugin=APPLE, plugins=None, python="3.11.9", macos=None, library_owner=None):
         monkeypatch.setattr(devices, "_platform", lambda: (system, machine))
         monkeypatch.setattr(devices, "_gpu_devices", lambda: list(gpus))
         monkeypatch.setattr(devices, "_built_with_cuda", lambda: cuda)
@@ -34,6 +34,7 @@ def fake_host(monkeypatch):
         monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset(flags))
         monkeypatch.setattr(devices, "_python_version", lambda: python)
         monkeypatch.setattr(devices, "_macos_version", lambda: macos)
+        monkeypatch.setattr(devices, "_metal_library_owner", lambda: library_owner)
 
     return set_host
 
@@ -231,6 +232,43 @@ def test_both_installed_is_an_error_with_the_fix(fake_host, monkeypatch, tf_vers
     assert f"  {routes[0][0]}" in lines
 
 
+def _fake_dist(site, dist_name, version, library_bytes, write_library):
+    """A dist-info for `dist_name` whose RECORD lists tensorflow-plugins/libmetal_plugin.dylib with these bytes."""
+    import base64
+    import hashlib
+
+    info = site / f"{dist_name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist_name}\nVersion: {version}\n")
+    digest = base64.urlsafe_b64encode(hashlib.sha256(library_bytes).digest()).rstrip(b"=").decode()
+    (info / "RECORD").write_text(
+        f"tensorflow-plugins/libmetal_plugin.dylib,sha256={digest},{len(library_bytes)}\n{info.name}/RECORD,,\n"
+    )
+    if write_library:
+        (site / "tensorflow-plugins").mkdir(exist_ok=True)
+        (site / "tensorflow-plugins" / "libmetal_plugin.dylib").write_bytes(library_bytes)
+
+
+@pytest.mark.parametrize("installed_last", [APPLE, PLUGIN])
+def test_both_installed_names_whose_library_is_on_disk(tmp_path, monkeypatch, installed_last):
+    import sys
+
+    apple_bytes, plugin_bytes = b"apple's metal plugin", b"the open metal plugin"
+    _fake_dist(tmp_path, APPLE, "1.2.0", apple_bytes, installed_last == APPLE)
+    _fake_dist(tmp_path, PLUGIN, "0.4.1", plugin_bytes, installed_last == PLUGIN)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)] + sys.path)
+    modules = set(sys.modules)
+    assert devices._metal_plugins() == {APPLE: "1.2.0", PLUGIN: "0.4.1"}
+    assert devices._metal_library_owner() == installed_last
+    assert set(sys.modules) == modules  # nothing imported or loaded
+    plugin, check = devices.check_installed(devices._metal_plugins(), "2.19.1", "3.12.0",
+                                            library_owner=installed_last)
+    assert plugin == installed_last and check.verdict == "both-installed"
+    assert f"the file on disk is {installed_last}'s" in check.reason
+    # The fix still keeps the plugin that fits TF 2.19 (Apple's), whichever file is there now.
+    assert check.fixes[0].commands == (UNINSTALL_PLUGIN, REINSTALL_APPLE)
+
+
 def test_both_installed_is_read_from_metadata_only(monkeypatch):
     import importlib.metadata
     import sys
@@ -400,3 +438,13 @@ def test_readme_names_the_commands_the_fixes_give():
     _, on_2_19 = devices.check_installed({APPLE: "1.2.0", PLUGIN: "0.4.1"}, "2.19.1", "3.12.1", "15.1")
     assert list(on_2_21.fixes[0].commands) == [UNINSTALL_APPLE, REBUILD_PLUGIN]
     assert list(on_2_19.fixes[0].commands) == [UNINSTALL_PLUGIN, REINSTALL_APPLE]
+
+
+def test_both_installed_capabilities_describe_the_library_on_disk(fake_host, monkeypatch):
+    fake_host("Darwin", "arm64", gpus=["/physical_device:GPU:0"], plugins={APPLE: "1.2.0", PLUGIN: "0.4.1"},
+              python="3.12.4", macos="15.2", library_owner=APPLE)
+    monkeypatch.setattr(tf, "__version__", "2.21.0")
+    caps = devices.capabilities()
+    # Apple's file is the one TF loads (and it fails on 2.21); the fix keeps the open plugin.
+    assert (caps.metal_plugin, caps.metal_plugin_version) == (APPLE, "1.2.0")
+    assert caps.pairing == "both-installed" and caps.pairing_fixes[0].commands == (UNINSTALL_APPLE, REBUILD_PLUGIN)

@@ -10,8 +10,9 @@ Metal plugin pairing with the commands that fix a broken one
 (`check_pairing`, `pairing_verdict`, `pairing_fixes`, `check_installed`,
 `describe_pairing`).
 
-The probes (`_platform`, `_gpu_devices`, `_metal_plugins`, `_cpu_flags`,
-`_onednn_enabled`, `_python_version`, `_macos_version`) are module-level
+The probes (`_platform`, `_gpu_devices`, `_metal_plugins`,
+`_metal_library_owner`, `_cpu_flags`, `_onednn_enabled`, `_python_version`,
+`_macos_version`) are module-level
 functions so tests can replace them where the hardware is absent. The Metal
 plugins are found from package metadata only: importing a second library that
 registers the METAL platform would abort the process.
@@ -160,7 +161,8 @@ class Capabilities:
         metal_plugin: the Metal PluggableDevice distribution installed:
             ``"tensorflow-metal"`` (Apple's), ``"tensorflow-metal-plugin"``
             (the open one) or None. `metal_plugin_version` is its version.
-            With both installed: the one kept by the first fix.
+            With both installed: the one whose library is on disk (RECORD
+            hash), else the one the first fix keeps.
         metal_plugins: ``((name, version), ...)`` of every Metal plugin
             installed (from package metadata; nothing is imported).
         pairing_reason: why the verdict is what it is, or None.
@@ -220,6 +222,36 @@ def _metal_plugins():
         except importlib.metadata.PackageNotFoundError:
             pass
     return found
+
+
+PLUGIN_LIBRARY = "tensorflow-plugins/libmetal_plugin.dylib"  # both distributions install this one file
+
+
+def _metal_library_owner():
+    """Which Metal plugin's `PLUGIN_LIBRARY` is on disk now (the one TensorFlow loads), or None.
+
+    Read from package metadata: the file's sha256 against each distribution's
+    RECORD. Nothing is imported or loaded.
+    """
+    import base64
+    import hashlib
+
+    for name in METAL_PLUGINS:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for path in dist.files or ():
+            if str(path).replace("\\", "/").endswith(PLUGIN_LIBRARY) and path.hash and path.hash.mode == "sha256":
+                try:
+                    with open(dist.locate_file(path), "rb") as f:
+                        digest = hashlib.sha256(f.read()).digest()
+                except OSError:
+                    break
+                if base64.urlsafe_b64encode(digest).rstrip(b"=").decode() == path.hash.value:
+                    return name
+                break
+    return None
 
 
 def _python_version():
@@ -619,7 +651,7 @@ def pairing_fixes(tf_version, metal_version, plugin=APPLE, python_version=None, 
     return check_pairing(tf_version, metal_version, plugin, python_version, macos_version).fixes
 
 
-def check_installed(plugins, tf_version, python_version=None, macos_version=None):
+def check_installed(plugins, tf_version, python_version=None, macos_version=None, library_owner=None):
     """`check_pairing` for the Metal plugins found installed (`{name: version}`, none, one or both).
 
     Both at once is `BOTH_INSTALLED`: both distributions install
@@ -630,8 +662,17 @@ def check_installed(plugins, tf_version, python_version=None, macos_version=None
     Python (TF >= 2.20 or Python >= 3.13: Apple's; TF <= 2.19: the open
     plugin) and reinstalls the other.
 
+    Args:
+        plugins: ``{distribution: version}`` of the Metal plugins installed.
+        tf_version, python_version, macos_version: as for `check_pairing`.
+        library_owner: with both installed, whose ``libmetal_plugin.dylib``
+            is on disk (the one TensorFlow loads), if known; it is named in
+            the reason and returned as the plugin.
+
     Returns:
-        ``(plugin kept or found, or None, PairingCheck)``.
+        ``(plugin, PairingCheck)``: the plugin installed, or with both, the
+        one whose library is on disk when known, else the one the first fix
+        keeps (None when none is installed).
     """
     plugins = {n: plugins[n] for n in METAL_PLUGINS if n in plugins}
     if len(plugins) < 2:
@@ -650,10 +691,11 @@ def check_installed(plugins, tf_version, python_version=None, macos_version=None
     if apple_ok:
         fixes.insert(0 if keep_apple else len(fixes), _apple_route(tf, uninstall_plugin=True, reinstall=True))
     both = ", ".join(f"{n} {v}" for n, v in plugins.items())
-    return (APPLE if keep_apple else OPEN_PLUGIN), PairingCheck(
+    on_disk = f" (the file on disk is {library_owner}'s)" if library_owner in plugins else ""
+    return (library_owner if library_owner in plugins else (APPLE if keep_apple else OPEN_PLUGIN)), PairingCheck(
         BOTH_INSTALLED,
-        f"both Metal plugins are installed ({both}): both install tensorflow-plugins/libmetal_plugin.dylib, so one "
-        "overwrote the other, uninstalling either deletes it, and loading both aborts the process; keep one",
+        f"both Metal plugins are installed ({both}): both install {PLUGIN_LIBRARY}, so one overwrote the "
+        f"other{on_disk}, uninstalling either deletes it, and loading both aborts the process; keep one",
         tuple(fixes),
     )
 
@@ -698,7 +740,9 @@ def capabilities():
     flags = _cpu_flags()
     found = _metal_plugins()
     python, macos = _python_version(), (_macos_version() if system == "Darwin" else None)
-    plugin, check = check_installed(found, tf.__version__, python_version=python, macos_version=macos)
+    owner = _metal_library_owner() if len(found) > 1 else None
+    plugin, check = check_installed(found, tf.__version__, python_version=python, macos_version=macos,
+                                    library_owner=owner)
     return Capabilities(
         backend=backend(),
         tf_version=tf.__version__,
