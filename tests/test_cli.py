@@ -55,6 +55,45 @@ def test_report_bad_batch(saved_model):
         cli.main(["report", str(saved_model), "--batch", "0"])
 
 
+@pytest.fixture
+def saved_lstm_attention(tmp_path):
+    inp = keras.Input((6, 8))
+    x = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4, name="mha")(inp, inp)
+    out = keras.layers.LSTM(4, name="lstm")(x)
+    model = keras.Model(inp, out)
+    model.compile(optimizer="adam", loss="mse")
+    path = tmp_path / "seq.keras"
+    model.save(path)
+    return path
+
+
+def test_report_predict_for_the_open_plugin(saved_lstm_attention, capsys):
+    # Keras' attention emits Einsum (no kernel there: CPU), stock LSTM CudnnRNNV3 (no kernel anywhere here).
+    assert cli.main(["report", str(saved_lstm_attention), "--predict-for", "tensorflow-metal-plugin"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("Predicted placement (train) on tensorflow-metal-plugin")
+    rows = [line.split() for line in out.splitlines()]
+    assert any(r[:1] == ["Einsum"] and "mha" in r and "falls" in r for r in rows), out
+    assert any(r[:1] == ["CudnnRNNV3"] and "lstm" in r and "fails" in r for r in rows), out
+    assert "Fusion report" not in out  # this host's fusions say nothing about that backend
+
+
+def test_report_predict_for_json_and_apple(saved_lstm_attention, capsys):
+    argv = ["report", str(saved_lstm_attention), "--mode", "predict", "--json", "--predict-for"]
+    assert cli.main(argv + ["tensorflow-metal-plugin"]) == 0
+    data = json.loads(capsys.readouterr().out)["predicted_placement"]
+    assert data["mode"] == "predict" and data["predicted_for"] == "tensorflow-metal-plugin"
+    assert {"Einsum", "CudnnRNNV3"} <= {m["op"] for m in data["missing"]}
+    assert cli.main(argv + ["tensorflow-metal"]) == 0
+    data = json.loads(capsys.readouterr().out)["predicted_placement"]
+    assert "CudnnRNNV3" not in {e["op"] for e in data["entries"]}  # Apple's plugin has its kernel
+
+
+def test_report_predict_for_bad_name(saved_model, capsys):
+    assert cli.main(["report", str(saved_model), "--predict-for", "cuda"]) == 2
+    assert "Received: predict_for='cuda'" in capsys.readouterr().err
+
+
 def test_version(capsys):
     assert cli.main(["version", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -2,6 +2,8 @@
 
 `doctor [--selftest] [--json]`: environment, configure() choice, custom-op status
 and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL).
+`report MODEL.keras [--predict-for NAME]`: fusion and placement of the model's step here, or its
+predicted placement on a Metal backend (tensorflow-metal-plugin, tensorflow-metal).
 `convert IN.keras OUT.keras [--inference]`: a fusion-first, verified copy of a saved model.
 """
 
@@ -46,12 +48,25 @@ def _load_model(path, command):
 def _cmd_report(args):
     from tfmetal_ext import inspect
 
+    if args.predict_for is not None:
+        from tfmetal_ext.inspect import predict
+
+        try:
+            predict.validate_predict_for(args.predict_for)
+        except ValueError as e:
+            print(f"tfmetal-ext report: {e}", file=sys.stderr)
+            return 2
     model = _load_model(args.model, "report")
     if model is None:
         return 2
     kw = {"batch_size": args.batch}
     if args.mode == "train" and not getattr(model, "compiled", False):
         kw.update(optimizer=args.optimizer, loss=args.loss)
+    if args.predict_for:
+        # Traced as on that backend, not run: this host's fusion report says nothing about it.
+        predicted = inspect.placement_report(model, mode=args.mode, predict_for=args.predict_for, **kw)
+        print(json.dumps({"predicted_placement": predicted.to_dict()}, indent=2) if args.json else predicted)
+        return 0
     fusion = inspect.fusion_report(model, mode=args.mode, **kw)
     placement = inspect.placement_report(model, mode=args.mode, **kw)
     if args.json:
@@ -131,6 +146,11 @@ def build_parser():
     p.add_argument("--batch", type=_positive_int, default=8, help="batch size of the random inputs")
     p.add_argument("--optimizer", default="adam", help="optimizer when the file holds no compile config")
     p.add_argument("--loss", default="mse", help="loss when the file holds no compile config")
+    p.add_argument(
+        "--predict-for", default=None, metavar="NAME",
+        help="predict the placement on a Metal backend instead (tensorflow-metal-plugin or tensorflow-metal): "
+             "the step is traced as there, not run, on any machine",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_report)
     p = sub.add_parser("build-ops", help="build (or find in the cache) the custom-op library for this TensorFlow")

@@ -104,6 +104,41 @@ class TrainStepWrapper:
             self._installed = None
 
 
+# Differences from the prediction listed in the summary (the rest are counted).
+_MAX_DIFFERENCES = 10
+
+
+def _predict(model, plugin):
+    from tfmetal_ext import inspect
+
+    return inspect.placement_report(model, mode="train", predict_for=plugin)
+
+
+def compare_with_prediction(model, placement, caps=None, predict=None):
+    """On a Mac: ``(predicted report, notes)`` where the real `placement` differs from the prediction.
+
+    Only on a real Metal backend (not inside `devices.assume_backend`) with a
+    known plugin; elsewhere ``(None, [])``. The prediction traces the
+    model's train step again (nothing runs; `predict(model, plugin)`). A
+    prediction that cannot be made is one note, never an error.
+    """
+    from tfmetal_ext import devices
+    from tfmetal_ext.inspect import predict as predict_mod
+
+    caps = caps or devices.capabilities()
+    if caps.backend != "metal" or devices.assumed_backend() is not None or not caps.metal_plugin:
+        return None, []
+    try:
+        predicted = (predict or _predict)(model, caps.metal_plugin)
+    except Exception as e:  # arbitrary models: the real report stands on its own
+        return None, [f"no placement prediction for {caps.metal_plugin} to compare with "
+                      f"({type(e).__name__}: {e})"]
+    notes = predict_mod.differences(placement, predicted, limit=_MAX_DIFFERENCES)
+    if not notes:
+        notes = [f"the real placement matches the {caps.metal_plugin} prediction"]
+    return predicted, notes
+
+
 class FirstStepReport:
     """The fusion and placement reports of the captured step, and the summary made from them.
 
@@ -119,6 +154,7 @@ class FirstStepReport:
         self.check_fallback = check_fallback
         self.strict = strict
         self.print_fn = print_fn
+        self.predicted = None  # the PredictedPlacementReport compared with on a Mac
 
     @property
     def wanted(self):
@@ -137,6 +173,10 @@ class FirstStepReport:
             return None, None
         fusion = inspect.report_from_capture(cap, model) if self.report is not None or self.strict else None
         placement = inspect.placement_from_capture(cap, model) if self.check_fallback else None
+        self.predicted = None
+        if placement is not None:
+            self.predicted, notes = compare_with_prediction(model, placement)
+            placement.notes.extend(notes)
         return fusion, placement
 
     def publish(self, model, findings, fusion_report, placement_report):
@@ -191,10 +231,11 @@ def _fusion_lines(model, fr, problems):
 
 
 def _placement_lines(model, pr, problems):
+    notes = [f"  placement note: {n}" for n in pr.notes]
     if not pr.gpu_present:
-        return ["  CPU fallback: none possible (no GPU present)"]
+        return ["  CPU fallback: none possible (no GPU present)"] + notes
     if not pr.fallbacks:
-        return ["  CPU fallback: none"]
+        return ["  CPU fallback: none"] + notes
     lines = [f"  CPU fallback: {len(pr.fallbacks)} op(s) ran on the CPU:"]
     for f in pr.fallbacks:
         repl = _stock_advice(model, f.layer) if f.layer else None
@@ -202,4 +243,4 @@ def _placement_lines(model, pr, problems):
         where = f"{f.op} in {f.layer or '(no layer)'}"
         lines.append(f"    {where}{fix}")
         problems.append(f"{where} fell back to the CPU")
-    return lines
+    return lines + notes

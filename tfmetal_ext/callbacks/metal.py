@@ -91,7 +91,12 @@ class MetalCallback(keras.callbacks.Callback):
 
     Attributes:
         fusion_report: the `FusionReport` of the first train step (or None).
-        placement_report: the `PlacementReport` of that step (or None).
+        placement_report: the `PlacementReport` of that step (or None). On a
+            Mac its notes say where it differs from the predicted placement
+            for the same plugin (`tfmetal_ext.inspect.placement_report(...,
+            predict_for=...)`).
+        predicted_placement_report: that prediction (a
+            `PredictedPlacementReport`), on a Mac only; else None.
         findings: the train-begin findings, one string each.
         summary: the text printed after the first step.
         nonfinite_step: the global step (1-based) of the first non-finite
@@ -159,6 +164,7 @@ class MetalCallback(keras.callbacks.Callback):
         # The parts are made from the public attributes as they are now, so changes between fits apply.
         self.fusion_report = None
         self.placement_report = None
+        self.predicted_placement_report = None
         self.summary = None
         self._warned = False
         self._findings = Findings(strict=self.strict)
@@ -241,6 +247,7 @@ class MetalCallback(keras.callbacks.Callback):
     def _on_first_step_captured(self, cap):
         try:
             self.fusion_report, self.placement_report = self._inspection.reports(cap, self.model, self._findings)
+            self.predicted_placement_report = self._inspection.predicted
             problems = self._report_first_step()
         except Exception as e:  # the step itself has run; only the inspection failed
             self.fusion_report = self.placement_report = None

@@ -13,8 +13,19 @@ import logging
 import numpy as np
 
 from tfmetal_ext import devices
-from tfmetal_ext.inspect.capture import Capture, capture_call, capture_function, capture_predict, capture_train
+from tfmetal_ext.inspect import predict
+from tfmetal_ext.inspect.capture import (
+    Capture,
+    capture_call,
+    capture_function,
+    capture_predict,
+    capture_train,
+    trace_function,
+    trace_predict,
+    trace_train,
+)
 from tfmetal_ext.inspect.catalog import PATTERNS, Expectation, FusionContext, register_rule
+from tfmetal_ext.inspect.predict import PredictedOp, PredictedPlacementReport
 from tfmetal_ext.inspect.report import (
     FallbackNode,
     FusedNode,
@@ -36,6 +47,8 @@ __all__ = [
     "FusionReport",
     "LayerRow",
     "PlacementReport",
+    "PredictedOp",
+    "PredictedPlacementReport",
     "assert_fused",
     "assert_no_cpu_fallback",
     "capture_step",
@@ -288,6 +301,13 @@ def _training_model(model, optimizer, loss, jit_compile, notes):
 def capture_step(model_or_fn, inputs=None, mode="predict", *, targets=None, sample_weight=None,
             optimizer=None, loss=None, batch_size=8, jit_compile=None):
     """Runs one step and returns the `Capture` plus the model actually run (or None) and notes."""
+    return _step(model_or_fn, inputs, mode, False, targets=targets, sample_weight=sample_weight,
+                 optimizer=optimizer, loss=loss, batch_size=batch_size, jit_compile=jit_compile)
+
+
+def _step(model_or_fn, inputs, mode, trace, *, targets=None, sample_weight=None, optimizer=None, loss=None,
+          batch_size=8, jit_compile=None):
+    """`capture_step`, or with `trace` the same step traced and not run (`capture.trace_train`, ...)."""
     notes = []
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}. Received: mode={mode!r}")
@@ -299,12 +319,12 @@ def capture_step(model_or_fn, inputs=None, mode="predict", *, targets=None, samp
             model = _training_model(model, optimizer, loss, jit_compile, notes)
         x = inputs if inputs is not None else synthetic_inputs(model, batch_size)
         if mode == "predict":
-            cap = capture_predict(model, x)
+            cap = (trace_predict if trace else capture_predict)(model, x)
         else:
             batch = batch_size_of(x) or batch_size  # targets follow the inputs' batch
             y = targets if targets is not None else synthetic_targets(model, batch, getattr(model, "loss", None),
                                                                       inputs=x)
-            cap = capture_train(model, x, y, sample_weight)
+            cap = (trace_train if trace else capture_train)(model, x, y, sample_weight)
         return cap, model, notes
     if not callable(model_or_fn):
         raise ValueError(
@@ -313,7 +333,7 @@ def capture_step(model_or_fn, inputs=None, mode="predict", *, targets=None, samp
     if mode != "predict":
         notes.append("mode applies to Keras models only; the function was run as given")
     args = inputs if isinstance(inputs, (tuple, list)) else ((inputs,) if inputs is not None else ())
-    return capture_function(model_or_fn, *args, jit_compile=jit_compile), None, notes
+    return (trace_function if trace else capture_function)(model_or_fn, *args, jit_compile=jit_compile), None, notes
 
 
 def fusion_report(model_or_fn, inputs=None, mode="predict", **kw):
@@ -349,13 +369,32 @@ def report_from_capture(cap, model=None, notes=()):
     return build_fusion_report(cap, index, ctx, policy=policy, notes=notes)
 
 
-def placement_report(model_or_fn, inputs=None, mode="predict", **kw):
-    """Runs one step and reports ops that ran on CPU while a GPU was present.
+def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None, **kw):
+    """Runs one step and reports ops that ran on CPU while a GPU was present; or predicts them for a Metal backend.
 
-    Arguments as for `fusion_report`. Returns a `PlacementReport`.
+    Arguments as for `fusion_report`. With `predict_for`
+    (``"tensorflow-metal-plugin"`` or ``"tensorflow-metal"``) nothing runs:
+    the step is traced as it would be on that backend (inside
+    `tfmetal_ext.devices.assume_backend`, with Keras' GPU-only branches such
+    as its cuDNN LSTM taken; see `tfmetal_ext.inspect.predict`), and every
+    compute op with no kernel there for its dtype is listed with its layer
+    and whether it would fall back to the CPU, fail (no CPU kernel either),
+    or run on the host. Works on any machine.
+
+    Returns:
+        A `PlacementReport`; with `predict_for`, a `PredictedPlacementReport`.
+
+    Raises:
+        ValueError: on a bad `predict_for` (or mode, batch size, ...).
     """
-    cap, model, _ = capture_step(model_or_fn, inputs, mode, **kw)
-    return placement_from_capture(cap, model)
+    if predict_for is None:
+        cap, model, _ = capture_step(model_or_fn, inputs, mode, **kw)
+        return placement_from_capture(cap, model)
+    predict.validate_predict_for(predict_for)
+    with predict.tracing_as(predict_for):
+        cap, model, notes = _step(model_or_fn, inputs, mode, True, **kw)
+        index = LayerIndex(model, cap.layer_scopes)
+    return predict.build_predicted_report(cap, index, predict_for, model=model, notes=notes)
 
 
 def placement_from_capture(cap, model=None):
@@ -413,4 +452,8 @@ def assert_no_cpu_fallback(report):
     if not isinstance(report, PlacementReport):
         raise TypeError(f"Expected a PlacementReport. Received: report={type(report).__name__}")
     if report.fallbacks:
+        if isinstance(report, PredictedPlacementReport):
+            raise AssertionError(
+                f"{len(report.fallbacks)} kind(s) of op would not run on the GPU of {report.predicted_for}.\n{report}"
+            )
         raise AssertionError(f"{len(report.fallbacks)} op(s) fell back to CPU.\n{report}")

@@ -408,3 +408,95 @@ def capture_train(model, x, y, sample_weight=None):
         model.stop_training = saved_stop
         _restore(state, values)
     return _keep_own(_to_capture(box[0], _resolve_jit(model), "train", rec.scopes), _tf_functions(fn))
+
+
+# ----------------------------------------------------------------------------
+# Traced, not run: the graph a step would be, for backends that are not here.
+#
+# A predicted placement (`tfmetal_ext.inspect.placement_report(..., predict_for=...)`)
+# traces the step as another backend would, and such a graph may hold ops with
+# no kernel on this host (CudnnRNNV3 has no CPU kernel): it must never run. The
+# graphs are the traced function's GraphDef with its whole function library
+# (the inner step function, while-loop bodies, gradient functions): before
+# grappler, and without placement.
+
+
+def _traced_capture(concrete, mode, jit_compile, layer_scopes):
+    graph_def = concrete.graph.as_graph_def()
+    name = concrete.name.decode() if isinstance(concrete.name, bytes) else concrete.name
+    fg = FunctionGraph(name=name, graph=graph_def, partitions=[], pre_graph=graph_def)
+    return Capture(functions=[fg], jit_compile=jit_compile, mode=mode, layer_scopes=dict(layer_scopes))
+
+
+def _outer_function(fn):
+    found = _tf_functions(fn)
+    if not found:
+        raise ValueError(f"Found no tf.function behind the step function. Received: fn={fn!r}")
+    return found[0]
+
+
+def trace_function(fn, *args, jit_compile=None, **kwargs):
+    """Traces ``fn(*args, **kwargs)`` as a fresh `tf.function` without running it; returns a `Capture`.
+
+    The `Capture`'s graphs are the traced GraphDef (before grappler, no
+    partitions); its `layer_scopes` are recorded as in `capture_function`.
+    """
+    import tensorflow as tf
+
+    python_fn = getattr(fn, "python_function", None)
+    if python_fn is not None:
+        own_jit = getattr(fn, "_jit_compile", None)
+        jit = bool(own_jit) if jit_compile is None else bool(jit_compile)
+    elif callable(fn):
+        python_fn = fn
+        jit = bool(jit_compile)
+    else:
+        raise ValueError(f"Expected a callable or a tf.function. Received: fn={fn!r}")
+    fresh = tf.function(python_fn, jit_compile=jit)
+    args, kwargs = _as_tensors(args), _as_tensors(kwargs)
+    with record_layer_scopes() as rec:
+        concrete = fresh.get_concrete_function(*args, **kwargs)
+    return _traced_capture(concrete, "function", jit, rec.scopes)
+
+
+def trace_predict(model, x):
+    """Traces the model's predict step on `x` without running it (see `trace_function`).
+
+    The model's cached ``predict_function`` is put back afterwards.
+    """
+    saved = model.predict_function
+    x = _as_tensors(x)
+    try:
+        model.make_predict_function(force=True)
+        fn = _outer_function(model.predict_function)
+        with record_layer_scopes() as rec:
+            concrete = fn.get_concrete_function([(x,)])
+    finally:
+        model.predict_function = saved
+    return _traced_capture(concrete, "predict", _resolve_jit(model), rec.scopes)
+
+
+def trace_train(model, x, y, sample_weight=None):
+    """Traces the real training step of a *compiled* model (``model.fit``'s function) without running it.
+
+    The model and optimizer are built first (as `capture_train` does);
+    nothing is computed, so no variable changes. The model's cached
+    ``train_function`` is put back afterwards.
+    """
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise ValueError(
+            "trace_train needs a compiled model; pass optimizer= and loss= or compile the model first. "
+            f"Received: model={model.name!r}"
+        )
+    ds = _first_batch_dataset(model, x, y, sample_weight)
+    _build_for_training(model, x, y, sample_weight)
+    saved_fn = model.train_function
+    try:
+        model.make_train_function(force=True)
+        fn = _outer_function(model.train_function)
+        iterator = iter(ds)
+        with record_layer_scopes() as rec:
+            concrete = fn.get_concrete_function(iterator)
+    finally:
+        model.train_function = saved_fn
+    return _traced_capture(concrete, "train", _resolve_jit(model), rec.scopes)

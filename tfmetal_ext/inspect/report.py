@@ -398,12 +398,15 @@ class PlacementReport:
         gpu_present: a GPU device took part in the step (or was available).
         ops_by_device: device -> compute op count.
         fallbacks: compute ops that ran on CPU while a GPU was present.
+        notes: remarks (e.g. where a Mac's real placement differs from the
+            predicted one, added by `MetalCallback`).
     """
 
     mode: str
     gpu_present: bool
     ops_by_device: dict
     fallbacks: list
+    notes: list = dataclasses.field(default_factory=list)
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -424,6 +427,7 @@ class PlacementReport:
             lines.append(f"  {len(self.fallbacks)} op(s) fell back to CPU:")
             for f in self.fallbacks:
                 lines.append(f"    {f.op:28s} {f.layer or '-':20s} {f.name}")
+        lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 

@@ -1,0 +1,516 @@
+"""Predicted placement: which ops of a step would have no kernel on a Metal backend that is not here.
+
+`tfmetal_ext.inspect.placement_report(model, predict_for="tensorflow-metal-plugin")`
+traces the step (never runs it) as it would be traced on that backend, then
+reads every compute op of the traced graph against the backend's kernel
+table (`tfmetal_ext.backends`).
+
+What the prediction assumes (the report's header and notes say so):
+
+* The graph is the one TensorFlow traces, before grappler. Of grappler's
+  rewrites, only the contraction fusions that matter for kernels are applied:
+  a Conv2D / MatMul + BiasAdd [+ activation] chain that the backend table's
+  ``conv2d_bias_act`` / ``matmul_bias_act`` row fuses for its dtype is judged
+  as the fused op (``_FusedConv2D`` / ``_FusedMatMul``), and its parts are not.
+  A chain the row does not fuse (bfloat16 on both Metal backends) is judged op
+  by op. Layout, constant folding and other rewrites are not modelled.
+* An op may run on the device through TensorFlow's own device-independent
+  (``DEFAULT``) kernels: the table's `Backend.shared_kernels` where it records
+  them (the open plugin's, generated for its pinned TF), else this
+  TensorFlow's kernel registry. TensorFlow's ``GPU`` registrations on this
+  host are CUDA kernels and do not count on a Mac.
+* Where no device kernel exists: "falls back to the CPU" when this
+  TensorFlow has a CPU kernel for the op's dtypes, "fails" when it has none
+  either (``CudnnRNNV3``). Ops the backend's source has but does not register
+  on this TensorFlow run on the host (`Backend.host_ops`, with the reason).
+* int32 ops without a device kernel are listed apart (`INT32_HOST`): TensorFlow
+  keeps int32 tensors in host memory on every GPU, so running them on the
+  CPU costs nothing a GPU kernel would have saved.
+* "unknown": the table does not know the op. Apple's tensorflow-metal table
+  holds only the facts known from its binary (`Backend.kernels_complete` is
+  False), so most of its ops are unknown; the open plugin's is generated
+  from its source and complete.
+* Ops that compute nothing a kernel table speaks of are skipped
+  (`PLUMBING_OPS`: arguments, constants, identities, variable handles and
+  reads, functional control flow and its v1 loop ops, the input iterator).
+
+Thread safety: the trace patches Keras' GPU probes (see `keras_gpu_branches`)
+and `tfmetal_ext.devices.assume_backend` changes what this package sees, both
+process-wide: a prediction holds a lock, but other threads tracing at the same
+time see a GPU and the assumed backend. Predict from one thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import importlib
+import re
+import threading
+
+from tfmetal_ext import backends, devices
+from tfmetal_ext.backends import PREDICT, TRAIN, fusion
+from tfmetal_ext.inspect.report import HOST_OPS, NON_COMPUTE_OPS, FallbackNode, PlacementReport
+
+# What each listed op would do.
+FALLBACK = "falls back to the CPU"
+FAILS = "fails"
+HOST = "runs on the host"
+INT32_HOST = "int32 on the host"
+UNKNOWN = "unknown"
+OUTCOMES = (FAILS, FALLBACK, HOST, INT32_HOST, UNKNOWN)
+# An int32 op the backend has no kernel for runs on the CPU, but TensorFlow computes int32 (shape
+# arithmetic) on the host on every GPU: its own GPU kernels for int32 keep it in host memory. Such ops
+# are listed apart (`int32_host`), not as missing kernels.
+_HOST_DTYPES = ("int32",)
+
+# Ops skipped: nothing a kernel table speaks of (graph arguments, constants, identities, variable
+# handles and reads, functional control flow whose bodies are read as functions, v1 loop plumbing).
+PLUMBING_OPS = NON_COMPUTE_OPS | HOST_OPS | frozenset(
+    {
+        "Placeholder", "PlaceholderWithDefault", "IdentityN", "ReadVariableOp", "VarHandleOp",
+        "VarIsInitializedOp", "DestroyResourceOp", "While", "StatelessWhile", "If", "StatelessIf", "Case",
+        "StatelessCase", "PartitionedCall", "StatefulPartitionedCall", "Enter", "Exit", "Merge", "Switch",
+        "NextIteration", "LoopCond", "ControlTrigger",
+    }
+)
+
+# The contraction chains grappler fuses (TF's remapper; on the open plugin, its graph pass too):
+# contraction op -> (backend table pattern, fused op).
+_CHAINS = {
+    "Conv2D": ("conv2d_bias_act", "_FusedConv2D"),
+    "MatMul": ("matmul_bias_act", "_FusedMatMul"),
+}
+
+_LOCK = threading.Lock()
+
+
+# ----------------------------------------------------------------------------
+# Keras' own GPU-only branches.
+
+
+@contextlib.contextmanager
+def keras_gpu_branches():
+    """Within this context, Keras' TF backend traces as if a GPU were present.
+
+    Keras decides on a GPU in two places of its traced code (Keras 3.15,
+    ``keras/src/backend/tensorflow``): ``rnn._is_gpu_available()``
+    (``tf.config.list_logical_devices("GPU")``), read by ``rnn.cudnn_ok``,
+    which makes `keras.layers.LSTM` / `GRU` emit ``CudnnRNNV3``; and
+    ``nn._cpu_only()``, which transposes channels-first 1-D depthwise and
+    separable convolutions on a CPU-only host. Exactly those two module
+    functions are replaced (and put back on exit); a Keras without them is
+    left alone. Process-wide: not thread-safe (see the module docstring).
+    """
+    patches = []
+    # By module path: the package ``keras.src.backend.tensorflow`` re-exports a function named `rnn`.
+    try:
+        keras_rnn = importlib.import_module("keras.src.backend.tensorflow.rnn")
+        keras_nn = importlib.import_module("keras.src.backend.tensorflow.nn")
+    except ImportError:  # another Keras layout: its GPU branches are not known here
+        keras_nn = keras_rnn = None
+    for module, name, value in ((keras_rnn, "_is_gpu_available", True), (keras_nn, "_cpu_only", False)):
+        if module is not None and callable(getattr(module, name, None)):
+            patches.append((module, name, getattr(module, name)))
+            setattr(module, name, functools.partial(lambda v: v, value))
+    try:
+        yield
+    finally:
+        for module, name, original in reversed(patches):
+            setattr(module, name, original)
+
+
+# ----------------------------------------------------------------------------
+# The report.
+
+# How a row without a layer, optimizer or loss scope reads: Keras' own step (loss scaling,
+# metrics, the loss gradient's broadcast).
+_NO_LAYER = "(step)"
+
+
+@dataclasses.dataclass
+class PredictedOp:
+    """One kind of op predicted to have no kernel on the backend (identical nodes counted once).
+
+    Attributes:
+        op: the op type.
+        dtype: the dtype it was judged for (None: the node has no type attribute).
+        layer: the layer path it belongs to, ``"optimizer <name>"`` for the
+            optimizer's update ops, or None.
+        outcome: `FALLBACK`, `FAILS`, `HOST` or `UNKNOWN`.
+        reason: why (the host reason, the missing kernel).
+        count: how many such nodes the step has.
+        name: one node's name.
+    """
+
+    op: str
+    dtype: str | None
+    layer: str | None
+    outcome: str
+    reason: str
+    count: int = 1
+    name: str = ""
+
+
+@dataclasses.dataclass
+class PredictedPlacementReport(PlacementReport):
+    """Predicted placement of one step on a Metal backend (see `tfmetal_ext.inspect.predict`).
+
+    A `PlacementReport` whose `fallbacks` are the ops that would not run on
+    the GPU (falling back, failing or running on the host), so
+    `assert_no_cpu_fallback` works on it.
+
+    Attributes:
+        predicted_for: the plugin distribution predicted for.
+        table: the backend table's key.
+        table_complete: the table lists every kernel (else "unknown" rows).
+        entries: one `PredictedOp` per kind of op without a known kernel.
+        notes (inherited): what the prediction assumed or noticed.
+    """
+
+    predicted_for: str = ""
+    table: str = ""
+    table_complete: bool = False
+    entries: list = dataclasses.field(default_factory=list)
+
+    def _with(self, *outcomes):
+        return [e for e in self.entries if e.outcome in outcomes]
+
+    @property
+    def missing(self):
+        """Ops with no kernel on the device: they fall back, fail or run on the host."""
+        return self._with(FAILS, FALLBACK, HOST)
+
+    @property
+    def fails(self):
+        """Ops with no kernel on the device and none on the CPU either: the step fails."""
+        return self._with(FAILS)
+
+    @property
+    def cpu_fallback(self):
+        """Ops that fall back to TensorFlow's CPU kernels."""
+        return self._with(FALLBACK)
+
+    @property
+    def host(self):
+        """Ops the backend's source has but does not register on this TensorFlow (`Backend.host_ops`)."""
+        return self._with(HOST)
+
+    @property
+    def int32_host(self):
+        """int32 ops without a device kernel: host arithmetic, as on every GPU (not missing kernels)."""
+        return self._with(INT32_HOST)
+
+    @property
+    def unknown(self):
+        """Ops the table does not know (Apple's table holds only known facts)."""
+        return self._with(UNKNOWN)
+
+    def to_dict(self):
+        out = dataclasses.asdict(self)
+        out["missing"] = [dataclasses.asdict(e) for e in self.missing]
+        return out
+
+    def __str__(self):
+        label = backends.table(self.table).label if self.table in backends.TABLES else self.table
+        head = f"Predicted placement ({self.mode}) on {self.predicted_for}, traced here, not run (kernel table "
+        head += f"{label!r}: complete, generated from its source)" if self.table_complete else (
+            f"{label!r}: known facts only, so an op it does not list is unknown, not missing)")
+        lines = [head]
+        if not self.missing:
+            lines.append("  every op has a kernel on the device" + (
+                " or is unknown (below)" if self.unknown else ""))
+        rows, reasons = [("op", "dtype", "layer", "outcome", "why")], []
+        for e in sorted(self.missing, key=lambda e: (OUTCOMES.index(e.outcome), e.layer or "~", e.op)):
+            if e.reason not in reasons:
+                reasons.append(e.reason)
+            rows.append((e.op + (f" x{e.count}" if e.count > 1 else ""), e.dtype or "-", e.layer or _NO_LAYER,
+                         e.outcome, f"[{reasons.index(e.reason) + 1}]"))
+        if len(rows) > 1:
+            widths = [max(len(r[i]) for r in rows) for i in range(5)]
+            for r in rows:
+                lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+            lines += [f"  [{i}] {why}" for i, why in enumerate(reasons, 1)]
+        for rows_of, what in ((self.int32_host, "int32 ops on the host, as on any GPU"),
+                              (self.unknown, "not in the table (unknown)")):
+            if rows_of:
+                counts = collections.Counter()
+                for e in rows_of:
+                    counts[e.op + (f"({e.dtype})" if e.dtype and e.outcome == UNKNOWN else "")] += e.count
+                shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(counts.items()))
+                lines.append(f"  {what}: {shown}")
+        for n in self.notes:
+            lines.append(f"  note: {n}")
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------
+# Judging ops.
+
+
+@functools.lru_cache(maxsize=None)
+def _registered(op, device_type):
+    """This TensorFlow's kernels of `op` on `device_type`: a tuple of {type attr: allowed dtype names}."""
+    import tensorflow as tf
+    from tensorflow.python.framework import kernels
+
+    try:
+        found = kernels.get_registered_kernels_for_op(op).kernel
+    except Exception:  # an op this TensorFlow does not know
+        return ()
+    out = []
+    for k in found:
+        if k.device_type != device_type:
+            continue
+        constraints = {}
+        for c in k.constraint:
+            names = set()
+            for t in c.allowed_values.list.type:
+                try:
+                    names.add(tf.dtypes.as_dtype(t).name)
+                except TypeError:
+                    pass
+            constraints[c.name] = frozenset(names)
+        out.append(constraints)
+    return tuple(out)
+
+
+def _type_attrs(node):
+    import tensorflow as tf
+
+    out = {}
+    for key, value in node.attr.items():
+        if value.WhichOneof("value") == "type":
+            try:
+                out[key] = tf.dtypes.as_dtype(value.type).name
+            except TypeError:
+                pass
+    return out
+
+
+def tf_has_kernel(op, type_attrs, device_type):
+    """This TensorFlow registers a `device_type` kernel of `op` accepting the node's type attributes."""
+    for constraints in _registered(op, device_type):
+        if all(name not in type_attrs or type_attrs[name] in allowed for name, allowed in constraints.items()):
+            return True
+    return False
+
+
+def _judged_dtypes(table, op, attrs):
+    """The dtypes the backend table is asked about.
+
+    The attribute the table names for the op (`Backend.dtype_attrs`), else
+    ``T`` / ``dtype``; both ends of a ``Cast``.
+    """
+    if op == "Cast" and ("SrcT" in attrs or "DstT" in attrs):
+        return [attrs[k] for k in ("SrcT", "DstT") if k in attrs]
+    for key in (table.dtype_attrs.get(op), "T", "dtype"):
+        if key in attrs:
+            return [attrs[key]]
+    return [None]
+
+
+def _custom_op_kernel(table, op, dtype):
+    """Our custom ops: the backend table's row for their pattern says where their kernels run."""
+    for key, custom in fusion.CUSTOM_OPS.items():
+        if op in (custom.name, custom.grad):
+            row = table.fusions.get(f"custom_{key}") or table.fusions.get(key)
+            if row is None:
+                return None
+            return dtype is None or dtype in row.dtypes
+    return None
+
+
+def judge(table, op, attrs):
+    """``(outcome, dtype, reason)`` of one op on `table`, or None when it runs on the device."""
+    if op in table.host_ops:
+        dtypes = _judged_dtypes(table, op, attrs)
+        return HOST, dtypes[0], table.host_ops[op]
+    verdicts = []
+    for dtype in _judged_dtypes(table, op, attrs):
+        has = table.has_kernel(op, dtype)
+        if op.startswith(fusion.CUSTOM_OP_PREFIX):
+            has = _custom_op_kernel(table, op, dtype)
+        verdicts.append((has, dtype))
+    if all(has for has, _ in verdicts):
+        return None
+    if table.shared_kernels is None and tf_has_kernel(op, attrs, "DEFAULT"):
+        return None  # TensorFlow's device-independent kernel runs there (a table that records them says so itself)
+    missing = [(has, d) for has, d in verdicts if has is False]
+    has, dtype = (missing or [v for v in verdicts if not v[0]])[0]
+    if has is None:
+        return UNKNOWN, dtype, "not in the backend table"
+    what = f"no {table.label} kernel" + (f" for {dtype}" if dtype else "")
+    if dtype in _HOST_DTYPES:
+        return INT32_HOST, dtype, what + "; TensorFlow computes int32 on the host on GPUs anyway"
+    if tf_has_kernel(op, attrs, "CPU"):
+        return FALLBACK, dtype, what
+    return FAILS, dtype, what + " and no CPU kernel either"
+
+
+def _functions(capture):
+    """(node list, {name: node}) of each graph and library function of the capture."""
+    for fg in capture.functions:
+        yield list(fg.graph.node)
+        for fdef in fg.graph.library.function:
+            yield list(fdef.node_def)
+
+
+def _input_name(ref):
+    return ref.lstrip("^").split(":")[0]
+
+
+def _fused_chains(nodes, table, mode):
+    """Nodes absorbed by a contraction fusion the table makes for their dtype: {name: head node}.
+
+    A chain is Conv2D / MatMul -> BiasAdd [-> activation the row absorbs],
+    each link the only consumer of the one before (grappler's condition).
+    """
+    consumers = collections.defaultdict(list)
+    for n in nodes:
+        for ref in n.input:
+            if not ref.startswith("^"):
+                consumers[_input_name(ref)].append(n)
+    absorbed = {}
+    for n in nodes:
+        if n.op not in _CHAINS:
+            continue
+        pattern, _ = _CHAINS[n.op]
+        row = table.fusion(pattern)
+        dtype = _type_attrs(n).get("T")
+        if not row.fuses or dtype not in row.dtypes:
+            continue
+        nxt = consumers.get(n.name, [])
+        if len(nxt) != 1 or nxt[0].op != "BiasAdd":
+            continue
+        bias = nxt[0]
+        absorbed[bias.name] = n
+        after = consumers.get(bias.name, [])
+        if len(after) == 1 and after[0].op in row.acts_in(_table_mode(mode)):  # fused_ops names are the activations' op types
+            absorbed[after[0].name] = n
+    return absorbed
+
+
+def _table_mode(mode):
+    return TRAIN if mode == TRAIN else PREDICT
+
+
+def _optimizer_scope(model):
+    opt = getattr(model, "optimizer", None) if model is not None else None
+    inner = getattr(opt, "inner_optimizer", None)  # a LossScaleOptimizer's update ops are its inner one's
+    names = {getattr(o, "name", None) for o in (opt, inner) if o is not None} - {None}
+    return names
+
+
+# Keras' name scope of the compiled loss (keras/src/trainers/compile_utils.py: CompileLoss).
+_LOSS_SCOPE = "compile_loss"
+
+
+def _layer_of(index, node_name, optimizer_names):
+    """The node's layer path; else ``"optimizer <name>"`` or ``"loss"`` by its scopes; else None."""
+    path = index.layer_of(node_name)
+    if path is not None:
+        return path
+    parts = node_name.split("/")[:-1]
+    for name in optimizer_names:  # its scope, or that scope uniquified (``adam_1``)
+        if any(re.fullmatch(re.escape(name) + r"(_\d+)?", p) for p in parts):
+            return f"optimizer {name}"
+    if any(re.fullmatch(_LOSS_SCOPE + r"(_\d+)?", p) for p in parts):
+        return "loss"
+    return None
+
+
+def build_predicted_report(capture, index, predict_for, model=None, notes=()):
+    """The `PredictedPlacementReport` of a traced `capture` for `predict_for` (a plugin distribution)."""
+    with devices.assume_backend(predict_for):
+        table = backends.current()
+    optimizer_names = _optimizer_scope(model)
+    grouped = {}
+    for nodes in _functions(capture):
+        absorbed = _fused_chains(nodes, table, capture.mode)
+        heads = {head.name for head in absorbed.values()}
+        for node in nodes:
+            if node.op in PLUMBING_OPS or node.name in absorbed:
+                continue
+            op, attrs = node.op, _type_attrs(node)
+            if node.name in heads:
+                op = _CHAINS[op][1]  # judged as the fused op it becomes
+            verdict = judge(table, op, attrs)
+            if verdict is None:
+                continue
+            outcome, dtype, reason = verdict
+            layer = _layer_of(index, node.name, optimizer_names)
+            if outcome == HOST and layer and layer.startswith("optimizer "):
+                reason = f"the optimizer's update op: {reason}"
+            key = (op, dtype, layer, outcome)
+            if key in grouped:
+                grouped[key].count += 1
+            else:
+                grouped[key] = PredictedOp(op, dtype, layer, outcome, reason, 1, node.name)
+    entries = list(grouped.values())
+    notes = list(notes)
+    if capture.jit_compile:
+        notes.append("the step is XLA compiled: neither Metal backend has XLA, so jit_compile=True fails there")
+    missing = [e for e in entries if e.outcome in (FAILS, FALLBACK, HOST)]
+    fallbacks = [FallbackNode(op=e.op, name=e.name, layer=e.layer, device="CPU:0") for e in missing]
+    return PredictedPlacementReport(
+        mode=capture.mode, gpu_present=True, ops_by_device={}, fallbacks=fallbacks,
+        predicted_for=predict_for, table=table.key, table_complete=bool(table.kernels_complete),
+        entries=entries, notes=notes,
+    )
+
+
+def validate_predict_for(predict_for):
+    if predict_for not in devices.METAL_PLUGINS:
+        raise ValueError(
+            f"`predict_for` must be one of {', '.join(repr(p) for p in devices.METAL_PLUGINS)}. "
+            f"Received: predict_for={predict_for!r}"
+        )
+    return predict_for
+
+
+@contextlib.contextmanager
+def tracing_as(predict_for):
+    """Traces inside are made as on `predict_for`: our layers' choices and Keras' GPU branches."""
+    validate_predict_for(predict_for)
+    with _LOCK, devices.assume_backend(predict_for), keras_gpu_branches():
+        yield
+
+
+# ----------------------------------------------------------------------------
+# Real vs predicted (MetalCallback on a Mac).
+
+
+def differences(real, predicted, limit=None):
+    """Notes where a real `PlacementReport` differs from a `PredictedPlacementReport` of the same step.
+
+    Ops are compared by (op, layer): ops predicted without a device kernel
+    that ran on the GPU, and ops that ran on the CPU that the prediction gave
+    a device kernel (or did not know). Nodes grappler made (a fused op
+    absent from the traced graph) compare by their own op type. With
+    `limit`, the notes past it are counted in one last note.
+    """
+    if real is None or predicted is None or not real.gpu_present:
+        return []
+
+    def key(op, layer):  # the real report names layers only: the optimizer's and the loss's ops have none
+        return op, (None if layer == "loss" or (layer or "").startswith("optimizer ") else layer)
+
+    ran_cpu = {key(f.op, f.layer) for f in real.fallbacks}
+    predicted_missing = {key(e.op, e.layer): e for e in predicted.missing}
+    on_host = {key(e.op, e.layer) for e in predicted.int32_host}
+    unknown = {key(e.op, e.layer) for e in predicted.unknown}
+    notes = []
+    for key, e in sorted(predicted_missing.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+        if key not in ran_cpu and e.outcome != FAILS:
+            notes.append(f"predicted {e.op} ({e.dtype or '-'}) in {e.layer or '(no layer)'} {e.outcome} on "
+                         f"{predicted.predicted_for}, but it ran on the GPU")
+    for op, layer in sorted(ran_cpu - set(predicted_missing) - on_host, key=lambda k: (k[0], k[1] or "")):
+        known = "did not know it" if (op, layer) in unknown else "had a kernel for it"
+        notes.append(f"{op} in {layer or '(no layer)'} ran on the CPU; the {predicted.predicted_for} "
+                     f"prediction {known}")
+    if limit is not None and len(notes) > limit:
+        notes = notes[:limit] + [f"... and {len(notes) - limit} more difference(s) from the prediction"]
+    return notes
