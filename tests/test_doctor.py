@@ -378,6 +378,7 @@ def mac(monkeypatch):
         monkeypatch.setattr(devices, "_metal_plugins", lambda: dict(plugins))
         monkeypatch.setattr(devices, "_python_version", lambda: python)
         monkeypatch.setattr(devices, "_macos_version", lambda: macos)
+        monkeypatch.setattr(devices, "_metal_library_owner", lambda: None)
         monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset())
         monkeypatch.setattr(tf, "__version__", tf_version)
 
