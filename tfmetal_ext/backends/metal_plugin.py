@@ -38,8 +38,12 @@ Fusions, in the order they run on a graph placed on the plugin's device
 
 * TF's grappler remapper, which runs for a pluggable device named GPU (TF 2.21
   ``tensorflow/core/grappler/optimizers/remapper.cc``, its GPU branches):
-  Conv2D + BiasAdd + Relu -> ``_FusedConv2D`` only with Relu, only float32
-  (``IsGpuCompatibleDataType``), only spatial filters (not 1x1), NHWC/NCHW;
+  Conv2D + BiasAdd + Relu -> ``_FusedConv2D`` only with Relu, only spatial
+  filters (not 1x1), NHWC/NCHW; float32, and float16 too as measured on TF
+  2.21's remapper under a virtual GPU cluster without oneDNN
+  (``tests/plugin_pass``; a newer upstream ``IsGpuCompatibleDataType`` reads
+  float32 only; with oneDNN on, the remapper skips every half node on any
+  device); the plugin's pass fuses half either way;
   never Conv2D + BiasAdd alone (that pattern is GPU-compatible only for a
   MatMul); MatMul only with ``TF_USE_CUBLASLT=1`` (``BlasLtMatmulEnabled``);
   FusedBatchNorm(V2/V3) [+ Add] + Relu -> ``_FusedBatchNormEx`` on GPU for
