@@ -116,3 +116,57 @@ def test_train_begin_check_failure_does_not_stop_fit(monkeypatch):
     with pytest.warns(RuntimeWarning, match="no such policy"):
         cb, history = _fit(model, np.ones((8, 8), "float32"), np.ones((8, 1), "float32"))
     assert len(history.history["loss"]) == 2 and cb.fusion_report is not None
+
+
+# ----------------------------------------------------------------------------
+# Issue 14: stock layers the backend cannot run.
+
+
+def _rnn_model(*rnns):
+    inp = keras.Input((6, 4))
+    x = inp
+    for layer in rnns:
+        x = layer(x)
+    return keras.Model(inp, L.Dense(1)(x))
+
+
+def _findings(model, plugin, strict=False):
+    from tfmetal_ext import devices
+    from tfmetal_ext.callbacks._findings import Findings
+
+    found = Findings(strict=strict)
+    with devices.assume_backend(plugin), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found.check(model, devices.capabilities())
+    return found.lines, [str(w.message) for w in caught]
+
+
+def test_stock_lstm_and_gru_are_reported_as_failing_on_the_open_plugin_with_the_fix():
+    from tfmetal_ext import backends
+
+    reasons = backends.TABLES["metal_plugin"].unsupported_layers
+    assert set(reasons) >= {"LSTM", "GRU"}  # the table's data, which the callback reads
+    model = _rnn_model(L.LSTM(3, return_sequences=True, name="enc"), L.Bidirectional(L.GRU(2), name="bi"))
+    lines, warned = _findings(model, "tensorflow-metal-plugin")
+    lstm = [l for l in lines if "keras.layers.LSTM" in l]
+    gru = [l for l in lines if "keras.layers.GRU" in l]
+    assert len(lstm) == 1 and "(enc)" in lstm[0] and reasons["LSTM"] in lstm[0], lines
+    assert len(gru) == 1 and "2 stock" in gru[0] and reasons["GRU"] in gru[0], lines  # both directions
+    assert "FusedLSTM" in lstm[0] and "FusedGRU" in gru[0]  # the fix
+    assert sum("fail on tensorflow-metal-plugin" in w for w in warned) == 2
+    assert any(l.startswith("backend metal") and "tensorflow-metal-plugin" in l for l in lines)
+    with pytest.raises(tfmetal_ext.callbacks.MetalCallbackError, match="(?s)FusedGRU.*FusedLSTM"):
+        _findings(model, "tensorflow-metal-plugin", strict=True)
+
+
+def test_no_failure_reported_where_the_layer_runs():
+    # Keras' own loop (use_cudnn=False, or arguments cuDNN cannot take) runs on the plugin; Apple's has CudnnRNNV3.
+    ok = _rnn_model(
+        L.LSTM(3, use_cudnn=False, return_sequences=True),
+        L.GRU(2, recurrent_dropout=0.1, return_sequences=True),
+        fl.FusedLSTM(2),
+    )
+    lines, _ = _findings(ok, "tensorflow-metal-plugin")
+    assert not [l for l in lines if " fail on " in l], lines
+    lines, _ = _findings(_rnn_model(L.LSTM(3)), "tensorflow-metal")
+    assert not [l for l in lines if " fail on " in l], lines

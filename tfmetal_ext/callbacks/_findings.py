@@ -1,10 +1,11 @@
-"""Train-begin findings: backend and pairing, dtype policy, XLA on Metal, the optimizer."""
+"""Train-begin findings: backend and pairing, dtype policy, XLA on Metal, stock layers the backend
+cannot run, the optimizer."""
 
 from __future__ import annotations
 
 import warnings
 
-from tfmetal_ext import devices, precision
+from tfmetal_ext import backends, devices, precision
 from tfmetal_ext.backends.fusion import OPTIMIZER_TO_FUSED
 from tfmetal_ext.callbacks._errors import MetalCallbackError, PerformanceWarning
 from tfmetal_ext.callbacks._model import is_stock, leaf_layers
@@ -36,17 +37,19 @@ class Findings:
         self._environment(caps)
         self._policy(model, caps)
         self._xla(model, caps)
+        self._unsupported_layers(model, caps)
         self._optimizer(model)
 
     def _environment(self, caps):
         metal = caps.metal_plugin_version or "not installed"
+        plugin = getattr(caps, "metal_plugin", None) or "tensorflow-metal"
         self.add(
             f"backend {caps.backend}; TensorFlow {caps.tf_version}, Keras {caps.keras_version}, "
-            f"tensorflow-metal {metal} (pairing: {caps.pairing})"
+            f"{plugin} {metal} (pairing: {caps.pairing})"
         )
         if caps.pairing == devices.KNOWN_BROKEN:
             self.add(
-                f"TensorFlow {caps.tf_version} with tensorflow-metal {metal} is a known-broken pairing; "
+                f"TensorFlow {caps.tf_version} with {plugin} {metal} is a known-broken pairing; "
                 f"fix: {caps.pairing_fix}",
                 warn=True,
             )
@@ -88,12 +91,53 @@ class Findings:
 
     def _xla(self, model, caps):
         if caps.backend == "metal" and getattr(model, "jit_compile", False) is True:
+            plugin = getattr(caps, "metal_plugin", None) or "tensorflow-metal"
             text = (
-                "jit_compile=True on Metal: tensorflow-metal has no XLA compiler (\"Could not find compiler "
+                f"jit_compile=True on Metal: {plugin} has no XLA compiler (\"Could not find compiler "
                 "for platform METAL\"); compile with jit_compile=False so the remapper fuses"
             )
             if self.strict:
                 raise MetalCallbackError(text)
+            self.add(text, warn=True)
+
+    def _unsupported_layers(self, model, caps):
+        """Stock layers this backend cannot run (its table's `unsupported_layers`), each with the fix.
+
+        A layer counts when its inspection rule comes to that table reason
+        here (stock LSTM/GRU on the open tensorflow-metal-plugin: only when
+        Keras would take its cuDNN path, i.e. the arguments allow it), so
+        ``use_cudnn=False`` or a non-cuDNN argument is not reported. Warns;
+        with `strict`, raises `MetalCallbackError`.
+        """
+        from tfmetal_ext.inspect import catalog
+
+        table = backends.current(caps)
+        if not table.unsupported_layers:
+            return
+        ctx = catalog.FusionContext(
+            backend=caps.backend, onednn=caps.onednn, mode="train", metal_plugin=getattr(caps, "metal_plugin", None)
+        )
+        flatten = getattr(model, "_flatten_layers", None)
+        layers = list(flatten(include_self=False, recursive=True)) if flatten else list(model.layers)
+        failing = {}
+        for layer in layers:
+            name = type(layer).__name__
+            reason = table.unsupported_layers.get(name)
+            if reason is None or not is_stock(layer):
+                continue
+            expected = catalog.expectation(layer, ctx) if catalog.has_rule(layer) else None
+            if expected is None or expected.reason == reason:
+                failing.setdefault(name, []).append(layer.name)
+        texts = []
+        for name, names in sorted(failing.items()):
+            shown = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+            texts.append(
+                f"{len(names)} stock keras.layers.{name} layer(s) ({shown}) fail on {table.label}: "
+                + table.unsupported_layers[name]
+            )
+        if texts and self.strict:
+            raise MetalCallbackError("\n".join(texts))
+        for text in texts:
             self.add(text, warn=True)
 
     def _optimizer(self, model):
