@@ -141,3 +141,46 @@ def test_compile_kwargs_never_turn_xla_on_for_metal(host):
         merged = cfg.compile_kwargs(loss="mse", jit_compile=True)
     assert merged == {"loss": "mse", "jit_compile": False}
     assert cfg.compile_kwargs(jit_compile=False) == {"jit_compile": False}
+
+
+# ----------------------------------------------------------------------------
+# Issue 14: both Metal backends.
+
+PLUGINS = ("tensorflow-metal", "tensorflow-metal-plugin")
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_auto_picks_mixed_float16_on_both_metal_backends_naming_the_backend(plugin):
+    with devices.assume_backend(plugin):
+        cfg = precision.recommend()
+    assert cfg.backend == "metal" and cfg.policy == "mixed_float16" and cfg.jit_compile is False
+    assert cfg.reasons[0].startswith(f"{plugin}:"), cfg.reasons
+    assert any(f"{plugin} has no XLA compiler" in r for r in cfg.reasons), cfg.reasons
+    other = next(p for p in PLUGINS if p != plugin)
+    assert not any(r.startswith(f"{other}:") or f"{other} has" in r for r in cfg.reasons), cfg.reasons
+
+
+def test_the_bfloat16_reason_follows_each_backend_table():
+    from tfmetal_ext import backends
+
+    with devices.assume_backend("tensorflow-metal-plugin"):
+        gap = precision.metal_bfloat16_gap(devices.capabilities())
+    # The open plugin's table is complete: no compute kernel takes bfloat16 (independent check of the data).
+    plugin = backends.TABLES["metal_plugin"]
+    assert plugin.kernels_complete and plugin.has_kernel("MatMul", "bfloat16") is False
+    assert plugin.has_kernel("Conv2D", "bfloat16") is False and plugin.has_kernel("MatMul", "float16") is True
+    assert "no bfloat16 compute kernels" in gap and "run on the CPU" in gap
+    with devices.assume_backend("tensorflow-metal"):
+        gap = precision.metal_bfloat16_gap(devices.capabilities())
+    assert gap.startswith("tensorflow-metal has no bfloat16 _FusedConv2D"), gap
+
+
+@pytest.mark.parametrize("plugin", PLUGINS)
+def test_explicit_mixed_bfloat16_on_metal_warns_naming_the_backend(plugin):
+    with devices.assume_backend(plugin):
+        with pytest.warns(UserWarning, match=rf"bfloat16 on Metal: {plugin} has no bfloat16"):
+            cfg = tfmetal_ext.configure("mixed_bfloat16")
+        assert cfg.policy == "mixed_bfloat16"  # honoured, as an explicit policy is everywhere
+        assert any(r.startswith(f"bfloat16 on Metal: {plugin} has") for r in cfg.reasons)
+        assert precision.recommend("mixed_bfloat16").reasons == cfg.reasons  # recommend() says it, no warning
+    keras.mixed_precision.set_global_policy("float32")

@@ -103,6 +103,35 @@ class Config:
         return "\n".join(lines)
 
 
+def _metal_plugin_name(caps):
+    """The Metal plugin distribution `caps` describes (Apple's when unknown)."""
+    return getattr(caps, "metal_plugin", None) or "tensorflow-metal"
+
+
+def metal_bfloat16_gap(caps):
+    """Why bfloat16 is the wrong policy on the Metal backend of `caps`, from its backend table.
+
+    The open tensorflow-metal-plugin registers no bfloat16 compute kernel at
+    all (its table is complete; only `Cast` takes bfloat16), so every
+    bfloat16 op runs on the CPU; Apple's tensorflow-metal has no bfloat16
+    `_FusedConv2D` / `_FusedMatMul`, so bfloat16 convs and matmuls do not fuse.
+    """
+    table = backends.current(caps)
+    name = _metal_plugin_name(caps)
+    if table.kernels_complete and table.kernels:
+        with_bf16 = sorted(op for op, dtypes in table.kernels.items() if "bfloat16" in dtypes)
+        if not [op for op in with_bf16 if op != "Cast"]:
+            only = f" (only {', '.join(with_bf16)})" if with_bf16 else ""
+            return f"{name} has no bfloat16 compute kernels{only}: bfloat16 ops run on the CPU"
+    lacking = [op for op in (_fusion.FUSED_CONV2D, _fusion.FUSED_MATMUL) if table.has_kernel(op, "bfloat16") is False]
+    if lacking:
+        return f"{name} has no bfloat16 {' / '.join(lacking)} kernel: bfloat16 convs and matmuls do not fuse"
+    row = table.fusion("conv2d_bias_act")
+    if row.fuses and "bfloat16" not in row.dtypes:
+        return f"{name} fuses conv + bias + activation in float32/half only"
+    return None
+
+
 def _choose_policy(policy, caps, warn=True):
     """Returns (policy name, reasons); `warn` also issues the warnings."""
     reasons = []
@@ -119,12 +148,16 @@ def _choose_policy(policy, caps, warn=True):
                 if warn:
                     warnings.warn(msg, stacklevel=4)
         if caps.backend == "metal" and "bfloat16" in policy:
-            reasons.append(
-                "bfloat16 on Metal: tensorflow-metal's _FusedConv2D has no bf16 "
-                "kernel; mixed_float16 fuses"
-            )
+            gap = metal_bfloat16_gap(caps) or f"{_metal_plugin_name(caps)} is not known to run bfloat16 fast"
+            msg = f"bfloat16 on Metal: {gap}; mixed_float16 fuses"
+            reasons.append(msg)
+            if warn:
+                warnings.warn(msg, stacklevel=4)
         return policy, reasons
     chosen, why = backends.precision(caps)
+    if caps.backend == "metal":
+        gap = metal_bfloat16_gap(caps)
+        why = f"{_metal_plugin_name(caps)}: {why}" + (f"; not bfloat16: {gap}" if gap else "")
     reasons.append(why)
     return chosen, reasons
 
@@ -140,7 +173,7 @@ def _choose_jit(jit_compile, caps, warn=True):
                 stacklevel=4,
             )
         return False, [
-            "Metal: XLA is never used (tensorflow-metal has no XLA compiler); "
+            f"Metal: XLA is never used ({_metal_plugin_name(caps)} has no XLA compiler); "
             "jit_compile=False so grappler's remapper fuses instead"
         ]
     if jit_compile is not _AUTO:
@@ -254,7 +287,9 @@ def recommend(policy="auto", jit_compile="auto", avoid_fusions=None):
 def configure(policy="auto", jit_compile="auto", avoid_fusions=None):
     """Sets the global Keras dtype policy for the current backend.
 
-    ``"auto"`` picks ``mixed_float16`` on Metal and CUDA, ``mixed_bfloat16`` on
+    ``"auto"`` picks ``mixed_float16`` on Metal (Apple's tensorflow-metal and the
+    open tensorflow-metal-plugin alike: neither runs bfloat16 well, see
+    `metal_bfloat16_gap`; the reason names the plugin) and CUDA, ``mixed_bfloat16`` on
     CPUs with native bfloat16 and ``float32`` otherwise. Keras wraps the
     optimizer in a `keras.optimizers.LossScaleOptimizer` by itself under
     ``mixed_float16``, so loss scaling needs nothing more. On Metal, XLA is
