@@ -98,3 +98,34 @@ def test_version(capsys):
     assert cli.main(["version", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["backend"] in ("metal", "cuda", "cpu") and "pairing" in data
+
+
+def test_version_on_tf_2_21_with_apple_plugin_names_both_routes(capsys):
+    import tensorflow as tf
+
+    from tfmetal_ext import devices
+
+    if not tf.__version__.startswith("2.21."):
+        pytest.skip(f"the routes below are TF 2.21's; this is TF {tf.__version__}")
+    with devices.assume_backend("tensorflow-metal"):
+        assert cli.main(["version"]) == 0
+    out = capsys.readouterr().out
+    assert "known-broken" in out
+    assert "pip uninstall -y tensorflow-metal" in out
+    assert "tensorflow-metal-plugin==0.4.1" in out
+    assert '"tensorflow>=2.16,<2.20" "tensorflow-metal==1.2.*"' in out
+
+
+def test_doctor_exits_1_on_an_environment_error(monkeypatch, capsys):
+    from tfmetal_ext import doctor
+
+    real = doctor.collect
+
+    def broken():
+        info = real()
+        info.errors.append("both tensorflow-metal and tensorflow-metal-plugin are installed")
+        return info
+
+    monkeypatch.setattr(doctor, "collect", broken)
+    assert cli.main(["doctor"]) == 1
+    assert "both tensorflow-metal and tensorflow-metal-plugin are installed" in capsys.readouterr().out

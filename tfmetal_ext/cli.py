@@ -23,11 +23,8 @@ def _cmd_version(args):
         print(json.dumps({"tfmetal_ext": __version__, **caps.to_dict()}, indent=2))
         return 0
     print(f"tfmetal-ext {__version__}")
-    print(f"tensorflow {caps.tf_version}, keras {caps.keras_version}, "
-          f"tensorflow-metal {caps.metal_plugin_version or 'not installed'}")
-    print(f"backend {caps.backend} on {caps.platform}; TF/tensorflow-metal pairing: {caps.pairing}")
-    if caps.pairing_fix:
-        print(f"fix: {caps.pairing_fix}")
+    print(f"tensorflow {caps.tf_version}, keras {caps.keras_version}")
+    print("\n".join(devices.describe_pairing(caps)))
     return 0
 
 
@@ -102,7 +99,8 @@ def _cmd_doctor(args):
         if result is not None:
             print()
             print(result)
-    return 0 if result is None or result.passed else 1
+    # An environment error (a broken Metal pairing, both Metal plugins installed) fails the doctor too.
+    return 0 if (result is None or result.passed) and not getattr(info, "errors", None) else 1
 
 
 def _cmd_convert(args):
