@@ -271,3 +271,99 @@ def test_stock_lstm_and_gru_rows_say_they_fail_on_the_open_plugin():
         assert catalog.expectation(layer, _ctx(APPLE)).op == "CudnnRNNV3"
         # Keras' own loop (use_cudnn=False) runs anywhere.
         assert "CudnnRNNV3" not in (catalog.expectation(cls(4, use_cudnn=False), _ctx(PLUGIN)).op or "")
+
+
+# ----------------------------------------------------------------------------
+# Optimizers: on TF 2.21 the open plugin registers no ResourceApply* (table host_ops).
+
+from tfmetal_ext.optimizers import FusedAdam, FusedAdamW, FusedSGD  # noqa: E402
+
+OPTIMIZERS = [
+    # (ours, the stock Keras optimizer it must match, the op the fused form emits)
+    (lambda: FusedAdam(0.01), lambda: keras.optimizers.Adam(0.01), "ResourceApplyAdam"),
+    (lambda: FusedAdam(0.01, amsgrad=True), lambda: keras.optimizers.Adam(0.01, amsgrad=True),
+     "ResourceApplyAdamWithAmsgrad"),
+    (lambda: FusedAdam(0.01, multi_tensor=True), lambda: keras.optimizers.Adam(0.01), "ResourceApplyAdam"),
+    (lambda: FusedAdamW(0.01, weight_decay=0.1), lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+     "ResourceApplyAdam"),
+    (lambda: FusedSGD(0.05), lambda: keras.optimizers.SGD(0.05), "ResourceApplyGradientDescent"),
+    (lambda: FusedSGD(0.05, momentum=0.9, nesterov=True),
+     lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), "ResourceApplyKerasMomentum"),
+]
+
+
+def _model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dense(1)])
+
+
+def _train_step(model, opt):
+    opt.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    return step
+
+
+def _step_nodes(opt):
+    step = _train_step(_model(), opt)
+    return graph_nodes(step.get_concrete_function(tf.zeros((2, 4)), tf.zeros((2, 1))))
+
+
+def test_open_plugin_optimizers_emit_the_composite_form_with_kernels_there():
+    """Before: one ResourceApplyAdam/KerasMomentum/GradientDescent per variable, none with a kernel there."""
+    table = backends.TABLES["metal_plugin"]
+    with devices.assume_backend(PLUGIN):
+        for make, make_stock, fused_op in OPTIMIZERS:
+            assert table.has_kernel(fused_op, "float32") is False  # on TF 2.21: in host_ops, or never registered
+            opt = make()
+            assert fused_op in opt.composite_reason("float32") or "resource-variable" in opt.composite_reason()
+            nodes = _step_nodes(opt)
+            ops = [n.op for n in nodes]
+            assert not [op for op in ops if op.startswith("ResourceApply") or "MultiTensorAdam" in op], ops
+            assert not missing_on_plugin(nodes), (type(opt).__name__, missing_on_plugin(nodes))
+            assert any(op in ("AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp") for op in ops)
+            stock_ops = [n.op for n in _step_nodes(make_stock())]
+            assert len(ops) <= len(stock_ops), (type(opt).__name__, len(ops), len(stock_ops))
+
+
+@pytest.mark.parametrize("plugin", [APPLE, None])
+def test_elsewhere_the_fused_op_stays(plugin):
+    # Apple's tensorflow-metal has the ResourceApply* kernels; a CPU (plugin None: this host) has them too.
+    import contextlib
+
+    with devices.assume_backend(plugin) if plugin else contextlib.nullcontext():
+        for make, _, fused_op in OPTIMIZERS[:2] + OPTIMIZERS[4:]:
+            opt = make()
+            assert opt.composite_reason("float32") is None
+            assert fused_op in [n.op for n in _step_nodes(opt)]
+
+
+def test_open_plugin_composite_updates_match_keras():
+    rng = np.random.default_rng(0)
+    batches = [(rng.standard_normal((8, 4)).astype("float32"), rng.standard_normal((8, 1)).astype("float32"))
+               for _ in range(4)]
+    for make, make_stock, _ in OPTIMIZERS:
+        results = []
+        for factory, assumed in ((make, PLUGIN), (make_stock, None)):
+            model = _model(seed=1)
+            opt = factory()
+            if assumed:
+                with devices.assume_backend(assumed):
+                    step = _train_step(model, opt)
+                    for x, y in batches:
+                        step(x, y)
+            else:
+                step = _train_step(model, opt)
+                for x, y in batches:
+                    step(x, y)
+            results.append([v.numpy() for v in model.trainable_variables + list(opt.variables)])
+        ours, stock = results
+        assert len(ours) == len(stock)
+        for a, b in zip(ours, stock):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

@@ -7,6 +7,35 @@ optimizer variables) that update each variable with one TF training op
 ``ResourceApplyGradientDescent``), which tensorflow-metal, CUDA and the CPU
 implement as single kernels. Keras' own optimizers issue about 27 (Adam) or 8
 (SGD with momentum) small ops per variable.
+
+Which form runs where (`FusedUpdateMixin.composite_reason`, read from the
+backend table, not from a plugin name):
+
+| backend | FusedAdam / FusedAdamW / FusedSGD | ``multi_tensor=True`` |
+|---|---|---|
+| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable | one ``TfmetalExt>MultiTensorAdam`` per dtype (CPU; Metal where TF exports the resource-variable C API) |
+| the open tensorflow-metal-plugin on TF 2.21 | the composite form: Keras' update math as elementwise ops into ``AssignAddVariableOp`` / ``AssignSubVariableOp`` / ``AssignVariableOp``, scalars once per step (Adam: about 10 ops per variable, Keras 27) | the same composite form, with one log line |
+
+Why the composite form on the open plugin (TF 2.21): TF 2.20/2.21 export none
+of the resource-variable kernel C API (tensorflow/tensorflow#126374), so the
+plugin registers no ``ResourceApply*`` and no ``Assign*VariableOp`` of its
+own (its table's `host_ops`), and TF registers no device-default kernel for
+any ``ResourceApply*``. Each fused op would then run on the CPU against
+variables and slots that live on the GPU device: the gradient crosses
+devices for every variable, and a resource consumed off its device may even
+be refused by the placer. The composite form's elementwise ops have plugin
+kernels, and its ``Assign*VariableOp`` are TF's own kernels registered for
+every device: they are placed on the GPU device with the variables and
+write the unified memory from the host (the plugin makes every Metal kernel
+wait for the GPU before returning on TF 2.21, which keeps that safe). So no
+op leaves the device and nothing is copied; the host work is the assigns'
+memory traffic, which Keras' own optimizer (what the plugin's author trained
+with) does too, with about 2.5x our op count. The placement prediction for
+the plugin lists those assigns as the host-side ops they are. Where TF
+exports the API (2.22, or 2.19 with Apple's plugin) the table has the
+kernels and the one fused op per variable comes back by itself. A Mac has to
+confirm: that a ``ResourceApplyAdam`` on GPU-resident variables really is
+worse there (or is refused), and the step times of both forms.
 """
 
 from tfmetal_ext.optimizers.adam import FusedAdam

@@ -49,6 +49,26 @@ def dense_gradient(grad, dtype):
     return tf.cast(grad, dtype)
 
 
+def composite_reason(op, dtype):
+    """Why the fused optimizers emit their composite update instead of `op` on this backend, or None.
+
+    The composite form is Keras' own update math as elementwise ops into
+    ``AssignVariableOp`` / ``AssignAddVariableOp`` / ``AssignSubVariableOp``,
+    with the step's scalars built once per step and dtype (about 10 ops per
+    Adam variable instead of Keras' 27). It is emitted on a GPU backend whose
+    table says `op` has no kernel there (`Backend.has_kernel` is False): the
+    open tensorflow-metal-plugin on TF 2.21, where every ``ResourceApply*``
+    is in the table's `host_ops` (see `tfmetal_ext.optimizers`). A CPU, CUDA
+    or Apple's tensorflow-metal keeps the one fused op per variable.
+    """
+    from tfmetal_ext import backends
+
+    table = backends.current()
+    if table.device == "cpu" or table.has_kernel(op, dtype) is not False:
+        return None
+    return table.host_ops.get(op) or f"{table.label} has no {op} kernel"
+
+
 def check_unit_interval(name, value, *, closed_right=False):
     """Raises ValueError unless ``0 <= value < 1`` (``<= 1`` with closed_right)."""
     try:
@@ -82,7 +102,21 @@ class FusedUpdateMixin:
       distributed one) from the dense `grad` of the variable's dtype.
     - optionally ``_fused_apply_sparse(grad, variable, scalars)`` for
       `tf.IndexedSlices`; the default densifies.
+    - ``_fused_op() -> str``: the training op `_fused_apply` emits, and
+      ``_composite_apply(grad, variable, scalars)``: the same update as
+      elementwise ops and variable assignments, emitted instead where the
+      backend has no kernel for that op (`composite_reason`).
     """
+
+    def _fused_op(self):
+        raise NotImplementedError
+
+    def _composite_apply(self, grad, variable, scalars):
+        raise NotImplementedError
+
+    def composite_reason(self, dtype="float32"):
+        """Why this optimizer emits its composite update here (variables of `dtype`), or None (the fused op)."""
+        return composite_reason(self._fused_op(), dtype)
 
     def _step_scalars(self, learning_rate, dtype):
         raise NotImplementedError
@@ -104,6 +138,8 @@ class FusedUpdateMixin:
 
     def _apply_one(self, variable, grad, scalars_by_dtype):
         scalars = scalars_by_dtype[_dtype_key(variable)]
+        if self.composite_reason(_dtype_key(variable)) is not None:
+            return self._composite_apply(dense_gradient(grad, variable.dtype), variable, scalars)
         if isinstance(grad, tf.IndexedSlices):
             return self._fused_apply_sparse(grad, variable, scalars)
         return self._fused_apply(dense_gradient(grad, variable.dtype), variable, scalars)
@@ -148,6 +184,8 @@ class FusedUpdateMixin:
             }
 
         def decay(variable, rates):
+            if composite_reason("ResourceApplyGradientDescent", _dtype_key(variable)) is not None:
+                return variable.assign_sub(variable * rates[_dtype_key(variable)])
             return tf.raw_ops.ResourceApplyGradientDescent(
                 var=variable.handle,
                 alpha=rates[_dtype_key(variable)],

@@ -14,6 +14,7 @@ from tensorflow.python.ops import control_flow_util
 
 from tfmetal_ext.optimizers._base import (
     FusedUpdateMixin,
+    composite_reason,
     _dtype_key,
     _merge_call,
     _tf_variable,
@@ -45,7 +46,10 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
     ops with CPU, CUDA and tensorflow-metal kernels; the bias-correction
     powers ``beta_1**t`` and ``beta_2**t`` are computed once per step (Keras
     recomputes them for every variable). Keras' Adam costs about 27 ops per
-    variable and step, this one 1.
+    variable and step, this one 1. On a backend without those kernels (the
+    open tensorflow-metal-plugin on TF 2.21) it emits Keras' update math as
+    elementwise ops and variable assignments instead, with the scalars once
+    per step (`tfmetal_ext.optimizers` says why).
 
     With ``multi_tensor=True`` the whole step is one
     ``TfmetalExt>MultiTensorAdam`` op per variable dtype (apex's FusedAdam
@@ -173,6 +177,15 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         beta_1 = tf.constant(self.beta_1, dtype)
         beta_2 = tf.constant(self.beta_2, dtype)
         lr = tf.cast(learning_rate, dtype)
+        if self.composite_reason(dtype.name) is not None:
+            # Keras' update math, its scalars once per step: alpha = lr * sqrt(1 - b2^t) / (1 - b1^t).
+            one = tf.constant(1.0, dtype)
+            return {
+                "alpha": lr * tf.sqrt(one - tf.pow(beta_2, step)) / (one - tf.pow(beta_1, step)),
+                "one_minus_beta_1": tf.constant(1.0 - self.beta_1, dtype),
+                "one_minus_beta_2": tf.constant(1.0 - self.beta_2, dtype),
+                "epsilon": tf.constant(self.epsilon, dtype),
+            }
         return {
             "lr": lr * tf.constant(self._keras_rounding(dtype), dtype),
             "keras_lr": lr,
@@ -182,6 +195,22 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
             "beta_2_power": tf.pow(beta_2, step),
             "epsilon": tf.constant(self.epsilon, dtype),
         }
+
+    def _fused_op(self):
+        return "ResourceApplyAdamWithAmsgrad" if self.amsgrad else "ResourceApplyAdam"
+
+    def _composite_apply(self, grad, variable, scalars):
+        """Keras' Adam update as elementwise ops and assignments (`composite_reason` says where)."""
+        index = self._get_variable_index(variable)
+        m = self._momentums[index].value
+        v = self._velocities[index].value
+        m.assign_add((grad - m) * scalars["one_minus_beta_1"])
+        v.assign_add((tf.square(grad) - v) * scalars["one_minus_beta_2"])
+        if self.amsgrad:
+            v_hat = self._velocity_hats[index].value
+            v_hat.assign(tf.maximum(v_hat, v))
+            v = v_hat
+        return variable.assign_sub(m * scalars["alpha"] / (tf.sqrt(v) + scalars["epsilon"]))
 
     def _fused_apply(self, grad, variable, scalars):
         args = dict(
@@ -230,6 +259,11 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
             return "configure(avoid_fusions=['multi_tensor_adam']) avoids TfmetalExt>MultiTensorAdam"
         if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             return "the step is XLA-compiled and TfmetalExt>MultiTensorAdam has no XLA kernel"
+        why = composite_reason("ResourceApplyAdam", "float32")
+        if why is not None:
+            # Its Metal kernel needs the same resource-variable C API; its CPU kernel would
+            # update GPU-resident variables from the host: the composite form is used instead.
+            return f"no device kernel for it or ResourceApplyAdam here ({why}): the composite update runs"
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
             if not isinstance(strategy, _MULTI_TENSOR_STRATEGIES):

@@ -24,6 +24,10 @@ class FusedSGD(FusedUpdateMixin, keras.optimizers.SGD):
       ``nesterov``: ``var += momentum * m - lr * grad``), one
       ``ResourceApplyKerasMomentum``.
 
+    On a backend without those kernels (the open tensorflow-metal-plugin on
+    TF 2.21) the same update as elementwise ops and variable assignments
+    (`tfmetal_ext.optimizers` says why).
+
     Args:
         learning_rate: a float, a learning-rate schedule or a callable.
         momentum: a float in [0, 1].
@@ -82,6 +86,19 @@ class FusedSGD(FusedUpdateMixin, keras.optimizers.SGD):
         if self.momentum != 0:
             scalars["momentum"] = tf.constant(self.momentum, dtype)
         return scalars
+
+    def _fused_op(self):
+        return "ResourceApplyGradientDescent" if self.momentum == 0 else "ResourceApplyKerasMomentum"
+
+    def _composite_apply(self, grad, variable, scalars):
+        lr = scalars["lr"]
+        if self.momentum == 0:
+            return variable.assign_sub(grad * lr)
+        m = self.momentums[self._get_variable_index(variable)].value
+        m.assign(m * scalars["momentum"] - grad * lr)
+        if self.nesterov:
+            return variable.assign_add(m * scalars["momentum"] - grad * lr)
+        return variable.assign_add(m)
 
     def _fused_apply(self, grad, variable, scalars):
         if self.momentum == 0:
