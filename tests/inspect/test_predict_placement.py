@@ -151,7 +151,8 @@ def test_plugin_reports_only_host_ops_for_a_mixed_float16_fused_model(policy, re
     host = [e for e in report.host if e.layer and e.layer.startswith("optimizer ")]
     assert host and all("optimizer's update op" in e.reason and "resource-variable" in e.reason for e in host)
     if optimizer == "fused_adam":
-        assert {e.op for e in host} == {"ResourceApplyAdam"}, str(report)
+        # No ResourceApply* kernel there on TF 2.21: FusedAdam emits its composite update (tfmetal_ext.optimizers).
+        assert {e.op for e in host} <= {"AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp"}, str(report)
     assert "runs on the host" in str(report)
 
 
