@@ -160,7 +160,7 @@ METAL_PLUGIN = backend(
     {
         "conv2d_bias_act": Fusion(
             "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu|Sigmoid|Tanh)] float32/half, any filter, with or without an "
-            "activation: TF's remapper fuses Conv2D+BiasAdd+Relu itself (float32, not 1x1), the plugin's graph "
+            "activation: TF's remapper fuses Conv2D+BiasAdd+Relu itself (not 1x1), the plugin's graph "
             "pass the rest; training: LeakyRelu not fused; no bfloat16 kernels",
             dtypes=F32_F16, acts=PASS_ACTS, train_acts=PASS_TRAIN_ACTS,
             dtype_notes={"bfloat16": _BF16_PASS.format(op="Conv2D", fused="_FusedConv2D")},

@@ -236,6 +236,22 @@ def _to_capture(md, jit_compile, mode, layer_scopes=None):
     return Capture(functions=functions, jit_compile=jit_compile, mode=mode, layer_scopes=dict(layer_scopes or {}))
 
 
+def _fresh_function(fn, jit_compile):
+    """``(tf.function, jit)``: a new trace of `fn` (a tf.function or a callable), XLA as `fn` asks unless given."""
+    import tensorflow as tf
+
+    python_fn = getattr(fn, "python_function", None)
+    if python_fn is not None:
+        own_jit = getattr(fn, "_jit_compile", None)
+        jit = bool(own_jit) if jit_compile is None else bool(jit_compile)
+    elif callable(fn):
+        python_fn = fn
+        jit = bool(jit_compile)
+    else:
+        raise ValueError(f"Expected a callable or a tf.function. Received: fn={fn!r}")
+    return tf.function(python_fn, jit_compile=jit), jit
+
+
 def capture_function(fn, *args, jit_compile=None, **kwargs):
     """Runs ``fn(*args, **kwargs)`` once as a fresh `tf.function` and captures its graphs.
 
@@ -249,18 +265,7 @@ def capture_function(fn, *args, jit_compile=None, **kwargs):
     Returns:
         A `Capture`.
     """
-    import tensorflow as tf
-
-    python_fn = getattr(fn, "python_function", None)
-    if python_fn is not None:
-        own_jit = getattr(fn, "_jit_compile", None)
-        jit = bool(own_jit) if jit_compile is None else bool(jit_compile)
-    elif callable(fn):
-        python_fn = fn
-        jit = bool(jit_compile)
-    else:
-        raise ValueError(f"Expected a callable or a tf.function. Received: fn={fn!r}")
-    fresh = tf.function(python_fn, jit_compile=jit)
+    fresh, jit = _fresh_function(fn, jit_compile)
     args, kwargs = _as_tensors(args), _as_tensors(kwargs)  # no eager op inside the window
     with record_layer_scopes() as rec, _run_metadata() as box:
         fresh(*args, **kwargs)
@@ -441,18 +446,7 @@ def trace_function(fn, *args, jit_compile=None, **kwargs):
     The `Capture`'s graphs are the traced GraphDef (before grappler, no
     partitions); its `layer_scopes` are recorded as in `capture_function`.
     """
-    import tensorflow as tf
-
-    python_fn = getattr(fn, "python_function", None)
-    if python_fn is not None:
-        own_jit = getattr(fn, "_jit_compile", None)
-        jit = bool(own_jit) if jit_compile is None else bool(jit_compile)
-    elif callable(fn):
-        python_fn = fn
-        jit = bool(jit_compile)
-    else:
-        raise ValueError(f"Expected a callable or a tf.function. Received: fn={fn!r}")
-    fresh = tf.function(python_fn, jit_compile=jit)
+    fresh, jit = _fresh_function(fn, jit_compile)
     args, kwargs = _as_tensors(args), _as_tensors(kwargs)
     with record_layer_scopes() as rec:
         concrete = fresh.get_concrete_function(*args, **kwargs)
