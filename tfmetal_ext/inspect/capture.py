@@ -383,6 +383,22 @@ def _as_tensor(value):
     return tf.convert_to_tensor(value)
 
 
+def _prepared_train_batch(model, x, y, sample_weight, caller):
+    """The one-batch dataset of a training capture or trace, the model and optimizer built for it.
+
+    Raises:
+        ValueError: when the model is not compiled (`caller` names the function).
+    """
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        raise ValueError(
+            f"{caller} needs a compiled model; pass optimizer= and loss= to the report or compile the "
+            f"model first. Received: model={model.name!r}"
+        )
+    ds = _first_batch_dataset(model, x, y, sample_weight)
+    _build_for_training(model, x, y, sample_weight)
+    return ds
+
+
 def capture_train(model, x, y, sample_weight=None):
     """Captures the real training step of a *compiled* model: the function ``model.fit`` runs.
 
@@ -391,13 +407,7 @@ def capture_train(model, x, y, sample_weight=None):
     snapshotted first and restored afterwards, and the model's cached
     ``train_function`` is put back, so the model is left exactly as it was.
     """
-    if not getattr(model, "compiled", False) or model.optimizer is None:
-        raise ValueError(
-            "capture_train needs a compiled model; pass optimizer= and loss= to "
-            f"fusion_report or compile the model first. Received: model={model.name!r}"
-        )
-    ds = _first_batch_dataset(model, x, y, sample_weight)
-    _build_for_training(model, x, y, sample_weight)
+    ds = _prepared_train_batch(model, x, y, sample_weight, "capture_train")
     state = _model_state(model)
     values = _snapshot(state)
     saved_fn = model.train_function
@@ -477,13 +487,7 @@ def trace_train(model, x, y, sample_weight=None):
     nothing is computed, so no variable changes. The model's cached
     ``train_function`` is put back afterwards.
     """
-    if not getattr(model, "compiled", False) or model.optimizer is None:
-        raise ValueError(
-            "trace_train needs a compiled model; pass optimizer= and loss= or compile the model first. "
-            f"Received: model={model.name!r}"
-        )
-    ds = _first_batch_dataset(model, x, y, sample_weight)
-    _build_for_training(model, x, y, sample_weight)
+    ds = _prepared_train_batch(model, x, y, sample_weight, "trace_train")
     saved_fn = model.train_function
     try:
         model.make_train_function(force=True)
