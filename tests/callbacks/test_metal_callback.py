@@ -431,6 +431,37 @@ def test_steps_per_execution_and_validation():
     assert recorder.batches_begun == 3
 
 
+def _keras_call_ranges(steps_per_epoch, per_call, epochs):
+    """Global 1-based (first, last) steps of each train-function call on endless data.
+
+    Keras starts a call at every `per_call`-th batch of the epoch, and a call
+    runs `per_call` steps while the data lasts, even past `steps_per_epoch`.
+    """
+    ranges, done = [], 0
+    for _ in range(epochs):
+        for _begin in range(0, steps_per_epoch, per_call):
+            ranges.append((done + 1, done + per_call))
+            done += per_call
+    return ranges
+
+
+@pytest.mark.parametrize("nan_step", [8, 12])
+def test_steps_are_numbered_when_steps_per_execution_does_not_divide_the_epoch(nan_step):
+    import tensorflow as tf
+
+    x, y = _nan_at(nan_step - 1, n=16)  # batch size 1: sample i is step i + 1
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(1).repeat()
+    model = _compile(_linear(), steps_per_execution=3)
+    lines = []
+    cb = MetalCallback(report=None, print_fn=lines.append)
+    model.fit(data, steps_per_epoch=5, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    first, last = next(r for r in _keras_call_ranges(5, 3, 2) if r[0] <= nan_step <= r[1])
+    assert first > 6  # a call of the second epoch
+    assert cb.nonfinite_step == last
+    text = "\n".join(str(line) for line in lines)
+    assert f"steps {first}-{last}" in text, text
+
+
 def test_nonfinite_loss_warns_and_keeps_training():
     x, y = _nan_at(2)
     model = _compile(_linear())

@@ -198,8 +198,19 @@ class MetalCallback(keras.callbacks.Callback):
             raise
         except Exception as e:  # the callback's own checks must never stop training
             self._inspection_failed("the train-begin checks", e)
+        try:
+            self._iterations_at_begin = int(self.model.optimizer.iterations.numpy())
+        except Exception:
+            self._iterations_at_begin = 0
         self._profiler.train_begin()
         self._wrapper.install(self.model, capture_first=self._inspection.wanted)
+
+    def _steps_run(self):
+        """Train steps this fit has run so far (the optimizer's iterations), or None."""
+        try:
+            return int(self.model.optimizer.iterations.numpy()) - self._iterations_at_begin
+        except Exception:  # no optimizer yet, or not a Keras one: fall back to counting calls
+            return None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._timer.epoch_begin(self.model)
@@ -215,7 +226,7 @@ class MetalCallback(keras.callbacks.Callback):
         stats = self._timer.epoch_stats(self.model, self._steps, total)
         if logs is not None:
             logs.update(stats)
-        self._steps.epoch_end(total)
+        self._steps.epoch_end(total, self._steps_run())
 
     def on_train_end(self, logs=None):
         self._profiler.stop()
