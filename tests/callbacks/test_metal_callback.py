@@ -162,6 +162,36 @@ def test_epoch_logs_reach_history_and_csv_logger(tmp_path, lines):
     assert len(rows) == 2 and float(rows[1]["step_time_ms"]) > 0
 
 
+def _vm_rss_mb():
+    """Current RSS from /proc/self/status (VmRSS, in kB): a source apart from the callback's statm read."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return None
+
+
+class _RssAtEpochEnd(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.rss = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.rss.append(_vm_rss_mb())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmRSS from /proc")
+def test_memory_mb_is_the_host_rss_in_the_epoch_logs():
+    x, y = _data()
+    model = _compile(_ours())
+    probe = _RssAtEpochEnd()  # runs right after MetalCallback's epoch end
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[MetalCallback(report=None), probe])
+    values = history.history["memory_mb"]
+    assert len(values) == 2 and all(type(v) is float and v > 0 for v in values)
+    for ours, theirs in zip(values, probe.rss):
+        assert ours == pytest.approx(theirs, rel=0.02, abs=2.0)
+
+
 def test_loss_scale_is_logged_under_mixed_float16(lines):
     keras.mixed_precision.set_global_policy("mixed_float16")
     x, y = _data(32)

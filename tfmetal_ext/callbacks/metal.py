@@ -30,6 +30,7 @@ from tfmetal_ext.callbacks._model import steps_per_call
 from tfmetal_ext.callbacks._nonfinite import MODES as _NONFINITE
 from tfmetal_ext.callbacks._nonfinite import NonFiniteLoss
 from tfmetal_ext.callbacks._profiling import StepProfiler, profile_window
+from tfmetal_ext.callbacks._memory import memory_logs
 from tfmetal_ext.callbacks._steps import StepCounter
 from tfmetal_ext.callbacks._timing import StepTimer
 
@@ -56,7 +57,10 @@ class MetalCallback(keras.callbacks.Callback):
     with their layer and the replacement to use. The summary is printed after
     the first step.
 
-    Every epoch it adds ``step_time_ms`` (median, the fit's first step
+    Every epoch it adds ``memory_mb`` (the host's current RSS in MB, from
+    /proc/self/statm; the peak RSS where there is no /proc), on a GPU also
+    ``gpu_memory_mb`` and ``gpu_peak_memory_mb`` (TF's allocator figures), and
+    ``step_time_ms`` (median, the fit's first step
     excluded: it includes tracing and the inspection), ``examples_per_second``
     and, with a `keras.optimizers.LossScaleOptimizer`, ``loss_scale`` to the
     epoch logs, so they reach `History` and any `TensorBoard` / `CSVLogger`
@@ -224,6 +228,7 @@ class MetalCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         total = self.params.get("steps") if self.params else None
         stats = self._timer.epoch_stats(self.model, self._steps, total)
+        stats.update(memory_logs())
         if logs is not None:
             logs.update(stats)
         self._steps.epoch_end(total, self._steps_run())
