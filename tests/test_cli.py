@@ -129,3 +129,50 @@ def test_doctor_exits_1_on_an_environment_error(monkeypatch, capsys):
     monkeypatch.setattr(doctor, "collect", broken)
     assert cli.main(["doctor"]) == 1
     assert "both tensorflow-metal and tensorflow-metal-plugin are installed" in capsys.readouterr().out
+
+
+def _assert_usage_error(code, capsys, *words):
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for word in words:
+        assert word in err, err
+
+
+@pytest.mark.parametrize("case", ["missing_dir", "no_suffix", "a_directory"])
+def test_convert_bad_output_exits_2_before_converting(saved_model, tmp_path, capsys, monkeypatch, case):
+    from tfmetal_ext import conversion
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted before checking the output")
+
+    monkeypatch.setattr(conversion, "convert", no_conversion)
+    out = {
+        "missing_dir": tmp_path / "nowhere" / "out.keras",
+        "no_suffix": tmp_path / "out.h5",
+        "a_directory": tmp_path,
+    }[case]
+    code = cli.main(["convert", str(saved_model), str(out)])
+    _assert_usage_error(code, capsys, str(out.parent if case == "missing_dir" else out))
+
+
+def test_convert_bad_input_exits_2(tmp_path, capsys):
+    out = str(tmp_path / "out.keras")
+    _assert_usage_error(cli.main(["convert", str(tmp_path / "nope.keras"), out]), capsys, "nope.keras")
+    other = tmp_path / "model.h5"
+    other.write_text("x")
+    _assert_usage_error(cli.main(["convert", str(other), out]), capsys, "model.h5", ".keras")
+
+
+def test_build_ops_with_a_file_for_a_cache_exits_2(tmp_path, capsys, monkeypatch):
+    from tfmetal_ext.ops import _loader
+
+    blocker = tmp_path / "cache_is_a_file"
+    blocker.write_text("x")
+    monkeypatch.setenv("TFMETAL_EXT_CACHE", str(blocker))
+
+    def build(force=False):  # what the loader does with such a cache: the OS refuses the directory
+        raise NotADirectoryError(20, "Not a directory", str(blocker))
+
+    monkeypatch.setattr(_loader, "build", build)
+    _assert_usage_error(cli.main(["build-ops"]), capsys, str(blocker), "TFMETAL_EXT_CACHE")

@@ -28,6 +28,26 @@ def _cmd_version(args):
     return 0
 
 
+def _usage_error(command, text):
+    """One line on stderr; exit status 2 (1 is for failed verification)."""
+    print(f"tfmetal-ext {command}: {text}", file=sys.stderr)
+    return 2
+
+
+def _output_problem(path):
+    """Why a converted model can't be saved at `path` (a sentence naming the fix), or None."""
+    if os.path.isdir(path):
+        return f"{path} is a directory; give a file name ending in .keras, e.g. {os.path.join(path, 'model.keras')}"
+    if not path.endswith(".keras"):
+        return f"the output must be a .keras file; received: {path} (add the .keras suffix)"
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return f"the output's directory does not exist: {parent} (create it first)"
+    if not os.access(parent, os.W_OK):
+        return f"the output's directory is not writable: {parent} (choose another directory)"
+    return None
+
+
 def _load_model(path, command):
     """The Keras model saved at `path`, or None after printing why not (exit status 2)."""
     import keras
@@ -77,11 +97,21 @@ def _cmd_report(args):
 def _cmd_build_ops(args):
     from tfmetal_ext.ops import _loader
 
+    cache_error = getattr(_loader, "OpCacheError", None)
     try:
         p = _loader.build(force=args.force)
-    except (_loader.BuildError, FileNotFoundError) as e:
+    except _loader.BuildError as e:
         print(f"tfmetal-ext build-ops: {e}", file=sys.stderr)
         return 1
+    except Exception as e:
+        if isinstance(e, (OSError, ValueError, RuntimeError)) or (cache_error and isinstance(e, cache_error)):
+            where = getattr(e, "filename", None) or os.environ.get("TFMETAL_EXT_CACHE") or "the op cache"
+            text = " ".join(str(e).split())
+            return _usage_error(
+                "build-ops", f"cannot use the op cache ({where}): {text} (point TFMETAL_EXT_CACHE at a writable "
+                "directory you own)"
+            )
+        raise
     metal = "with Metal kernels" if p.with_metal else "CPU kernels only (Metal kernels build on macOS arm64)"
     print(f"{p.library}\nbuilt for TensorFlow {p.tf_version}, {metal}")
     return 0
@@ -106,6 +136,11 @@ def _cmd_doctor(args):
 def _cmd_convert(args):
     from tfmetal_ext import conversion
 
+    if os.path.isdir(args.input) or (os.path.exists(args.input) and not args.input.endswith(".keras")):
+        return _usage_error("convert", f"the input must be a .keras file; received: {args.input}")
+    problem = _output_problem(args.output)  # before the conversion, which takes a while
+    if problem:
+        return _usage_error("convert", problem)
     model = _load_model(args.input, "convert")
     if model is None:
         return 2
@@ -117,7 +152,10 @@ def _cmd_convert(args):
     except (ValueError, conversion.VerificationError) as e:
         print(f"tfmetal-ext convert: {e}", file=sys.stderr)
         return 1
-    converted.save(args.output)
+    try:
+        converted.save(args.output)
+    except (OSError, ValueError) as e:
+        return _usage_error("convert", f"cannot save {args.output}: {' '.join(str(e).split())} (choose another path)")
     print(converted.conversion_report)
     print(f"saved {args.output}")
     return 0
