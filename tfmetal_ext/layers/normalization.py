@@ -33,6 +33,7 @@ hand-written custom-gradient form (the fastest composite above).
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 
 import keras
@@ -42,13 +43,14 @@ from keras import constraints, initializers, regularizers
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
 from tfmetal_ext.layers._ops import MIN_FUSED_EPSILON, batch_norm
+from tfmetal_ext.ops._common import check_float32_representable
 from tfmetal_ext.ops.layer_norm import LAYER_NORM_OP, layer_norm, uses_kernel
 
 
 def _check_epsilon(epsilon):
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
-        raise ValueError(f"`epsilon` must be a positive number. Received: epsilon={epsilon!r}")
-    return float(epsilon)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not (math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"`epsilon` must be a finite positive number. Received: epsilon={epsilon!r}")
+    return check_float32_representable("epsilon", epsilon)
 
 
 def _check_momentum_epsilon(momentum, epsilon):
@@ -58,9 +60,9 @@ def _check_momentum_epsilon(momentum, epsilon):
             raise ValueError(f"`{name}` must be a number. Received: {name}={value!r}")
     if not 0.0 <= momentum <= 1.0:
         raise ValueError(f"`momentum` must be a number in [0, 1]. Received: momentum={momentum!r}")
-    if not epsilon > 0:
-        raise ValueError(f"`epsilon` must be a positive number. Received: epsilon={epsilon!r}")
-    return float(momentum), float(epsilon)
+    if not (math.isfinite(epsilon) and epsilon > 0):
+        raise ValueError(f"`epsilon` must be a finite positive number. Received: epsilon={epsilon!r}")
+    return float(momentum), check_float32_representable("epsilon", epsilon)
 
 
 def _check_renorm_clipping(clipping):

@@ -7,6 +7,7 @@ import math
 import os
 import types
 
+import numpy as np
 import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
@@ -42,6 +43,23 @@ def check_nonnegative(name, value):
         raise ValueError(f"Argument `{name}` must be a float >= 0. Received: {name}={value!r}") from None
     if not (math.isfinite(v) and v >= 0.0):
         raise ValueError(f"Argument `{name}` must be a finite float >= 0. Received: {name}={value!r}")
+    return check_float32_representable(name, v)
+
+
+def check_float32_representable(name, value):
+    """`value` (a finite float) unless float32 rounds it to 0 or to inf.
+
+    Kernels take their float arguments as float32 attrs: 1e-50 would become
+    0 and 1e39 inf there, silently another computation.
+    """
+    v = float(value)
+    with np.errstate(over="ignore", under="ignore"):
+        rounded = float(np.float32(v))
+    if math.isinf(rounded) or (rounded == 0.0 and v != 0.0):
+        raise ValueError(
+            f"Argument `{name}` is passed to the kernel as float32, where it rounds to {rounded} "
+            f"(float32 holds magnitudes from about 1.4e-45 to 3.4e38). Received: {name}={value!r}"
+        )
     return v
 
 

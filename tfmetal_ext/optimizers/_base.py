@@ -18,6 +18,7 @@ of the same name, so saved state is interchangeable).
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import tensorflow as tf
@@ -83,9 +84,9 @@ def check_unit_interval(name, value, *, closed_right=False):
 
 
 def check_non_negative(name, value):
-    """`value` as a float; raises ValueError unless it is a real number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
-        raise ValueError(f"Argument `{name}` must be a float >= 0. Received: {name}={value!r}")
+    """`value` as a float; raises ValueError unless it is a finite real number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"Argument `{name}` must be a finite float >= 0. Received: {name}={value!r}")
     return float(value)
 
 
