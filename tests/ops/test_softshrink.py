@@ -157,3 +157,18 @@ def test_layer_in_train_step_is_one_op_each_way():
     stock = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16), keras.layers.Activation("soft_shrink"), keras.layers.Dense(1)])
     stock_report = inspect.fusion_report(stock, mode="train", optimizer="sgd", loss="mse")
     assert report.num_ops < stock_report.num_ops - 4
+
+
+@pytest.mark.parametrize("dtype,ulp", [("float16", 2.0**-10), ("bfloat16", 2.0**-7)])
+def test_half_precision_near_the_threshold_rounds_once(impl, dtype, ulp):
+    # lambd = 0.3 is not a float16/bfloat16 value: rounding it (or x - lambd) to the
+    # input dtype before subtracting puts results just past the threshold percent off.
+    # Both paths compute in float32 and round once, so each result is within one
+    # ulp of the float64 answer for the (rounded) input.
+    tf_dtype = DTYPES[dtype][0]
+    x = np.concatenate([np.linspace(0.3, 0.36, 401), -np.linspace(0.3, 0.36, 401)])
+    xin = rounded(x, tf_dtype)
+    got = tf.cast(ops.softshrink(tf.constant(xin, tf_dtype), 0.3), tf.float64).numpy()
+    want = np_softshrink(xin, np.float64(np.float32(0.3)))
+    err = np.abs(got - want)
+    assert np.all(err <= np.abs(want) * ulp + 1e-7), (impl, float(np.max(err / np.maximum(np.abs(want), 1e-30))))

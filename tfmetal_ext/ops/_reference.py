@@ -10,16 +10,24 @@ import tensorflow as tf
 
 
 def softshrink(x, lambd):
-    lambd = tf.cast(lambd, x.dtype)
-    zero = tf.zeros_like(x)
-    inner = tf.where(tf.math.is_nan(x), x, zero)  # NaN propagates
-    return tf.where(x > lambd, x - lambd, tf.where(x < -lambd, x + lambd, inner))
+    """Computed in float32 and rounded once to x's dtype, as the kernels do
+    (tfmetal/softshrink.h): in float16/bfloat16 both ``lambd`` and ``x - lambd``
+    would otherwise round, up to 2.5% off near the threshold."""
+    xf = tf.cast(x, tf.float32)
+    lambd = tf.constant(lambd, tf.float32)
+    zero = tf.zeros_like(xf)
+    inner = tf.where(tf.math.is_nan(xf), xf, zero)  # NaN propagates
+    out = tf.where(xf > lambd, xf - lambd, tf.where(xf < -lambd, xf + lambd, inner))
+    return tf.cast(out, x.dtype)
 
 
 def softshrink_grad(dy, x, lambd):
-    lambd = tf.cast(lambd, x.dtype)
-    outside = tf.logical_or(x > lambd, x < -lambd)
-    return tf.where(outside, dy, tf.where(tf.math.is_nan(x), x, tf.zeros_like(dy)))
+    """The kernels' float32 comparisons against the float32 ``lambd``."""
+    xf = tf.cast(x, tf.float32)
+    lambd = tf.constant(lambd, tf.float32)
+    outside = tf.logical_or(xf > lambd, xf < -lambd)
+    nan_x = tf.cast(xf, dy.dtype)  # NaN where x is NaN (the only place it is used)
+    return tf.where(outside, dy, tf.where(tf.math.is_nan(xf), nan_x, tf.zeros_like(dy)))
 
 
 def _layer_norm_stats(xf, epsilon):
