@@ -64,6 +64,73 @@ class BuildError(RuntimeError):
     """The op library failed to compile; the message holds the compiler's output."""
 
 
+class OpCacheError(PermissionError):
+    """The op cache is not trusted: a directory or the library is not owned by
+    the current user or root, is group/other-writable, or is a symlink.
+
+    A PermissionError (so an OSError): `load()` falls back to the pure-TF
+    references with a warning carrying this message; `build()` raises it.
+    """
+
+
+def _trusted_owner(uid: int) -> bool:
+    return uid in (os.geteuid(), 0)
+
+
+def _check_trusted(path: Path, kind: str) -> None:
+    """Refuses ``path`` unless it is a real (not symlinked) ``kind`` ("dir" or
+    "file") owned by the current euid or root and not group/other-writable."""
+    import stat
+
+    st = os.lstat(path)
+    is_kind = stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)
+    problem = None
+    if stat.S_ISLNK(st.st_mode):
+        problem, fix = "is a symlink", f"remove it (rm {shlex.quote(str(path))}) or use a private TFMETAL_EXT_CACHE"
+    elif not is_kind:
+        problem, fix = f"is not a {'directory' if kind == 'dir' else 'regular file'}", "remove it"
+    elif not _trusted_owner(st.st_uid):
+        problem = f"is owned by uid {st.st_uid}, not the current user ({os.geteuid()}) or root"
+        fix = "remove it, or use a private TFMETAL_EXT_CACHE"
+    elif st.st_mode & 0o022:
+        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+        fix = f"chmod go-w {shlex.quote(str(path))}"
+    if problem:
+        raise OpCacheError(f"tfmetal_ext: refusing the op cache: {path} {problem}; fix: {fix}")
+
+
+def _ensure_dir(path: Path) -> None:
+    """Creates ``path`` (mode 0o700) and its missing parents, then checks it."""
+    if not os.path.lexists(path):
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def verify_cache(p: "BuildPlan", create: bool) -> None:
+    """Checks the cache root, ``ops/`` and the key directory (creating them
+    with mode 0o700 when ``create``), and the library when it exists."""
+    for d in (cache_root(), cache_root() / "ops", p.directory):
+        if create:
+            _ensure_dir(d)
+        if os.path.lexists(d):
+            _check_trusted(d, "dir")
+    if os.path.lexists(p.library):
+        _check_trusted(p.library, "file")
+
+
+def _write_private(directory: Path, final: Path, data: bytes) -> None:
+    """Writes ``data`` to a mkstemp file in ``directory``, then renames it to ``final``."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 def sources_dir() -> Path:
     """The ``custom_ops`` directory: installed package data, else the source tree."""
     spec = importlib.util.find_spec("tfmetal_ext._custom_ops")
@@ -192,8 +259,8 @@ def entry_is_valid(p: BuildPlan) -> bool:
 
 @contextlib.contextmanager
 def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "r+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
@@ -203,7 +270,7 @@ def _file_lock(path: Path):
 
 def _compile(p: BuildPlan) -> None:
     src = sources_dir()
-    p.directory.mkdir(parents=True, exist_ok=True)
+    verify_cache(p, create=True)
     with tempfile.TemporaryDirectory(dir=p.directory) as tmp:
         unity = Path(tmp) / "unity.cc"
         # One translation unit: TF's headers dominate compile time, so
@@ -235,9 +302,7 @@ def _compile(p: BuildPlan) -> None:
                 "building the tfmetal_ext custom-op library failed.\ncommand: "
                 + " ".join(shlex.quote(c) for c in cmd) + "\n" + (result.stderr or result.stdout)[-20000:]
             )
-        final_tmp = p.directory / f".{LIBRARY_NAME}.{os.getpid()}"
-        shutil.copyfile(out, final_tmp)
-        os.replace(final_tmp, p.library)
+        _write_private(p.directory, p.library, out.read_bytes())
     meta = {
         "tf_version": p.tf_version,
         "compiler": _compiler_identity(p.compiler),
@@ -247,9 +312,7 @@ def _compile(p: BuildPlan) -> None:
         "seconds": round(time.monotonic() - start, 1),
         "sha256": _sha256(p.library),
     }
-    tmp_meta = p.directory / f".build.json.{os.getpid()}"
-    tmp_meta.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp_meta, p.metadata)
+    _write_private(p.directory, p.metadata, json.dumps(meta, indent=2).encode())
     logger.warning("tfmetal_ext: built %s in %.1f s", p.library, meta["seconds"])
 
 
@@ -269,6 +332,10 @@ def _embed_module(src: Path):
 def build(force: bool = False, compiler: str | None = None) -> BuildPlan:
     """Builds the library unless a valid cached build exists; returns the plan."""
     p = plan(compiler)
+    verify_cache(p, create=False)
+    if not force and entry_is_valid(p):
+        return p  # a valid (possibly read-only) cache needs no lock
+    verify_cache(p, create=True)
     with _file_lock(p.directory.with_suffix(".lock")):
         if force or not entry_is_valid(p):
             if p.directory.exists():
@@ -336,6 +403,7 @@ def _load_or_rebuild():
         # Read by the Metal host code's static initializers while the library
         # loads: which backend's stream it may bind to (metal_binding.h).
         os.environ[METAL_PLUGINS_ENV] = installed_metal_plugins()
+    verify_cache(p, create=False)
     try:
         return tf.load_op_library(str(p.library)), p
     except (tf.errors.NotFoundError, OSError) as e:
@@ -343,6 +411,7 @@ def _load_or_rebuild():
         # different TF with the same version string): rebuild once.
         logger.warning("tfmetal_ext: cached op library did not load (%s); rebuilding", e)
         p = build(force=True)
+        verify_cache(p, create=False)
         return tf.load_op_library(str(p.library)), p
 
 
