@@ -335,3 +335,36 @@ def test_shape_function_rejects_mismatch_when_tracing():
     with pytest.raises(ValueError, match="variable 0: var, m, v and grad shapes differ"):
         step.get_concrete_function(tf.TensorSpec([4]))
     step.get_concrete_function(tf.TensorSpec([None]))  # unknown size: checked at run time
+
+
+def test_same_variable_twice_is_rejected(impl):
+    a, b = _one(), _one()
+    with pytest.raises(ValueError, match=r"only once.*Received: variables\[1\] is also variables\[0\]"):
+        _call(variables=[a, a], ms=[_one(), _one()], vs=[_one(), _one()], grads=[tf.zeros(3), tf.zeros(3)])
+    with pytest.raises(ValueError, match=r"only once.*Received: ms\[0\] is also variables\[0\]"):
+        _call(variables=[a], ms=[a], vs=[b])
+    w = keras.Variable(np.zeros(3, "float32"))
+    with pytest.raises(ValueError, match=r"Received: vs\[0\] is also variables\[0\]"):
+        _call(variables=[w], vs=[w.value])
+
+
+def test_run_time_shape_error_changes_no_variable(impl):
+    # The last gradient's size is only known when the step runs: the error must
+    # come before any update, in the per-variable fallback as in the kernel.
+    variables = [_one(shape=(3,)) for _ in range(3)]
+    slots = [[_one(shape=(3,)) for _ in range(3)] for _ in range(2)]
+    for i, v in enumerate(variables + slots[0] + slots[1]):
+        v.assign(np.arange(3, dtype="float32") + i)
+    before = [v.numpy().copy() for v in variables + slots[0] + slots[1]]
+
+    @tf.function(input_signature=[tf.TensorSpec([None])])
+    def step(last):
+        ops.multi_tensor_adam(variables, slots[0], slots[1], [tf.ones(3), tf.ones(3), last], 0.1, 0.9, 0.999,
+                              1e-7, 0.9, 0.999)
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"grads\[2\]|variable 2"):
+        step(tf.ones(4))
+    for got, want in zip(variables + slots[0] + slots[1], before):
+        np.testing.assert_array_equal(got.numpy(), want)
+    step(tf.ones(3))  # the right size still trains
+    assert not np.array_equal(variables[2].numpy(), before[2])

@@ -125,6 +125,7 @@ def multi_tensor_adam(
                     f"All variables and slots of one call must share one dtype (group them by dtype). "
                     f"Received: {key}[{i}].dtype={tf.as_dtype(dt).name} (variables[0].dtype={dtype.name})"
                 )
+    _check_distinct(lists, handles)
     devices = {_device_name(d) for _, _, d in var_handles} - {""}
     if len(devices) > 1:
         raise ValueError(f"All variables must be on one device. Received: devices={sorted(devices)}")
@@ -160,8 +161,49 @@ def multi_tensor_adam(
     )
     lib = None if _common.avoided(_OP_NAME) else _common.library()
     if lib is None or not _has_kernel(next(iter(devices), "")):
-        return _reference.multi_tensor_adam(*args, *scalars, decay[0] if decay else None, dtype=dtype, name=name)
+        # Per-variable ops: every run-time shape check runs before the first
+        # update, so a bad gradient leaves every variable untouched (the
+        # kernel checks all its inputs before writing, too).
+        with tf.control_dependencies(_runtime_shape_checks(lists, handles, grad_tensors)):
+            return _reference.multi_tensor_adam(*args, *scalars, decay[0] if decay else None, dtype=dtype, name=name)
     return lib.tfmetal_ext_multi_tensor_adam(*args, *scalars, decay, name=name)
+
+
+def _check_distinct(lists, handles):
+    """Each variable and slot at most once in a call, as the kernel requires
+    (one update of a variable would read another's half-written values)."""
+    seen = {}
+    for key, hs in handles.items():
+        for i, variable in enumerate(lists[key]):
+            var = variable if isinstance(variable, tf.Variable) else getattr(variable, "value", variable)
+            ident = id(var)
+            if ident in seen:
+                raise ValueError(
+                    f"A variable may appear only once among `variables` and their slots. "
+                    f"Received: {key}[{i}] is also {seen[ident]} ({getattr(var, 'name', var)!s})"
+                )
+            seen[ident] = f"{key}[{i}]"
+
+
+def _runtime_shape_checks(lists, handles, grads):
+    """Assert ops for the shapes static shapes leave open, empty when all are known."""
+    checks = []
+    for i, g in enumerate(grads):
+        want = _static_shape(lists["variables"][i])
+        if want is not None and want.is_fully_defined() and g.shape.is_fully_defined() and all(
+            (_static_shape(lists[key][i]) or tf.TensorShape(None)).is_fully_defined() for key in handles
+        ):
+            continue  # every shape known, and compatible (checked above): equal
+        var_shape = tf.raw_ops.VariableShape(input=handles["variables"][i][0], out_type=tf.int64)
+        checks.append(tf.debugging.assert_equal(
+            tf.shape(g, out_type=tf.int64), var_shape,
+            message=f"multi_tensor_adam: grads[{i}] must have the shape of variables[{i}]"))
+        for key in handles:
+            if key != "variables":
+                checks.append(tf.debugging.assert_equal(
+                    tf.raw_ops.VariableShape(input=handles[key][i][0], out_type=tf.int64), var_shape,
+                    message=f"multi_tensor_adam: {key}[{i}] must have the shape of variables[{i}]"))
+    return [c for c in checks if c is not None]
 
 
 def _as_list(value, name):
