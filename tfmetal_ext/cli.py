@@ -97,21 +97,20 @@ def _cmd_report(args):
 def _cmd_build_ops(args):
     from tfmetal_ext.ops import _loader
 
-    cache_error = getattr(_loader, "OpCacheError", None)
     try:
         p = _loader.build(force=args.force)
     except _loader.BuildError as e:
         print(f"tfmetal-ext build-ops: {e}", file=sys.stderr)
         return 1
-    except Exception as e:
-        if isinstance(e, (OSError, ValueError, RuntimeError)) or (cache_error and isinstance(e, cache_error)):
-            where = getattr(e, "filename", None) or os.environ.get("TFMETAL_EXT_CACHE") or "the op cache"
-            text = " ".join(str(e).split())
-            return _usage_error(
-                "build-ops", f"cannot use the op cache ({where}): {text} (point TFMETAL_EXT_CACHE at a writable "
-                "directory you own)"
-            )
-        raise
+    except _loader.OpCacheError as e:  # refused for safety: the message names the path and the fix
+        return _usage_error("build-ops", " ".join(str(e).split()))
+    except (OSError, ValueError, RuntimeError) as e:
+        where = getattr(e, "filename", None) or os.environ.get("TFMETAL_EXT_CACHE") or "the op cache"
+        text = " ".join(str(e).split())
+        return _usage_error(
+            "build-ops", f"cannot use the op cache ({where}): {text} (point TFMETAL_EXT_CACHE at a writable "
+            "directory you own)"
+        )
     metal = "with Metal kernels" if p.with_metal else "CPU kernels only (Metal kernels build on macOS arm64)"
     print(f"{p.library}\nbuilt for TensorFlow {p.tf_version}, {metal}")
     return 0

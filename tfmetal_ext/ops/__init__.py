@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from tfmetal_ext.ops import _common, _loader
-from tfmetal_ext.ops._loader import BuildError
+from tfmetal_ext.ops._loader import BuildError, OpCacheError
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
 from tfmetal_ext.ops.softshrink import softshrink
@@ -137,4 +137,4 @@ def build(force: bool = False):
     return _loader.build(force=force).library
 
 
-__all__ = ["BuildError", "OpsStatus", "build", "layer_norm", "multi_tensor_adam", "softshrink", "status"]
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "build", "layer_norm", "multi_tensor_adam", "softshrink", "status"]
