@@ -1,0 +1,61 @@
+"""Launch a loopback MultiWorkerMirroredStrategy cluster of subprocesses."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def worker_env(ports, index, **extra):
+    cluster = {"worker": [f"127.0.0.1:{p}" for p in ports]}
+    env = dict(
+        os.environ,
+        TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        CUDA_VISIBLE_DEVICES="",
+        TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    env.update(extra)
+    return env
+
+
+def start(script, args, index, ports, **extra):
+    env = worker_env(ports, index, **extra) if ports else dict(
+        os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
+        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    if not ports:
+        env.pop("TF_CONFIG", None)
+    return subprocess.Popen(
+        [sys.executable, script, *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def run_all(procs, timeout):
+    """Waits for every process; kills stragglers; returns (returncodes, outputs)."""
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], outs
