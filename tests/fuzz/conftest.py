@@ -1,0 +1,25 @@
+import json
+import os
+import tempfile
+
+import pytest
+
+from ._tally import TALLY
+
+
+def _report_path():
+    return os.environ.get("TFMETAL_EXT_FUZZ_REPORT") or os.path.join(tempfile.gettempdir(), "tfmetal_ext_fuzz_report.json")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _fuzz_report():
+    """At session end: the tallies as JSON in $TFMETAL_EXT_FUZZ_REPORT (default: the temp dir)."""
+    yield
+    with open(_report_path(), "w") as f:
+        json.dump(TALLY, f, indent=2, sort_keys=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TALLY["tried"]:
+        summary = ", ".join(f"{k}={v}" for k, v in TALLY.items())
+        terminalreporter.write_line(f"fuzz tallies: {summary} (JSON: {_report_path()})")
