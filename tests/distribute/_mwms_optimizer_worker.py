@@ -47,10 +47,10 @@ def build_model():
     return model
 
 
-def worker_rows(n_workers, index):
+def worker_rows(n_workers, index, steps=STEPS):
     # Worker i takes the i-th contiguous slice of each global batch.
     per = GLOBAL_BATCH // n_workers
-    idx = np.arange(STEPS * GLOBAL_BATCH).reshape(STEPS, n_workers, per)
+    idx = np.arange(steps * GLOBAL_BATCH).reshape(steps, n_workers, per)
     return idx[:, index, :].reshape(-1), per
 
 
