@@ -1,5 +1,7 @@
 """FusedBatchNorm and FusedLayerNorm: equivalence with stock Keras, graphs, Keras-style checks."""
 
+import zlib
+
 import keras
 import numpy as np
 import pytest
@@ -506,3 +508,107 @@ def test_layer_norm_bad_axis_type_is_type_error_as_keras(axis):
 def test_layer_norm_axis_out_of_bounds(axis):
     with pytest.raises(ValueError, match="Received: axis="):
         FusedLayerNorm(axis=axis).build((2, 3, 4))
+
+
+# ----------------------------------------------------------------------------
+# Non-finite guard: a poisoned batch (a step loss scaling skips) keeps the moving statistics.
+
+
+def _two_branch_model(ours, seed=0):
+    """Input -> (batch norm | conv + batch norm) -> pooled, concatenated -> Dense(1) in float32.
+
+    Each batch norm sees the input (or a conv of it) directly, so its batch statistics
+    depend only on the initial weights and are the same for ours and stock.
+    """
+    from tfmetal_ext.layers import ConvBNAct
+
+    inputs = keras.Input((6, 6, 3))
+    if ours:
+        a = FusedBatchNorm(name="bn")(inputs)
+        b = ConvBNAct(4, 3, activation="relu", name="conv_bn")(inputs)
+    else:
+        a = keras.layers.BatchNormalization(name="bn")(inputs)
+        b = keras.layers.Conv2D(4, 3, use_bias=False, padding="same", name="conv")(inputs)
+        b = keras.layers.Activation("relu")(keras.layers.BatchNormalization(name="conv_bn")(b))
+    pooled = keras.layers.Concatenate()(
+        [keras.layers.GlobalAveragePooling2D()(a), keras.layers.GlobalAveragePooling2D()(b)]
+    )
+    model = keras.Model(inputs, keras.layers.Dense(1, dtype="float32", name="head")(pooled))
+    for w in model.weights:  # the same values for the same weight in both models, whatever the order
+        key = w.path.replace("conv/", "conv_bn/")
+        w.assign(np.random.default_rng(zlib.crc32(key.encode())).uniform(0.5, 1.5, w.shape).astype("float32"))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return model
+
+
+def _moving_stats(model):
+    """bn/moving_mean, bn/moving_variance, conv_bn/moving_mean, conv_bn/moving_variance."""
+    stats = [w for w in model.weights if "moving_" in w.path]
+    return [np.array(keras.ops.convert_to_numpy(w)) for w in sorted(stats, key=lambda w: w.path)]
+
+
+def test_batch_norm_keeps_moving_stats_on_a_skipped_mixed_float16_step():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    ours, stock = _two_branch_model(ours=True), _two_branch_model(ours=False)
+    for model in (ours, stock):  # Keras 3 compile wraps the optimizer under mixed_float16
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(4, 6, 6, 3)).astype("float32")
+    y = rng.normal(size=(4, 1)).astype("float32")
+    poisoned = x.copy()
+    poisoned[0, 2, 3, 1] = np.inf
+
+    before = _moving_stats(ours)
+    gamma_before = ours.get_layer("bn").gamma.numpy()
+    assert len(before) == 4
+    ours.train_on_batch(poisoned, y)
+    stock.train_on_batch(poisoned, y)
+    # The step was skipped (the trainable weights did not move) ...
+    np.testing.assert_array_equal(ours.get_layer("bn").gamma.numpy(), gamma_before)
+    # ... and our moving statistics are bitwise unchanged, where stock Keras' become non-finite.
+    for got, want in zip(_moving_stats(ours), before):
+        np.testing.assert_array_equal(got, want)
+    assert all(not np.isfinite(s).all() for s in _moving_stats(stock))
+
+    # A finite batch then updates them as stock does (fresh stock model: its stats are poisoned).
+    stock = _two_branch_model(ours=False)
+    ours.train_on_batch(x, y)
+    stock.train_on_batch(x, y)
+    for got, want, old in zip(_moving_stats(ours), _moving_stats(stock), before):
+        assert not np.array_equal(got, old)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    # Independent reference for the first batch norm: moving = 0.99 * old + 0.01 * batch (biased variance).
+    x16 = x.astype("float16").astype("float64").reshape(-1, 3)
+    np.testing.assert_allclose(_moving_stats(ours)[0], 0.99 * before[0] + 0.01 * x16.mean(0), atol=1e-6)
+    np.testing.assert_allclose(_moving_stats(ours)[1], 0.99 * before[1] + 0.01 * x16.var(0), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "avoid, kwargs",
+    [(False, {}), (True, {}), (False, dict(epsilon=1e-6)), (False, dict(renorm=True))],
+    ids=["fused", "unfused", "stock", "stock-renorm"],
+)
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_batch_norm_keeps_moving_stats_on_a_non_finite_batch_without_loss_scaling(avoid, kwargs, bad, monkeypatch):
+    from tfmetal_ext.layers import _ops
+
+    monkeypatch.setattr(_ops, "avoided", lambda name: avoid and name == "fused_batch_norm")
+    bn = FusedBatchNorm(moving_mean_initializer="ones", moving_variance_initializer="ones", **kwargs)
+    x = np.random.default_rng(2).normal(size=(4, 3, 3, 5)).astype("float32")
+    bn.build(x.shape)
+    assert (bn.stock_form_reason(4) is None) == (not kwargs)
+    before = [w.numpy() for w in bn.non_trainable_weights]
+    poisoned = x.copy()
+    poisoned[1, 0, 2, 4] = bad
+    step = tf.function(lambda t: bn(t, training=True))
+    y = step(tf.constant(poisoned))
+    assert not np.isfinite(y.numpy()[..., 4]).all()  # the output shows the bad batch
+    for got, want in zip(bn.non_trainable_weights, before):
+        np.testing.assert_array_equal(got.numpy(), want, err_msg=got.path)
+    step(tf.constant(x))
+    flat = x.astype("float64").reshape(-1, 5)
+    np.testing.assert_allclose(bn.moving_mean.numpy(), 0.99 + 0.01 * flat.mean(0), atol=1e-6)
+    if not kwargs.get("renorm"):  # batch renormalization blends the variance through its stddev
+        np.testing.assert_allclose(bn.moving_variance.numpy(), 0.99 + 0.01 * flat.var(0), atol=1e-6)
+    assert all(np.isfinite(w.numpy()).all() and not np.array_equal(w.numpy(), old)
+               for w, old in zip(bn.non_trainable_weights, before))

@@ -8,6 +8,7 @@ import tensorflow as tf
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _ops
+from tfmetal_ext.layers.normalization import assign_finite_moving_statistics
 
 _ACTIVATIONS = fusion.CONTRACTION_ACTIVATIONS + ("linear",)
 _PADDINGS = ("same", "valid")
@@ -74,7 +75,10 @@ class ConvBNAct(keras.layers.Layer):
     Conv2D/BatchNormalization/ReLU stack fuses nothing). Numerically it is
     ``Conv2D(use_bias=False)`` + ``BatchNormalization`` + ``Activation`` with
     the same weights: batch statistics in training, moving statistics at
-    inference, moving statistics updated the Keras way.
+    inference, moving statistics updated the Keras way, except on a batch
+    whose statistics are not finite (a step loss scaling skips): the moving
+    statistics stay as they were, where Keras' become NaN (see
+    `FusedBatchNorm`).
 
     What it fuses into (grappler remapper; measured on CPU, TF 2.21):
 
@@ -256,8 +260,7 @@ class ConvBNAct(keras.layers.Layer):
             epsilon=self.epsilon, momentum=self.momentum, training=training,
         )
         if updates is not None:
-            self.moving_mean.assign(updates[0])
-            self.moving_variance.assign(updates[1])
+            assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates)
         return y
 
     def call(self, inputs, training=False):

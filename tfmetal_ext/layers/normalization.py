@@ -88,6 +88,24 @@ def _fresh_initializer(initializer):
     return initializers.get(initializers.serialize(initializer))
 
 
+def assign_finite_moving_statistics(variables, values, old_values=None):
+    """Assign `values` to the statistics `variables`, or keep them all when one is not finite.
+
+    The new values are assigned only when every element of every one of them
+    is finite; a batch with an inf or NaN (the batch of a step that loss
+    scaling skips, or any poisoned batch) leaves the variables bitwise
+    unchanged (`old_values`, default the variables' current values). One
+    home for the guard: `FusedBatchNorm` and the `ConvBNAct` layers assign
+    their moving statistics through it.
+    """
+    values = list(values)
+    if old_values is None:
+        old_values = [v.value for v in variables]
+    ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+    for variable, new, old in zip(variables, values, old_values):
+        variable.assign(tf.where(ok, new, old))
+
+
 def _check_axis_arg(axis):
     value = axis[0] if isinstance(axis, (list, tuple)) and len(axis) == 1 else axis
     if isinstance(value, bool) or not isinstance(value, int):
@@ -105,6 +123,19 @@ class FusedBatchNorm(keras.layers.Layer):
     batch variance), same inference behaviour (``trainable=False`` means
     inference mode, also during `fit`). Under mixed precision the input stays
     in the compute dtype and the weights and statistics stay float32.
+
+    One difference: a training call whose new moving statistics are not all
+    finite (an inf or NaN in the batch) assigns nothing, and the moving mean
+    and variance (and renorm's statistics) stay bitwise as they were. Stock
+    Keras assigns them, and they stay NaN for good: under ``mixed_float16``
+    the `LossScaleOptimizer` skips the overflowing step's weight update, but
+    the batch norm has already updated its statistics during the forward pass,
+    so every later inference gives NaN. The guard applies always, not only
+    under loss scaling: the layer cannot tell whether a skipped step follows,
+    and moving statistics poisoned by one bad batch are never useful. The
+    batch's own output is unchanged (non-finite, so the loss shows the bad
+    batch). It costs a few elementwise ops on the channel vectors; the train
+    graph keeps its one FusedBatchNormV3.
 
     What it becomes:
 
@@ -317,7 +348,15 @@ class FusedBatchNorm(keras.layers.Layer):
                 f"Received: mask.shape={tuple(mask.shape)}, inputs.shape={tuple(inputs.shape)}"
             )
         if self.stock_form_reason(rank, bool(training), mask is not None) is not None:
-            return keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask)
+            if not (training and self.trainable):
+                return keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask)
+            # The stock computation assigns its statistics itself: put the old ones back
+            # when the new ones are not finite, as the fused path does.
+            stats = self.non_trainable_weights
+            old = [tf.identity(v.value) for v in stats]
+            y = keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask)
+            assign_finite_moving_statistics(stats, [v.value for v in stats], old)
+            return y
         x = tf.cast(inputs, self.compute_dtype)
         channels = self.moving_mean.shape[0]
         gamma = self.gamma.value if self.scale else tf.ones([channels], tf.float32)
@@ -340,8 +379,7 @@ class FusedBatchNorm(keras.layers.Layer):
             epsilon=self.epsilon, momentum=self.momentum, training=training,
         )
         if updates is not None:
-            self.moving_mean.assign(updates[0])
-            self.moving_variance.assign(updates[1])
+            assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates)
         if shape is not None:
             y = tf.reshape(y, shape)
             y.set_shape(inputs.shape)
