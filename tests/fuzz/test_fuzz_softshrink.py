@@ -80,6 +80,23 @@ def test_softshrink_matches_float64_numpy(impl, mode, dtype, data, lambd):
 
 
 @FUZZ
+@given(lambd=st.floats(0.125, 10.0, width=32), rel=hnp.arrays(np.float32, 16, elements=st.floats(-0.0625, 0.0625, width=32)))
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_softshrink_near_the_threshold(impl, dtype, lambd, rel):
+    # |x| within 6.25% of lambd: where rounding lambd or x - lambd to a half dtype shows (49b2dcb).
+    tf_dtype = DTYPES[dtype]
+    signs = np.where(np.arange(16) % 2, 1.0, -1.0)
+    x = tf.cast(tf.constant((signs * lambd * (1 + rel)).astype(np.float32)), tf_dtype)
+    ref = numpy_softshrink64(x.numpy().astype(np.float64), float(np.float32(lambd)))
+
+    def verify(y):
+        err = np.abs(y.numpy().astype(np.float64) - ref)
+        assert np.all(err <= ulp_tolerance(ref, tf_dtype.as_numpy_dtype)), f"max error {err.max()}, lambd={lambd}"
+
+    expect_ok(lambda: softshrink(x, lambd=lambd), verify)
+
+
+@FUZZ
 @given(
     shape=hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3),
     dtype=st.sampled_from([tf.int32, tf.int64, tf.int8, tf.uint8, tf.float64, tf.bool, tf.complex64]),
