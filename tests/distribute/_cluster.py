@@ -2,22 +2,24 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+def _example():
+    """examples/multi_worker.py, whose loopback launcher these tests share."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tfmetal_ext_example_multi_worker",
+                                                  os.path.join(ROOT, "examples", "multi_worker.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+free_ports = _example().free_ports
 
 
 def worker_env(ports, index, **extra):

@@ -19,7 +19,7 @@ import keras
 
 import tfmetal_ext.optimizers as O
 from tfmetal_ext.distribute import fit_compat
-from _mwms_optimizer_worker import GLOBAL_BATCH, build_model, data, worker_rows
+from _mwms_optimizer_worker import GLOBAL_BATCH, build_model, data, strategy_and_data
 
 EPOCHS = 4
 STEPS_PER_EPOCH = 5
@@ -45,22 +45,7 @@ class Marker(keras.callbacks.Callback):
 def main(outdir, tag, kill_at=None):
     x, y = data()
     x, y = x[: STEPS_PER_EPOCH * GLOBAL_BATCH], y[: STEPS_PER_EPOCH * GLOBAL_BATCH]
-    if "TF_CONFIG" in os.environ:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-
-        def dataset_fn(ctx):
-            rows, per = worker_rows(ctx.num_input_pipelines, ctx.input_pipeline_id, STEPS_PER_EPOCH)
-            ds = tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(per)
-            opts = tf.data.Options()
-            opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-            return ds.with_options(opts)
-
-        dataset = strategy.distribute_datasets_from_function(dataset_fn)
-        task = strategy.cluster_resolver.task_id
-    else:
-        strategy = tf.distribute.get_strategy()
-        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-        task = 0
+    strategy, dataset, task = strategy_and_data(x, y, STEPS_PER_EPOCH)
 
     with strategy.scope():
         model = build_model()

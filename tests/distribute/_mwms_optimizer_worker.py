@@ -54,25 +54,28 @@ def worker_rows(n_workers, index, steps=STEPS):
     return idx[:, index, :].reshape(-1), per
 
 
+def strategy_and_data(x, y, steps):
+    """(strategy, dataset, task index): under TF_CONFIG a 2-worker MWMS where
+    worker i reads its half of each global batch (no auto-sharding); else one
+    process on the whole global batch."""
+    if "TF_CONFIG" not in os.environ:
+        return tf.distribute.get_strategy(), tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH), 0
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+    def dataset_fn(ctx):
+        rows, per = worker_rows(ctx.num_input_pipelines, ctx.input_pipeline_id, steps)
+        ds = tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(per)
+        opts = tf.data.Options()
+        opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+        return ds.with_options(opts)
+
+    return strategy, strategy.distribute_datasets_from_function(dataset_fn), strategy.cluster_resolver.task_id
+
+
 def main(outdir, tag):
     x, y = data()
     multi = "TF_CONFIG" in os.environ
-    if multi:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy()
-
-        def dataset_fn(ctx):
-            rows, per = worker_rows(ctx.num_input_pipelines, ctx.input_pipeline_id)
-            ds = tf.data.Dataset.from_tensor_slices((x[rows], y[rows])).batch(per)
-            opts = tf.data.Options()
-            opts.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
-            return ds.with_options(opts)
-
-        dataset = strategy.distribute_datasets_from_function(dataset_fn)
-        task = strategy.cluster_resolver.task_id
-    else:
-        strategy = tf.distribute.get_strategy()
-        dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
-        task = 0
+    strategy, dataset, task = strategy_and_data(x, y, STEPS)
 
     for name, make in OPTIMIZERS.items():
         with strategy.scope():

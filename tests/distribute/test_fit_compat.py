@@ -1,8 +1,8 @@
 import os
-import subprocess
-import sys
 
 from tfmetal_ext import distribute
+
+from . import _cluster
 
 
 def test_install_is_idempotent_and_reversible():
@@ -20,15 +20,12 @@ def test_install_is_idempotent_and_reversible():
 
 
 def test_two_workers_fit_on_loopback():
-    here = os.path.dirname(__file__)
-    env = dict(os.environ, PYTHONPATH=os.path.abspath(os.path.join(here, "..", "..")))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(here, "_mwms_fit_worker.py")],
-        env=env, capture_output=True, text=True, timeout=150,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    weights = [l for l in proc.stdout.splitlines() if l.startswith("WEIGHTS")]
-    assert len(weights) == 2 and weights[0] == weights[1], proc.stdout
+    worker = os.path.join(os.path.dirname(__file__), "_mwms_fit_worker.py")
+    ports = _cluster.free_ports(2)
+    codes, outs = _cluster.run_all([_cluster.start(worker, [], i, ports) for i in range(2)], timeout=150)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
+    weights = [line for out in outs for line in out.splitlines() if line.startswith("WEIGHTS")]
+    assert len(weights) == 2 and weights[0] == weights[1], outs
 
 
 def test_keras_3_15_still_needs_both_parts():

@@ -11,6 +11,8 @@ Every fuzzed call goes through `expect_ok` or `expect_error`:
 """
 
 import numpy as np
+import tensorflow as tf
+from hypothesis import HealthCheck, settings
 
 TALLY = {"tried": 0, "ok": 0, "clean_errors": 0, "crashes": 0, "silent_wrong": 0, "data_lost": 0}
 
@@ -57,3 +59,19 @@ def ulp_tolerance(ref, dtype):
     tiny = float(info.smallest_subnormal)
     with np.errstate(invalid="ignore", over="ignore"):
         return np.maximum(np.abs(ref) * 2.0**-mantissa, tiny)
+
+
+FLOAT_DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
+MODES = ["eager", "function"]
+
+
+def fuzz_settings(max_examples):
+    """The suite's hypothesis settings: bounded, reproducible in CI (derandomized),
+    no deadline (the first call of a case traces a tf.function). The `impl`
+    fixture only sets an env var that is the same for every example."""
+    return settings(
+        max_examples=max_examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )

@@ -7,6 +7,13 @@ import pytest
 from ._tally import TALLY
 
 
+@pytest.fixture(params=["library", "reference"])
+def impl(request, monkeypatch):
+    """Runs a fuzz test on the compiled library and on the pure-TF references."""
+    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
+    return request.param
+
+
 def _report_path():
     return os.environ.get("TFMETAL_EXT_FUZZ_REPORT") or os.path.join(tempfile.gettempdir(), "tfmetal_ext_fuzz_report.json")
 

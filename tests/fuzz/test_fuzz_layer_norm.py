@@ -11,29 +11,17 @@ import math
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tfmetal_ext.ops import layer_norm
 
-from ._tally import expect_error, expect_ok, ulp_tolerance
+from ._tally import expect_error, expect_ok, FLOAT_DTYPES, fuzz_settings, MODES, ulp_tolerance
 
-FUZZ = settings(
-    max_examples=12,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
-MODES = ["eager", "function"]
+FUZZ = fuzz_settings(12)
+DTYPES = FLOAT_DTYPES
 F32_EPS = 2.0**-23
-
-
-@pytest.fixture(params=["library", "reference"])
-def impl(request, monkeypatch):
-    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
-    return request.param
 
 
 def numpy_layer_norm64(x, gamma, beta, epsilon):

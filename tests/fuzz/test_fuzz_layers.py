@@ -10,20 +10,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from tfmetal_ext.layers import FusedBatchNorm, FusedConv2D, FusedDense, FusedLayerNorm
 
-from ._tally import expect_error, expect_ok
+from ._tally import expect_error, expect_ok, fuzz_settings, MODES
 
-FUZZ = settings(
-    max_examples=8,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-MODES = ["eager", "function"]
+FUZZ = fuzz_settings(8)
 
 
 def _pair(ours, stock, x, rng):

@@ -9,32 +9,21 @@ lists) must raise and leave every variable and slot bitwise unchanged.
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tfmetal_ext.ops import multi_tensor_adam
 
-from ._tally import expect_error, expect_ok
+from ._tally import expect_error, expect_ok, fuzz_settings, MODES
 
-FUZZ = settings(
-    max_examples=10,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+FUZZ = fuzz_settings(10)
 # Relative tolerance on the step taken (float32 statistics of a few steps), per dtype.
 # float16/bfloat16 round every intermediate (v underflows for small gradients), so a float64 Adam
 # bounds them only loosely; tests/ops/test_multi_tensor_adam.py checks them bitwise.
 TOLERANCE = {"float32": 1e-4}
 DTYPES = {"float32": tf.float32}
 LR, B1, B2, EPS = 0.01, 0.9, 0.999, 1e-3
-
-
-@pytest.fixture(params=["library", "reference"])
-def impl(request, monkeypatch):
-    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
-    return request.param
 
 
 def numpy_adam64(w, m, v, vhat, g, step, amsgrad, wd):

@@ -13,29 +13,16 @@ import math
 import numpy as np
 import pytest
 import tensorflow as tf
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from tfmetal_ext.ops import softshrink
 
-from ._tally import expect_error, expect_ok, ulp_tolerance
+from ._tally import expect_error, expect_ok, FLOAT_DTYPES, fuzz_settings, MODES, ulp_tolerance
 
-FUZZ = settings(
-    max_examples=15,
-    deadline=None,
-    derandomize=True,
-    # The impl fixture only sets an env var that is the same for every example.
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
-DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
-MODES = ["eager", "function"]
-
-
-@pytest.fixture(params=["library", "reference"])
-def impl(request, monkeypatch):
-    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
-    return request.param
+FUZZ = fuzz_settings(15)
+DTYPES = FLOAT_DTYPES
 
 
 def numpy_softshrink64(x, lambd):
