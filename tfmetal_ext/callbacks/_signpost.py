@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -48,7 +49,11 @@ def build(source: Path, output: Path, compiler: str, extra_flags=()) -> Path:
         RuntimeError: with the compiler's output when compilation fails.
     """
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(output.name + f".tmp{os.getpid()}")
+    # A fresh name (mkstemp, in the caller's verified directory): a planted
+    # symlink at a predictable name is never written through.
+    fd, tmp_name = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.")
+    os.close(fd)
+    tmp = Path(tmp_name)
     cmd = [compiler, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(source), *extra_flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
@@ -118,9 +123,15 @@ def _cached_library() -> Path:
     if not source.exists():
         raise RuntimeError(f"the signpost source {source} is missing from this installation")
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    out = _loader.cache_root() / "signpost" / f"libtfm_signpost-{digest}.dylib"
+    # Loading it is running native code: only from a cache the loader trusts
+    # (tfmetal_ext.ops.OpCacheError otherwise), as for the op library.
+    directory = _loader.cache_root() / "signpost"
+    out = directory / f"libtfm_signpost-{digest}.dylib"
+    _loader.verify_dirs((_loader.cache_root(), directory), create=False)
     if out.exists():
+        _loader.verify_library(out)
         return out
+    _loader.verify_dirs((_loader.cache_root(), directory), create=True)
     compiler = find_c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (install the Xcode command line tools: xcode-select --install)")
@@ -128,4 +139,5 @@ def _cached_library() -> Path:
         if not out.exists():
             logger.info("building %s", out)
             build(source, out, compiler)
+    _loader.verify_library(out)
     return out

@@ -105,16 +105,27 @@ def _ensure_dir(path: Path) -> None:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
 
-def verify_cache(p: "BuildPlan", create: bool) -> None:
-    """Checks the cache root, ``ops/`` and the key directory (creating them
-    with mode 0o700 when ``create``), and the library when it exists."""
-    for d in (cache_root(), cache_root() / "ops", p.directory):
+def verify_dirs(dirs, create: bool) -> None:
+    """Checks each of `dirs` (outermost first), creating the missing ones
+    with mode 0o700 when ``create``."""
+    for d in dirs:
         if create:
             _ensure_dir(d)
         if os.path.lexists(d):
             _check_trusted(d, "dir")
-    if os.path.lexists(p.library):
-        _check_trusted(p.library, "file")
+
+
+def verify_library(path: Path) -> None:
+    """Checks a native library in the cache before it is loaded (when it exists)."""
+    if os.path.lexists(path):
+        _check_trusted(path, "file")
+
+
+def verify_cache(p: "BuildPlan", create: bool) -> None:
+    """Checks the cache root, ``ops/`` and the key directory (creating them
+    with mode 0o700 when ``create``), and the library when it exists."""
+    verify_dirs((cache_root(), cache_root() / "ops", p.directory), create)
+    verify_library(p.library)
 
 
 def _write_private(directory: Path, final: Path, data: bytes) -> None:
