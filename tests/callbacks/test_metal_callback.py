@@ -583,3 +583,26 @@ def test_on_metal_signposts_are_built_and_active():
     posts = _signpost.Signposts.for_this_host()
     assert posts.active
     posts.end(posts.begin(1), 1)
+
+
+def test_steps_are_numbered_under_loss_scaling_with_skipped_steps():
+    # mixed_float16: the LossScaleOptimizer skips the first steps (the scaled
+    # gradients overflow float16 while the loss stays finite), and a skipped
+    # step does not count in `iterations`; the numbering must not depend on it.
+    import tensorflow as tf
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    nan_step = 8
+    x, y = _nan_at(nan_step - 1, n=16)
+    x = x * 100.0
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(1).repeat()
+    model = _compile(_linear(), steps_per_execution=3)
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    lines = []
+    cb = MetalCallback(report=None, print_fn=lines.append)
+    model.fit(data, steps_per_epoch=5, epochs=2, verbose=0, shuffle=False, callbacks=[cb])
+    assert int(model.optimizer.iterations.numpy()) < nan_step - 1  # steps were skipped
+    first, last = next(r for r in _keras_call_ranges(5, 3, 2) if r[0] <= nan_step <= r[1])
+    assert cb.nonfinite_step == last
+    text = "\n".join(str(line) for line in lines)
+    assert f"steps {first}-{last}" in text, text

@@ -37,17 +37,19 @@ class StepCounter:
             return self.epoch_base + min(total, self.last - self.epoch_base)
         return self.last
 
-    def epoch_end(self, total=None, ran=None):
+    def epoch_end(self, total=None, ran=None, whole_last_call=False):
         """Closes the epoch (of `total` steps, when known): the next numbers follow on.
 
         `ran` is the steps the fit has run so far, when known (the optimizer's
         iterations): Keras' last call of an epoch runs a whole
         ``steps_per_execution`` even past ``steps_per_epoch`` while the data
         lasts, and fewer when the data runs out, so `total` alone can't tell
-        where the next epoch starts.
+        where the next epoch starts. Without `ran`, `whole_last_call` takes the
+        last call as run whole (Keras' rule while the data lasts); otherwise
+        the epoch ends at `total`.
         """
         if ran is not None:
             self.epoch_base = max(self.epoch_base, int(ran))
         elif self._began:
-            self.epoch_base = self.epoch_last(total)
+            self.epoch_base = self.last if whole_last_call else self.epoch_last(total)
         self._began = False

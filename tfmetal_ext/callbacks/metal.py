@@ -210,9 +210,17 @@ class MetalCallback(keras.callbacks.Callback):
         self._wrapper.install(self.model, capture_first=self._inspection.wanted)
 
     def _steps_run(self):
-        """Train steps this fit has run so far (the optimizer's iterations), or None."""
+        """Train steps this fit has run so far (the optimizer's iterations), or None.
+
+        None under a `LossScaleOptimizer`: a step it skips (non-finite
+        gradients, routine in the first steps of mixed_float16) does not count
+        in `iterations`, so the calls' own ranges number the steps there.
+        """
+        optimizer = getattr(self.model, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return None
         try:
-            return int(self.model.optimizer.iterations.numpy()) - self._iterations_at_begin
+            return int(optimizer.iterations.numpy()) - self._iterations_at_begin
         except Exception:  # no optimizer yet, or not a Keras one: fall back to counting calls
             return None
 
@@ -231,7 +239,7 @@ class MetalCallback(keras.callbacks.Callback):
         stats.update(memory_logs())
         if logs is not None:
             logs.update(stats)
-        self._steps.epoch_end(total, self._steps_run())
+        self._steps.epoch_end(total, self._steps_run(), whole_last_call=True)
 
     def on_train_end(self, logs=None):
         self._profiler.stop()
