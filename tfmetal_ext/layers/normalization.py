@@ -101,7 +101,16 @@ def assign_finite_moving_statistics(variables, values, old_values=None):
     values = list(values)
     if old_values is None:
         old_values = [v.value for v in variables]
-    ok = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(v)) for v in values]))
+    # 0 * v is 0 for a finite v and NaN for inf/NaN, so the sum is 0 exactly when
+    # every value is finite. Mul, Sum, AddV2, Equal and SelectV2 have float
+    # kernels on both Metal backends (IsFinite, All and Pack do not on the open
+    # tensorflow-metal-plugin: they would put the guard on the CPU).
+    probe = None
+    for v in values:
+        v = tf.convert_to_tensor(v)
+        term = tf.reduce_sum(v * tf.constant(0, v.dtype))
+        probe = term if probe is None else probe + tf.cast(term, probe.dtype)
+    ok = tf.equal(probe, tf.constant(0, probe.dtype))
     for variable, new, old in zip(variables, values, old_values):
         variable.assign(tf.where(ok, new, old))
 
