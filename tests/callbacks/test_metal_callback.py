@@ -492,6 +492,22 @@ def test_steps_are_numbered_when_steps_per_execution_does_not_divide_the_epoch(n
     assert f"steps {first}-{last}" in text, text
 
 
+def test_a_call_cut_short_by_the_end_of_the_data_is_numbered_to_its_last_step():
+    # 7 samples, batch size 1, 3 steps per call: the epoch's calls run steps 1-3, 4-6
+    # and then only step 7, where the data ends. The NaN is in sample 7.
+    x, y = _nan_at(6, n=7)
+    model = _compile(_linear(), steps_per_execution=3)
+    lines = []
+    cb = MetalCallback(report=None, print_fn=lines.append)
+    history = model.fit(x, y, batch_size=1, epochs=1, verbose=0, shuffle=False, callbacks=[cb])
+    assert int(model.optimizer.iterations.numpy()) == 7
+    assert cb.nonfinite_step == 7
+    text = "\n".join(str(line) for line in lines)
+    assert "at step 7 (step 7 of the epoch)" in text, text
+    assert "7-9" not in text, text
+    assert len(history.history["loss"]) == 1
+
+
 def test_nonfinite_loss_warns_and_keeps_training():
     x, y = _nan_at(2)
     model = _compile(_linear())

@@ -37,6 +37,16 @@ class StepCounter:
             return self.epoch_base + min(total, self.last - self.epoch_base)
         return self.last
 
+    def call_end(self, ran=None):
+        """The current call has returned; `ran` is the fit's steps so far, when known.
+
+        A call that the data cut short (a finite dataset ending inside a
+        ``steps_per_execution`` call) ran fewer than `per_call` steps: with
+        `ran` its range ends at the last step that ran.
+        """
+        if ran is not None and self._began and self.first <= int(ran) < self.last:
+            self.per_call = int(ran) - self.first + 1
+
     def epoch_end(self, total=None, ran=None, whole_last_call=False):
         """Closes the epoch (of `total` steps, when known): the next numbers follow on.
 

@@ -253,6 +253,8 @@ class MetalCallback(keras.callbacks.Callback):
         self._profiler.call_begin(self._steps.first)
 
     def _after_step(self, logs):
+        if self._steps.per_call > 1:  # only a call of several steps can be cut short by the data's end
+            self._steps.call_end(self._steps_run())
         first, last = self._steps.first, self._steps.last
         self._profiler.call_end(first, last)
         self._nonfinite.check(self.model, logs, self._steps)
