@@ -37,6 +37,14 @@ def check_float(name, tensor):
 
 
 def check_nonnegative(name, value):
+    """`value` as a float: finite, >= 0 and representable in float32 (kernels take float32 attrs).
+
+    The one check of the package's non-negative float arguments (softshrink's
+    `lambd`, the optimizers' `epsilon` and `weight_decay`); a bool or a string
+    is not a number here.
+    """
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"Argument `{name}` must be a float >= 0. Received: {name}={value!r}")
     try:
         v = float(value)
     except (TypeError, ValueError):

@@ -18,8 +18,6 @@ of the same name, so saved state is interchangeable).
 
 from __future__ import annotations
 
-import math
-import numbers
 
 import tensorflow as tf
 from keras.src import backend as keras_backend
@@ -81,13 +79,6 @@ def check_unit_interval(name, value, *, closed_right=False):
         bound = "[0, 1]" if closed_right else "[0, 1)"
         raise ValueError(f"Argument `{name}` must be in {bound}. Received: {name}={value!r}")
     return v
-
-
-def check_non_negative(name, value):
-    """`value` as a float; raises ValueError unless it is a finite real number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"Argument `{name}` must be a finite float >= 0. Received: {name}={value!r}")
-    return float(value)
 
 
 class FusedUpdateMixin:

@@ -12,14 +12,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util
 
-from tfmetal_ext.ops._common import check_float32_representable
+from tfmetal_ext.ops._common import check_nonnegative
 from tfmetal_ext.optimizers._base import (
     FusedUpdateMixin,
     composite_reason,
     _dtype_key,
     _merge_call,
     _tf_variable,
-    check_non_negative,
     check_unit_interval,
     dense_gradient,
 )
@@ -116,7 +115,7 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         # means what it means for Adam.
         beta_1 = check_unit_interval("beta_1", beta_1)
         beta_2 = check_unit_interval("beta_2", beta_2)
-        epsilon = check_float32_representable("epsilon", check_non_negative("epsilon", epsilon))
+        epsilon = check_nonnegative("epsilon", epsilon)
         if not isinstance(amsgrad, bool):
             raise ValueError(f"Argument `amsgrad` must be a bool. Received: amsgrad={amsgrad!r}")
         if not isinstance(multi_tensor, bool):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from tfmetal_ext.ops._common import check_float32_representable
-from tfmetal_ext.optimizers._base import check_non_negative
+from tfmetal_ext.ops._common import check_nonnegative
 from tfmetal_ext.optimizers.adam import FusedAdam
 
 
@@ -62,7 +61,7 @@ class FusedAdamW(FusedAdam):
         if weight_decay is None:
             # keras.optimizers.AdamW's own message for this case.
             raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")
-        weight_decay = check_float32_representable("weight_decay", check_non_negative("weight_decay", weight_decay))
+        weight_decay = check_nonnegative("weight_decay", weight_decay)
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
