@@ -300,20 +300,14 @@ def test_bad_constructor_arguments_raise_value_error():
         expect_error(make, ValueError)
 
 
-# Defect (open): `_ops.check_batch_norm_args` compares `epsilon < MIN_FUSED_EPSILON`, which is False
-# for NaN and inf, so these layers accept them and give NaN (or constant) outputs, while
-# FusedBatchNorm rejects both ("`epsilon` must be a finite positive number").
-_NON_FINITE_EPSILON = pytest.mark.xfail(
-    strict=True, reason="open defect: ConvBNAct/ConvBNAct1D/ResidualBlock accept a NaN/inf epsilon"
-)
-
-
-@_NON_FINITE_EPSILON
+# `_ops.check_batch_norm_args` once let NaN (which fails every comparison) and inf (which passes
+# `>= minimum`) through, to NaN or constant outputs, while FusedBatchNorm rejected both; 1e39
+# rounds to inf in float32, the kernel's attr type.
 @pytest.mark.parametrize(
     "make",
     [lambda e: ConvBNAct(2, 3, epsilon=e), lambda e: ConvBNAct1D(2, 3, epsilon=e), lambda e: ResidualBlock(2, epsilon=e)],
     ids=["ConvBNAct", "ConvBNAct1D", "ResidualBlock"],
 )
 def test_non_finite_epsilon_raises_value_error(make):
-    for epsilon in (float("nan"), float("inf")):
+    for epsilon in (float("nan"), float("inf"), 1e39):
         expect_error(lambda: make(epsilon), ValueError)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import tensorflow as tf
 
 from tfmetal_ext import precision
 from tfmetal_ext.backends import fusion
+from tfmetal_ext.ops._common import check_float32_representable
 
 # Keras activation name -> the single TF op a remapper absorbs into a
 # contraction (+ BiasAdd): one emitter for each of fusion.CONTRACTION_ACTIVATIONS.
@@ -49,16 +52,22 @@ def check_batch_norm_args(momentum, epsilon):
     """Validates FusedBatchNormV3 arguments; returns ``(momentum, epsilon)`` as floats.
 
     Raises:
-        ValueError: momentum outside [0, 1], or epsilon not a number >= `MIN_FUSED_EPSILON`.
+        ValueError: momentum outside [0, 1], or epsilon not a finite number >= `MIN_FUSED_EPSILON`
+            (and float32-representable).
     """
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum <= 1.0:
         raise ValueError(f"`momentum` must be a number in [0, 1]. Received: momentum={momentum!r}")
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or epsilon < MIN_FUSED_EPSILON:
+    if (
+        isinstance(epsilon, bool)
+        or not isinstance(epsilon, (int, float))
+        or not math.isfinite(epsilon)  # NaN compares False with everything: test it first
+        or epsilon < MIN_FUSED_EPSILON
+    ):
         raise ValueError(
-            f"`epsilon` must be a number >= {MIN_FUSED_EPSILON} (cuDNN's minimum for FusedBatchNormV3). "
+            f"`epsilon` must be a finite number >= {MIN_FUSED_EPSILON} (cuDNN's minimum for FusedBatchNormV3). "
             f"Received: epsilon={epsilon!r}"
         )
-    return float(momentum), float(epsilon)
+    return float(momentum), check_float32_representable("epsilon", epsilon)
 
 
 def _bessel_to_biased(x):
