@@ -1,7 +1,7 @@
 # Two commands: `make demo` and `make test`. Each works on a fresh machine with only
 # Python (>= 3.10) and a C++ compiler: it creates its virtualenv and installs what it needs.
 #
-#   make test                 # TensorFlow 2.21 in .venv
+#   make test                 # TensorFlow 2.21 in .venv (2 test processes; PYTEST_WORKERS=N to change)
 #   make test TF=2.19.1       # the same suite against TensorFlow 2.19.1 in .venv-tf2.19.1
 #   make demo                 # examples/quickstart.py
 
@@ -15,6 +15,9 @@ VENV ?= .venv-tf$(TF)
 endif
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist), whole test files per process: the suite is mostly tracing and
+# graph rewriting, one core each. PYTEST_WORKERS=0 runs everything in this one process.
+PYTEST_WORKERS ?= 2
 # Keep TensorFlow's C++ logging quiet in test and demo output.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
@@ -29,7 +32,7 @@ $(VENV)/.installed-$(TF): setup.py pyproject.toml
 venv: $(VENV)/.installed-$(TF)
 
 test: venv
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) examples/quickstart.py

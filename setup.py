@@ -59,7 +59,7 @@ setup(
             f"tensorflow==2.21.* ; {_MAC_ARM}",
             f"tensorflow-metal-plugin>=0.4.1,<0.5 ; {_MAC_ARM}",
         ],
-        "test": ["pytest>=7", "hypothesis>=6"],
+        "test": ["pytest>=7", "pytest-xdist>=3.5,<4", "hypothesis>=6"],
         "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["tfmetal-ext=tfmetal_ext.cli:main"]},

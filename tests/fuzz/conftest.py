@@ -15,7 +15,14 @@ def impl(request, monkeypatch):
 
 
 def _report_path():
-    return os.environ.get("TFMETAL_EXT_FUZZ_REPORT") or os.path.join(tempfile.gettempdir(), "tfmetal_ext_fuzz_report.json")
+    """The JSON report's path; under pytest-xdist each worker writes its own (``.gw0.json``, ...),
+    whose tallies add up to the run's (the controller process runs no fuzz case)."""
+    path = os.environ.get("TFMETAL_EXT_FUZZ_REPORT") or os.path.join(tempfile.gettempdir(), "tfmetal_ext_fuzz_report.json")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        root, ext = os.path.splitext(path)
+        path = f"{root}.{worker}{ext or '.json'}"
+    return path
 
 
 @pytest.fixture(scope="session", autouse=True)
