@@ -1,5 +1,6 @@
 """The op cache refuses directories and libraries it cannot trust (issue 15 items 1, 2)."""
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -58,6 +59,34 @@ def test_temp_write_does_not_follow_planted_symlink(cache, tmp_path):
     _loader._write_private(cache.directory, cache.metadata, b"{}")
     assert victim.read_bytes() == b"secret"
     assert cache.metadata.read_bytes() == b"{}"
+
+
+def _stand_in_compiler(tmp_path):
+    """An executable that writes b"library" to the path after its `-o` (and answers --version)."""
+    script = tmp_path / "fake-cxx"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --version ]; then echo fake-cxx 1.0; exit 0; fi\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then printf library > "$2"; fi; shift; done\n'
+    )
+    os.chmod(script, 0o700)
+    return str(script)
+
+
+def test_build_does_not_follow_symlinks_planted_at_its_temp_names(cache, tmp_path):
+    # The attack of item 2, through the real build: symlinks at the temp names the old
+    # build wrote (`.build.json.<pid>`, `.<library>.<pid>`) point at a 0600 victim; the
+    # old build's plain open() followed them and overwrote it.
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"secret")
+    os.chmod(victim, 0o600)
+    for name in (f".build.json.{os.getpid()}", f".{_loader.LIBRARY_NAME}.{os.getpid()}"):
+        os.symlink(victim, cache.directory / name)
+    p = dataclasses.replace(cache, compiler=_stand_in_compiler(tmp_path))
+    _loader._compile(p)
+    assert victim.read_bytes() == b"secret"
+    assert p.library.read_bytes() == b"library"
+    assert json.loads(p.metadata.read_text())["compiler"] == "fake-cxx 1.0"
 
 
 # ----------------------------------------------------------------------------
