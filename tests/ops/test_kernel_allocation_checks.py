@@ -39,6 +39,30 @@ def test_cpu_allocations_inside_status_checks(path):
     assert not unchecked, f"{path.name}: allocation without OP_REQUIRES_OK/TF_RETURN_IF_ERROR at lines {unchecked}"
 
 
+_ARRAY_NEW = re.compile(r"\bnew\s+[A-Za-z_][\w:]*(?:\s*<[^;>]*>)?\s*\[")
+
+
+def raw_array_allocations(text):
+    """Line numbers of ``new T[...]`` in `text`."""
+    return [text.count("\n", 0, m.start()) + 1 for m in _ARRAY_NEW.finditer(text)]
+
+
+def test_raw_array_allocation_is_detected():
+    # The half-precision layer_norm scratch of issue 15 item 3, as it was before 50e21b9.
+    old = "std::unique_ptr<float[]> scratch(std::is_same<T, float>::value ? nullptr : new float[a.n]);"
+    assert raw_array_allocations("int x;\n" + old) == [2]
+    assert raw_array_allocations("auto* p = new Foo(3);") == []
+
+
+@pytest.mark.parametrize("path", _CPU_SOURCES, ids=lambda p: p.name)
+def test_cpu_scratch_comes_from_tf_allocations(path):
+    # new[] sized by the input throws (std::bad_alloc) or, before that, crashed the
+    # process where TF's own allocation failure is a ResourceExhaustedError: scratch
+    # memory must come from allocate_temp, checked as above.
+    lines = raw_array_allocations(path.read_text())
+    assert not lines, f"{path.name}: new T[...] at lines {lines}; use allocate_temp inside OP_REQUIRES_OK"
+
+
 _METAL_SOURCES = sorted((_ROOT / "metal").glob("*.mm"))
 _METAL_ALLOC = re.compile(r"\b(?:Output|ForwardInputOrAllocateOutput|TF_AllocateTemp)\s*\(\s*ctx\b")
 
