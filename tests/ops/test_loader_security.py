@@ -50,17 +50,6 @@ def test_library_owned_by_other_uid_refused(cache):
         _loader.verify_cache(cache, create=False)
 
 
-def test_temp_write_does_not_follow_planted_symlink(cache, tmp_path):
-    victim = tmp_path / "victim"
-    victim.write_bytes(b"secret")
-    os.chmod(victim, 0o600)
-    for name in (f".build.json.{os.getpid()}", f".{_loader.LIBRARY_NAME}.{os.getpid()}"):
-        os.symlink(victim, cache.directory / name)
-    _loader._write_private(cache.directory, cache.metadata, b"{}")
-    assert victim.read_bytes() == b"secret"
-    assert cache.metadata.read_bytes() == b"{}"
-
-
 def _stand_in_compiler(tmp_path):
     """An executable that writes b"library" to the path after its `-o` (and answers --version)."""
     script = tmp_path / "fake-cxx"
