@@ -508,6 +508,39 @@ def test_a_call_cut_short_by_the_end_of_the_data_is_numbered_to_its_last_step():
     assert len(history.history["loss"]) == 1
 
 
+class OwnOptimizerModel(keras.Model):
+    """A keras.io-style custom train step (as in a GAN) that never applies `model.optimizer`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.own_optimizer = keras.optimizers.SGD(0.01)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        import tensorflow as tf
+
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = keras.ops.mean(keras.ops.square(self(x) - y))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.own_optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_steps_follow_on_when_the_train_step_never_applies_model_optimizer(tmp_path):
+    # model.optimizer.iterations stays 0 here: it must not restart epoch 2 at step 1.
+    model = OwnOptimizerModel()
+    model.compile(optimizer="sgd")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    cb = MetalCallback(report=None, profile_steps=(6, 7), profile_dir=str(tmp_path))
+    model.fit(x, y, batch_size=1, epochs=2, verbose=0, callbacks=[cb])
+    assert int(model.optimizer.iterations.numpy()) == 0
+    assert cb.profiled_steps == [6, 7]
+
+
 def test_nonfinite_loss_warns_and_keeps_training():
     x, y = _nan_at(2)
     model = _compile(_linear())

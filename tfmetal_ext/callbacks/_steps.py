@@ -42,7 +42,8 @@ class StepCounter:
 
         A call that the data cut short (a finite dataset ending inside a
         ``steps_per_execution`` call) ran fewer than `per_call` steps: with
-        `ran` its range ends at the last step that ran.
+        `ran` its range ends at the last step that ran (a `ran` outside
+        the call's range is not a step count and is ignored).
         """
         if ran is not None and self._began and self.first <= int(ran) < self.last:
             self.per_call = int(ran) - self.first + 1
@@ -56,10 +57,12 @@ class StepCounter:
         lasts, and fewer when the data runs out, so `total` alone can't tell
         where the next epoch starts. Without `ran`, `whole_last_call` takes the
         last call as run whole (Keras' rule while the data lasts); otherwise
-        the epoch ends at `total`.
+        the epoch ends at `total`. A `ran` outside the last call's range is
+        not a step count (a custom train step that never applies
+        ``model.optimizer``, or applies it twice) and is ignored.
         """
-        if ran is not None:
-            self.epoch_base = max(self.epoch_base, int(ran))
+        if ran is not None and self._began and self.first <= int(ran) <= self.last:
+            self.epoch_base = int(ran)
         elif self._began:
             self.epoch_base = self.last if whole_last_call else self.epoch_last(total)
         self._began = False

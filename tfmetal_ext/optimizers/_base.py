@@ -18,7 +18,6 @@ of the same name, so saved state is interchangeable).
 
 from __future__ import annotations
 
-
 import tensorflow as tf
 from keras.src import backend as keras_backend
 
