@@ -37,6 +37,13 @@ class StepCounter:
             return self.epoch_base + min(total, self.last - self.epoch_base)
         return self.last
 
+    def _step_count(self, ran):
+        """`ran` as an int when it can be the fit's step count now (inside the current call's range), else None."""
+        if ran is None or not self._began:
+            return None
+        ran = int(ran)
+        return ran if self.first <= ran <= self.last else None
+
     def call_end(self, ran=None):
         """The current call has returned; `ran` is the fit's steps so far, when known.
 
@@ -45,8 +52,9 @@ class StepCounter:
         `ran` its range ends at the last step that ran (a `ran` outside
         the call's range is not a step count and is ignored).
         """
-        if ran is not None and self._began and self.first <= int(ran) < self.last:
-            self.per_call = int(ran) - self.first + 1
+        ran = self._step_count(ran)
+        if ran is not None:
+            self.per_call = ran - self.first + 1
 
     def epoch_end(self, total=None, ran=None, whole_last_call=False):
         """Closes the epoch (of `total` steps, when known): the next numbers follow on.
@@ -61,8 +69,9 @@ class StepCounter:
         not a step count (a custom train step that never applies
         ``model.optimizer``, or applies it twice) and is ignored.
         """
-        if ran is not None and self._began and self.first <= int(ran) <= self.last:
-            self.epoch_base = int(ran)
+        ran = self._step_count(ran)
+        if ran is not None:
+            self.epoch_base = ran
         elif self._began:
             self.epoch_base = self.last if whole_last_call else self.epoch_last(total)
         self._began = False
