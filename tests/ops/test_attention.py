@@ -1,0 +1,362 @@
+"""attention: CPU kernel and pure-TF reference against a numpy softmax attention; gradients; masks; errors."""
+
+import math
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmetal_ext.ops import attention as attention_module
+from tfmetal_ext.ops.attention import attention
+
+# Output tolerance (relative to the largest magnitude, at least 1): the output
+# dtype's rounding; the kernel accumulates in float32 for every dtype.
+DTYPES = {"float32": (tf.float32, 2e-5), "float16": (tf.float16, 3e-3), "bfloat16": (tf.bfloat16, 2e-2)}
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def path(request, monkeypatch):
+    """Runs a test on the compiled kernel and on the pure-TF reference."""
+    monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if request.param == "reference" else "0")
+    if request.param == "kernel" and not attention_module.uses_kernel():
+        pytest.skip("the attention kernel is not in the op library yet")
+    assert attention_module.uses_kernel() == (request.param == "kernel")
+    return request.param
+
+
+# ---------------------------------------------------------------- numpy reference (float64)
+
+
+def np_allowed(mask, causal, tq, tk):
+    """The attend mask as a (.., tq, tk) boolean array."""
+    allowed = np.ones((1, 1, tq, tk), bool) if mask is None else np.asarray(mask, bool)
+    if causal:
+        allowed = allowed & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])
+    return allowed
+
+
+def np_probs(q, k, mask, causal, scale):
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    tq, tk = q.shape[2], k.shape[2]
+    scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
+    allowed = np.broadcast_to(np_allowed(mask, causal, tq, tk), scores.shape)
+    scores = np.where(allowed, scores, -np.inf)
+    any_key = allowed.any(-1, keepdims=True)
+    shift = np.where(any_key, scores.max(-1, keepdims=True, initial=-np.inf), 0.0)
+    e = np.where(allowed, np.exp(scores - shift), 0.0)
+    total = e.sum(-1, keepdims=True)
+    p = np.where(any_key, e / np.where(any_key, total, 1.0), 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(any_key, shift + np.log(np.where(any_key, total, 1.0)), -np.inf)[..., 0]
+    return p, lse
+
+
+def np_attention(q, k, v, mask=None, causal=False, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    p, lse = np_probs(q, k, mask, causal, scale)
+    return np.einsum("bhqk,bhkd->bhqd", p, np.asarray(v, np.float64)), lse
+
+
+def np_attention_grad(do, q, k, v, mask=None, causal=False, scale=None):
+    """Softmax backward: dP = dO v^T, dS = P * (dP - rowsum(P * dP))."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    q, k, v, do = (np.asarray(t, np.float64) for t in (q, k, v, do))
+    p, _ = np_probs(q, k, mask, causal, scale)
+    dp = np.einsum("bhqd,bhkd->bhqk", do, v)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = scale * np.einsum("bhqk,bhkd->bhqd", ds, k)
+    dk = scale * np.einsum("bhqk,bhqd->bhkd", ds, q)
+    dv = np.einsum("bhqk,bhqd->bhkd", p, do)
+    return dq, dk, dv
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def rounded(x, tf_dtype):
+    """x rounded to tf_dtype, as float64: the op's actual input."""
+    return tf.cast(tf.cast(x, tf_dtype), tf.float64).numpy()
+
+
+def as64(t):
+    return tf.cast(t, tf.float64).numpy()
+
+
+def assert_close(got, want, tol, what=""):
+    scale = float(np.max(np.abs(want))) if np.size(want) else 1.0
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * max(scale, 1.0), err_msg=what)
+
+
+def qkv(b, h, tq, tk, d, dv=None, seed=0):
+    rng = np.random.default_rng(seed)
+    dv = d if dv is None else dv
+    return (
+        rng.normal(0, 1, (b, h, tq, d)).astype("float32"),
+        rng.normal(0, 1, (b, h, tk, d)).astype("float32"),
+        rng.normal(0, 1, (b, h, tk, dv)).astype("float32"),
+    )
+
+
+def padding_mask(b, tk, lengths, tq=1):
+    """(b, 1, tq, tk): batch row i attends its first lengths[i] keys."""
+    keep = np.arange(tk)[None, :] < np.asarray(lengths)[:, None]
+    return np.broadcast_to(keep[:, None, None, :], (b, 1, tq, tk)).copy()
+
+
+# (b, h, tq, tk, d, dv, mask kind, causal)
+CASES = [
+    (1, 1, 1, 1, 1, 1, None, False),
+    (2, 3, 5, 7, 4, 4, None, False),
+    (2, 2, 9, 9, 8, 8, None, True),
+    (1, 2, 13, 6, 5, 3, None, True),  # tq > tk, causal, dv != d
+    (1, 2, 6, 13, 5, 7, None, True),  # tq < tk, causal
+    (2, 2, 33, 65, 16, 8, "padding", False),
+    (3, 2, 17, 17, 3, 5, "full", True),
+    (2, 4, 70, 130, 32, 24, "heads", False),  # several key and query tiles
+    (1, 1, 129, 129, 64, 64, "padding", True),
+]
+
+
+def make_mask(kind, b, h, tq, tk, seed=0):
+    rng = np.random.default_rng(seed + 100)
+    if kind is None:
+        return None
+    if kind == "padding":
+        return padding_mask(b, tk, rng.integers(1, tk + 1, b))
+    if kind == "full":  # a random (b, h, tq, tk) mask
+        return rng.random((b, h, tq, tk)) < 0.7
+    if kind == "heads":  # (1, h, tq, 1)... and (b, 1, 1, tk) combined: per-head query rows
+        return (rng.random((1, h, tq, 1)) < 0.8) & (rng.random((b, 1, 1, tk)) < 0.8)
+    raise ValueError(kind)
+
+
+def case_id(case):
+    b, h, tq, tk, d, dv, kind, causal = case
+    return f"{b}x{h}x{tq}x{tk}x{d}x{dv}-{kind}-{'causal' if causal else 'full'}"
+
+
+# ---------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_matches_numpy(path, dtype):
+    tf_dtype, tol = DTYPES[dtype]
+    for case in CASES:
+        b, h, tq, tk, d, dv, kind, causal = case
+        q, k, v = qkv(b, h, tq, tk, d, dv)
+        mask = make_mask(kind, b, h, tq, tk)
+        got = attention(
+            tf.constant(q, tf_dtype), tf.constant(k, tf_dtype), tf.constant(v, tf_dtype), mask=mask, causal=causal
+        )
+        assert got.dtype == tf_dtype and got.shape == (b, h, tq, dv), case_id(case)
+        want, _ = np_attention(rounded(q, tf_dtype), rounded(k, tf_dtype), rounded(v, tf_dtype), mask, causal)
+        assert_close(as64(got), want, tol, case_id(case))
+
+
+def test_default_scale_is_one_over_sqrt_head_dim(path):
+    q, k, v = qkv(2, 2, 5, 6, 9, 4, seed=1)
+    got = attention(q, k, v).numpy()
+    assert_close(got, np_attention(q, k, v, scale=1.0 / 3.0)[0], 2e-5)
+    assert_close(attention(q, k, v, scale=0.7).numpy(), np_attention(q, k, v, scale=0.7)[0], 2e-5)
+    # A different scale gives a different output (the scale is used).
+    assert np.max(np.abs(got - np_attention(q, k, v, scale=0.7)[0])) > 1e-2
+
+
+def test_large_scores_stay_finite(path):
+    """Scores of several hundred: exp would overflow without the running max."""
+    q, k, v = qkv(1, 2, 9, 40, 16, seed=2)
+    got = attention(q * 30, k * 30, v).numpy()
+    assert np.isfinite(got).all()
+    assert_close(got, np_attention(q * 30, k * 30, v)[0], 1e-4)
+
+
+def test_mask_of_lower_rank_broadcasts(path):
+    q, k, v = qkv(2, 3, 5, 6, 4, seed=3)
+    mask2 = np.random.default_rng(4).random((5, 6)) < 0.6
+    mask2[:, 0] = True
+    want, _ = np_attention(q, k, v, mask2[None, None])
+    assert_close(attention(q, k, v, mask=mask2).numpy(), want, 2e-5)
+    assert_close(attention(q, k, v, mask=mask2[None]).numpy(), want, 2e-5)
+
+
+def test_fully_masked_rows_give_zero_and_no_nan(path):
+    b, h, tq, tk, d = 2, 2, 6, 5, 4
+    q, k, v = qkv(b, h, tq, tk, d, seed=5)
+    mask = np.random.default_rng(6).random((b, h, tq, tk)) < 0.6
+    mask[0, 1, 2, :] = False  # one fully masked row
+    mask[1, :, :, :] = False  # a fully masked batch row
+    mask[0, 0, 0, :] = True
+    qt, kt, vt = (tf.constant(t) for t in (q, k, v))
+    do = np.random.default_rng(7).normal(0, 1, (b, h, tq, d)).astype("float32")
+    with tf.GradientTape() as tape:
+        tape.watch([qt, kt, vt])
+        out = attention(qt, kt, vt, mask=mask)
+    grads = tape.gradient(out, [qt, kt, vt], output_gradients=tf.constant(do))
+    out = out.numpy()
+    assert np.isfinite(out).all() and all(np.isfinite(g.numpy()).all() for g in grads)
+    assert (out[0, 1, 2] == 0).all() and (out[1] == 0).all()
+    assert_close(out, np_attention(q, k, v, mask)[0], 2e-5)
+    for got, want, what in zip(grads, np_attention_grad(do, q, k, v, mask), "qkv"):
+        assert_close(got.numpy(), want, 2e-5, f"d{what}")
+    assert (grads[0].numpy()[1] == 0).all() and (grads[1].numpy()[1] == 0).all() and (grads[2].numpy()[1] == 0).all()
+
+
+def test_causal_with_more_queries_than_keys_masks_nothing_extra(path):
+    """Top-left aligned: query row i sees keys 0..i, so rows >= tk see every key."""
+    q, k, v = qkv(1, 1, 8, 3, 4, seed=8)
+    got = attention(q, k, v, causal=True).numpy()
+    assert_close(got[:, :, 3:], np_attention(q[:, :, 3:], k, v)[0], 2e-5)
+    assert_close(got[:, :, :1], v[:, :, :1], 2e-5)  # row 0 sees key 0 only
+
+
+@pytest.mark.parametrize(
+    "b, h, tq, tk, d, dv",
+    [(0, 2, 3, 4, 4, 4), (2, 2, 0, 4, 4, 5), (2, 2, 3, 0, 4, 5), (2, 0, 3, 4, 4, 4)],
+    ids=["batch0", "tq0", "tk0", "heads0"],
+)
+def test_empty_sizes(path, b, h, tq, tk, d, dv):
+    q, k, v = qkv(b, h, tq, tk, d, dv, seed=9)
+    qt, kt, vt = (tf.constant(t) for t in (q, k, v))
+    with tf.GradientTape() as tape:
+        tape.watch([qt, kt, vt])
+        out = attention(qt, kt, vt, causal=True)
+    assert out.shape == (b, h, tq, dv)
+    assert (out.numpy() == 0).all()  # tk = 0: every row attends nothing
+    grads = tape.gradient(out, [qt, kt, vt], output_gradients=tf.ones_like(out))
+    for g, t in zip(grads, (q, k, v)):
+        assert g.shape == t.shape and (g.numpy() == 0).all()
+
+
+# ---------------------------------------------------------------- gradients
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gradients_match_numpy(path, dtype):
+    tf_dtype, tol = DTYPES[dtype]
+    for seed, case in enumerate(CASES):
+        b, h, tq, tk, d, dv, kind, causal = case
+        q, k, v = qkv(b, h, tq, tk, d, dv, seed=seed)
+        mask = make_mask(kind, b, h, tq, tk, seed)
+        do = np.random.default_rng(seed + 50).normal(0, 1, (b, h, tq, dv)).astype("float32")
+        qt, kt, vt = (tf.constant(t, tf_dtype) for t in (q, k, v))
+        with tf.GradientTape() as tape:
+            tape.watch([qt, kt, vt])
+            out = attention(qt, kt, vt, mask=mask, causal=causal)
+        grads = tape.gradient(out, [qt, kt, vt], output_gradients=tf.constant(do, tf_dtype))
+        wants = np_attention_grad(rounded(do, tf_dtype), *(rounded(t, tf_dtype) for t in (q, k, v)), mask, causal)
+        for got, want, what in zip(grads, wants, "qkv"):
+            assert got.dtype == tf_dtype
+            # dQ/dK sum products of rounded p's and dp's: a few roundings more.
+            assert_close(as64(got), want, 2 * tol, f"d{what}, {case_id(case)}")
+
+
+@pytest.mark.parametrize(
+    "case", [(1, 2, 3, 4, 3, 2, "padding", False), (2, 1, 4, 4, 2, 3, None, True), (1, 1, 5, 3, 4, 4, "full", True)]
+)
+def test_compute_gradient(path, case):
+    """Theoretical against numerical Jacobians (tf.test.compute_gradient), float32, small shapes."""
+    b, h, tq, tk, d, dv, kind, causal = case
+    q, k, v = qkv(b, h, tq, tk, d, dv, seed=11)
+    mask = make_mask(kind, b, h, tq, tk, 11)
+    if mask is not None:
+        mask[..., 0] = True  # no empty row: the numerical Jacobian there is 0 too, but keep it simple
+
+    def f(q, k, v):
+        return attention(q, k, v, mask=mask, causal=causal, scale=0.8)
+
+    theoretical, numerical = tf.test.compute_gradient(f, [tf.constant(q), tf.constant(k), tf.constant(v)], delta=1e-2)
+    for t, n in zip(theoretical, numerical):
+        assert np.abs(t).max() > 1e-3  # something flows
+        np.testing.assert_allclose(t, n, atol=3e-3, rtol=3e-3)
+
+
+def test_tf_function_matches_eager(path):
+    b, h, tq, tk, d, dv = 2, 2, 7, 11, 8, 5
+    q, k, v = qkv(b, h, tq, tk, d, dv, seed=12)
+    mask = padding_mask(b, tk, [11, 4])
+    do = np.random.default_rng(13).normal(0, 1, (b, h, tq, dv)).astype("float32")
+
+    def step(q, k, v):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attention(q, k, v, mask=mask, causal=True)
+        return (out,) + tuple(tape.gradient(out, [q, k, v], output_gradients=tf.constant(do)))
+
+    args = [tf.constant(t) for t in (q, k, v)]
+    eager = step(*args)
+    graph = tf.function(step)(*args)
+    dynamic = tf.function(step, input_signature=[tf.TensorSpec([None, None, None, t.shape[-1]]) for t in (q, k, v)])(
+        *args
+    )
+    want = (np_attention(q, k, v, mask, True)[0],) + np_attention_grad(do, q, k, v, mask, True)
+    for e, g, dyn, w in zip(eager, graph, dynamic, want):
+        assert_close(e.numpy(), w, 2e-5)
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(dyn.numpy(), e.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_reference_lse_matches_numpy():
+    q, k, v = qkv(2, 2, 6, 5, 4, seed=14)
+    mask = padding_mask(2, 5, [5, 2], tq=6)
+    mask[0, 0, 3] = False
+    out, lse = attention_module._reference_attention(q, k, v, tf.constant(mask), True, 0.5)
+    want_out, want_lse = np_attention(q, k, v, mask, True, 0.5)
+    assert_close(out.numpy(), want_out, 2e-5)
+    assert lse.dtype == tf.float32 and lse.shape == (2, 2, 6)
+    assert np.isneginf(lse.numpy()[0, :, 3]).all()
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def _bad_calls():
+    q = np.zeros((2, 3, 4, 8), "float32")
+    k = np.zeros((2, 3, 5, 8), "float32")
+    v = np.zeros((2, 3, 5, 6), "float32")
+    m = np.ones((2, 1, 1, 5), bool)
+    return [
+        ("query.dtype=int32", lambda: attention(q.astype("int32"), k, v)),
+        ("query.dtype=float64", lambda: attention(q.astype("float64"), k, v)),
+        ("key.dtype=float16", lambda: attention(q, k.astype("float16"), v)),
+        ("value.dtype=bfloat16", lambda: attention(q, k, tf.constant(v, tf.bfloat16))),
+        ("query.shape=(3, 4, 8)", lambda: attention(q[0], k, v)),
+        ("key.shape=(2, 3, 5, 8, 1)", lambda: attention(q, k[..., None], v)),
+        ("value.shape=(2, 3, 5)", lambda: attention(q, k, v[..., 0])),
+        ("key.shape=(1, 3, 5, 8)", lambda: attention(q, k[:1], v)),
+        ("value.shape=(2, 1, 5, 6)", lambda: attention(q, k, v[:, :1])),
+        ("value.shape=(2, 3, 4, 6)", lambda: attention(q, k, v[:, :, :4])),
+        ("key.shape=(2, 3, 5, 7)", lambda: attention(q, k[..., :7], v)),
+        ("query.shape=(2, 3, 4, 0)", lambda: attention(q[..., :0], k[..., :0], v, scale=1.0)),
+        ("query.shape=(1, 1, 1, 257)", lambda: attention(*(np.zeros((1, 1, 1, 257), "float32"),) * 3)),
+        ("value.shape=(2, 3, 5, 300)", lambda: attention(q, k, np.zeros((2, 3, 5, 300), "float32"))),
+        ("mask.dtype=float32", lambda: attention(q, k, v, mask=m.astype("float32"))),
+        ("mask.shape=(1, 2, 1, 1, 5)", lambda: attention(q, k, v, mask=m[None])),
+        ("mask.shape=(2, 1, 1, 4)", lambda: attention(q, k, v, mask=m[..., :4])),
+        ("mask.shape=(2, 2, 1, 5)", lambda: attention(q, k, v, mask=np.ones((2, 2, 1, 5), bool))),
+        ("mask.shape=(3, 1, 1, 5)", lambda: attention(q, k, v, mask=np.ones((3, 1, 1, 5), bool))),
+        ("mask.shape=(2, 1, 3, 5)", lambda: attention(q, k, v, mask=np.ones((2, 1, 3, 5), bool))),
+        ("scale=0.0", lambda: attention(q, k, v, scale=0.0)),
+        ("scale=-1.0", lambda: attention(q, k, v, scale=-1.0)),
+        ("scale=nan", lambda: attention(q, k, v, scale=float("nan"))),
+        ("scale=inf", lambda: attention(q, k, v, scale=float("inf"))),
+        ("scale=1e-50", lambda: attention(q, k, v, scale=1e-50)),
+        ("scale='x'", lambda: attention(q, k, v, scale="x")),
+        ("scale=True", lambda: attention(q, k, v, scale=True)),
+        ("causal=1", lambda: attention(q, k, v, causal=1)),
+    ]
+
+
+@pytest.mark.parametrize("received, call", _bad_calls(), ids=[r for r, _ in _bad_calls()])
+def test_bad_arguments_raise_value_error(received, call):
+    with pytest.raises(ValueError, match=r"Received: .*" + __import__("re").escape(received)):
+        call()
+
+
+def test_scale_required_when_head_dim_unknown():
+    @tf.function(input_signature=[tf.TensorSpec([None, None, None, None])] * 3)
+    def f(q, k, v):
+        return attention(q, k, v)
+
+    with pytest.raises(ValueError, match="Received: scale=None"):
+        f.get_concrete_function()

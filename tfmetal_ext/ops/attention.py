@@ -1,0 +1,258 @@
+"""attention: softmax attention as one op forward (``TfmetalExt>Attention``), one op backward."""
+
+from __future__ import annotations
+
+import math
+
+import tensorflow as tf
+
+from tfmetal_ext.backends import fusion
+from tfmetal_ext.ops import _common
+
+ATTENTION_OP = fusion.ATTENTION_OP
+ATTENTION_GRAD_OP = fusion.ATTENTION_GRAD_OP
+
+# The kernels keep a query row's head (and a value row) in registers/tiles.
+MAX_HEAD_DIM = 256
+
+
+@tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
+def attention(query, key, value, *, mask=None, causal=False, scale=None, name=None):
+    """Scaled dot-product softmax attention, flash-style.
+
+    ``output = softmax(scale * query @ key^T, masked) @ value`` per batch
+    and head, with the softmax over the keys. The kernel never stores the
+    (query, key) score matrix: it walks key tiles with an online softmax
+    (running max and sum in float32 whatever the input dtype) and saves the
+    per-row log-sum-exp, from which the gradient op (``TfmetalExt>AttentionGrad``)
+    recomputes the probabilities tile by tile. Memory is
+    O(batch * heads * seq * head_dim) in both directions. CPU kernel here; a
+    Metal kernel on Apple GPUs.
+
+    A query row that attends no key (every key masked out, or no keys) gives
+    an output row of 0 and zero gradients, never NaN.
+
+    Args:
+        query: (batch, heads, q_seq, head_dim), float32, float16 or bfloat16.
+        key: (batch, heads, kv_seq, head_dim), the dtype of `query`.
+        value: (batch, heads, kv_seq, value_dim), the dtype of `query`
+            (`value_dim` may differ from `head_dim`).
+        mask: None, or a boolean "attend" mask (True = attend, as in Keras)
+            broadcastable to (batch, heads, q_seq, kv_seq) with each of its
+            dimensions 1 or the full size; a mask of rank < 4 gets leading
+            dimensions of 1 (numpy broadcasting), so a (q_seq, kv_seq) mask
+            applies to every batch and head. No gradient flows to it.
+        causal: query i attends key j only if j <= i (top-left aligned, as
+            Keras' `use_causal_mask`), combined with `mask` by AND.
+        scale: the score scale, a finite float > 0; None for 1/sqrt(head_dim).
+        name: optional op name.
+
+    Returns:
+        A (batch, heads, q_seq, value_dim) tensor of `query`'s dtype.
+
+    Raises:
+        ValueError: for a dtype other than float32/float16/bfloat16 or
+            dtypes that differ, a rank other than 4, dimensions that do not
+            agree, a head or value dim outside [1, 256], a non-boolean mask
+            or one that does not broadcast, or a scale that is not a finite
+            float > 0.
+
+    >>> q = tf.constant([[[[1.0, 0.0]]]])
+    >>> k = tf.constant([[[[1.0, 0.0], [0.0, 1.0]]]])
+    >>> v = tf.constant([[[[1.0], [3.0]]]])
+    >>> np.round(attention(q, k, v, scale=math.log(3.0)).numpy(), 4)
+    array([[[[1.5]]]], dtype=float32)
+    """
+    query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
+    _check_inputs(query, key, value)
+    causal = _check_causal(causal)
+    scale = _check_scale(scale, query.shape[-1])
+    mask = _attend_mask(mask, query, key)
+    if not uses_kernel():
+        return _with_reference_gradient(query, key, value, mask, causal, scale)
+    lib = _common.library()
+    output, _ = lib.tfmetal_ext_attention(query, key, value, mask, causal=causal, scale=scale, name=name)
+    return output
+
+
+def uses_kernel() -> bool:
+    """`attention` runs the custom op here (else its pure-TF reference)."""
+    if not _common.uses_kernel(ATTENTION_OP):
+        return False
+    return hasattr(_common.library(), "tfmetal_ext_attention")
+
+
+# ---------------------------------------------------------------- argument checks
+
+
+def _check_inputs(query, key, value):
+    for arg, t in (("query", query), ("key", key), ("value", value)):
+        _common.check_float(arg, t)
+        if t.shape.rank is not None and t.shape.rank != 4:
+            raise ValueError(
+                f"`{arg}` must have rank 4 (batch, heads, seq, head_dim). Received: {arg}.shape={t.shape}"
+            )
+    for arg, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise ValueError(
+                f"`{arg}` must have the dtype of `query` ({query.dtype.name}). Received: {arg}.dtype={t.dtype.name}"
+            )
+    q, k, v = (t.shape if t.shape.rank is not None else tf.TensorShape([None] * 4) for t in (query, key, value))
+
+    def disagree(a, b):
+        return a is not None and b is not None and a != b
+
+    for axis, what in ((0, "batch"), (1, "heads")):
+        for arg, s in (("key", k), ("value", v)):
+            if disagree(q[axis], s[axis]):
+                raise ValueError(
+                    f"`{arg}` must have the {what} dimension (axis {axis}) of `query` ({q[axis]}). "
+                    f"Received: query.shape={query.shape}, {arg}.shape={s}"
+                )
+    if disagree(k[2], v[2]):
+        raise ValueError(
+            "`key` and `value` must have the same sequence length (axis 2). "
+            f"Received: key.shape={key.shape}, value.shape={value.shape}"
+        )
+    if disagree(q[3], k[3]):
+        raise ValueError(
+            "`query` and `key` must have the same head_dim (axis 3). "
+            f"Received: query.shape={query.shape}, key.shape={key.shape}"
+        )
+    for arg, s in (("query", q), ("value", v)):
+        if s[3] is not None and not 1 <= s[3] <= MAX_HEAD_DIM:
+            raise ValueError(
+                f"The last dimension of `{arg}` must be in [1, {MAX_HEAD_DIM}]. Received: {arg}.shape={s}"
+            )
+
+
+def _check_causal(causal):
+    if not isinstance(causal, bool):
+        raise ValueError(f"Argument `causal` must be a bool. Received: causal={causal!r}")
+    return causal
+
+
+def _check_scale(scale, head_dim):
+    if scale is None:
+        if head_dim is None:
+            raise ValueError(
+                "`scale` must be given when query's head_dim (last dimension) is not known statically. "
+                f"Received: scale=None, query head_dim={head_dim}"
+            )
+        return 1.0 / math.sqrt(head_dim)
+    value = None
+    if not isinstance(scale, (bool, str, bytes)):
+        try:
+            value = float(scale)
+        except (TypeError, ValueError):
+            value = None
+    if value is None or not (math.isfinite(value) and value > 0.0):
+        raise ValueError(f"Argument `scale` must be a finite float > 0. Received: scale={scale!r}")
+    return _common.check_float32_representable("scale", value)
+
+
+def _attend_mask(mask, query, key):
+    """The rank-4 boolean mask the op takes ([1, 1, 1, 1] True for no mask)."""
+    if mask is None:
+        return tf.ones([1, 1, 1, 1], tf.bool)
+    mask = tf.convert_to_tensor(mask)
+    if mask.dtype != tf.bool:
+        raise ValueError(f"`mask` must be a boolean tensor (True = attend). Received: mask.dtype={mask.dtype.name}")
+    rank = mask.shape.rank
+    if rank is not None and rank > 4:
+        raise ValueError(
+            f"`mask` must have rank <= 4, broadcastable to (batch, heads, q_seq, kv_seq). Received: mask.shape={mask.shape}"
+        )
+    if rank is not None and rank < 4:
+        mask = tf.reshape(mask, tf.concat([tf.ones([4 - rank], tf.int32), tf.shape(mask)], 0))
+    q = query.shape if query.shape.rank is not None else tf.TensorShape([None] * 4)
+    k = key.shape if key.shape.rank is not None else tf.TensorShape([None] * 4)
+    full = (q[0], q[1], q[2], k[2])
+    if mask.shape.rank is not None:
+        for axis, (got, want) in enumerate(zip(mask.shape, full)):
+            if got is not None and want is not None and got not in (1, want):
+                raise ValueError(
+                    "`mask` must broadcast to (batch, heads, q_seq, kv_seq) = "
+                    f"{tuple(full)}: each dimension 1 or the full size (axis {axis} is {got}). "
+                    f"Received: mask.shape={mask.shape}"
+                )
+    return mask
+
+
+# ---------------------------------------------------------------- pure-TF reference
+
+
+def _allowed(mask, causal, q_len, k_len):
+    """The (broadcast) boolean attend mask: mask AND (causal: j <= i)."""
+    if not causal:
+        return mask
+    band = tf.linalg.band_part(tf.ones(tf.stack([q_len, k_len]), tf.bool), -1, 0)
+    return tf.logical_and(mask, band)
+
+
+def _reference_scores(query, key, mask, causal, scale):
+    """float32 scaled scores, -inf where masked out, and the attend mask (both full-size)."""
+    q = tf.cast(query, tf.float32)
+    k = tf.cast(key, tf.float32)
+    s = tf.matmul(q, k, transpose_b=True) * scale
+    allowed = tf.broadcast_to(_allowed(mask, causal, tf.shape(q)[2], tf.shape(k)[2]), tf.shape(s))
+    return tf.where(allowed, s, tf.constant(-math.inf, tf.float32)), allowed
+
+
+def _reference_attention(query, key, value, mask, causal, scale):
+    """The op's forward in pure TF (scores materialized): (output of query's dtype, lse float32).
+
+    float32 throughout, the output rounded once to the input dtype. A row
+    attending no key gives output 0 and lse -inf.
+    """
+    output, lse = _reference_attention_f32(query, key, value, mask, causal, scale)
+    return tf.cast(output, query.dtype), lse
+
+
+def _reference_attention_f32(query, key, value, mask, causal, scale):
+    s, allowed = _reference_scores(query, key, mask, causal, scale)
+    m = tf.reduce_max(s, axis=-1, keepdims=True)
+    m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))  # an empty row: no shift
+    e = tf.where(allowed, tf.exp(s - m), tf.zeros_like(s))
+    total = tf.reduce_sum(e, axis=-1, keepdims=True)
+    attended = total > 0.0
+    p = e / tf.where(attended, total, tf.ones_like(total))
+    output = tf.matmul(p, tf.cast(value, tf.float32))
+    neg_inf = tf.constant(-math.inf, tf.float32)
+    lse = tf.where(attended, m + tf.math.log(tf.where(attended, total, tf.ones_like(total))), neg_inf)
+    return output, tf.squeeze(lse, -1)
+
+
+def _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale):
+    """The gradient op in pure TF: (d_query, d_key, d_value) in the input dtype.
+
+    The contract's formulas: p = exp(s - lse) (0 where masked or lse = -inf),
+    Dr = sum(dO * O), ds = p * (dO . v - Dr), dQ = scale * ds @ k,
+    dK = scale * ds^T @ q, dV = p^T @ dO; float32, rounded once.
+    """
+    s, allowed = _reference_scores(query, key, mask, causal, scale)
+    lse = tf.expand_dims(lse, -1)
+    live = tf.logical_and(allowed, tf.math.is_finite(lse))
+    p = tf.where(live, tf.exp(s - tf.where(tf.math.is_finite(lse), lse, tf.zeros_like(lse))), tf.zeros_like(s))
+    d_out = tf.cast(d_output, tf.float32)
+    q, k, v = (tf.cast(t, tf.float32) for t in (query, key, value))
+    dr = tf.reduce_sum(d_out * tf.cast(output, tf.float32), axis=-1, keepdims=True)
+    dp = tf.matmul(d_out, v, transpose_b=True)
+    ds = p * (dp - dr)
+    d_query = tf.matmul(ds, k) * scale
+    d_key = tf.matmul(ds, q, transpose_a=True) * scale
+    d_value = tf.matmul(p, d_out, transpose_a=True)
+    return tuple(tf.cast(t, query.dtype) for t in (d_query, d_key, d_value))
+
+
+def _with_reference_gradient(query, key, value, mask, causal, scale):
+    @tf.custom_gradient
+    def fn(query, key, value):
+        output, lse = _reference_attention_f32(query, key, value, mask, causal, scale)
+
+        def grad(d_output):
+            return _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale)
+
+        return tf.cast(output, query.dtype), grad
+
+    return fn(query, key, value)
