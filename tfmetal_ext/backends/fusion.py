@@ -143,6 +143,10 @@ SOFTSHRINK_GRAD_OP = CUSTOM_OPS["softshrink"].grad
 LAYER_NORM_OP = CUSTOM_OPS["layer_norm"].name
 LAYER_NORM_GRAD_OP = CUSTOM_OPS["layer_norm"].grad
 MULTI_TENSOR_ADAM_OP = CUSTOM_OPS["multi_tensor_adam"].name
+# The attention op joins CUSTOM_OPS (with its safe form and doctor check) when its kernels land;
+# until then tfmetal_ext.ops.attention runs its pure-TF reference.
+ATTENTION_OP = "TfmetalExt>Attention"
+ATTENTION_GRAD_OP = "TfmetalExt>AttentionGrad"
 
 # Ops that are a whole fused layer by themselves (no remapper rewrite
 # involved): the fusion report lists them beside the remapper's fused nodes.
