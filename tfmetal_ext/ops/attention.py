@@ -256,3 +256,34 @@ def _with_reference_gradient(query, key, value, mask, causal, scale):
         return tf.cast(output, query.dtype), grad
 
     return fn(query, key, value)
+
+
+# ---------------------------------------------------------------- registered gradient
+
+
+@tf.RegisterGradient(ATTENTION_OP)
+def _attention_grad(op, d_output, unused_d_lse):
+    # lse is internal (attention returns the output only): no gradient flows
+    # through it, and none to the boolean mask.
+    lib = _common.library() or _loaded_library()
+    query, key, value, mask = op.inputs
+    d_query, d_key, d_value = lib.tfmetal_ext_attention_grad(
+        d_output,
+        query,
+        key,
+        value,
+        mask,
+        op.outputs[0],
+        op.outputs[1],
+        causal=op.get_attr("causal"),
+        scale=op.get_attr("scale"),
+    )
+    return d_query, d_key, d_value, None
+
+
+def _loaded_library():
+    # The forward op exists, so the library is loaded even if the reference
+    # switch was set since.
+    from tfmetal_ext.ops import _loader
+
+    return _loader.load()

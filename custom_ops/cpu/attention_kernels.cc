@@ -1,0 +1,746 @@
+// CPU kernels of TfmetalExt>Attention and TfmetalExt>AttentionGrad.
+//
+// Flash-style: the [Tq, Tk] score matrix is never stored, only float32 tiles
+// of kBlockQ x kBlockK scores. The math per element is tfmetal/attention.h's;
+// this file owns the tiling, the loops and the threading.
+//
+// Forward: one work item per (batch, head, tile of kBlockQ query rows). Over
+// the key tiles (with causal, only those holding a key <= the tile's last row)
+// S = Q K^T (one small GEMM), the scores scaled and masked, the online softmax
+// updates the running max and sum of each row and rescales the running output
+// O, then O += P V (a second GEMM). The end writes O / sum and the row lse.
+//
+// Backward: one work item per (batch, head). Dr = rowsum(dO * O) of every row,
+// then over the key tiles, over the query tiles that reach them: S = Q K^T and
+// dP = dO V^T are recomputed, P = exp(S - lse), dS = scale P (dP - Dr), and
+// dV += P^T dO, dK += dS^T Q (owned by the key tile: float32 tiles written once
+// at its end), dQ += dS K (owned by the work item: a float32 [Tq, D] buffer
+// written at the end). No atomics: the summation order depends on the shapes
+// only, so the results do not depend on the number of threads.
+//
+// The GEMMs are Eigen products of float32 tiles; on x86-64 with AVX2 + FMA
+// (picked at run time) a register-blocked AVX2 micro-kernel, and the
+// element-wise loops (exp, masking, online softmax) are compiled for AVX2 too.
+// Half and bfloat16 tiles are widened to float32 once per tile; every sum is
+// float32.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "Eigen/Core"
+#include "cpu/cpu_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/tensor_shape.h"
+#include "tfmetal/attention.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TFMETAL_ATTN_X86 1
+#endif
+
+namespace tfmetal_ext {
+namespace attention_cpu {
+
+#define TFMETAL_ATTN_INLINE inline __attribute__((always_inline))
+
+constexpr int64_t kBlockQ = 64;   // query rows per tile
+constexpr int64_t kBlockK = 64;   // keys per tile
+constexpr int kLanes = 16;        // independent accumulators of the row reductions
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline int64_t AttnCeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---------------------------------------------------------------- element-wise math
+
+TFMETAL_ATTN_INLINE float AttnBitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+TFMETAL_ATTN_INLINE uint32_t AttnFloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// exp(x) in float32, branch-free so its loops vectorize (Cephes' expf: a
+// degree-7 polynomial on x - n ln 2, |error| about 1 ulp). 0 for x < -87.3
+// (and -inf: masked scores), NaN for NaN. The arguments here are <= 0 but
+// for rounding.
+TFMETAL_ATTN_INLINE float AttnExp(float x) {
+  // Clamped by bit selects: conditional float moves keep branches (g++ under
+  // -ftrapping-math) and stop the loops vectorizing.
+  const uint32_t low = 0u - static_cast<uint32_t>(x < -87.3f);
+  const uint32_t high = 0u - static_cast<uint32_t>(x > 88.3f);
+  const float xc = AttnBitsFloat((AttnFloatBits(-87.3f) & low) | (AttnFloatBits(88.3f) & high) |
+                                 (AttnFloatBits(x) & ~(low | high)));
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * (r * r) + r) + 1.0f;
+  const float two_n = AttnBitsFloat(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return AttnBitsFloat(AttnFloatBits(y * two_n) & ~low);  // 0 below the range
+}
+
+TFMETAL_ATTN_INLINE float AttnReduceLanes(float* acc, bool take_max) {
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int j = 0; j < width; ++j) acc[j] = take_max ? std::max(acc[j], acc[j + width]) : acc[j] + acc[j + width];
+  return acc[0];
+}
+
+TFMETAL_ATTN_INLINE float AttnRowMax(const float* __restrict s, int64_t n) {
+  float acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = kNegInf;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] = std::max(acc[j], s[i + j]);
+  for (int j = 0; i + j < n; ++j) acc[j] = std::max(acc[j], s[i + j]);
+  return AttnReduceLanes(acc, true);
+}
+
+// s[j] = exp(s[j] - m); returns the sum.
+TFMETAL_ATTN_INLINE float AttnExpRow(float* __restrict s, int64_t n, float m) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) {
+      const float e = AttnExp(s[i + j] - m);
+      s[i + j] = e;
+      acc[j] += e;
+    }
+  for (int j = 0; i + j < n; ++j) {
+    const float e = AttnExp(s[i + j] - m);
+    s[i + j] = e;
+    acc[j] += e;
+  }
+  return AttnReduceLanes(acc, false);
+}
+
+TFMETAL_ATTN_INLINE float AttnDot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
+  for (int j = 0; i + j < n; ++j) acc[j] += a[i + j] * b[i + j];
+  return AttnReduceLanes(acc, false);
+}
+
+TFMETAL_ATTN_INLINE void AttnScaleRow(float* __restrict x, int64_t n, float factor) {
+  for (int64_t j = 0; j < n; ++j) x[j] *= factor;
+}
+
+// ---------------------------------------------------------------- tile GEMMs
+
+// C[m x n] (+)= A B: A's element (r, p) at a[r * a_rs + p * a_cs] (a_cs == 1:
+// row-major A; a_rs == 1: A stored transposed), B [k x n] row-major with
+// leading dimension ldb, C row-major with leading dimension ldc.
+struct AttnGemm {
+  int64_t m, n, k;
+  const float* a;
+  int64_t a_rs, a_cs;
+  const float* b;
+  int64_t ldb;
+  float* c;
+  int64_t ldc;
+  bool accumulate;
+};
+
+using AttnRowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using AttnMap = Eigen::Map<AttnRowMat, 0, Eigen::OuterStride<>>;
+using AttnConstMap = Eigen::Map<const AttnRowMat, 0, Eigen::OuterStride<>>;
+
+inline void AttnGemmEigen(const AttnGemm& g) {
+  AttnConstMap b(g.b, g.k, g.n, Eigen::OuterStride<>(g.ldb));
+  AttnMap c(g.c, g.m, g.n, Eigen::OuterStride<>(g.ldc));
+  if (g.a_cs == 1) {
+    AttnConstMap a(g.a, g.m, g.k, Eigen::OuterStride<>(g.a_rs));
+    if (g.accumulate) {
+      c.noalias() += a * b;
+    } else {
+      c.noalias() = a * b;
+    }
+  } else {
+    AttnConstMap at(g.a, g.k, g.m, Eigen::OuterStride<>(g.a_cs));
+    if (g.accumulate) {
+      c.noalias() += at.transpose() * b;
+    } else {
+      c.noalias() = at.transpose() * b;
+    }
+  }
+}
+
+#ifdef TFMETAL_ATTN_X86
+#define TFMETAL_ATTN_AVX2 __attribute__((target("avx2,fma")))
+
+// R rows x 16 columns of C, over the whole k.
+template <int R>
+TFMETAL_ATTN_AVX2 TFMETAL_ATTN_INLINE void AttnMicro16(const AttnGemm& g, int64_t r0, int64_t c0) {
+  __m256 acc0[R], acc1[R];
+  float* c = g.c + r0 * g.ldc + c0;
+  for (int r = 0; r < R; ++r) {
+    acc0[r] = g.accumulate ? _mm256_loadu_ps(c + r * g.ldc) : _mm256_setzero_ps();
+    acc1[r] = g.accumulate ? _mm256_loadu_ps(c + r * g.ldc + 8) : _mm256_setzero_ps();
+  }
+  const float* a = g.a + r0 * g.a_rs;
+  const float* b = g.b + c0;
+  for (int64_t p = 0; p < g.k; ++p) {
+    const __m256 b0 = _mm256_loadu_ps(b + p * g.ldb);
+    const __m256 b1 = _mm256_loadu_ps(b + p * g.ldb + 8);
+    const float* ap = a + p * g.a_cs;
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_broadcast_ss(ap + r * g.a_rs);
+      acc0[r] = _mm256_fmadd_ps(av, b0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(c + r * g.ldc, acc0[r]);
+    _mm256_storeu_ps(c + r * g.ldc + 8, acc1[r]);
+  }
+}
+
+// R rows x `cols` (1..8) columns of C, over the whole k (masked loads/stores).
+template <int R>
+TFMETAL_ATTN_AVX2 TFMETAL_ATTN_INLINE void AttnMicro8(const AttnGemm& g, int64_t r0, int64_t c0, int cols) {
+  alignas(32) static const int32_t kMaskSource[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  const __m256i mask = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kMaskSource + 8 - cols));
+  __m256 acc[R];
+  float* c = g.c + r0 * g.ldc + c0;
+  for (int r = 0; r < R; ++r) acc[r] = g.accumulate ? _mm256_maskload_ps(c + r * g.ldc, mask) : _mm256_setzero_ps();
+  const float* a = g.a + r0 * g.a_rs;
+  const float* b = g.b + c0;
+  for (int64_t p = 0; p < g.k; ++p) {
+    const __m256 bv = _mm256_maskload_ps(b + p * g.ldb, mask);
+    const float* ap = a + p * g.a_cs;
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(ap + r * g.a_rs), bv, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_maskstore_ps(c + r * g.ldc, mask, acc[r]);
+}
+
+template <int R>
+TFMETAL_ATTN_AVX2 TFMETAL_ATTN_INLINE void AttnRowBlock(const AttnGemm& g, int64_t r0) {
+  int64_t c0 = 0;
+  for (; c0 + 16 <= g.n; c0 += 16) AttnMicro16<R>(g, r0, c0);
+  for (; c0 < g.n; c0 += 8) AttnMicro8<R>(g, r0, c0, static_cast<int>(std::min<int64_t>(8, g.n - c0)));
+}
+
+TFMETAL_ATTN_AVX2 void AttnGemmAvx2(const AttnGemm& g) {
+  constexpr int kRows = 6;
+  int64_t r0 = 0;
+  for (; r0 + kRows <= g.m; r0 += kRows) AttnRowBlock<kRows>(g, r0);
+  switch (g.m - r0) {
+    case 5: AttnRowBlock<5>(g, r0); break;
+    case 4: AttnRowBlock<4>(g, r0); break;
+    case 3: AttnRowBlock<3>(g, r0); break;
+    case 2: AttnRowBlock<2>(g, r0); break;
+    case 1: AttnRowBlock<1>(g, r0); break;
+    default: break;
+  }
+}
+
+// TFMETAL_EXT_CPU_BASELINE=1 runs the baseline code (as arm64 does).
+inline bool AttnHasAvx2() {
+  static const bool has = [] {
+    const char* baseline = std::getenv("TFMETAL_EXT_CPU_BASELINE");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           !(baseline != nullptr && baseline[0] == '1');
+  }();
+  return has;
+}
+#endif
+
+template <bool kAvx2>
+TFMETAL_ATTN_INLINE void AttnRunGemm(const AttnGemm& g) {
+  if (g.m == 0 || g.n == 0) return;
+#ifdef TFMETAL_ATTN_X86
+  if (kAvx2) return AttnGemmAvx2(g);
+#endif
+  AttnGemmEigen(g);
+}
+
+inline AttnGemm AttnMakeGemm(int64_t m, int64_t n, int64_t k, const float* a, int64_t a_rs, int64_t a_cs,
+                             const float* b, int64_t ldb, float* c, int64_t ldc, bool accumulate) {
+  AttnGemm g;
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.a = a;
+  g.a_rs = a_rs;
+  g.a_cs = a_cs;
+  g.b = b;
+  g.ldb = ldb;
+  g.c = c;
+  g.ldc = ldc;
+  g.accumulate = accumulate;
+  return g;
+}
+
+// ---------------------------------------------------------------- tile loads
+
+// rows x cols of `src` (row-major, leading dimension cols) as float into dst.
+template <typename T>
+TFMETAL_ATTN_INLINE void AttnWiden(const T* __restrict src, int64_t count, float* __restrict dst) {
+  for (int64_t e = 0; e < count; ++e) dst[e] = static_cast<float>(src[e]);
+}
+
+// The rows as float: src itself for float, else widened into scratch.
+TFMETAL_ATTN_INLINE const float* AttnAsFloat(const float* src, int64_t, float*) { return src; }
+template <typename T>
+TFMETAL_ATTN_INLINE const float* AttnAsFloat(const T* src, int64_t count, float* scratch) {
+  AttnWiden(src, count, scratch);
+  return scratch;
+}
+
+// dst[c * ld + r] = src[r * cols + c] for rows x cols of src, as float.
+template <typename T>
+TFMETAL_ATTN_INLINE void AttnTranspose(const T* __restrict src, int64_t rows, int64_t cols, float* __restrict dst,
+                                       int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<float>(src[r * cols + c]);
+}
+
+// ---------------------------------------------------------------- shapes and the mask
+
+struct AttnShape {
+  int64_t b = 0, h = 0, tq = 0, tk = 0, d = 0, dv = 0;
+  // Element strides of the mask along b, h, q, k (0 along a broadcast dimension).
+  int64_t mask_b = 0, mask_h = 0, mask_q = 0, mask_k = 0;
+  bool mask_trivial = false;  // [1, 1, 1, 1] True: no mask
+};
+
+Status AttnCheckRank4(const Tensor& t, const char* name) {
+  if (t.dims() != 4) {
+    return errors::InvalidArgument(name, " must have rank 4, got shape ", t.shape().DebugString());
+  }
+  return Status();
+}
+
+Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, AttnShape* s) {
+  TF_RETURN_IF_ERROR(AttnCheckRank4(q, "query"));
+  TF_RETURN_IF_ERROR(AttnCheckRank4(k, "key"));
+  TF_RETURN_IF_ERROR(AttnCheckRank4(v, "value"));
+  TF_RETURN_IF_ERROR(AttnCheckRank4(mask, "mask"));
+  s->b = q.dim_size(0);
+  s->h = q.dim_size(1);
+  s->tq = q.dim_size(2);
+  s->d = q.dim_size(3);
+  s->tk = k.dim_size(2);
+  s->dv = v.dim_size(3);
+  if (k.dim_size(0) != s->b || k.dim_size(1) != s->h || k.dim_size(3) != s->d) {
+    return errors::InvalidArgument("key must have the batch, heads and head dim of query, got shapes ",
+                                   q.shape().DebugString(), " and ", k.shape().DebugString());
+  }
+  if (v.dim_size(0) != s->b || v.dim_size(1) != s->h || v.dim_size(2) != s->tk) {
+    return errors::InvalidArgument("value must have the batch and heads of query and the sequence length of key, ",
+                                   "got shapes ", q.shape().DebugString(), ", ", k.shape().DebugString(), " and ",
+                                   v.shape().DebugString());
+  }
+  if (s->d < 1 || s->d > TFM_ATTENTION_MAX_HEAD_DIM || s->dv < 1 || s->dv > TFM_ATTENTION_MAX_HEAD_DIM) {
+    return errors::InvalidArgument("the head dims of query and value must be in [1, ", TFM_ATTENTION_MAX_HEAD_DIM,
+                                   "], got shapes ", q.shape().DebugString(), " and ", v.shape().DebugString());
+  }
+  constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max();
+  if (s->tq > kMaxLen || s->tk > kMaxLen) {
+    return errors::InvalidArgument("sequence lengths must be < 2^31, got shapes ", q.shape().DebugString(), " and ",
+                                   k.shape().DebugString());
+  }
+  const int64_t full[4] = {s->b, s->h, s->tq, s->tk};
+  int64_t stride[4];
+  int64_t step = 1;
+  for (int axis = 3; axis >= 0; --axis) {
+    const int64_t got = mask.dim_size(axis);
+    if (got != 1 && got != full[axis]) {
+      return errors::InvalidArgument("mask must broadcast to [batch, heads, q_seq, kv_seq] = [", s->b, ", ", s->h,
+                                     ", ", s->tq, ", ", s->tk, "] with each dimension 1 or the full size, got shape ",
+                                     mask.shape().DebugString());
+    }
+    stride[axis] = got == 1 ? 0 : step;
+    step *= got;
+  }
+  s->mask_b = stride[0];
+  s->mask_h = stride[1];
+  s->mask_q = stride[2];
+  s->mask_k = stride[3];
+  s->mask_trivial = mask.NumElements() == 1 && mask.flat<bool>()(0);
+  return Status();
+}
+
+// Scales row i of the tile (scores of query q0 + i, keys k0 ..) and sets the
+// scores it does not attend to -inf.
+TFMETAL_ATTN_INLINE void AttnScaleAndMaskRow(float* __restrict s, int64_t kn, float scale, const bool* mask_row,
+                                             int64_t mask_k, bool causal, int64_t qi, int64_t k0, bool masked) {
+  if (!masked) {
+    AttnScaleRow(s, kn, scale);
+    return;
+  }
+  for (int64_t j = 0; j < kn; ++j) {
+    const bool ok = attention_attends(mask_row[(k0 + j) * mask_k], causal, static_cast<uint32_t>(qi),
+                                      static_cast<uint32_t>(k0 + j));
+    const uint32_t keep = 0u - static_cast<uint32_t>(ok);
+    s[j] = AttnBitsFloat((AttnFloatBits(s[j] * scale) & keep) | (AttnFloatBits(kNegInf) & ~keep));
+  }
+}
+
+// ---------------------------------------------------------------- forward
+
+template <typename T>
+struct AttnForwardArgs {
+  const T* q;
+  const T* k;
+  const T* v;
+  const bool* mask;
+  T* out;
+  float* lse;
+  AttnShape s;
+  bool causal;
+  float scale;
+  int64_t q_tiles;
+};
+
+template <typename T>
+inline int64_t AttnForwardScratch(const AttnShape& s) {
+  // kt [D x BK], s [BQ x BK], o [BQ x Dv], m and l [BQ]; widened q [BQ x D], v [BK x Dv].
+  return s.d * kBlockK + kBlockQ * kBlockK + kBlockQ * s.dv + 2 * kBlockQ +
+         (std::is_same<T, float>::value ? 0 : kBlockQ * s.d + kBlockK * s.dv);
+}
+
+template <typename T, bool kAvx2>
+TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64_t begin, int64_t end,
+                                              float* scratch) {
+  const AttnShape& s = a.s;
+  float* kt = scratch;
+  float* st = kt + s.d * kBlockK;
+  float* o = st + kBlockQ * kBlockK;
+  float* m = o + kBlockQ * s.dv;
+  float* l = m + kBlockQ;
+  float* qbuf = l + kBlockQ;
+  float* vbuf = qbuf + kBlockQ * s.d;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t bh = item / a.q_tiles;
+    const int64_t q0 = (item % a.q_tiles) * kBlockQ;
+    const int64_t qn = std::min(kBlockQ, s.tq - q0);
+    const int64_t bi = bh / s.h, hi = bh % s.h;
+    const float* qf = AttnAsFloat(a.q + (bh * s.tq + q0) * s.d, qn * s.d, qbuf);
+    const T* kh = a.k + bh * s.tk * s.d;
+    const T* vh = a.v + bh * s.tk * s.dv;
+    const bool* mask_bh = a.mask + bi * s.mask_b + hi * s.mask_h;
+    std::fill(o, o + qn * s.dv, 0.0f);
+    std::fill(m, m + qn, kNegInf);
+    std::fill(l, l + qn, 0.0f);
+    const int64_t key_end = attention_key_end(a.causal, static_cast<uint32_t>(q0), static_cast<uint32_t>(qn),
+                                              static_cast<uint32_t>(s.tk));
+    for (int64_t k0 = 0; k0 < key_end; k0 += kBlockK) {
+      const int64_t kn = std::min(kBlockK, key_end - k0);
+      AttnTranspose(kh + k0 * s.d, kn, s.d, kt, kBlockK);
+      AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
+      const bool masked = !s.mask_trivial || !attention_tile_below_diagonal(a.causal, static_cast<uint32_t>(q0),
+                                                                             static_cast<uint32_t>(k0),
+                                                                             static_cast<uint32_t>(kn));
+      for (int64_t i = 0; i < qn; ++i) {
+        float* row = st + i * kBlockK;
+        AttnScaleAndMaskRow(row, kn, a.scale, mask_bh + (q0 + i) * s.mask_q, s.mask_k, a.causal, q0 + i, k0, masked);
+        const float new_max = attention_new_max(m[i], AttnRowMax(row, kn));
+        const float rescale = attention_rescale(m[i], new_max);
+        if (new_max == kNegInf) {  // nothing attended yet: p = 0
+          std::fill(row, row + kn, 0.0f);
+          continue;
+        }
+        const float sum = AttnExpRow(row, kn, new_max);
+        l[i] = l[i] * rescale + sum;
+        m[i] = new_max;
+        if (rescale != 1.0f) AttnScaleRow(o + i * s.dv, s.dv, rescale);
+      }
+      const float* vf = AttnAsFloat(vh + k0 * s.dv, kn * s.dv, vbuf);
+      AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.dv, kn, st, kBlockK, 1, vf, s.dv, o, s.dv, true));
+    }
+    T* out = a.out + (bh * s.tq + q0) * s.dv;
+    float* lse = a.lse + bh * s.tq + q0;
+    for (int64_t i = 0; i < qn; ++i) {
+      const float inv = attention_inv_sum(l[i]);
+      for (int64_t c = 0; c < s.dv; ++c) out[i * s.dv + c] = static_cast<T>(o[i * s.dv + c] * inv);
+      lse[i] = attention_lse(m[i], l[i]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------- backward
+
+template <typename T>
+struct AttnBackwardArgs {
+  const T* d_out;
+  const T* q;
+  const T* k;
+  const T* v;
+  const bool* mask;
+  const T* out;
+  const float* lse;
+  T* dq;
+  T* dk;
+  T* dv;
+  AttnShape s;
+  bool causal;
+  float scale;
+};
+
+template <typename T>
+inline int64_t AttnBackwardScratch(const AttnShape& s) {
+  // dq [Tq x D], dr [Tq], kt [D x BK], vt [Dv x BK], dk [BK x D], dv [BK x Dv],
+  // s and dp [BQ x BK]; widened k [BK x D], q [BQ x D], dO [BQ x Dv].
+  return s.tq * s.d + s.tq + s.d * kBlockK + s.dv * kBlockK + kBlockK * s.d + kBlockK * s.dv +
+         2 * kBlockQ * kBlockK + (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockQ * s.d + kBlockQ * s.dv);
+}
+
+template <typename T, bool kAvx2>
+TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end,
+                                               float* scratch) {
+  const AttnShape& s = a.s;
+  float* dq = scratch;
+  float* dr = dq + s.tq * s.d;
+  float* kt = dr + s.tq;
+  float* vt = kt + s.d * kBlockK;
+  float* dk = vt + s.dv * kBlockK;
+  float* dv = dk + kBlockK * s.d;
+  float* st = dv + kBlockK * s.dv;
+  float* dp = st + kBlockQ * kBlockK;
+  float* kbuf = dp + kBlockQ * kBlockK;
+  float* qbuf = kbuf + kBlockK * s.d;
+  float* dobuf = qbuf + kBlockQ * s.d;
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t bi = bh / s.h, hi = bh % s.h;
+    const T* qh = a.q + bh * s.tq * s.d;
+    const T* kh = a.k + bh * s.tk * s.d;
+    const T* vh = a.v + bh * s.tk * s.dv;
+    const T* doh = a.d_out + bh * s.tq * s.dv;
+    const T* oh = a.out + bh * s.tq * s.dv;
+    const float* lse = a.lse + bh * s.tq;
+    const bool* mask_bh = a.mask + bi * s.mask_b + hi * s.mask_h;
+    std::fill(dq, dq + s.tq * s.d, 0.0f);
+    for (int64_t i = 0; i < s.tq; ++i) {
+      float acc = 0.0f;
+      for (int64_t c = 0; c < s.dv; ++c) acc += static_cast<float>(doh[i * s.dv + c]) * static_cast<float>(oh[i * s.dv + c]);
+      dr[i] = acc;
+    }
+    for (int64_t k0 = 0; k0 < s.tk; k0 += kBlockK) {
+      const int64_t kn = std::min(kBlockK, s.tk - k0);
+      const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
+      AttnTranspose(kf, kn, s.d, kt, kBlockK);
+      AttnTranspose(vh + k0 * s.dv, kn, s.dv, vt, kBlockK);
+      std::fill(dk, dk + kn * s.d, 0.0f);
+      std::fill(dv, dv + kn * s.dv, 0.0f);
+      const int64_t q_begin = (attention_query_begin(a.causal, static_cast<uint32_t>(k0)) / kBlockQ) * kBlockQ;
+      for (int64_t q0 = q_begin; q0 < s.tq; q0 += kBlockQ) {
+        const int64_t qn = std::min(kBlockQ, s.tq - q0);
+        const float* qf = AttnAsFloat(qh + q0 * s.d, qn * s.d, qbuf);
+        const float* dof = AttnAsFloat(doh + q0 * s.dv, qn * s.dv, dobuf);
+        AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
+        AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.dv, dof, s.dv, 1, vt, kBlockK, dp, kBlockK, false));
+        const bool masked = !s.mask_trivial || !attention_tile_below_diagonal(a.causal, static_cast<uint32_t>(q0),
+                                                                               static_cast<uint32_t>(k0),
+                                                                               static_cast<uint32_t>(kn));
+        for (int64_t i = 0; i < qn; ++i) {
+          float* srow = st + i * kBlockK;
+          float* dprow = dp + i * kBlockK;
+          const float row_lse = lse[q0 + i];
+          if (row_lse == kNegInf) {  // attends no key: p = 0, ds = 0
+            std::fill(srow, srow + kn, 0.0f);
+            std::fill(dprow, dprow + kn, 0.0f);
+            continue;
+          }
+          AttnScaleAndMaskRow(srow, kn, a.scale, mask_bh + (q0 + i) * s.mask_q, s.mask_k, a.causal, q0 + i, k0,
+                              masked);
+          const float row_dr = dr[q0 + i];
+          for (int64_t j = 0; j < kn; ++j) {
+            const float p = AttnExp(srow[j] - row_lse);  // exact 0 for a masked score (-inf)
+            srow[j] = p;
+            dprow[j] = a.scale * attention_ds(p, dprow[j], row_dr);
+          }
+        }
+        // dV += P^T dO, dK += dS^T Q (scale folded into dS), dQ += dS K.
+        AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.dv, qn, st, 1, kBlockK, dof, s.dv, dv, s.dv, true));
+        AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.d, qn, dp, 1, kBlockK, qf, s.d, dk, s.d, true));
+        AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.d, kn, dp, kBlockK, 1, kf, s.d, dq + q0 * s.d, s.d, true));
+      }
+      T* dkh = a.dk + (bh * s.tk + k0) * s.d;
+      T* dvh = a.dv + (bh * s.tk + k0) * s.dv;
+      for (int64_t e = 0; e < kn * s.d; ++e) dkh[e] = static_cast<T>(dk[e]);
+      for (int64_t e = 0; e < kn * s.dv; ++e) dvh[e] = static_cast<T>(dv[e]);
+    }
+    T* dqh = a.dq + bh * s.tq * s.d;
+    for (int64_t e = 0; e < s.tq * s.d; ++e) dqh[e] = static_cast<T>(dq[e]);
+  }
+}
+
+// ---------------------------------------------------------------- per-ISA entry points
+
+template <typename T>
+void AttnForwardItemsBaseline(const AttnForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
+  AttnForwardItemsImpl<T, false>(a, begin, end, scratch);
+}
+template <typename T>
+void AttnBackwardItemsBaseline(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
+  AttnBackwardItemsImpl<T, false>(a, begin, end, scratch);
+}
+
+#ifdef TFMETAL_ATTN_X86
+template <typename T>
+TFMETAL_ATTN_AVX2 void AttnForwardItemsAvx2(const AttnForwardArgs<T>& a, int64_t begin, int64_t end,
+                                            float* scratch) {
+  AttnForwardItemsImpl<T, true>(a, begin, end, scratch);
+}
+template <typename T>
+TFMETAL_ATTN_AVX2 void AttnBackwardItemsAvx2(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end,
+                                             float* scratch) {
+  AttnBackwardItemsImpl<T, true>(a, begin, end, scratch);
+}
+#endif
+
+template <typename T>
+void AttnForwardItems(const AttnForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
+#ifdef TFMETAL_ATTN_X86
+  if (AttnHasAvx2()) return AttnForwardItemsAvx2(a, begin, end, scratch);
+#endif
+  AttnForwardItemsBaseline(a, begin, end, scratch);
+}
+
+template <typename T>
+void AttnBackwardItems(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
+#ifdef TFMETAL_ATTN_X86
+  if (AttnHasAvx2()) return AttnBackwardItemsAvx2(a, begin, end, scratch);
+#endif
+  AttnBackwardItemsBaseline(a, begin, end, scratch);
+}
+
+// ---------------------------------------------------------------- op kernels
+
+class AttnAttrs {
+ public:
+  explicit AttnAttrs(OpKernelConstruction* ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("causal", &causal_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
+    OP_REQUIRES(ctx, std::isfinite(scale_) && scale_ > 0.0f,
+                errors::InvalidArgument("scale must be finite and > 0, got ", scale_));
+  }
+  bool causal_ = false;
+  float scale_ = 1.0f;
+};
+
+template <typename T>
+class AttentionOp : public OpKernel {
+ public:
+  explicit AttentionOp(OpKernelConstruction* ctx) : OpKernel(ctx), attrs_(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& q = ctx->input(0);
+    const Tensor& k = ctx->input(1);
+    const Tensor& v = ctx->input(2);
+    const Tensor& mask = ctx->input(3);
+    AttnShape s;
+    OP_REQUIRES_OK(ctx, AttnCheckInputs(q, k, v, mask, &s));
+    Tensor *out = nullptr, *lse = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({s.b, s.h, s.tq, s.dv}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({s.b, s.h, s.tq}), &lse));
+    AttnForwardArgs<T> a;
+    a.q = q.flat<T>().data();
+    a.k = k.flat<T>().data();
+    a.v = v.flat<T>().data();
+    a.mask = mask.flat<bool>().data();
+    a.out = out->flat<T>().data();
+    a.lse = lse->flat<float>().data();
+    a.s = s;
+    a.causal = attrs_.causal_;
+    a.scale = attrs_.scale_;
+    a.q_tiles = AttnCeilDiv(s.tq, kBlockQ);
+    const int64_t items = s.b * s.h * a.q_tiles;
+    // Cycles per item, roughly: two GEMMs of kBlockQ x Tk x D at ~8 flops a cycle.
+    const int64_t cost = std::max<int64_t>(1, kBlockQ * s.tk * (s.d + s.dv) / 4);
+    OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, items, cost, AttnForwardScratch<T>(s),
+                                               [&a](int64_t begin, int64_t end, float* scratch) {
+                                                 AttnForwardItems(a, begin, end, scratch);
+                                               }));
+  }
+
+ private:
+  AttnAttrs attrs_;
+};
+
+Status AttnCheckShape(const Tensor& t, const char* name, const TensorShape& want) {
+  if (t.shape() != want) {
+    return errors::InvalidArgument(name, " must have the shape ", want.DebugString(), ", got ",
+                                   t.shape().DebugString());
+  }
+  return Status();
+}
+
+template <typename T>
+class AttentionGradOp : public OpKernel {
+ public:
+  explicit AttentionGradOp(OpKernelConstruction* ctx) : OpKernel(ctx), attrs_(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& d_out = ctx->input(0);
+    const Tensor& q = ctx->input(1);
+    const Tensor& k = ctx->input(2);
+    const Tensor& v = ctx->input(3);
+    const Tensor& mask = ctx->input(4);
+    const Tensor& out = ctx->input(5);
+    const Tensor& lse = ctx->input(6);
+    AttnShape s;
+    OP_REQUIRES_OK(ctx, AttnCheckInputs(q, k, v, mask, &s));
+    const TensorShape out_shape({s.b, s.h, s.tq, s.dv});
+    OP_REQUIRES_OK(ctx, AttnCheckShape(d_out, "d_output", out_shape));
+    OP_REQUIRES_OK(ctx, AttnCheckShape(out, "output", out_shape));
+    OP_REQUIRES_OK(ctx, AttnCheckShape(lse, "lse", TensorShape({s.b, s.h, s.tq})));
+    Tensor *dq = nullptr, *dk = nullptr, *dv = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, q.shape(), &dq));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, k.shape(), &dk));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, v.shape(), &dv));
+    AttnBackwardArgs<T> a;
+    a.d_out = d_out.flat<T>().data();
+    a.q = q.flat<T>().data();
+    a.k = k.flat<T>().data();
+    a.v = v.flat<T>().data();
+    a.mask = mask.flat<bool>().data();
+    a.out = out.flat<T>().data();
+    a.lse = lse.flat<float>().data();
+    a.dq = dq->flat<T>().data();
+    a.dk = dk->flat<T>().data();
+    a.dv = dv->flat<T>().data();
+    a.s = s;
+    a.causal = attrs_.causal_;
+    a.scale = attrs_.scale_;
+    const int64_t items = s.b * s.h;
+    if (items == 0) return;
+    if (s.tq == 0) {  // no query: no gradient flows to key and value
+      std::fill(a.dk, a.dk + dk->NumElements(), static_cast<T>(0.0f));
+      std::fill(a.dv, a.dv + dv->NumElements(), static_cast<T>(0.0f));
+      return;
+    }
+    // Cycles per head, roughly: five GEMMs of Tq x Tk x D at ~8 flops a cycle.
+    const int64_t cost = std::max<int64_t>(1, s.tq * s.tk * (3 * s.d + 2 * s.dv) / 4);
+    OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, items, cost, AttnBackwardScratch<T>(s),
+                                               [&a](int64_t begin, int64_t end, float* scratch) {
+                                                 AttnBackwardItems(a, begin, end, scratch);
+                                               }));
+  }
+
+ private:
+  AttnAttrs attrs_;
+};
+
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>Attention"), AttentionOp)
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>AttentionGrad"), AttentionGradOp)
+
+}  // namespace attention_cpu
+}  // namespace tfmetal_ext

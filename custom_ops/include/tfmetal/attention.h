@@ -1,0 +1,87 @@
+// Softmax attention (TfmetalExt>Attention / TfmetalExt>AttentionGrad): the
+// per-element math and the tile ranges, shared by the CPU kernel and the Metal
+// kernel (see tfmetal/portable.h).
+//
+// Per query row i, over the keys j it attends (attention_attends), in float32
+// whatever the input dtype, with s_ij = scale * q_i . k_j:
+//   forward (online softmax over key tiles):
+//     m' = max(m, max_j s_ij)          running max (starts at -inf)
+//     a  = exp(m - m')                 rescale of the running sum and output
+//     l' = a * l + sum_j exp(s_ij - m')
+//     o' = a * o + sum_j exp(s_ij - m') v_j
+//     finally out_i = o / l and lse_i = m + log(l); a row attending no key has
+//     l = 0: out_i = 0 and lse_i = -inf.
+//   backward, from the saved lse:
+//     p_ij = exp(s_ij - lse_i)         0 where masked out, and for lse = -inf
+//     Dr_i = dO_i . out_i,  dp_ij = dO_i . v_j,  ds_ij = p_ij (dp_ij - Dr_i)
+//     dQ = scale * ds K,  dK = scale * ds^T Q,  dV = p^T dO.
+// Causal is top-left aligned: key j is attended by query i only if j <= i.
+// The kernels own the loops, the tiling and the summation order.
+#ifndef TFMETAL_ATTENTION_H_
+#define TFMETAL_ATTENTION_H_
+
+#include "tfmetal/portable.h"
+
+#define TFM_ATTENTION_MAX_HEAD_DIM 256
+
+#ifndef INFINITY
+#define INFINITY (__builtin_inff())
+#endif
+
+// Whether query i attends key j: the mask says so and (causal) j <= i.
+TFM_INLINE bool attention_attends(bool mask_value, bool causal, uint32_t i, uint32_t j) {
+  return mask_value && (!causal || j <= i);
+}
+
+// The running max after a tile whose (masked) max score is tile_max.
+TFM_INLINE float attention_new_max(float running_max, float tile_max) { return tfm_max(running_max, tile_max); }
+
+// The factor the running sum and output are multiplied by when the max moves
+// from running_max to new_max (1 while nothing is attended yet; 0 for the
+// first attended tile, whose running sum and output are 0 anyway).
+TFM_INLINE float attention_rescale(float running_max, float new_max) {
+  return new_max == -INFINITY ? 1.0f : tfm_exp(running_max - new_max);
+}
+
+// exp(s - max) of a score (0 for a masked score s = -inf, and when nothing is
+// attended: max = -inf).
+TFM_INLINE float attention_weight(float score, float running_max) {
+  return running_max == -INFINITY ? 0.0f : tfm_exp(score - running_max);
+}
+
+// The row's log-sum-exp at the end: -inf for a row that attends no key.
+TFM_INLINE float attention_lse(float running_max, float running_sum) {
+  return running_sum > 0.0f ? running_max + tfm_log(running_sum) : -INFINITY;
+}
+
+// 1 / running_sum, or 0 for a row that attends no key (its output is 0).
+TFM_INLINE float attention_inv_sum(float running_sum) { return running_sum > 0.0f ? 1.0f / running_sum : 0.0f; }
+
+// The probability in the backward pass, from the saved lse (0 for a row that
+// attends no key, and for a masked score s = -inf).
+TFM_INLINE float attention_p(float score, float lse) { return lse == -INFINITY ? 0.0f : tfm_exp(score - lse); }
+
+// d(score) of one element, before the scale: p (dp - Dr).
+TFM_INLINE float attention_ds(float p, float dp, float dr) { return p * (dp - dr); }
+
+// ---------------------------------------------------------------- tile ranges
+
+TFM_INLINE uint32_t attention_ceil_div(uint32_t a, uint32_t b) { return (a + b - 1u) / b; }
+
+// The end of the keys the query rows [q0, q0 + rows) attend at most: every
+// key, or with causal the keys j <= q0 + rows - 1.
+TFM_INLINE uint32_t attention_key_end(bool causal, uint32_t q0, uint32_t rows, uint32_t tk) {
+  if (!causal) return tk;
+  return rows == 0u ? 0u : tfm_min(tk, q0 + rows);
+}
+
+// The first query row that attends any key of [k0, ...): 0, or with causal k0.
+TFM_INLINE uint32_t attention_query_begin(bool causal, uint32_t k0) { return causal ? k0 : 0u; }
+
+// Whether causality masks nothing in the tile of query rows [q0, ...) and keys
+// [k0, k0 + keys): every key j <= every row i (always without causal).
+TFM_INLINE bool attention_tile_below_diagonal(bool causal, uint32_t q0, uint32_t k0, uint32_t keys) {
+  return !causal || keys == 0u || k0 + keys - 1u <= q0;
+}
+
+#endif  // TFMETAL_ATTENTION_H_

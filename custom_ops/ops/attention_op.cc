@@ -1,0 +1,163 @@
+// Registration of TfmetalExt>Attention and its gradient op TfmetalExt>AttentionGrad.
+//
+// query [B, H, Tq, D], key [B, H, Tk, D], value [B, H, Tk, Dv] of one float
+// dtype T; a boolean "attend" mask of rank 4 whose every dimension is 1 or the
+// full size of [B, H, Tq, Tk] ([1, 1, 1, 1] True for no mask). The saved
+// log-sum-exp is float32 for every T.
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace tfmetal_ext {
+namespace attention_op {
+
+using ::tensorflow::Status;
+using ::tensorflow::shape_inference::DimensionHandle;
+using ::tensorflow::shape_inference::InferenceContext;
+using ::tensorflow::shape_inference::ShapeHandle;
+
+constexpr int64_t kMaxHeadDim = 256;
+
+Status Rank4(InferenceContext* c, int input, const char* name, ShapeHandle* out) {
+  ShapeHandle s = c->input(input);
+  if (c->RankKnown(s) && c->Rank(s) != 4) {
+    return ::tensorflow::errors::InvalidArgument(name, " must have rank 4, got shape ", c->DebugString(s));
+  }
+  return c->WithRank(s, 4, out);
+}
+
+// Merges dimension `a_axis` of a with `b_axis` of b (an error naming both when they differ).
+Status MergeDim(InferenceContext* c, ShapeHandle a, int a_axis, const char* a_name, ShapeHandle b, int b_axis,
+                const char* b_name, const char* what, DimensionHandle* out) {
+  if (!c->Merge(c->Dim(a, a_axis), c->Dim(b, b_axis), out).ok()) {
+    return ::tensorflow::errors::InvalidArgument(a_name, " and ", b_name, " must have the same ", what, ", got shapes ",
+                                                 c->DebugString(a), " and ", c->DebugString(b));
+  }
+  return Status();
+}
+
+Status CheckHeadDim(InferenceContext* c, DimensionHandle d, const char* name, ShapeHandle s) {
+  if (c->ValueKnown(d) && (c->Value(d) < 1 || c->Value(d) > kMaxHeadDim)) {
+    return ::tensorflow::errors::InvalidArgument("the last dimension of ", name, " must be in [1, ", kMaxHeadDim,
+                                                 "], got shape ", c->DebugString(s));
+  }
+  return Status();
+}
+
+// Checks query/key/value/mask (inputs first..first+3) and gives B, H, Tq, Tk, D, Dv.
+Status CheckAttentionInputs(InferenceContext* c, int first, DimensionHandle dims[6]) {
+  ShapeHandle q, k, v, m;
+  TF_RETURN_IF_ERROR(Rank4(c, first, "query", &q));
+  TF_RETURN_IF_ERROR(Rank4(c, first + 1, "key", &k));
+  TF_RETURN_IF_ERROR(Rank4(c, first + 2, "value", &v));
+  TF_RETURN_IF_ERROR(Rank4(c, first + 3, "mask", &m));
+  DimensionHandle b, h, tk, d;
+  TF_RETURN_IF_ERROR(MergeDim(c, q, 0, "query", k, 0, "key", "batch dimension", &b));
+  TF_RETURN_IF_ERROR(MergeDim(c, q, 1, "query", k, 1, "key", "heads dimension", &h));
+  TF_RETURN_IF_ERROR(MergeDim(c, q, 3, "query", k, 3, "key", "head dim", &d));
+  ShapeHandle qb = c->MakeShape({b, h, c->Dim(q, 2), d});
+  TF_RETURN_IF_ERROR(MergeDim(c, qb, 0, "query", v, 0, "value", "batch dimension", &b));
+  TF_RETURN_IF_ERROR(MergeDim(c, qb, 1, "query", v, 1, "value", "heads dimension", &h));
+  TF_RETURN_IF_ERROR(MergeDim(c, k, 2, "key", v, 2, "value", "sequence length", &tk));
+  DimensionHandle tq = c->Dim(q, 2), dv = c->Dim(v, 3);
+  TF_RETURN_IF_ERROR(CheckHeadDim(c, d, "query", q));
+  TF_RETURN_IF_ERROR(CheckHeadDim(c, dv, "value", v));
+  const DimensionHandle full[4] = {b, h, tq, tk};
+  for (int axis = 0; axis < 4; ++axis) {
+    DimensionHandle got = c->Dim(m, axis);
+    if (c->ValueKnown(got) && c->ValueKnown(full[axis]) && c->Value(got) != 1 &&
+        c->Value(got) != c->Value(full[axis])) {
+      return ::tensorflow::errors::InvalidArgument(
+          "mask must broadcast to [batch, heads, q_seq, kv_seq] = ", c->DebugString(c->MakeShape({b, h, tq, tk})),
+          " with each dimension 1 or the full size, got shape ", c->DebugString(m));
+    }
+  }
+  dims[0] = b;
+  dims[1] = h;
+  dims[2] = tq;
+  dims[3] = tk;
+  dims[4] = d;
+  dims[5] = dv;
+  return Status();
+}
+
+Status AttentionShape(InferenceContext* c) {
+  DimensionHandle dims[6];
+  TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 0, dims));
+  c->set_output(0, c->MakeShape({dims[0], dims[1], dims[2], dims[5]}));
+  c->set_output(1, c->MakeShape({dims[0], dims[1], dims[2]}));
+  return Status();
+}
+
+Status AttentionGradShape(InferenceContext* c) {
+  DimensionHandle dims[6];
+  TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 1, dims));
+  ShapeHandle want_out = c->MakeShape({dims[0], dims[1], dims[2], dims[5]});
+  ShapeHandle merged;
+  for (int input : {0, 5}) {
+    if (!c->Merge(c->input(input), want_out, &merged).ok()) {
+      return ::tensorflow::errors::InvalidArgument(input == 0 ? "d_output" : "output",
+                                                   " must have the shape [batch, heads, q_seq, value_dim] = ",
+                                                   c->DebugString(want_out), ", got ", c->DebugString(c->input(input)));
+    }
+  }
+  ShapeHandle want_lse = c->MakeShape({dims[0], dims[1], dims[2]});
+  if (!c->Merge(c->input(6), want_lse, &merged).ok()) {
+    return ::tensorflow::errors::InvalidArgument("lse must have the shape [batch, heads, q_seq] = ",
+                                                 c->DebugString(want_lse), ", got ", c->DebugString(c->input(6)));
+  }
+  c->set_output(0, c->MakeShape({dims[0], dims[1], dims[2], dims[4]}));
+  c->set_output(1, c->MakeShape({dims[0], dims[1], dims[3], dims[4]}));
+  c->set_output(2, c->MakeShape({dims[0], dims[1], dims[3], dims[5]}));
+  return Status();
+}
+
+}  // namespace attention_op
+
+REGISTER_OP("TfmetalExt>Attention")
+    .Input("query: T")
+    .Input("key: T")
+    .Input("value: T")
+    .Input("mask: bool")
+    .Output("output: T")
+    .Output("lse: float")
+    .Attr("T: {float, half, bfloat16}")
+    .Attr("causal: bool = false")
+    .Attr("scale: float = 1.0")
+    .SetShapeFn(attention_op::AttentionShape)
+    .Doc(R"doc(
+Scaled dot-product softmax attention per batch and head, flash-style (the
+[Tq, Tk] score matrix is never stored): output = softmax(scale * query key^T)
+value over the attended keys, computed in float32 for every T. Key j is
+attended by query i where mask (broadcast: each dimension 1 or the full size
+of [B, H, Tq, Tk]) is True and, with causal, j <= i. lse (float32, [B, H, Tq])
+is each row's log-sum-exp of the attended scores, saved for
+TfmetalExt>AttentionGrad. A row attending no key has output 0 and lse -inf.
+scale must be finite and > 0; head dims 1..256.
+)doc");
+
+REGISTER_OP("TfmetalExt>AttentionGrad")
+    .Input("d_output: T")
+    .Input("query: T")
+    .Input("key: T")
+    .Input("value: T")
+    .Input("mask: bool")
+    .Input("output: T")
+    .Input("lse: float")
+    .Output("d_query: T")
+    .Output("d_key: T")
+    .Output("d_value: T")
+    .Attr("T: {float, half, bfloat16}")
+    .Attr("causal: bool = false")
+    .Attr("scale: float = 1.0")
+    .SetShapeFn(attention_op::AttentionGradShape)
+    .Doc(R"doc(
+Gradient of TfmetalExt>Attention from its output and saved lse: the
+probabilities are recomputed tile by tile (p = exp(scale q.k - lse)), with
+Dr = rowsum(d_output * output) and ds = p (d_output . v - Dr):
+d_query = scale ds key, d_key = scale ds^T query, d_value = p^T d_output.
+float32 accumulation for every T; deterministic (no atomics, the summation
+order depends on the shapes only).
+)doc");
+
+}  // namespace tfmetal_ext
