@@ -1,0 +1,416 @@
+"""The attention Metal kernels (custom_ops/metal/attention.metal) on the Metal emulator.
+
+Every instantiation -- attention_fwd_float, attention_fwd_half,
+attention_fwd_bfloat, attention_bwd_dq_float, attention_bwd_dq_half,
+attention_bwd_dq_bfloat, attention_bwd_dkdv_float, attention_bwd_dkdv_half,
+attention_bwd_dkdv_bfloat -- is dispatched the way attention_metal.mm
+dispatches it (dispatchThreadgroups of 128 threads over a (tile, head, batch)
+grid) and compared with float64 softmax attention written here in numpy,
+and with the CPU kernel (custom_ops/cpu/attention_kernels.cc: the same shared
+math, another summation order). This is what verifies the kernels without a
+Mac: no GPU result is claimed.
+
+Outputs start as NaN (an element no thread writes fails the comparison) and
+sit in front of a guard region that must come back untouched (no write past
+the end). Emulated threadgroups run their 128 threads as OS threads, one
+threadgroup after another, so the shapes are small; the larger sweep is
+marked slow.
+"""
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tfmetal_ext.testing import compiled_ops, load_emu
+
+ROOT = Path(__file__).resolve().parents[2]
+DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
+FORWARD = {"float": "attention_fwd_float", "half": "attention_fwd_half", "bfloat": "attention_fwd_bfloat"}
+DQ = {"float": "attention_bwd_dq_float", "half": "attention_bwd_dq_half", "bfloat": "attention_bwd_dq_bfloat"}
+DKDV = {"float": "attention_bwd_dkdv_float", "half": "attention_bwd_dkdv_half",
+        "bfloat": "attention_bwd_dkdv_bfloat"}
+# tfm_attention_params (custom_ops/metal/attention.h)
+PARAMS = np.dtype([("batch", "<u4"), ("heads", "<u4"), ("tq", "<u4"), ("tk", "<u4"), ("d", "<u4"), ("dv", "<u4"),
+                   ("mask_stride_b", "<u4"), ("mask_stride_h", "<u4"), ("mask_stride_q", "<u4"),
+                   ("mask_stride_k", "<u4"), ("scale", "<f4"), ("causal", "<u4")])
+THREADS, BLOCK_Q, BLOCK_K, CHUNK = 128, 8, 32, 64  # attention.h
+GUARD = 37      # elements after each output that no kernel may write
+SENTINEL = -3.5  # exact in every dtype
+# Tolerance relative to the largest |reference| value (outputs are averages of
+# values ~1; the sums run in float32 in every dtype, so half/bfloat16 results
+# are their dtype's rounding of a float32 value computed from rounded inputs).
+TOL = {"float": 1e-5, "half": 2e-3, "bfloat": 1.6e-2}
+
+emu = load_emu()
+
+# No Keras here: skip the conftest's per-test Keras session reset and policy restore.
+pytestmark = pytest.mark.no_keras
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return emu.build(ROOT / "custom_ops" / "metal" / "attention.metal")
+
+
+# ----------------------------------------------------------------------------
+# The host side, as attention_metal.mm does it.
+
+
+def params(q, k, v, mask, causal, scale):
+    b, h, tq, d = q.shape
+    tk, dv = k.shape[2], v.shape[3]
+    bm, hm, tqm, tkm = mask.shape
+    strides = (hm * tqm * tkm if bm > 1 else 0, tqm * tkm if hm > 1 else 0, tkm if tqm > 1 else 0,
+               1 if tkm > 1 else 0)
+    return ("bytes", np.array((b, h, tq, tk, d, dv) + strides + (scale, int(causal)), PARAMS))
+
+
+def guarded(shape, dtype):
+    """A NaN-filled output of `shape` in front of GUARD sentinel elements: (flat buffer, view)."""
+    n = int(np.prod(shape))
+    flat = np.full(n + GUARD, np.nan, dtype)
+    flat[n:] = SENTINEL
+    return flat, flat[:n].reshape(shape)
+
+
+def check_guard(flat, shape, what):
+    tail = flat[int(np.prod(shape)):].astype(np.float32)
+    assert (tail == SENTINEL).all(), f"{what}: the kernel wrote past the end of the output"
+
+
+def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="linear"):
+    b, h, tq, d = q.shape
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    out_shape, lse_shape = (b, h, tq, v.shape[3]), (b, h, tq)
+    out_flat, out = guarded(out_shape, DTYPES[dtype])
+    lse_flat, lse = guarded(lse_shape, np.float32)
+    if out.size:  # the host returns before dispatching when B, H or Tq is 0
+        lib.run(FORWARD[dtype], [q, k, v, mask, out_flat, lse_flat, params(q, k, v, mask, causal, scale)],
+                threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS, order=order, seed=3)
+    check_guard(out_flat, out_shape, "output")
+    check_guard(lse_flat, lse_shape, "lse")
+    return out, lse
+
+
+def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=None, order="linear"):
+    b, h, tq, d = q.shape
+    tk, dv = k.shape[2], v.shape[3]
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    dq_flat, dq = guarded(q.shape, DTYPES[dtype])
+    dk_flat, dk = guarded(k.shape, DTYPES[dtype])
+    dv_flat, dvv = guarded(v.shape, DTYPES[dtype])
+    args = [do, q, k, v, mask, np.ascontiguousarray(out), np.ascontiguousarray(lse)]
+    p = params(q, k, v, mask, causal, scale)
+    if dq.size:  # B, H, Tq > 0
+        lib.run(DQ[dtype], args + [dq_flat, p], threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS,
+                order=order, seed=5)
+    if dk.size:  # B, H, Tk > 0
+        chunks = -(-max(d, dv) // CHUNK)
+        lib.run(DKDV[dtype], args + [dk_flat, dv_flat, p], threadgroups=(-(-tk // BLOCK_K) * chunks, h, b),
+                threadgroup=THREADS, order=order, seed=7)
+    for flat, shape, what in ((dq_flat, q.shape, "d_query"), (dk_flat, k.shape, "d_key"),
+                              (dv_flat, v.shape, "d_value")):
+        check_guard(flat, shape, what)
+    return dq, dk, dvv
+
+
+# ----------------------------------------------------------------------------
+# float64 reference: softmax attention over the attended keys, written out.
+
+
+def allowed(mask, causal, b, h, tq, tk):
+    a = np.broadcast_to(mask, (b, h, tq, tk))
+    if causal:
+        a = a & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])
+    return a
+
+
+def np_forward(q, k, v, mask, causal, scale):
+    """(output, lse, probabilities) in float64; rows attending no key: 0, -inf, 0."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    b, h, tq, _ = q.shape
+    a = allowed(mask, causal, b, h, tq, k.shape[2])
+    s = np.where(a, scale * q @ k.transpose(0, 1, 3, 2), -np.inf)
+    m = s.max(-1, keepdims=True, initial=-np.inf)
+    e = np.where(a, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
+    l = e.sum(-1, keepdims=True)
+    safe = np.where(l > 0, l, 1)
+    p = np.where(l > 0, e / safe, 0.0)
+    lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(safe[..., 0]), -np.inf)
+    return p @ v, lse, p
+
+
+def np_backward(do, q, k, v, mask, causal, scale):
+    """(dQ, dK, dV) of sum(output * do) in float64, and the size of each element's terms.
+
+    ds = p (dp - Dr) cancels where the softmax is peaked (dp ~ Dr), so a
+    gradient element can be far smaller than the float32 terms it is summed
+    from; its rounding error scales with |terms|: scale * (p (|dO| |V|^T +
+    rowsum |dO| |O|)) |K| for dQ (likewise dK), p^T |dO| for dV.
+    """
+    o, _, p = np_forward(q, k, v, mask, causal, scale)
+    do, q, k, v = (x.astype(np.float64) for x in (do, q, k, v))
+    t = (0, 1, 3, 2)
+    dv = p.transpose(t) @ do
+    dp = do @ v.transpose(t)
+    ds = p * (dp - (do * o).sum(-1, keepdims=True))
+    ds_terms = p * (np.abs(do) @ np.abs(v).transpose(t) + (np.abs(do) * np.abs(o)).sum(-1, keepdims=True))
+    grads = (scale * ds @ k, scale * ds.transpose(t) @ q, dv)
+    terms = (scale * ds_terms @ np.abs(k), scale * ds_terms.transpose(t) @ np.abs(q), p.transpose(t) @ np.abs(do))
+    return grads, terms
+
+
+def random_case(dtype, b, h, tq, tk, d, dv, seed):
+    rng = np.random.default_rng(seed)
+    t = DTYPES[dtype]
+    q = rng.normal(0, 1, (b, h, tq, d)).astype(np.float32).astype(t)
+    k = rng.normal(0, 1, (b, h, tk, d)).astype(np.float32).astype(t)
+    v = rng.normal(0, 1, (b, h, tk, dv)).astype(np.float32).astype(t)
+    do = rng.normal(0, 1, (b, h, tq, dv)).astype(np.float32).astype(t)
+    return q, k, v, do
+
+
+def assert_close(got, want, dtype, what, terms=None):
+    """|got - want| <= TOL * (the largest |want|), or with `terms` (the size of
+    each element's summands) <= TOL * (terms + 1e-3 * max(terms))."""
+    got = np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), f"{what}: non-finite values"
+    if terms is None:
+        scale = float(np.abs(want).max(initial=0.0)) + 1e-3
+        np.testing.assert_allclose(got, want, rtol=TOL[dtype], atol=TOL[dtype] * scale, err_msg=what)
+        return
+    bound = TOL[dtype] * (terms + 1e-3 * float(terms.max(initial=0.0)) + 1e-6)
+    bad = np.abs(got - want) > bound
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} elements off; worst at "
+                           f"{np.unravel_index(np.argmax(np.abs(got - want) - bound), bad.shape)}: "
+                           f"got {got[bad][:4]}, want {want[bad][:4]}, bound {bound[bad][:4]}")
+
+
+def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=True, inputs=None):
+    """Runs forward (and backward) on a random case; returns (output, lse, grads)."""
+    b, h, tq, tk, d, dv = shape
+    scale = 1 / np.sqrt(d) if scale is None else scale
+    q, k, v, do = random_case(dtype, b, h, tq, tk, d, dv, seed) if inputs is None else inputs
+    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal, scale)
+    want_o, want_lse, _ = np_forward(q, k, v, mask, causal, scale)
+    assert_close(out, want_o, dtype, "output")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    assert np.isfinite(lse[finite]).all()
+    # lse is float32 from the dtype-rounded inputs: float32 rounding of ~ log(Tk) + the max score.
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    if not backward:
+        return out, lse, None
+    grads = metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal, scale)
+    # Reference: the exact gradient in float64 (of the dtype-rounded inputs).
+    wants, terms = np_backward(do, q, k, v, mask, causal, scale)
+    for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, wants, terms):
+        assert got.shape == want.shape
+        assert_close(got, want, dtype, name, term)
+    return out, lse, grads
+
+
+def no_mask():
+    return np.ones((1, 1, 1, 1), bool)
+
+
+def shape_id(s):
+    return "x".join(map(str, s))
+
+
+# ----------------------------------------------------------------------------
+# Tests
+
+
+def test_library_instantiates_every_dtype(lib):
+    names = list(FORWARD.values()) + list(DQ.values()) + list(DKDV.values())
+    assert lib.kernels() == sorted(names)
+    for name in FORWARD.values():
+        ps = lib.params(name)
+        assert len(ps) == 7 and ps[6].kind == "reference" and ps[6].size == PARAMS.itemsize
+    for name in DQ.values():
+        assert len(lib.params(name)) == 9 and lib.params(name)[8].size == PARAMS.itemsize
+    for name in DKDV.values():
+        assert len(lib.params(name)) == 10 and lib.params(name)[9].size == PARAMS.itemsize
+
+
+# (B, H, Tq, Tk, D, Dv)
+SHAPES = [
+    (1, 1, 1, 1, 1, 1),
+    (1, 1, 3, 70, 1, 1),     # head dim 1, three key tiles
+    (1, 2, 9, 33, 16, 8),    # odd, Tq != Tk, Dv != D, partial query and key tiles
+    (2, 1, 8, 32, 64, 64),   # exact tile edges, head dim 64
+    (1, 1, 12, 45, 40, 40),  # odd head dim 40 (a partial chunk)
+    (1, 1, 17, 40, 65, 3),   # D one past a chunk, Dv < D: the second dK chunk writes no dV
+    (1, 2, 9, 33, 3, 130),   # Dv > D over three chunks: chunks past D write no dK
+    (2, 3, 5, 3, 8, 8),      # Tk < Tq, B and H > 1
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_forward_and_backward_match_numpy(lib, dtype, shape):
+    check(lib, dtype, shape, no_mask(), seed=sum(shape))
+
+
+@pytest.mark.parametrize("dims", [(256, 256), (256, 1), (1, 256)], ids=shape_id)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_head_dim_256(lib, dtype, dims):
+    check(lib, dtype, (1, 1, 5, 7) + dims, no_mask(), seed=sum(dims))
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 9, 9, 8, 8), (1, 1, 40, 35, 8, 12), (1, 1, 5, 40, 4, 4),
+                                   (1, 1, 33, 70, 16, 16)], ids=shape_id)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_causal(lib, dtype, shape):
+    # Top-left aligned: with Tq > Tk every row attends something; with Tq < Tk
+    # the key tiles past the last query row are skipped (their dK, dV are 0).
+    _, _, (_, dk, dv) = check(lib, dtype, shape, no_mask(), causal=True, seed=shape[2])
+    tq = shape[2]
+    assert (dk[:, :, tq:].astype(np.float32) == 0).all() and (dv[:, :, tq:].astype(np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("pattern", [(1, 1, 1, 1), (2, 1, 1, 1), (1, 3, 1, 1), (1, 1, 10, 1), (1, 1, 1, 37),
+                                     (1, 1, 10, 37), (2, 3, 10, 37)], ids=shape_id)
+def test_mask_broadcast_patterns(lib, pattern):
+    rng = np.random.default_rng(sum(pattern))
+    mask = rng.random(pattern) < 0.7
+    check(lib, "float", (2, 3, 10, 37, 8, 8), mask, seed=1, causal=pattern == (2, 3, 10, 37))
+
+
+@pytest.mark.parametrize("dtype", ["half", "bfloat"])
+def test_full_mask_in_low_precision(lib, dtype):
+    rng = np.random.default_rng(11)
+    check(lib, dtype, (2, 2, 10, 37, 8, 8), rng.random((2, 2, 10, 37)) < 0.5, seed=12)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fully_masked_rows_give_zero_output_and_minus_inf_lse(lib, dtype):
+    mask = np.ones((1, 1, 11, 34), bool)
+    rows = [0, 7, 10]  # whole rows, in two query tiles
+    mask[0, 0, rows] = False
+    out, lse, (dq, dk, dv) = check(lib, dtype, (1, 2, 11, 34, 8, 8), mask, seed=4)
+    assert np.isneginf(lse[:, :, rows]).all() and np.isfinite(np.delete(lse, rows, axis=2)).all()
+    assert (out[:, :, rows].astype(np.float32) == 0).all()
+    assert (dq[:, :, rows].astype(np.float32) == 0).all()
+    for g in (dq, dk, dv):
+        assert np.isfinite(g.astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_causal_with_a_mask_that_empties_rows(lib, dtype):
+    # Under causal row 0 attends only key 0 and row 1 keys 0 and 1: masking key 0
+    # for both and key 1 (with key 3) for every row empties them; row 5 is masked
+    # out entirely.
+    mask = np.ones((1, 1, 9, 20), bool)
+    mask[0, 0, :2, 0] = False
+    mask[..., 1] = mask[..., 3] = False
+    mask[0, 0, 5] = False
+    out, lse, _ = check(lib, dtype, (2, 1, 9, 20, 8, 8), mask, causal=True, seed=21)
+    assert np.isneginf(lse[:, :, [0, 1, 5]]).all()
+    assert (out[:, :, [0, 1, 5]].astype(np.float32) == 0).all()
+
+
+def test_one_attended_key_per_row_is_exact(lib):
+    # A row that attends one key has p = 1 exactly: output = that value row,
+    # dV of that key = the row's dO, lse = its score (float32 rounding).
+    tq, tk = 10, 40
+    mask = np.zeros((1, 1, tq, tk), bool)
+    keys = (np.arange(tq) * 3 + 1) % tk
+    mask[0, 0, np.arange(tq), keys] = True
+    inputs = random_case("float", 1, 1, tq, tk, 8, 8, 30)
+    q, k, v, do = inputs
+    out, lse, (dq, dk, dv) = check(lib, "float", (1, 1, tq, tk, 8, 8), mask, inputs=inputs)
+    np.testing.assert_array_equal(out[0, 0], v[0, 0, keys])
+    np.testing.assert_array_equal(dv[0, 0, keys], do[0, 0])
+    np.testing.assert_array_equal(np.delete(dv[0, 0], keys, axis=0), 0)  # keys nobody attends
+    np.testing.assert_allclose(lse[0, 0], (q[0, 0] * k[0, 0, keys]).sum(-1) / np.sqrt(8), rtol=1e-6, atol=1e-6)
+
+
+def test_large_scores_stay_finite(lib):
+    # The online max subtraction: scores ~ 400 would overflow exp without it.
+    q, k, v, do = random_case("float", 1, 1, 9, 40, 16, 16, 9)
+    inputs = (q * 20, k * 20, v, do)
+    _, lse, _ = check(lib, "float", (1, 1, 9, 40, 16, 16), no_mask(), scale=0.25, inputs=inputs)
+    assert (lse > 100).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_zero_key_length(lib, dtype):
+    # Tk == 0: every row attends no key: output 0, lse -inf, dQ 0; dK and dV are
+    # empty (the host dispatches no dK/dV pass).
+    q, k, v, do = random_case(dtype, 1, 2, 9, 0, 8, 4, 2)
+    out, lse = metal_forward(lib, dtype, q, k, v, no_mask())
+    assert (out.astype(np.float32) == 0).all() and np.isneginf(lse).all()
+    dq, dk, dv = metal_backward(lib, dtype, do, q, k, v, no_mask(), out, lse)
+    assert (dq.astype(np.float32) == 0).all() and dk.shape == (1, 2, 0, 8) and dv.shape == (1, 2, 0, 4)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_zero_query_length_gives_zero_key_grads(lib, dtype):
+    q, k, v, do = random_case(dtype, 1, 2, 0, 9, 8, 4, 2)
+    out, lse = metal_forward(lib, dtype, q, k, v, no_mask())
+    dq, dk, dv = metal_backward(lib, dtype, do, q, k, v, no_mask(), out, lse, causal=True)
+    assert dq.shape == (1, 2, 0, 8)
+    assert (dk.astype(np.float32) == 0).all() and (dv.astype(np.float32) == 0).all()
+
+
+def test_results_do_not_depend_on_threadgroup_order(lib):
+    q, k, v, do = random_case("half", 1, 2, 17, 40, 8, 8, 6)
+    mask = no_mask()
+    first = metal_forward(lib, "half", q, k, v, mask, causal=True)
+    again = metal_forward(lib, "half", q, k, v, mask, causal=True, order="shuffle")
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    g1 = metal_backward(lib, "half", do, q, k, v, mask, *first, causal=True)
+    g2 = metal_backward(lib, "half", do, q, k, v, mask, *first, causal=True, order="reverse")
+    for a, b in zip(g1, g2):
+        np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_larger_causal_masked_case(lib, dtype):
+    # Several query and key tiles per head, D != Dv across chunk edges, a
+    # [B, 1, 1, Tk] padding mask and causal together.
+    rng = np.random.default_rng(40)
+    mask = rng.random((2, 1, 1, 100)) < 0.8
+    check(lib, dtype, (2, 2, 70, 100, 72, 40), mask, causal=True, seed=41)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_matches_the_cpu_kernel(lib, dtype):
+    # The same inputs through the CPU op; both backward passes get the CPU
+    # forward's output and lse, so each kernel is compared on its own.
+    import tensorflow as tf
+
+    ops = compiled_ops()
+    if not hasattr(ops, "tfmetal_ext_attention"):
+        pytest.skip("the op library has no TfmetalExt>Attention CPU kernel to compare with")
+    shape = (2, 2, 19, 41, 24, 16)
+    rng = np.random.default_rng(50)
+    mask = rng.random((2, 1, 19, 41)) < 0.75
+    mask[0, :, 3] = False  # a fully masked row
+    q, k, v, do = random_case(dtype, *shape, seed=51)
+    scale = 0.3
+    tf_dtype = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}[dtype]
+    t = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, v, do)]
+    with tf.device("/CPU:0"):
+        cpu_out, cpu_lse = ops.tfmetal_ext_attention(t[0], t[1], t[2], tf.constant(mask), causal=True, scale=scale)
+        cpu_grads = ops.tfmetal_ext_attention_grad(t[3], t[0], t[1], t[2], tf.constant(mask), cpu_out, cpu_lse,
+                                                   causal=True, scale=scale)
+    cpu_out = cpu_out.numpy().astype(DTYPES[dtype])
+    cpu_lse = cpu_lse.numpy()
+    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal=True, scale=scale)
+    assert_close(out, cpu_out.astype(np.float64), dtype, "output vs CPU")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(cpu_lse))
+    finite = np.isfinite(cpu_lse)
+    np.testing.assert_allclose(lse[finite], cpu_lse[finite], rtol=1e-5, atol=1e-5)
+    grads = metal_backward(lib, dtype, do, q, k, v, mask, cpu_out, cpu_lse, causal=True, scale=scale)
+    _, terms = np_backward(do, q, k, v, mask, True, scale)
+    for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, cpu_grads, terms):
+        want = want.numpy().astype(np.float64)
+        assert got.shape == want.shape
+        assert_close(got, want, dtype, name + " vs CPU", 2 * term)
