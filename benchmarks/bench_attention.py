@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, environment, paired_rounds, ratio  # noqa: E402
+from _common import RESULTS_DIR, environment, ratio  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -101,6 +101,35 @@ def kernel_state():
     uses = bool(attention_ops.uses_kernel())
     return dict(uses_kernel=uses, fused_path="kernel" if uses else "reference (pure TF, scores materialized)",
                 ops_status=str(tfmetal_ext.ops.status()))
+
+
+# ----------------------------------------------------------------------------
+# Timing.
+
+
+def paired_rounds(fns, *, rounds, repeats, warmup=1):
+    """Every function of `fns` once per round (order rotated): `warmup` untimed calls, `repeats` timed.
+
+    Returns ``(wall, cpu)``: key -> [median ms per round] of wall time, and of this process's CPU time
+    (user + system, all threads). On a shared, overloaded host the wall time of a step includes waiting
+    for a core; the CPU time is the work the step did, which the other jobs disturb far less. Ratios
+    within a round (`_common.ratio`) let drift between rounds cancel.
+    """
+    wall, cpu = {k: [] for k in fns}, {k: [] for k in fns}
+    keys = list(fns)
+    for rnd in range(rounds):
+        for k in keys[rnd % len(keys):] + keys[: rnd % len(keys)]:
+            for _ in range(warmup):
+                fns[k]()
+            w, c = [], []
+            for _ in range(repeats):
+                w0, c0 = time.perf_counter(), time.process_time()
+                fns[k]()
+                c.append((time.process_time() - c0) * 1e3)
+                w.append((time.perf_counter() - w0) * 1e3)
+            wall[k].append(statistics.median(w))
+            cpu[k].append(statistics.median(c))
+    return wall, cpu
 
 
 # ----------------------------------------------------------------------------
@@ -182,13 +211,20 @@ def run_attention(seq, cfg, rounds, repeats):
                                     f"{avail / 2**30:.1f} GiB available")
         return row
     bhtd, bthd = attention_inputs(b, h, seq, d)
+    # A long step takes a minute on a loaded 2-core box: its ops are counted on a T=LONG_SEQ step (the
+    # same graph), and the Keras-layout variant of ours is left out.
+    count_seq = min(seq, LONG_SEQ)
+    small = attention_inputs(b, h, count_seq, d) if count_seq != seq else (bhtd, bthd)
+    row["ops_counted_at_seq"] = count_seq
     fns, results = {}, {}
     for name, (step, layout) in STEPS.items():
+        if name == "fused_bthd" and seq > LONG_SEQ:
+            continue
         fn = tf.function(step)
         args = bhtd if layout == "bhtd" else bthd
         try:
             results[name] = fn(*args)  # trace + first run
-            report = tfmetal_ext.inspect.fusion_report(fn, args)
+            report = tfmetal_ext.inspect.fusion_report(fn, small[0] if layout == "bhtd" else small[1])
         except Exception as e:  # noqa: BLE001 - a failing variant is recorded, the others go on
             row["errors"][name] = _first_line(e)
             continue
@@ -202,18 +238,21 @@ def run_attention(seq, cfg, rounds, repeats):
         row["max_abs_diff_bthd"] = max(float(tf.reduce_max(tf.abs(a - c)))
                                        for a, c in zip(results["fused_bthd"], results["stock"]))
     del results
-    if seq > LONG_SEQ:
-        rounds, repeats = min(rounds, 3), 1
+    warmup = 1
+    if seq > LONG_SEQ:  # a step takes many seconds; each variant already ran once
+        rounds, repeats, warmup = min(rounds, 3), 1, 0
     row["rounds"], row["repeats"] = rounds, repeats
     if not fns:
         return row
-    times = paired_rounds(fns, rounds=rounds, repeats=repeats)
+    times, cpu = paired_rounds(fns, rounds=rounds, repeats=repeats, warmup=warmup)
     for name in fns:
         row[f"{name}_ms"] = statistics.median(times[name])
+        row[f"{name}_cpu_ms"] = statistics.median(cpu[name])
     if "stock" in fns:
         for name in ("fused", "fused_bthd"):
             if name in fns:
                 row[f"{name}_speedup"] = ratio(times, "stock", name)
+                row[f"{name}_cpu_speedup"] = ratio(cpu, "stock", name)
                 row[f"{name}_ops_ratio"] = row[f"{name}_ops"] / row["stock_ops"]
     return row
 
@@ -412,11 +451,14 @@ def run_encoder(policy, cfg, rounds, repeats):
                 row[f"{name}_attention_ops"] = _count(rep, attention_ops.ATTENTION_OP, attention_ops.ATTENTION_GRAD_OP)
             if name != "stock":
                 row[f"{name}_ops_ratio"] = rep.num_ops / row["stock_ops"]
-        times = paired_rounds(fns, rounds=rounds, repeats=repeats)
+        times, cpu = paired_rounds(fns, rounds=rounds, repeats=repeats)
         row["stock_ms"] = statistics.median(times["stock"])
+        row["stock_cpu_ms"] = statistics.median(cpu["stock"])
         if "ours" in fns:
             row["ours_ms"] = statistics.median(times["ours"])
+            row["ours_cpu_ms"] = statistics.median(cpu["ours"])
             row["speedup"] = ratio(times, "stock", "ours")
+            row["cpu_speedup"] = ratio(cpu, "stock", "ours")
         row["rounds"], row["repeats"] = rounds, repeats
     except Exception as e:  # noqa: BLE001 - recorded in the row, the rest of the run goes on
         row["errors"]["encoder"] = _first_line(e)
@@ -430,12 +472,14 @@ def run_encoder(policy, cfg, rounds, repeats):
 
 ATTENTION_COLUMNS = ["seq", "batch", "heads", "head_dim", "stock_ops", "fused_ops", "fused_ops_ratio",
                      "stock_einsum_ops", "fused_attention_ops", "stock_ms", "fused_ms", "fused_speedup",
-                     "fused_bthd_ms", "fused_bthd_speedup", "max_abs_diff"]
+                     "stock_cpu_ms", "fused_cpu_ms", "fused_cpu_speedup", "fused_bthd_ms", "fused_bthd_speedup",
+                     "max_abs_diff"]
 MEMORY_COLUMNS = ["impl", "seq", "uses_kernel", "before_mb", "peak_mb", "step_mb", "step_ratio", "peak_ratio",
                   "score_matrix_mb", "step_s"]
 ENCODER_COLUMNS = ["policy", "verified", "mha_layer", "rewrites", "kept", "stock_ops", "ours_ops", "ours_ops_ratio",
                    "ours_keras_adam_ops", "stock_fused_adam_ops", "stock_einsum_ops", "ours_einsum_ops",
-                   "ours_attention_ops", "stock_ms", "ours_ms", "speedup"]
+                   "ours_attention_ops", "stock_ms", "ours_ms", "speedup", "stock_cpu_ms", "ours_cpu_ms",
+                   "cpu_speedup"]
 
 
 def _fmt(value):
@@ -461,8 +505,11 @@ def notes(args, state):
         "over the output and the three gradients",
         "ops = compute nodes per step of the post-grappler graph (tfmetal_ext.inspect FusionReport.num_ops: no "
         "_Arg/_Retval/Const/NoOp/Identity)",
-        "times: median ms across paired rounds (every variant once per round, order rotated); speedup = median "
-        f"over rounds of stock / ours within the round; T > {LONG_SEQ}: at most 3 rounds of 1 step",
+        "times: median ms across paired rounds (every variant once per round after one warm-up call, order "
+        "rotated); speedup = median over rounds of stock / ours within the round; *_cpu_ms / cpu_speedup: the "
+        "same for the process's CPU time (user + system, all threads: the work done, less disturbed by other "
+        f"jobs than wall time); T > {LONG_SEQ}: at most 3 rounds of 1 step, no warm-up call, ops counted on "
+        f"a T={LONG_SEQ} step of the same function (ops_counted_at_seq), no fused_bthd",
         "memory: one fresh process per implementation; the step is a tf.function with a (None, None, None, d) "
         "signature traced and run once at T=16 first; then the T-sized inputs are made, RSS read (before_mb), "
         "the step run once, ru_maxrss read (peak_mb); step_mb = peak_mb - before_mb (the step's own peak: "

@@ -54,6 +54,19 @@ def test_attention_case_refuses_a_size_the_machine_cannot_hold(monkeypatch):
     assert "stock_ms" not in row and "fused_ops" not in row
 
 
+def test_long_sequences_count_ops_on_a_shorter_step_and_time_fewer_rounds(monkeypatch):
+    monkeypatch.setattr(bench_attention, "LONG_SEQ", 8)
+    cfg = dict(bench_attention.QUICK, batch=1, heads=2, head_dim=4)
+    long_row = bench_attention.run_attention(12, cfg, rounds=5, repeats=4)
+    short_row = bench_attention.run_attention(8, cfg, rounds=2, repeats=1)
+    assert long_row["errors"] == {} and short_row["errors"] == {}
+    assert long_row["ops_counted_at_seq"] == 8 and short_row["ops_counted_at_seq"] == 8
+    assert (long_row["rounds"], long_row["repeats"]) == (3, 1)
+    assert "fused_bthd_ms" not in long_row and short_row["fused_bthd_ms"] > 0
+    assert long_row["stock_ops"] == short_row["stock_ops"] and long_row["fused_ops"] == short_row["fused_ops"]
+    assert long_row["max_abs_diff"] < 1e-5 and "max_abs_diff_bthd" not in long_row
+
+
 def test_encoder_model_has_the_stock_layers():
     model = bench_attention.encoder_classifier(**bench_attention.QUICK["encoder"])
     kinds = {type(layer).__name__ for layer in model.layers}
@@ -85,7 +98,8 @@ def test_quick_run_output(tmp_path):
         assert r["errors"] == {}, r["errors"]
         for key in ("stock_ops", "fused_ops", "fused_bthd_ops"):
             assert isinstance(r[key], int) and r[key] > 0, key
-        for key in ("stock_ms", "fused_ms", "fused_bthd_ms", "fused_speedup", "fused_bthd_speedup"):
+        for key in ("stock_ms", "fused_ms", "fused_bthd_ms", "fused_speedup", "fused_bthd_speedup",
+                    "stock_cpu_ms", "fused_cpu_ms", "fused_cpu_speedup"):
             assert r[key] > 0, key
         assert r["fused_ops_ratio"] == pytest.approx(r["fused_ops"] / r["stock_ops"])
         assert r["stock_einsum_ops"] > 0  # Keras' attention is Einsum-based on TF
@@ -104,7 +118,7 @@ def test_quick_run_output(tmp_path):
     assert encoder[0]["policy"] == "float32" and encoder[0]["stock_ops"] > 0 and encoder[0]["stock_ms"] > 0
     assert "encoder" not in encoder[0]["errors"], encoder[0]["errors"]
     if encoder[0].get("verified") in ("yes", "no (VerificationError)"):
-        assert encoder[0]["ours_ops"] > 0 and encoder[0]["speedup"] > 0
+        assert encoder[0]["ours_ops"] > 0 and encoder[0]["speedup"] > 0 and encoder[0]["cpu_speedup"] > 0
     else:  # a refused conversion is recorded, not measured
         assert encoder[0]["errors"]["convert"] and "ours_ops" not in encoder[0]
     skipped = [s["policy"] for s in data["skipped"]]
