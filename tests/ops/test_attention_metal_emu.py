@@ -17,6 +17,9 @@ threadgroup after another, so the shapes are small; the larger sweep is
 marked slow.
 """
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -414,6 +417,44 @@ def test_matches_the_cpu_kernel(lib, dtype):
         want = want.numpy().astype(np.float64)
         assert got.shape == want.shape
         assert_close(got, want, dtype, name + " vs CPU", 2 * term)
+
+
+# Run in a child process whose allocator is AddressSanitizer's, so a read
+# before or past any input buffer (the guards above only see writes) fails.
+_SANITIZED = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_attention_metal_emu as t
+lib = t.emu.build(t.ROOT / "custom_ops/metal/attention.metal",
+                  extra_flags=["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"])
+rng = np.random.default_rng(0)
+for dtype in t.DTYPES:
+    for shape, mask, causal in [((1, 2, 9, 33, 3, 130), rng.random((1, 2, 9, 33)) < 0.6, True),
+                                ((2, 1, 5, 7, 256, 1), rng.random((2, 1, 1, 7)) < 0.6, False),
+                                ((1, 1, 17, 40, 65, 3), t.no_mask(), True), ((1, 1, 1, 1, 1, 1), t.no_mask(), False)]:
+        t.check(lib, dtype, shape, mask, causal=causal, seed=3)
+    for tq, tk in [(9, 0), (0, 9)]:
+        q, k, v, do = t.random_case(dtype, 1, 2, tq, tk, 8, 4, 2)
+        out, lse = t.metal_forward(lib, dtype, q, k, v, t.no_mask())
+        t.metal_backward(lib, dtype, do, q, k, v, t.no_mask(), out, lse, causal=True)
+print("sanitized run passed")
+"""
+
+
+@pytest.mark.slow
+def test_no_out_of_bounds_reads_under_address_sanitizer():
+    cxx = os.environ.get("CXX", "g++")
+    runtimes = []
+    for name in ("libasan.so", "libubsan.so"):
+        found = subprocess.run([cxx, f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+        if not os.path.isabs(found) or not os.path.exists(found):
+            pytest.skip(f"{cxx} has no {name} to preload (AddressSanitizer runtime not installed)")
+        runtimes.append(found)
+    env = dict(os.environ, LD_PRELOAD=":".join(runtimes), ASAN_OPTIONS="detect_leaks=0")
+    result = subprocess.run([sys.executable, "-c", _SANITIZED, str(Path(__file__).resolve().parent)], env=env,
+                            capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "sanitized run passed" in result.stdout, result.stderr[-6000:]
 
 
 @pytest.mark.xfail(strict=True, reason="open defect: the shared math (tfmetal/attention.h) swallows NaN: tfm_max "
