@@ -27,6 +27,12 @@ LN_KEYS = (
     "axis", "epsilon", "center", "scale", "rms_scaling", "beta_initializer", "gamma_initializer",
     "beta_regularizer", "gamma_regularizer", "beta_constraint", "gamma_constraint",
 )
+MHA_KEYS = (
+    "num_heads", "key_dim", "value_dim", "dropout", "use_bias", "output_shape", "attention_axes", "sliding_window",
+    "kernel_initializer", "bias_initializer", "kernel_regularizer", "bias_regularizer", "activity_regularizer",
+    "kernel_constraint", "bias_constraint", "use_gate", "seed",
+)
+RMS_NORM_KEYS = ("axis", "epsilon")
 RNN_KEYS = (
     "units", "activation", "recurrent_activation", "use_bias", "kernel_initializer", "recurrent_initializer",
     "bias_initializer", "unit_forget_bias", "kernel_regularizer", "recurrent_regularizer", "bias_regularizer",

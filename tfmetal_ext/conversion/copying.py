@@ -407,6 +407,10 @@ def _own_state(a, b, pairs, assets, where):
     if getattr(a, "lora_enabled", False):
         # Keras saves a LoRA layer's kernel merged with its adapters and loads it with the
         # adapters zeroed (the inference form): copy the variables themselves instead.
+        if not getattr(b, "lora_enabled", True) and hasattr(b, "enable_lora"):
+            # LoRA enabled after construction on a sublayer its parent makes in build() (the
+            # projections of a MultiHeadAttention): no config carries it, so enable it here.
+            b.enable_lora(a.lora_rank, lora_alpha=getattr(a, "lora_alpha", None))
         if len(_own_vars(a)) != len(_own_vars(b)):
             raise NotCopyable(f"{where}: the copy has {len(_own_vars(b))} variables, the stock layer "
                               f"{len(_own_vars(a))}")

@@ -477,6 +477,88 @@ def _layer_norm(ctx, node):
     return plan_same_weights(ctx, node, L.LayerNormalization, configs.LN_KEYS, overrides={"axis": -1})
 
 
+def _probe_reason(cls, layer, keys, overrides=None):
+    """Why `cls` made from stock `layer` would not fuse (its ``unfused_reason`` once built as `layer` was), or None.
+
+    The probe is a throwaway instance built with the stock layer's build
+    shapes, so reasons that depend on the input ranks are seen too; a weight
+    layout that differs from the stock layer's (names or shapes) is a reason
+    as well, since the weights could not be copied one to one.
+    """
+    try:
+        probe = configs.make_layer(cls, layer, keys, **(overrides or {}))
+        config = layer.get_build_config()
+        if config:
+            probe.build_from_config(config)
+    except (ValueError, TypeError) as e:
+        return f"{cls.__name__} could not be built as the stock layer was: {e}"
+    mine = [(w.name, tuple(w.shape)) for w in probe.weights]
+    theirs = [(w.name, tuple(w.shape)) for w in layer.weights]
+    if mine != theirs:
+        return f"{cls.__name__}'s weights {mine} differ from the stock layer's {theirs}"
+    return getattr(probe, "unfused_reason", None)
+
+
+def _projections(mha):
+    names = ("_query_dense", "_key_dense", "_value_dense", "_output_dense", "_gate_dense")
+    return [d for d in (getattr(mha, n, None) for n in names) if d is not None]
+
+
+@register_planner(L.MultiHeadAttention)
+def _multi_head_attention(ctx, node):
+    """MultiHeadAttention as FusedMultiHeadAttention (same weights), unless the fused layer would run stock.
+
+    Kept, with the fused layer's own `unfused_reason`, where it would run the
+    exact stock computation anyway: rank != 3 inputs, custom attention axes,
+    head dims beyond the op's, float64, and (training form only) attention
+    dropout, which the op has not; also a call with
+    ``return_attention_scores=True``, and quantized or LoRA projections.
+    """
+    if "MultiHeadAttention" not in STOCK_TO_FUSED:  # no fusion-first class yet: the default (kept)
+        return None
+    layer = node.operation
+    cls = fused_class(L.MultiHeadAttention)
+    if node.arguments.kwargs.get("return_attention_scores"):
+        return keep(node, "called with return_attention_scores=True: FusedMultiHeadAttention would run the "
+                          "stock computation (the scores are the matrix the attention op never stores)")
+    if any(getattr(d, "quantization_mode", None) for d in _projections(layer)):
+        return keep(node, "quantized projections are kept (FusedMultiHeadAttention would run the stock call)")
+    if any(getattr(d, "lora_enabled", False) for d in _projections(layer)):
+        return keep(node, "LoRA-enabled projections are kept (FusedMultiHeadAttention has no LoRA of its own)")
+    overrides = {"flash_attention": getattr(layer, "_flash_attention", None)}
+    reason = configs.unsupported(layer, cls, configs.MHA_KEYS, overrides)
+    if reason:
+        return keep(node, reason)
+    # Dropout only stops the training form from fusing: the inference form has none.
+    probe_overrides = dict(overrides, dropout=0.0) if ctx.inference else overrides
+    why = _probe_reason(cls, layer, configs.MHA_KEYS, probe_overrides)
+    if why:
+        return keep(node, f"{cls.__name__} would run the stock computation: {why}")
+    calls = ctx.calls(layer)
+    note = f"shared: called {calls} times, converted once" if calls > 1 else ""
+    return ctx.replace([node], cls.__name__, lambda: configs.make_layer(cls, layer, configs.MHA_KEYS, **overrides),
+                       lambda new, pairs: weights.copy_identical(layer, new, pairs), note)
+
+
+@register_planner(L.RMSNormalization)
+def _rms_norm(ctx, node):
+    """RMSNormalization as FusedRMSNorm (same scale weight) over the last axis; other axes kept."""
+    if "RMSNormalization" not in STOCK_TO_FUSED:  # no fusion-first class yet: the default (kept)
+        return None
+    layer = node.operation
+    rank = len(configs.node_input_shape(node))
+    if not configs.last_axis_only(layer.axis, rank):
+        return keep(node, f"axis={layer.axis}: FusedRMSNorm normalizes the last axis only")
+    cls = fused_class(L.RMSNormalization)
+    reason = configs.unsupported(layer, cls, configs.RMS_NORM_KEYS)
+    if reason:
+        return keep(node, reason)
+    why = _probe_reason(cls, layer, configs.RMS_NORM_KEYS)
+    if why:
+        return keep(node, f"{cls.__name__} would run the stock computation: {why}")
+    return plan_same_weights(ctx, node, L.RMSNormalization, configs.RMS_NORM_KEYS)
+
+
 def _rnn_stock_only(layer):
     """Why FusedLSTM/FusedGRU would only run the stock form for `layer` (so it is kept), or None."""
     if layer.recurrent_dropout:

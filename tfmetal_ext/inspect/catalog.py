@@ -626,6 +626,92 @@ def _residual_conv(add_layer):
     return None
 
 
+# ----------------------------------------------------------------------------
+# Attention and RMS norm: the stock layers and their fusion-first drop-ins (which subclass them,
+# so one rule per stock class serves both).
+
+REASON_ATTENTION = (
+    "unfused attention -> FusedMultiHeadAttention: Keras' MultiHeadAttention emits Einsum projections and "
+    "scores (Einsum or BatchMatMulV2) -> Mul -> [SelectV2 mask] -> float32 Softmax -> Einsum or BatchMatMulV2, "
+    "with the (batch, heads, q_seq, kv_seq) scores materialized forward and backward; no remapper pattern on "
+    "any device"
+)
+REASON_RMS = (
+    "unfused RMS norm -> FusedRMSNorm: Keras' RMSNormalization emits Square -> Mean -> AddV2 -> Rsqrt -> Mul "
+    "-> Mul (and their gradients); no remapper pattern on any device"
+)
+
+
+def _is_fusion_first(layer):
+    return type(layer).__module__.startswith("tfmetal_ext.") and hasattr(layer, "unfused_reason")
+
+
+def _custom_op_block(ctx, layer, pattern, op, uses_kernel, safe_form):
+    """Why custom op `op` of `pattern` does not run for `layer` under `ctx`, or None (it runs, and is reported)."""
+    from tfmetal_ext import precision
+
+    if ctx.xla:
+        return REASON_XLA
+    if safe_form in _fusion.SAFE_FORMS and safe_form in precision.avoided_fusions():
+        return avoided_reason(safe_form)
+    f = fusion_for(ctx, pattern)
+    if not f.fuses:
+        return _not_fused_reason(ctx, f)
+    dtype = layer.compute_dtype
+    if dtype not in f.dtypes_in(ctx.mode):
+        return f"{dtype} on {where(ctx)}: no {op} kernel for this dtype"
+    if not uses_kernel():
+        return (f"custom ops not in use here (no op library, TFMETAL_EXT_REFERENCE_OPS=1, or no kernel for "
+                f"this device): the pure-TF reference runs instead of {op}")
+    if op not in FUSED_LAYER_OPS:
+        return f"{op} is not registered as a custom op of this package (backends.fusion.CUSTOM_OPS)"
+    return None
+
+
+class _Projections:
+    """What `contraction_rule` reads of a MultiHeadAttention's q/k/v/output projections."""
+
+    def __init__(self, mha):
+        self.use_bias = bool(getattr(mha, "_use_bias", True))
+        self.compute_dtype = mha.compute_dtype
+
+
+def attention_rule(layer, ctx):
+    """MultiHeadAttention: unfused (stock); FusedMultiHeadAttention: the attention op + MatMul/BiasAdd projections."""
+    from tfmetal_ext.ops import attention as attention_ops
+
+    op = _fusion.ATTENTION_OP
+    if not _is_fusion_first(layer):
+        reason = REASON_ATTENTION
+        t = table(ctx)
+        if ctx.backend == "metal" and t.has_kernel("Einsum") is False:
+            reason += f"; {t.label} has no Einsum kernel, so the einsums fall back to the CPU"
+        return Expectation("attention", None, None, (), reason=reason, ideal_op=op)
+    # Dropout stops only training calls from fusing (`unfused_reason` says so); inference calls fuse.
+    structural = getattr(layer, "_structural_reason", None)
+    why = structural() if ctx.mode != "train" and callable(structural) else layer.unfused_reason
+    if why:
+        return Expectation("attention", None, None, (), reason=f"the stock MultiHeadAttention computation runs: {why}",
+                           ideal_op=op)
+    blocked = _custom_op_block(ctx, layer, "custom_attention", op, attention_ops.uses_kernel, "attention")
+    proj = contraction_rule("matmul_bias_act", _fusion.FUSED_MATMUL, _Projections(layer), ctx)
+    if blocked is None:
+        note = ("projections: MatMul + BiasAdd, " + (f"fused into {proj.op}" if proj.op else f"unfused ({proj.reason})"))
+        return Expectation("attention", op, (), (), note=note)
+    if proj.op is not None:  # the projections still fuse: the row is partial
+        return Expectation("attention", proj.op, proj.fused_ops, (), ideal_op=op,
+                           reason=f"{blocked}; only the q/k/v/output projections fuse (MatMul + BiasAdd)")
+    return Expectation("attention", None, None, (), ideal_op=op,
+                       reason=f"{blocked}; the projections do not fuse either ({proj.reason})")
+
+
+def rms_norm_rule(layer, ctx):
+    """Stock RMSNormalization: unfused, pointing at FusedRMSNorm (which registers its own rule)."""
+    if _is_fusion_first(layer):
+        return None  # not reached for FusedRMSNorm: its own rule (tfmetal_ext.layers.rms_norm) wins
+    return Expectation("rms_norm", None, None, None, reason=REASON_RMS)
+
+
 def _register_keras_rules():
     import keras
 
@@ -638,6 +724,8 @@ def _register_keras_rules():
     register_rule(keras.layers.LSTM, _stock_rnn_rule)
     register_rule(keras.layers.GRU, _stock_rnn_rule)
     register_rule(keras.layers.Add, _residual_rule)
+    register_rule(keras.layers.MultiHeadAttention, attention_rule)
+    register_rule(keras.layers.RMSNormalization, rms_norm_rule)
 
 
 _register_keras_rules()
