@@ -75,6 +75,8 @@ static_assert(sizeof(tfm_attention_params) == 48, "tfm_attention_params layout i
 // Registers per lane for a head-dim row of up to TFM_ATTENTION_MAX_HEAD_DIM
 // (256, tfmetal/attention.h): dims lane + 32 t.
 #define TFM_ATTN_DIMS_PER_LANE (TFM_ATTENTION_MAX_HEAD_DIM / 32u)
+static_assert(TFM_ATTN_BLOCK_K % TFM_ATTN_BLOCK_Q == 0, "a key tile starts at a query tile's first row");
+static_assert(TFM_ATTN_BLOCK_Q % (TFM_ATTN_THREADS / 32u) == 0, "each SIMD-group owns as many query rows");
 
 #if TFM_METAL
 
@@ -101,7 +103,8 @@ inline uint attn_key_tiles(constant tfm_attention_params& p, uint q0, uint rows)
 // The first query tile holding a row that attends a key of the tile starting
 // at k0 (with causal: the row k0; k0 is a multiple of TFM_ATTN_BLOCK_Q).
 inline uint attn_first_query_tile(constant tfm_attention_params& p, uint k0) {
-  return tfm_min(attention_ceil_div(p.tq, TFM_ATTN_BLOCK_Q), attention_query_begin(p.causal != 0u, k0) / TFM_ATTN_BLOCK_Q);
+  const uint first = attention_query_begin(p.causal != 0u, k0) / TFM_ATTN_BLOCK_Q;
+  return tfm_min(attention_ceil_div(p.tq, TFM_ATTN_BLOCK_Q), first);
 }
 
 // Dot products of a tile of 8 rows of `a` with a tile of 32 rows of `b`
