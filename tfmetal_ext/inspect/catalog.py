@@ -678,8 +678,10 @@ class _Projections:
 
 def attention_rule(layer, ctx):
     """MultiHeadAttention: unfused (stock); FusedMultiHeadAttention: the attention op + MatMul/BiasAdd projections."""
-    from tfmetal_ext.ops import attention as attention_ops
+    import importlib
 
+    # The module, not `tfmetal_ext.ops.attention` the function the package exports under its name.
+    attention_ops = importlib.import_module("tfmetal_ext.ops.attention")
     op = _fusion.ATTENTION_OP
     if not _is_fusion_first(layer):
         reason = REASON_ATTENTION
