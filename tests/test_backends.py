@@ -119,6 +119,7 @@ def test_callback_replacement_views_keep_their_published_values():
         "LayerNormalization": "tfmetal_ext.layers.FusedLayerNorm",
         "LSTM": "tfmetal_ext.layers.FusedLSTM",
         "GRU": "tfmetal_ext.layers.FusedGRU",
+        "MultiHeadAttention": "tfmetal_ext.layers.FusedMultiHeadAttention",
     }
     assert dict(metal.OPTIMIZER_REPLACEMENTS) == {
         "Adam": "tfmetal_ext.optimizers.FusedAdam",

@@ -210,6 +210,7 @@ STOCK_TO_FUSED = _table(
     Replacement("LayerNormalization", "FusedLayerNorm"),
     Replacement("LSTM", "FusedLSTM"),
     Replacement("GRU", "FusedGRU"),
+    Replacement("MultiHeadAttention", "FusedMultiHeadAttention"),
 )
 
 # Stock classes deliberately without a replacement: class name -> why (convert() reports it as the kept reason).

@@ -20,6 +20,8 @@ trainable flags, dtype policies and weights:
 | BatchNormalization (last axis, input rank >= 2: 3-D/5-D reshaped to NHWC around the fused op) | `FusedBatchNorm` |
 | LayerNormalization (last axis) | `FusedLayerNorm` |
 | LSTM / GRU (tanh/sigmoid, no recurrent dropout, no unroll, GRU reset_after) | `FusedLSTM` / `FusedGRU` |
+| MultiHeadAttention (rank-3 inputs, sequence-axis attention, no returned scores; training form: no attention dropout) | `FusedMultiHeadAttention` (same weights) |
+| RMSNormalization (last axis) | `FusedRMSNorm` |
 | Bidirectional / TimeDistributed of one of the above | the same wrapper of the fused class |
 | a sublayer of a subclassed layer or model (attribute, list, dict) | its one-to-one fused class, nothing merged |
 | anything else | kept (an independent copy with the same constructor arguments and state), listed in the report with the reason |
@@ -86,7 +88,8 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     recursively; a subclassed model or layer is copied and its tracked
     sublayers are swapped one to one, see below) and rewrites Conv2D, DepthwiseConv2D, Dense,
     Conv2D -> BatchNormalization (-> Activation) chains, BatchNormalization,
-    LayerNormalization, LSTM and GRU into `tfmetal_ext.layers`, folding
+    LayerNormalization, RMSNormalization, MultiHeadAttention, LSTM and GRU
+    into `tfmetal_ext.layers`, folding
     separate activation layers into the layer before them when nothing else
     reads the pre-activation tensor. Layer names, input/output names,
     trainable flags, dtype policies and weights are preserved (weights copied
@@ -99,7 +102,8 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     (``from_config(get_config())``, else the arguments Keras recorded when it
     was made), and each tracked sublayer of the copy (in attributes, lists and
     dicts) that has a one-to-one fusion-first drop-in (Conv2D, Dense,
-    BatchNormalization, LayerNormalization, LSTM, GRU, ...) is replaced
+    BatchNormalization, LayerNormalization, MultiHeadAttention, LSTM, GRU,
+    ...) is replaced
     before the copy is built; the subclass keeps its own ``call``. Nothing is
     merged inside a subclass (no folded activation, no ConvBNAct): its call
     graph is not visible. Rewrites are reported per sublayer path
