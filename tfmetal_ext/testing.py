@@ -265,6 +265,26 @@ def np_layer_norm_grad(dy, x, gamma, epsilon):
     return dx, (dy * xhat).sum(rows), dy.sum(rows)
 
 
+def np_rms_norm(x, gamma, epsilon):
+    """RMS norm over the last axis in float64: ``x / sqrt(mean(x^2) + epsilon) * gamma``."""
+    x = x.astype(np.float64)
+    if x.shape[-1] == 0:
+        return x
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + epsilon) * gamma
+
+
+def np_rms_norm_grad(dy, x, gamma, epsilon):
+    """``(dx, dgamma)`` of `np_rms_norm` in float64."""
+    x, dy = x.astype(np.float64), dy.astype(np.float64)
+    if x.shape[-1] == 0:  # empty rows: no gradient to sum
+        return x, np.zeros(0)
+    rstd = 1.0 / np.sqrt((x * x).mean(-1, keepdims=True) + epsilon)
+    xhat = x * rstd
+    g = dy * gamma
+    dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdims=True))
+    return dx, (dy * xhat).sum(tuple(range(x.ndim - 1)))
+
+
 def np_adam_step(state, g, scalars, np_dtype, amsgrad=False, decay_rate=None):
     """One ResourceApplyAdam(WithAmsgrad) step, operation by operation, each result rounded to `np_dtype`.
 

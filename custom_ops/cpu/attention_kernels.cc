@@ -6,7 +6,8 @@
 //
 // Forward: one work item per (batch, head, tile of kBlockQ query rows). Over
 // the key tiles (with causal, only those holding a key <= the tile's last row)
-// S = Q K^T (one small GEMM), the scores scaled and masked, the online softmax
+// S^T = K Q^T (one small GEMM; the tile is kept transposed so the query tile
+// is transposed once), the scores scaled and masked, the online softmax
 // updates the running max and sum of each row and rescales the running output
 // O, then O += P V (a second GEMM). The end writes O / sum and the row lse.
 //
@@ -184,30 +185,33 @@ inline void AttnGemmEigen(const AttnGemm& g) {
 #ifdef TFMETAL_ATTN_X86
 #define TFMETAL_ATTN_AVX2 __attribute__((target("avx2,fma")))
 
-// R rows x 16 columns of C, over the whole k.
-template <int R>
+// R rows x 16 columns of C, over the whole k. kAT: A is stored transposed
+// (a_rs == 1), so a row block's values of one p are adjacent.
+template <int R, bool kAT>
 TFMETAL_ATTN_AVX2 TFMETAL_ATTN_INLINE void AttnMicro16(const AttnGemm& g, int64_t r0, int64_t c0) {
   __m256 acc0[R], acc1[R];
   float* c = g.c + r0 * g.ldc + c0;
+  const int64_t ldc = g.ldc, ldb = g.ldb, a_rs = kAT ? 1 : g.a_rs, a_cs = kAT ? g.a_cs : 1;
   for (int r = 0; r < R; ++r) {
-    acc0[r] = g.accumulate ? _mm256_loadu_ps(c + r * g.ldc) : _mm256_setzero_ps();
-    acc1[r] = g.accumulate ? _mm256_loadu_ps(c + r * g.ldc + 8) : _mm256_setzero_ps();
+    acc0[r] = g.accumulate ? _mm256_loadu_ps(c + r * ldc) : _mm256_setzero_ps();
+    acc1[r] = g.accumulate ? _mm256_loadu_ps(c + r * ldc + 8) : _mm256_setzero_ps();
   }
-  const float* a = g.a + r0 * g.a_rs;
-  const float* b = g.b + c0;
-  for (int64_t p = 0; p < g.k; ++p) {
-    const __m256 b0 = _mm256_loadu_ps(b + p * g.ldb);
-    const __m256 b1 = _mm256_loadu_ps(b + p * g.ldb + 8);
-    const float* ap = a + p * g.a_cs;
+  const float* ap = g.a + r0 * a_rs;
+  const float* bp = g.b + c0;
+  for (int64_t p = g.k; p > 0; --p) {
+    const __m256 b0 = _mm256_loadu_ps(bp);
+    const __m256 b1 = _mm256_loadu_ps(bp + 8);
     for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_broadcast_ss(ap + r * g.a_rs);
+      const __m256 av = _mm256_broadcast_ss(ap + r * a_rs);
       acc0[r] = _mm256_fmadd_ps(av, b0, acc0[r]);
       acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
     }
+    ap += a_cs;
+    bp += ldb;
   }
   for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c + r * g.ldc, acc0[r]);
-    _mm256_storeu_ps(c + r * g.ldc + 8, acc1[r]);
+    _mm256_storeu_ps(c + r * ldc, acc0[r]);
+    _mm256_storeu_ps(c + r * ldc + 8, acc1[r]);
   }
 }
 
@@ -232,7 +236,11 @@ TFMETAL_ATTN_AVX2 TFMETAL_ATTN_INLINE void AttnMicro8(const AttnGemm& g, int64_t
 template <int R>
 TFMETAL_ATTN_AVX2 TFMETAL_ATTN_INLINE void AttnRowBlock(const AttnGemm& g, int64_t r0) {
   int64_t c0 = 0;
-  for (; c0 + 16 <= g.n; c0 += 16) AttnMicro16<R>(g, r0, c0);
+  if (g.a_rs == 1) {
+    for (; c0 + 16 <= g.n; c0 += 16) AttnMicro16<R, true>(g, r0, c0);
+  } else {
+    for (; c0 + 16 <= g.n; c0 += 16) AttnMicro16<R, false>(g, r0, c0);
+  }
   for (; c0 < g.n; c0 += 8) AttnMicro8<R>(g, r0, c0, static_cast<int>(std::min<int64_t>(8, g.n - c0)));
 }
 
@@ -393,6 +401,23 @@ TFMETAL_ATTN_INLINE void AttnScaleAndMaskRow(float* __restrict s, int64_t kn, fl
   }
 }
 
+// Scales the scores of key kj for the queries q0 .. q0 + n - 1 (a key row of
+// the transposed tile) and sets those not attended to -inf; mask_col is the
+// mask at (q0, kj), mask_q its stride along the queries.
+TFMETAL_ATTN_INLINE void AttnScaleAndMaskColumn(float* __restrict s, int64_t n, float scale, const bool* mask_col,
+                                                int64_t mask_q, bool causal, int64_t q0, int64_t kj, bool masked) {
+  if (!masked) {
+    AttnScaleRow(s, n, scale);
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const bool ok = attention_attends(mask_col[i * mask_q], causal, static_cast<uint32_t>(q0 + i),
+                                      static_cast<uint32_t>(kj));
+    const uint32_t keep = 0u - static_cast<uint32_t>(ok);
+    s[i] = AttnBitsFloat((AttnFloatBits(s[i] * scale) & keep) | (AttnFloatBits(kNegInf) & ~keep));
+  }
+}
+
 // ---------------------------------------------------------------- forward
 
 template <typename T>
@@ -411,31 +436,38 @@ struct AttnForwardArgs {
 
 template <typename T>
 inline int64_t AttnForwardScratch(const AttnShape& s) {
-  // kt [D x BK], s [BQ x BK], o [BQ x Dv], m and l [BQ]; widened q [BQ x D], v [BK x Dv].
-  return s.d * kBlockK + kBlockQ * kBlockK + kBlockQ * s.dv + 2 * kBlockQ +
-         (std::is_same<T, float>::value ? 0 : kBlockQ * s.d + kBlockK * s.dv);
+  // qt [D x BQ], st [BK x BQ], o [BQ x Dv], six vectors [BQ]; widened k [BK x D], v [BK x Dv].
+  return s.d * kBlockQ + kBlockK * kBlockQ + kBlockQ * s.dv + 6 * kBlockQ +
+         (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockK * s.dv);
 }
 
+// The scores are kept transposed, st[j * kBlockQ + i] for key j and query i:
+// S^T = K Q^T needs the query tile transposed once (not each key tile), and
+// the softmax loops over a key row run along the queries (vectorized).
 template <typename T, bool kAvx2>
 TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64_t begin, int64_t end,
                                               float* scratch) {
   const AttnShape& s = a.s;
-  float* kt = scratch;
-  float* st = kt + s.d * kBlockK;
-  float* o = st + kBlockQ * kBlockK;
-  float* m = o + kBlockQ * s.dv;
-  float* l = m + kBlockQ;
-  float* qbuf = l + kBlockQ;
-  float* vbuf = qbuf + kBlockQ * s.d;
+  float* qt = scratch;
+  float* st = qt + s.d * kBlockQ;
+  float* o = st + kBlockK * kBlockQ;
+  float* m = o + kBlockQ * s.dv;      // running max per query row
+  float* l = m + kBlockQ;             // running sum
+  float* tile_max = l + kBlockQ;
+  float* rescale = tile_max + kBlockQ;
+  float* shift = rescale + kBlockQ;   // the max exp(s - shift) uses (0 while nothing is attended)
+  float* tile_sum = shift + kBlockQ;
+  float* kbuf = tile_sum + kBlockQ;
+  float* vbuf = kbuf + kBlockK * s.d;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t bh = item / a.q_tiles;
     const int64_t q0 = (item % a.q_tiles) * kBlockQ;
     const int64_t qn = std::min(kBlockQ, s.tq - q0);
     const int64_t bi = bh / s.h, hi = bh % s.h;
-    const float* qf = AttnAsFloat(a.q + (bh * s.tq + q0) * s.d, qn * s.d, qbuf);
+    AttnTranspose(a.q + (bh * s.tq + q0) * s.d, qn, s.d, qt, kBlockQ);
     const T* kh = a.k + bh * s.tk * s.d;
     const T* vh = a.v + bh * s.tk * s.dv;
-    const bool* mask_bh = a.mask + bi * s.mask_b + hi * s.mask_h;
+    const bool* mask_q = a.mask + bi * s.mask_b + hi * s.mask_h + q0 * s.mask_q;
     std::fill(o, o + qn * s.dv, 0.0f);
     std::fill(m, m + qn, kNegInf);
     std::fill(l, l + qn, 0.0f);
@@ -443,27 +475,40 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
                                               static_cast<uint32_t>(s.tk));
     for (int64_t k0 = 0; k0 < key_end; k0 += kBlockK) {
       const int64_t kn = std::min(kBlockK, key_end - k0);
-      AttnTranspose(kh + k0 * s.d, kn, s.d, kt, kBlockK);
-      AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
+      const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
+      AttnRunGemm<kAvx2>(AttnMakeGemm(kn, qn, s.d, kf, s.d, 1, qt, kBlockQ, st, kBlockQ, false));
       const bool masked = !s.mask_trivial || !attention_tile_below_diagonal(a.causal, static_cast<uint32_t>(q0),
                                                                              static_cast<uint32_t>(k0),
                                                                              static_cast<uint32_t>(kn));
-      for (int64_t i = 0; i < qn; ++i) {
-        float* row = st + i * kBlockK;
-        AttnScaleAndMaskRow(row, kn, a.scale, mask_bh + (q0 + i) * s.mask_q, s.mask_k, a.causal, q0 + i, k0, masked);
-        const float new_max = attention_new_max(m[i], AttnRowMax(row, kn));
-        const float rescale = attention_rescale(m[i], new_max);
-        if (new_max == kNegInf) {  // nothing attended yet: p = 0
-          std::fill(row, row + kn, 0.0f);
-          continue;
-        }
-        const float sum = AttnExpRow(row, kn, new_max);
-        l[i] = l[i] * rescale + sum;
-        m[i] = new_max;
-        if (rescale != 1.0f) AttnScaleRow(o + i * s.dv, s.dv, rescale);
+      std::fill(tile_max, tile_max + qn, kNegInf);
+      for (int64_t j = 0; j < kn; ++j) {
+        float* row = st + j * kBlockQ;
+        AttnScaleAndMaskColumn(row, qn, a.scale, mask_q + (k0 + j) * s.mask_k, s.mask_q, a.causal, q0, k0 + j,
+                               masked);
+        for (int64_t i = 0; i < qn; ++i) tile_max[i] = std::max(tile_max[i], row[i]);
       }
+      for (int64_t i = 0; i < qn; ++i) {
+        const float new_max = attention_new_max(m[i], tile_max[i]);
+        rescale[i] = attention_rescale(m[i], new_max);
+        shift[i] = new_max == kNegInf ? 0.0f : new_max;  // every score is -inf: exp gives 0
+        m[i] = new_max;
+      }
+      std::fill(tile_sum, tile_sum + qn, 0.0f);
+      for (int64_t j = 0; j < kn; ++j) {
+        float* row = st + j * kBlockQ;
+        for (int64_t i = 0; i < qn; ++i) {
+          const float e = AttnExp(row[i] - shift[i]);
+          row[i] = e;
+          tile_sum[i] += e;
+        }
+      }
+      for (int64_t i = 0; i < qn; ++i) {
+        l[i] = l[i] * rescale[i] + tile_sum[i];
+        if (rescale[i] != 1.0f) AttnScaleRow(o + i * s.dv, s.dv, rescale[i]);
+      }
+      // O += P V, P = (S^T)^T.
       const float* vf = AttnAsFloat(vh + k0 * s.dv, kn * s.dv, vbuf);
-      AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.dv, kn, st, kBlockK, 1, vf, s.dv, o, s.dv, true));
+      AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.dv, kn, st, 1, kBlockQ, vf, s.dv, o, s.dv, true));
     }
     T* out = a.out + (bh * s.tq + q0) * s.dv;
     float* lse = a.lse + bh * s.tq + q0;

@@ -1,6 +1,10 @@
 """attention: CPU kernel and pure-TF reference against a numpy softmax attention; gradients; masks; errors."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -105,6 +109,8 @@ def padding_mask(b, tk, lengths, tq=1):
 
 # (b, h, tq, tk, d, dv, mask kind, causal)
 CASES = [
+    (1, 2, 3, 70, 256, 256, None, False),  # the largest head dims
+    (1, 1, 66, 5, 256, 1, "padding", True),
     (1, 1, 1, 1, 1, 1, None, False),
     (2, 3, 5, 7, 4, 4, None, False),
     (2, 2, 9, 9, 8, 8, None, True),
@@ -360,3 +366,161 @@ def test_scale_required_when_head_dim_unknown():
 
     with pytest.raises(ValueError, match="Received: scale=None"):
         f.get_concrete_function()
+
+
+# ---------------------------------------------------------------- the raw ops (kernel only)
+
+
+def _lib():
+    if not attention_module.uses_kernel():
+        pytest.skip("the attention kernel is not in the op library")
+    from tfmetal_ext.ops import _common
+
+    return _common.library()
+
+
+def test_raw_op_lse_and_output():
+    lib = _lib()
+    q, k, v = qkv(2, 3, 70, 67, 16, 8, seed=20)
+    mask = make_mask("full", 2, 3, 70, 67, seed=20)
+    mask[1, 2, 5, :] = False  # a fully masked row: output 0, lse -inf
+    out, lse = lib.tfmetal_ext_attention(q, k, v, mask, causal=True, scale=0.3)
+    want_out, want_lse = np_attention(q, k, v, mask, True, 0.3)
+    assert lse.dtype == tf.float32 and lse.shape == (2, 3, 70)
+    assert_close(out.numpy(), want_out, 2e-5)
+    assert np.isneginf(lse.numpy()[1, 2, 5]) and (out.numpy()[1, 2, 5] == 0).all()
+    assert np.isneginf(lse.numpy()[np.isneginf(want_lse)]).all()
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse.numpy()[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+def test_raw_op_mask_broadcast_dims():
+    """Every combination of broadcast (size-1) and full mask dimensions, against numpy's broadcasting."""
+    lib = _lib()
+    b, h, tq, tk = 2, 3, 9, 11
+    q, k, v = qkv(b, h, tq, tk, 4, 5, seed=21)
+    rng = np.random.default_rng(22)
+    for bits in range(16):
+        shape = tuple(full if bits >> axis & 1 else 1 for axis, full in enumerate((b, h, tq, tk)))
+        mask = rng.random(shape) < 0.7
+        out, _ = lib.tfmetal_ext_attention(q, k, v, mask, causal=False, scale=0.5)
+        assert_close(out.numpy(), np_attention(q, k, v, mask, False, 0.5)[0], 2e-5, str(shape))
+
+
+def test_gradient_is_deterministic():
+    lib = _lib()
+    q, k, v = qkv(2, 2, 150, 130, 32, 16, seed=23)
+    do = np.random.default_rng(24).normal(0, 1, (2, 2, 150, 16)).astype("float32")
+    m = tf.ones([1, 1, 1, 1], tf.bool)
+    out, lse = lib.tfmetal_ext_attention(q, k, v, m, causal=True, scale=0.2)
+    first = [t.numpy() for t in lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, causal=True, scale=0.2)]
+    for _ in range(3):
+        again = lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, causal=True, scale=0.2)
+        for a, b in zip(first, again):
+            np.testing.assert_array_equal(a, b.numpy())
+
+
+def _raw_bad_calls():
+    """(what, op, inputs, attrs): calls of the raw ops with shapes or attrs they must reject."""
+    q = np.zeros((2, 3, 4, 8), "float32")
+    k = np.zeros((2, 3, 5, 8), "float32")
+    v = np.zeros((2, 3, 5, 6), "float32")
+    m = np.ones((1, 1, 1, 1), bool)
+    out = np.zeros((2, 3, 4, 6), "float32")
+    lse = np.zeros((2, 3, 4), "float32")
+
+    def fwd(q=q, k=k, v=v, m=m, scale=1.0):
+        return "tfmetal_ext_attention", [q, k, v, m], {"scale": scale}
+
+    def grad(do=out, o=out, lse=lse, m=m):
+        return "tfmetal_ext_attention_grad", [do, q, k, v, m, o, lse], {"scale": 1.0}
+
+    return [
+        ("query rank 3", *fwd(q=q[0])),
+        ("key rank 5", *fwd(k=k[..., None])),
+        ("mask rank 3", *fwd(m=m[0])),
+        ("key batch", *fwd(k=k[:1])),
+        ("value heads", *fwd(v=v[:, :1])),
+        ("value length", *fwd(v=v[:, :, :4])),
+        ("key head dim", *fwd(k=k[..., :7])),
+        ("head dim 0", *fwd(q=q[..., :0], k=k[..., :0])),
+        ("head dim 257", *fwd(q=np.zeros((2, 3, 4, 257), "float32"), k=np.zeros((2, 3, 5, 257), "float32"))),
+        ("value dim 300", *fwd(v=np.zeros((2, 3, 5, 300), "float32"))),
+        ("mask batch 3", *fwd(m=np.ones((3, 1, 1, 5), bool))),
+        ("mask keys 4", *fwd(m=np.ones((1, 1, 1, 4), bool))),
+        ("mask queries 5", *fwd(m=np.ones((1, 1, 5, 5), bool))),
+        ("scale 0", *fwd(scale=0.0)),
+        ("scale -1", *fwd(scale=-1.0)),
+        ("scale nan", *fwd(scale=float("nan"))),
+        ("scale inf", *fwd(scale=float("inf"))),
+        ("grad d_output shape", *grad(do=out[:, :, :3])),
+        ("grad output shape", *grad(o=out[..., :5])),
+        ("grad lse shape", *grad(lse=lse[:, :, :3])),
+        ("grad lse rank", *grad(lse=lse[..., None])),
+        ("grad mask", *grad(m=np.ones((2, 2, 1, 1), bool))),
+    ]
+
+
+@pytest.mark.parametrize("shapes", ["static", "unknown"])
+def test_raw_ops_bad_shapes_raise_invalid_argument(shapes):
+    """Bad shapes and attrs give InvalidArgumentError, never a crash: from the shape functions (static
+    shapes), from the kernels' own checks when the shapes are unknown at graph-building time."""
+    lib = _lib()
+    for what, op, inputs, attrs in _raw_bad_calls():
+        fn = getattr(lib, op)
+        if shapes == "static":
+            with pytest.raises(tf.errors.InvalidArgumentError):
+                fn(*inputs, **attrs)
+            continue
+        signature = [tf.TensorSpec(None, tf.as_dtype(x.dtype)) for x in inputs]
+        graph_fn = tf.function(lambda *xs: fn(*xs, **attrs), input_signature=signature)
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            graph_fn(*inputs)
+        # The kernel checks ran (the shape function saw unknown shapes), and the op still works after.
+    q, k, v = qkv(1, 1, 2, 3, 4, seed=25)
+    assert np.isfinite(lib.tfmetal_ext_attention(q, k, v, np.ones((1, 1, 1, 1), bool), scale=1.0)[0].numpy()).all()
+
+
+_BASELINE_CASES = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    sys.path.insert(0, sys.argv[1])
+    import test_attention as t
+    from tfmetal_ext.ops import _common
+    lib = _common.library()
+    for seed, case in enumerate(t.CASES):
+        b, h, tq, tk, d, dv, kind, causal = case
+        q, k, v = t.qkv(b, h, tq, tk, d, dv, seed=seed)
+        mask = t.make_mask(kind, b, h, tq, tk, seed)
+        m = np.ones((1, 1, 1, 1), bool) if mask is None else mask
+        do = np.random.default_rng(seed).normal(0, 1, (b, h, tq, dv)).astype("float32")
+        for dtype, (tf_dtype, tol) in t.DTYPES.items():
+            args = [tf.constant(x, tf_dtype) for x in (q, k, v)]
+            out, lse = lib.tfmetal_ext_attention(*args, m, causal=causal, scale=0.25)
+            grads = lib.tfmetal_ext_attention_grad(tf.constant(do, tf_dtype), *args, m, out, lse, causal=causal,
+                                                   scale=0.25)
+            r = [t.rounded(x, tf_dtype) for x in (q, k, v)]
+            t.assert_close(t.as64(out), t.np_attention(*r, mask, causal, 0.25)[0], tol, t.case_id(case))
+            wants = t.np_attention_grad(t.rounded(do, tf_dtype), *r, mask, causal, 0.25)
+            for got, want in zip(grads, wants):
+                t.assert_close(t.as64(got), want, 2 * tol, t.case_id(case))
+    print("ok", len(t.CASES))
+    """
+)
+
+
+@pytest.mark.slow
+def test_baseline_loops_match_numpy():
+    """TFMETAL_EXT_CPU_BASELINE=1: the Eigen GEMMs and baseline loops (what arm64 runs) in a fresh process."""
+    if not attention_module.uses_kernel():
+        pytest.skip("the attention kernel is not in the op library")
+    env = {k: v for k, v in os.environ.items() if k != "TFMETAL_EXT_REFERENCE_OPS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _BASELINE_CASES, os.path.dirname(os.path.abspath(__file__))],
+        capture_output=True, text=True, timeout=600,
+        env={**env, "TFMETAL_EXT_CPU_BASELINE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["ok", str(len(CASES))]

@@ -149,6 +149,7 @@ PATTERNS = types.MappingProxyType(
             Pattern("layer_norm", "Keras LayerNormalization (moments + Rsqrt + Mul/Add)", "",
                     nowhere="no remapper pattern on any device"),
             Pattern("custom_layer_norm", "layer norm over the last axis (FusedLayerNorm)", _F.LAYER_NORM_OP),
+            Pattern("custom_rms_norm", "RMS norm over the last axis (FusedRMSNorm)", _F.RMS_NORM_OP),
             Pattern(
                 "custom_softshrink",
                 "softshrink activation (Softshrink layer; keras.ops.soft_shrink is several elementwise ops)",

@@ -44,6 +44,10 @@ _EITHER = {
         f"tfmetal_ext custom op: one {fusion.LAYER_NORM_OP} forward, one {fusion.LAYER_NORM_GRAD_OP} backward",
         dtypes=_CUSTOM,
     ),
+    "custom_rms_norm": Fusion(
+        f"tfmetal_ext custom op: one {fusion.RMS_NORM_OP} forward, one {fusion.RMS_NORM_GRAD_OP} backward",
+        dtypes=_CUSTOM,
+    ),
     "custom_softshrink": Fusion(
         f"tfmetal_ext custom op: one {fusion.SOFTSHRINK_OP} forward, one {fusion.SOFTSHRINK_GRAD_OP} backward",
         dtypes=_CUSTOM,

@@ -38,6 +38,7 @@ CUDA = backend(
             train_channels_multiple=4,
         ),
         "custom_layer_norm": never("no CUDA kernel: the pure-TF reference runs (18 ops fwd+bwd)"),
+        "custom_rms_norm": never("no CUDA kernel: the pure-TF reference runs"),
         "custom_softshrink": never("no CUDA kernel: the op runs on the CPU (copies each way); use the reference there"),
         "multi_tensor_adam": never("no CUDA kernel: one ResourceApplyAdam per variable"),
         "cudnn_rnn": Fusion(

@@ -134,6 +134,7 @@ CUSTOM_OPS = types.MappingProxyType(
         "softshrink": CustomOp("TfmetalExt>Softshrink", "TfmetalExt>SoftshrinkGrad", "softshrink"),
         "layer_norm": CustomOp("TfmetalExt>LayerNorm", "TfmetalExt>LayerNormGrad", "layer_norm"),
         "multi_tensor_adam": CustomOp("TfmetalExt>MultiTensorAdam", None, "multi_tensor_adam"),
+        "rms_norm": CustomOp("TfmetalExt>RMSNorm", "TfmetalExt>RMSNormGrad", "rms_norm"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -143,6 +144,8 @@ SOFTSHRINK_GRAD_OP = CUSTOM_OPS["softshrink"].grad
 LAYER_NORM_OP = CUSTOM_OPS["layer_norm"].name
 LAYER_NORM_GRAD_OP = CUSTOM_OPS["layer_norm"].grad
 MULTI_TENSOR_ADAM_OP = CUSTOM_OPS["multi_tensor_adam"].name
+RMS_NORM_OP = CUSTOM_OPS["rms_norm"].name
+RMS_NORM_GRAD_OP = CUSTOM_OPS["rms_norm"].grad
 # The attention op joins CUSTOM_OPS (with its safe form and doctor check) when its kernels land;
 # until then tfmetal_ext.ops.attention runs its pure-TF reference.
 ATTENTION_OP = "TfmetalExt>Attention"
@@ -299,6 +302,12 @@ SAFE_FORMS = _safe_forms(
         f"ResourceApplyAdam per variable instead of {MULTI_TENSOR_ADAM_OP}",
         implies=CUSTOM_OPS["multi_tensor_adam"].op_names,
         custom_op="multi_tensor_adam",
+    ),
+    SafeForm(
+        "rms_norm",
+        f"tfmetal_ext.ops.rms_norm (FusedRMSNorm) runs its pure-TF reference instead of {RMS_NORM_OP}",
+        implies=CUSTOM_OPS["rms_norm"].op_names,
+        custom_op="rms_norm",
     ),
 )
 

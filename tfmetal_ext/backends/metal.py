@@ -78,6 +78,9 @@ METAL = backend(
         "custom_layer_norm": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),
+        "custom_rms_norm": Fusion(
+            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
+        ),
         "custom_softshrink": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),

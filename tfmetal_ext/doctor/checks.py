@@ -203,6 +203,7 @@ def fused_batch_norm(dtype):
 
 SOFTSHRINK_LAMBDA = 0.5
 LAYER_NORM_EPSILON = 1e-3
+RMS_NORM_EPSILON = 1e-6
 
 
 @register("softshrink", op=fusion.CUSTOM_OPS["softshrink"])
@@ -241,6 +242,25 @@ def layer_norm(dtype):
     y = testing.np_layer_norm(_f64(x), _f64(gamma), _f64(beta), eps)
     grads = testing.np_layer_norm_grad(_f64(dy), _f64(x), _f64(gamma), eps)
     return fused, (x, gamma, beta, dy), (y,) + tuple(grads)
+
+
+@register("rms_norm", op=fusion.CUSTOM_OPS["rms_norm"])
+def rms_norm(dtype):
+    import tensorflow as tf
+
+    lib, eps = custom_op_library(), RMS_NORM_EPSILON
+    rng = _rng(7)
+    x = tf.constant(rng.standard_normal((6, 40)) * 1.5 + 0.3, dtype)
+    gamma = tf.constant(rng.uniform(0.5, 1.5, 40), tf.float32)
+    dy = tf.constant(rng.standard_normal((6, 40)), dtype)
+
+    def fused(x, gamma, dy):
+        y, rstd = lib.tfmetal_ext_rms_norm(x, gamma, epsilon=eps)
+        return (y,) + tuple(lib.tfmetal_ext_rms_norm_grad(dy, x, gamma, rstd))
+
+    y = testing.np_rms_norm(_f64(x), _f64(gamma), eps)
+    grads = testing.np_rms_norm_grad(_f64(dy), _f64(x), _f64(gamma), eps)
+    return fused, (x, gamma, dy), (y,) + tuple(grads)
 
 
 @register("multi_tensor_adam", op=fusion.CUSTOM_OPS["multi_tensor_adam"])

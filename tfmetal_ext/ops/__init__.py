@@ -3,6 +3,8 @@
 - `softshrink(x, lambd=0.5)`: ``TfmetalExt>Softshrink`` (+ gradient op).
 - `layer_norm(x, gamma=None, beta=None, epsilon=1e-3)`: ``TfmetalExt>LayerNorm``
   (+ ``TfmetalExt>LayerNormGrad``: dx, dgamma, dbeta in one op).
+- `rms_norm(x, gamma=None, epsilon=1e-6)`: ``TfmetalExt>RMSNorm``
+  (+ ``TfmetalExt>RMSNormGrad``: dx and dgamma in one op).
 - `multi_tensor_adam(variables, ms, vs, grads, ...)`: ``TfmetalExt>MultiTensorAdam``,
   Adam (AMSGrad, decoupled decay) for N variables of one dtype in one op.
 
@@ -11,7 +13,7 @@ compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
 Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
-``"layer_norm"``, ``"multi_tensor_adam"``).
+``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tfmetal_ext.ops import _common, _loader
 from tfmetal_ext.ops._loader import BuildError, OpCacheError
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
+from tfmetal_ext.ops.rms_norm import rms_norm
 from tfmetal_ext.ops.softshrink import softshrink
 
 
@@ -39,7 +42,7 @@ class OpsStatus:
         metal_backend: the Metal backend the GPU kernels are bound to
             (``"tensorflow-metal"``, ``"tensorflow-metal-plugin"``), or None.
         kernels: per op (``"softshrink"``, ``"layer_norm"``,
-            ``"multi_tensor_adam"``: the keys of
+            ``"multi_tensor_adam"``, ``"rms_norm"``: the keys of
             `tfmetal_ext.backends.fusion.CUSTOM_OPS`), ``{"cpu": bool, "gpu":
             bool, "gpu_reason": str | None}``: whether the op's CPU kernel and
             its GPU (Metal) kernel are registered (for the op and its gradient
@@ -137,4 +140,5 @@ def build(force: bool = False):
     return _loader.build(force=force).library
 
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "build", "layer_norm", "multi_tensor_adam", "softshrink", "status"]
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "build", "layer_norm", "multi_tensor_adam", "rms_norm", "softshrink",
+           "status"]
