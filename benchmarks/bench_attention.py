@@ -28,6 +28,7 @@ convert() mapped the MultiHeadAttention, are part of the output: the figures are
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -48,7 +49,9 @@ import tensorflow as tf  # noqa: E402
 
 import tfmetal_ext  # noqa: E402
 from tfmetal_ext.conversion import VerificationError  # noqa: E402
-from tfmetal_ext.ops import attention as attention_ops  # noqa: E402
+
+# The module (tfmetal_ext.ops re-exports the function under the same name): uses_kernel, the op names.
+attention_ops = importlib.import_module("tfmetal_ext.ops.attention")
 
 CASES = ("attention", "memory", "encoder")
 FULL = dict(batch=4, heads=8, head_dim=64, seqs=(256, 1024, 4096), memory_seq=4096, rounds=5, repeats=3,
