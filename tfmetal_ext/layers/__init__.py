@@ -13,6 +13,7 @@ from tfmetal_ext.layers.conv_bn import ConvBNAct, ConvBNAct1D
 from tfmetal_ext.layers.residual import FoldedResidualBlock, ResidualBlock
 from tfmetal_ext.layers.normalization import FusedBatchNorm, FusedLayerNorm
 from tfmetal_ext.layers.recurrent import FusedGRU, FusedLSTM
+from tfmetal_ext.layers.rms_norm import FusedRMSNorm
 from tfmetal_ext.layers.activations import Softshrink
 from tfmetal_ext.layers.attention import FusedMultiHeadAttention
 
@@ -28,6 +29,7 @@ __all__ = [
     "FusedGRU",
     "FusedLayerNorm",
     "FusedLSTM",
+    "FusedRMSNorm",
     "FusedMultiHeadAttention",
     "FusedSeparableConv2D",
     "ResidualBlock",
