@@ -91,6 +91,7 @@ SUITES = types.MappingProxyType(
         for s in (
             Suite("BatchNormalization", "layers/normalization/batch_normalization_test.py", _LAYER_HOMES),
             Suite("LayerNormalization", "layers/normalization/layer_normalization_test.py", _LAYER_HOMES),
+            Suite("RMSNormalization", "layers/normalization/rms_normalization_test.py", _LAYER_HOMES),
             Suite("Dense", "layers/core/dense_test.py", _LAYER_HOMES),
             Suite("Conv2D", "layers/convolutional/conv_test.py", _LAYER_HOMES),
             Suite("DepthwiseConv2D", "layers/convolutional/depthwise_conv_test.py", _LAYER_HOMES),
