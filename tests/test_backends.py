@@ -120,6 +120,7 @@ def test_callback_replacement_views_keep_their_published_values():
         "LSTM": "tfmetal_ext.layers.FusedLSTM",
         "GRU": "tfmetal_ext.layers.FusedGRU",
         "MultiHeadAttention": "tfmetal_ext.layers.FusedMultiHeadAttention",
+        "RMSNormalization": "tfmetal_ext.layers.FusedRMSNorm",
     }
     assert dict(metal.OPTIMIZER_REPLACEMENTS) == {
         "Adam": "tfmetal_ext.optimizers.FusedAdam",

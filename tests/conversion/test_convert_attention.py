@@ -50,6 +50,12 @@ def _gradients(layer, x):
     return _np(gx), [_np(g) for g in gw]
 
 
+def _kernels_run():
+    """The attention, layer norm and RMS norm custom ops run here (else their pure-TF references)."""
+    return all(importlib.import_module(f"tfmetal_ext.ops.{m}").uses_kernel()
+               for m in ("attention", "layer_norm", "rms_norm"))
+
+
 def _train_ops(model, x, y):
     return inspect.fusion_report(model, mode="train", inputs=x, targets=y).ops_by_type
 
@@ -156,7 +162,10 @@ def test_text_classifier_of_the_issue_train_step_ops_drop_and_no_einsum():
     _check_text_classifier(stock, new, x)
     report = new.conversion_report
     before, after = report.ops_before["train"], report.ops_after["train"]
-    assert after < before, (before, after)
+    if _kernels_run():
+        assert after < before, (before, after)
+    else:  # the pure-TF references (TFMETAL_EXT_REFERENCE_OPS=1, no op library) are not fewer ops
+        assert before > 0 and after > 0
     stock_ops, new_ops = _train_ops(stock, x, y), _train_ops(new, x, y)
     assert stock_ops.get("Einsum", 0) >= 4  # the stock attention: projections and both score einsums
     assert "Einsum" not in new_ops, new_ops
@@ -224,7 +233,11 @@ def test_functional_encoder_with_rms_normalization():
     assert any(type(l) is fl.FusedMultiHeadAttention for l in new.layers)
     _assert_close(stock, new, x)
     report = new.conversion_report
-    assert report.ops_after["train"] < report.ops_before["train"], (report.ops_before, report.ops_after)
+    before, after = report.ops_before["train"], report.ops_after["train"]
+    if _kernels_run():
+        assert after < before, (before, after)
+    else:  # the pure-TF references (TFMETAL_EXT_REFERENCE_OPS=1, no op library) are not fewer ops
+        assert before > 0 and after > 0
 
 
 @needs_rms

@@ -214,6 +214,7 @@ STOCK_TO_FUSED = _table(
     Replacement("LSTM", "FusedLSTM"),
     Replacement("GRU", "FusedGRU"),
     Replacement("MultiHeadAttention", "FusedMultiHeadAttention"),
+    Replacement("RMSNormalization", "FusedRMSNorm"),
 )
 
 # Stock classes deliberately without a replacement: class name -> why (convert() reports it as the kept reason).
