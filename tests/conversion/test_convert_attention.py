@@ -371,3 +371,47 @@ def test_mixed_bfloat16_attention_converts(mixed_bfloat16):
     assert type(converted) is fl.FusedMultiHeadAttention and converted.dtype_policy.name == "mixed_bfloat16"
     assert all(w.dtype == "float32" for w in converted.weights)
     _assert_close(stock, new, _x((6, 8)), atol=3e-2)
+
+
+class DecoderBlock(L.Layer):
+    """A pre-norm causal decoder block in the Llama style: RMS norms and attention held in attributes."""
+
+    def __init__(self, d, heads, **kwargs):
+        super().__init__(**kwargs)
+        self.norm1 = L.RMSNormalization(epsilon=1e-5)
+        self.attn = L.MultiHeadAttention(heads, d // heads, use_bias=False)
+        self.norm2 = L.RMSNormalization(epsilon=1e-5)
+        self.mlp = [L.Dense(2 * d, activation="silu"), L.Dense(d)]
+
+    def call(self, x):
+        h = self.norm1(x)
+        x = x + self.attn(h, h, use_causal_mask=True)
+        h = self.norm2(x)
+        for layer in self.mlp:
+            h = layer(h)
+        return x + h
+
+
+@needs_rms
+def test_rms_norms_and_causal_attention_inside_a_subclassed_block():
+    keras.utils.set_random_seed(10)
+    inp = L.Input((9, 16))
+    block = DecoderBlock(16, 4)
+    stock = keras.Model(inp, L.Dense(5)(block(inp)))
+    block.norm1.scale.assign(np.linspace(0.5, 1.5, 16).astype("float32"))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    b = new.layers[1]
+    assert type(b) is DecoderBlock and b is not block
+    assert type(b.norm1) is fl.FusedRMSNorm and type(b.norm2) is fl.FusedRMSNorm
+    assert type(b.attn) is fl.FusedMultiHeadAttention and not b.attn._use_bias
+    np.testing.assert_array_equal(_np(b.norm1.scale), _np(block.norm1.scale))
+    names = {r.name: r.new_class for r in new.conversion_report.rewrites}
+    assert names[f"{block.name}/norm1"] == "FusedRMSNorm" and names[f"{block.name}/attn"] == "FusedMultiHeadAttention"
+    assert names[f"{block.name}/mlp/0"] == "FusedDense"
+    x = _x((9, 16))
+    _assert_close(stock, new, x)
+    gx_s, gw_s = _gradients(block, x)
+    gx_n, gw_n = _gradients(b, x)
+    np.testing.assert_allclose(gx_n, gx_s, atol=1e-5 * max(1.0, np.abs(gx_s).max()), rtol=0)
+    for u, v in zip(gw_s, gw_n):
+        np.testing.assert_allclose(v, u, atol=1e-5 * max(1.0, np.abs(u).max()), rtol=0)
