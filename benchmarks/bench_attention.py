@@ -273,9 +273,39 @@ def _rss_bytes():
         return None
 
 
-def _maxrss_bytes():
+def _status_bytes(field):
+    """A ``kB`` field of /proc/self/status (``VmHWM``, ``VmData``, ...) in bytes, or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_peak_rss():
+    """Resets this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0); True if it did."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss_bytes():
+    """This process's peak RSS: VmHWM on Linux, else ru_maxrss (bytes on macOS, KiB elsewhere).
+
+    Not ru_maxrss on Linux: a process started by fork + exec inherits its parent's ru_maxrss when that
+    is larger (the bench's parent has itself run a T=4096 stock step), while VmHWM is its own.
+    """
+    hwm = _status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def memory_worker(impl, seq, cfg, limit_bytes=None):
@@ -283,8 +313,9 @@ def memory_worker(impl, seq, cfg, limit_bytes=None):
 
     Method: the step is a ``tf.function`` with a (None, None, None, head_dim) input signature, traced,
     optimized and run once at T=16 first (kernels loaded, allocator warm), so the measured call only
-    executes. The T-sized inputs are made, then the current RSS is read (``before``), the step runs once
-    at T, and ``ru_maxrss`` (the process's high-water mark) is read (``peak``). ``step = peak - before``:
+    executes. The T-sized inputs are made, the peak RSS is reset to the current RSS (Linux
+    /proc/self/clear_refs "5") and the current RSS read (``before``), the step runs once at T, and the
+    peak RSS (VmHWM; ru_maxrss where there is no /proc) is read (``peak``). ``step = peak - before``:
     the memory the step itself added at its peak (inputs excluded; outputs and gradients included).
     With `limit_bytes`, RLIMIT_DATA is set to the process's data size + `limit_bytes` before the step,
     so a step that would exhaust the machine fails (ResourceExhaustedError) instead.
@@ -298,32 +329,25 @@ def memory_worker(impl, seq, cfg, limit_bytes=None):
     shape = (cfg["batch"], cfg["heads"], seq, d) if layout == "bhtd" else (cfg["batch"], seq, cfg["heads"], d)
     args = [tf.random.stateless_normal(shape, seed=[i, 0]) for i in range(4)]
     if limit_bytes:
-        data = _vm_data_bytes()
+        data = _status_bytes("VmData")
         if data is not None:
             resource.setrlimit(resource.RLIMIT_DATA, (data + int(limit_bytes), resource.RLIM_INFINITY))
-    before, peak_before = _rss_bytes(), _maxrss_bytes()
+    peak_before = _peak_rss_bytes()
+    reset = _reset_peak_rss()
+    before = _rss_bytes()
     start = time.perf_counter()
     outputs = fn(*args)
     seconds = time.perf_counter() - start
-    peak = _maxrss_bytes()
+    peak = _peak_rss_bytes()
     del outputs
     mib = 2.0 ** 20
     return dict(impl=impl, seq=seq, batch=cfg["batch"], heads=cfg["heads"], head_dim=d,
-                before_mb=before / mib if before is not None else None, peak_before_mb=peak_before / mib,
+                peak_reset=reset, peak_before_mb=peak_before / mib,
+                before_mb=before / mib if before is not None else None,
                 peak_mb=peak / mib, step_mb=(peak - before) / mib if before is not None else None,
                 step_s=seconds, uses_kernel=bool(attention_ops.uses_kernel()),
-                input_mb=4 * int(np.prod(shape)) * 4 / mib, score_matrix_mb=score_bytes(cfg["batch"], cfg["heads"], seq) / mib)
-
-
-def _vm_data_bytes():
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmData:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+                input_mb=4 * int(np.prod(shape)) * 4 / mib,
+                score_matrix_mb=score_bytes(cfg["batch"], cfg["heads"], seq) / mib)
 
 
 def run_memory(seq, cfg, quick, timeout):
@@ -477,8 +501,8 @@ ATTENTION_COLUMNS = ["seq", "batch", "heads", "head_dim", "stock_ops", "fused_op
                      "stock_einsum_ops", "fused_attention_ops", "stock_ms", "fused_ms", "fused_speedup",
                      "stock_cpu_ms", "fused_cpu_ms", "fused_cpu_speedup", "fused_bthd_ms", "fused_bthd_speedup",
                      "max_abs_diff"]
-MEMORY_COLUMNS = ["impl", "seq", "uses_kernel", "before_mb", "peak_mb", "step_mb", "step_ratio", "peak_ratio",
-                  "score_matrix_mb", "step_s"]
+MEMORY_COLUMNS = ["impl", "seq", "uses_kernel", "peak_reset", "before_mb", "peak_mb", "step_mb", "step_ratio",
+                  "peak_ratio", "score_matrix_mb", "step_s"]
 ENCODER_COLUMNS = ["policy", "verified", "mha_layer", "rewrites", "kept", "stock_ops", "ours_ops", "ours_ops_ratio",
                    "ours_keras_adam_ops", "stock_fused_adam_ops", "stock_einsum_ops", "ours_einsum_ops",
                    "ours_attention_ops", "stock_ms", "ours_ms", "speedup", "stock_cpu_ms", "ours_cpu_ms",
@@ -514,8 +538,10 @@ def notes(args, state):
         f"jobs than wall time); T > {LONG_SEQ}: at most 3 rounds of 1 step, no warm-up call, ops counted on "
         f"a T={LONG_SEQ} step of the same function (ops_counted_at_seq), no fused_bthd",
         "memory: one fresh process per implementation; the step is a tf.function with a (None, None, None, d) "
-        "signature traced and run once at T=16 first; then the T-sized inputs are made, RSS read (before_mb), "
-        "the step run once, ru_maxrss read (peak_mb); step_mb = peak_mb - before_mb (the step's own peak: "
+        "signature traced and run once at T=16 first; then the T-sized inputs are made, the peak RSS reset to the "
+        "current RSS (/proc/self/clear_refs 5; peak_reset) and RSS read (before_mb), the step run once, the peak "
+        "RSS read (VmHWM; not ru_maxrss, which a child inherits from its parent on Linux) (peak_mb); "
+        "step_mb = peak_mb - before_mb (the step's own peak: "
         "intermediates, outputs and gradients; inputs excluded); step_ratio = fused / stock of step_mb; "
         "score_matrix_mb = one float32 (b, h, T, T) matrix; a child may not grow its data segment past 75% of "
         "the memory available at the start (RLIMIT_DATA), so a step too big fails instead of exhausting the box",
@@ -579,6 +605,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--results-dir", default=RESULTS_DIR)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per memory subprocess")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the other cases' rows of an existing results file (rerun some cases only)")
     parser.add_argument("--memory-worker", choices=("stock", "fused"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seq", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -614,6 +642,17 @@ def main(argv=None):
             f"{result['environment']['cpu_flags']}): bfloat16 would be emulated; --policies to force")))
     name = "attention_quick" if args.quick else "attention"
     base = os.path.join(args.results_dir, name)
+    if args.merge and os.path.exists(base + ".json"):
+        with open(base + ".json") as f:
+            previous = json.load(f)
+        kept = [c for c in previous.get("cases", []) if c not in cases]
+        for c in kept:
+            result[c] = previous.get(c, [])
+        if "encoder" in kept:
+            result["skipped"] = previous.get("skipped", [])
+        result["cases"] = [c for c in CASES if c in cases or c in kept]
+        result["notes"].append(f"--merge: the {', '.join(kept) or 'no'} case(s) are from the previous run "
+                               f"(environment then: {previous.get('environment')})")
     print(f"CPU: {result['environment']['cpu']}; ops.attention.uses_kernel() = {state['uses_kernel']}",
           file=sys.stderr, flush=True)
     for case in cases:

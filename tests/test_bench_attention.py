@@ -111,7 +111,8 @@ def test_quick_run_output(tmp_path):
     for r in memory.values():
         assert "errors" not in r, r.get("errors")
         assert r["seq"] == bench_attention.QUICK["memory_seq"]
-        assert r["peak_mb"] >= r["peak_before_mb"] > 0 and r["step_mb"] == pytest.approx(r["peak_mb"] - r["before_mb"])
+        assert r["peak_mb"] >= r["before_mb"] > 0 and r["step_mb"] == pytest.approx(r["peak_mb"] - r["before_mb"])
+        assert isinstance(r["peak_reset"], bool)
     assert memory["fused"]["step_ratio"] == pytest.approx(memory["fused"]["step_mb"] / memory["stock"]["step_mb"])
 
     encoder = data["encoder"]
