@@ -4,6 +4,7 @@ References: the stock layer holding the same weights (outputs, gradients, masks,
 numpy multi-head attention written here for the plain case.
 """
 
+import importlib
 import os
 import re
 import tempfile
@@ -17,10 +18,11 @@ import tfmetal_ext.ops
 from tfmetal_ext import inspect
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.layers.attention import FusedMultiHeadAttention
-from tfmetal_ext.ops import attention as attention_ops
 from tfmetal_ext.testing import assert_close, error_type
 
 MHA = keras.layers.MultiHeadAttention
+# The module (the package also exports the `attention` function under that name).
+attention_ops = importlib.import_module("tfmetal_ext.ops.attention")
 
 
 @pytest.fixture(params=["kernel", "reference"])
@@ -544,3 +546,41 @@ def test_errors_match_stock(case):
     got = error_type(make(FusedMultiHeadAttention))
     assert got is want or (issubclass(got, (ValueError, tf.errors.InvalidArgumentError))
                            and issubclass(want, (ValueError, tf.errors.InvalidArgumentError))), (got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["", "causal"])
+@pytest.mark.parametrize("dropout", [0.0, 0.5], ids=["", "dropout_inference"])
+@pytest.mark.parametrize("q_len, kv_len", [(5, 5), (6, 3), (3, 7)])
+def test_padding_masks_match_stock(q_len, kv_len, causal, dropout, path):
+    """(batch, seq) query/value/key masks: the op gets a (batch, 1, 1, kv) key mask, never a (q, kv) one.
+
+    Rows that attend no key (a padded query, every key padded, or with
+    causal every key up to the row padded) are stock's: the mean of the
+    values, or 0 on stock's dropout path (inference here).
+    """
+    rng = np.random.default_rng(16)
+    q, v, k = _inputs(rng, 4, q_len, kv_len, 8, 8, 8)
+    ours, stock = _pair(dict(num_heads=2, key_dim=4, dropout=dropout, seed=1), q, v, k, rng=rng)
+    value_mask = rng.random((4, kv_len)) > 0.4
+    value_mask[0] = False  # every key padded
+    value_mask[1, 0] = False  # with causal, row 0 of batch 1 attends no key
+    value_mask[2] = True
+    key_mask = rng.random((4, kv_len)) > 0.2
+    key_mask[2] = True
+    for kwargs in ({"value_mask": value_mask}, {"value_mask": value_mask, "key_mask": key_mask}):
+        _check_same(ours, stock, q, v, k, use_causal_mask=causal, graph=True, **kwargs)
+    # The query's mask comes on the tensor (as Keras propagates it): through a functional model.
+    inputs = [keras.Input((q_len, 8)), keras.Input((kv_len, 8)), keras.Input((kv_len, 8))]
+    q_mask = rng.random((4, q_len)) > 0.3
+    outs = {}
+    for name, layer in (("ours", ours), ("stock", stock)):
+        masked_q = keras.layers.Masking(mask_value=0.0)(inputs[0])
+        model = keras.Model(inputs, layer(masked_q, inputs[1], inputs[2], value_mask=value_mask,
+                                          use_causal_mask=causal))
+        outs[name] = model([q * q_mask[..., None], v, k])
+    np.testing.assert_allclose(outs["ours"], outs["stock"], rtol=1e-5, atol=1e-5)
+    if path == "kernel":  # the op's mask input is (batch, 1, 1, kv): no (q, kv) matrix is built
+        cap = inspect.trace_function(lambda a, b, c: ours(a, b, c, value_mask=value_mask, use_causal_mask=causal),
+                                     q, v, k)
+        op = [n for fg in cap.functions for n in fg.graph.node if n.op == fusion.ATTENTION_OP]
+        assert len(op) == 1 and op[0].attr["causal"].b == causal

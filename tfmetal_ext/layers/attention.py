@@ -49,10 +49,12 @@ class FusedMultiHeadAttention(_STOCK):
       sublayer with an activity regularizer keeps its own MatMul;
     - the core is `tfmetal_ext.ops.attention.attention` (``TfmetalExt>Attention``
       forward, ``TfmetalExt>AttentionGrad`` backward: tiled online softmax,
-      the score matrix never stored), with its ``causal`` attribute when
-      ``use_causal_mask=True`` is the only mask, otherwise with the boolean
-      mask Keras builds (`_compute_attention_mask`: query/value/key masks,
-      ``attention_mask``, causal, sliding window);
+      the score matrix never stored). Padding masks (``(batch, seq)`` query,
+      value and key masks, as ``Embedding(mask_zero=True)`` propagates them)
+      and ``use_causal_mask`` reach it as a ``(batch, 1, 1, kv_seq)`` key
+      mask and its ``causal`` attribute, so no ``(q_seq, kv_seq)`` mask is
+      built either; with an ``attention_mask`` or a ``sliding_window`` it
+      gets the boolean mask Keras builds (`_compute_attention_mask`);
     - the output projection is ``MatMul -> BiasAdd`` again.
 
     No ``Einsum`` runs in the train step. Stock Keras emits ``Einsum``
@@ -238,21 +240,29 @@ class FusedMultiHeadAttention(_STOCK):
         for x in (query, value, key):
             keras_backend.set_keras_mask(x, None)
 
-        causal = bool(use_causal_mask) and all(
-            m is None for m in (query_mask, value_mask, key_mask, attention_mask)
-        ) and self._sliding_window is None
-        mask = None
-        if not causal:
+        masks = [None if m is None else tf.convert_to_tensor(m) for m in (query_mask, value_mask, key_mask)]
+        # Padding masks (rank 2: (batch, seq)) and causal only: the op takes a (batch, 1, 1, kv) key mask
+        # and its causal attribute, never a (q, kv) matrix; which query rows attend no key (stock
+        # gives them the mean of the values) comes from the masks directly. Otherwise Keras'
+        # combined mask, as the stock call builds it.
+        factored = (attention_mask is None and self._sliding_window is None
+                    and all(m is None or m.shape.rank == 2 for m in masks))
+        if factored:
+            causal = bool(use_causal_mask)
+            mask, attended = _factored_masks(*masks, causal, tf.shape(query)[1], tf.shape(value)[1])
+        else:
+            causal = False
             mask = self._compute_attention_mask(
                 query, value, query_mask=query_mask, value_mask=value_mask, key_mask=key_mask,
                 attention_mask=attention_mask, use_causal_mask=use_causal_mask,
             )
-        if mask is not None:
-            mask = tf.cast(mask, tf.bool)  # no op for a boolean mask
-            if mask.shape.rank == 2:  # (q, kv) -> (1, 1, q, kv)
-                mask = mask[None, None]
-            elif mask.shape.rank == 3:  # (batch, q, kv) -> (batch, 1, q, kv)
-                mask = tf.expand_dims(mask, -3)
+            attended = None
+            if mask is not None:
+                mask = tf.cast(mask, tf.bool)  # no op for a boolean mask
+                if mask.shape.rank == 2:  # (q, kv) -> (1, 1, q, kv)
+                    mask = mask[None, None]
+                elif mask.shape.rank == 3:  # (batch, q, kv) -> (batch, 1, q, kv)
+                    mask = tf.expand_dims(mask, -3)
 
         dtype = self.compute_dtype
         query, value, key = (tf.cast(x, dtype) for x in (query, value, key))
@@ -260,8 +270,14 @@ class FusedMultiHeadAttention(_STOCK):
         q, k, v = self._project_heads(query, key, value, q_dims, kv_dims)
 
         out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim)
-        if mask is not None and self._dropout == 0:
-            out = _uniform_masked_rows(out, v, mask, kv_dims[1])
+        if self._dropout == 0 and (attended is not None or mask is not None):
+            if attended is None:
+                attended = tf.reduce_any(mask, axis=-1, keepdims=True)
+            out = tf.where(attended, out, _mean_value(v, kv_dims[1]))
+        elif attended is not None:
+            # Stock's dropout path zeroes a row that attends no key (the op's own 0 where its mask
+            # says so; a query-masked row is not masked in the op's key mask).
+            out = tf.where(attended, out, tf.zeros([], out.dtype))
 
         # (batch, heads, q, value_dim) -> (batch * q, heads * value_dim) for the output MatMul.
         flat = tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [-1, self._num_heads * self._value_dim])
@@ -392,17 +408,41 @@ def _concat_projections(denses, dtype):
     return kernel, tf.cast(bias, dtype)
 
 
-def _uniform_masked_rows(out, v, mask, kv_len):
-    """Fully masked query rows -> the mean of the values, as stock's masked softmax gives them.
+def _factored_masks(query_mask, value_mask, key_mask, causal, q_len, kv_len):
+    """The op's mask from (batch, seq) padding masks, and which query rows attend some key.
 
-    Stock replaces masked scores by a large negative number and softmaxes: a
-    row with no attended key is uniform over all keys. The op gives 0 there.
-    With no keys at all both give 0.
+    Returns ``(mask, attended)``: mask None or the (batch, 1, 1, kv) AND of
+    the value and key masks; attended None (every row attends a key) or a
+    boolean broadcastable to (batch, 1, q, 1): the query mask, AND some
+    unmasked key (with ``causal``: some unmasked key j <= i, i.e. the first
+    unmasked key is at most i). These are the rows stock's combined mask
+    leaves with at least one attended key.
     """
-    attended = tf.reduce_any(mask, axis=-1, keepdims=True)
+    kv = None
+    for m in (value_mask, key_mask):
+        if m is not None:
+            m = tf.cast(m, tf.bool)
+            kv = m if kv is None else tf.logical_and(kv, m)
+    attended = None if query_mask is None else tf.cast(query_mask, tf.bool)  # (batch, q)
+    if kv is not None:
+        if causal:  # (batch, 1): the first unmasked key (kv_len for none); row i needs it at most i
+            first = tf.reduce_min(tf.where(kv, tf.range(kv_len), kv_len), axis=-1, keepdims=True)
+            has_key = tf.logical_and(tf.range(q_len) >= first, first < kv_len)  # (batch, q)
+        else:
+            has_key = tf.reduce_any(kv, axis=-1, keepdims=True)  # (batch, 1)
+        attended = has_key if attended is None else tf.logical_and(attended, has_key)
+        kv = kv[:, None, None, :]
+    return kv, None if attended is None else attended[:, None, :, None]
+
+
+def _mean_value(v, kv_len):
+    """(batch, heads, kv, d) -> the (batch, heads, 1, d) mean over the keys (0 with no keys).
+
+    Stock's masked softmax is uniform over all keys in a row that attends
+    none (every score replaced by the same large negative number); the op
+    gives 0 there.
+    """
     if isinstance(kv_len, int) and kv_len > 0:
-        mean = tf.reduce_mean(v, axis=2, keepdims=True)
-    else:
-        total = tf.reduce_sum(v, axis=2, keepdims=True)
-        mean = total / tf.cast(tf.maximum(kv_len, 1), v.dtype)
-    return tf.where(attended, out, mean)
+        return tf.reduce_mean(v, axis=2, keepdims=True)
+    total = tf.reduce_sum(v, axis=2, keepdims=True)
+    return total / tf.cast(tf.maximum(kv_len, 1), v.dtype)
