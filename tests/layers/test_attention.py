@@ -580,7 +580,8 @@ def test_padding_masks_match_stock(q_len, kv_len, causal, dropout, path):
         outs[name] = model([q * q_mask[..., None], v, k])
     np.testing.assert_allclose(outs["ours"], outs["stock"], rtol=1e-5, atol=1e-5)
     if path == "kernel":  # the op's mask input is (batch, 1, 1, kv): no (q, kv) matrix is built
-        cap = inspect.trace_function(lambda a, b, c: ours(a, b, c, value_mask=value_mask, use_causal_mask=causal),
-                                     q, v, k)
-        op = [n for fg in cap.functions for n in fg.graph.node if n.op == fusion.ATTENTION_OP]
-        assert len(op) == 1 and op[0].attr["causal"].b == causal
+        fn = tf.function(lambda a, b, c: ours(a, b, c, value_mask=value_mask, use_causal_mask=causal))
+        graph = fn.get_concrete_function(tf.constant(q), tf.constant(v), tf.constant(k)).graph
+        op = [o for o in graph.get_operations() if o.type == fusion.ATTENTION_OP]
+        assert len(op) == 1 and op[0].get_attr("causal") == causal
+        assert op[0].inputs[3].shape.as_list() == [4, 1, 1, kv_len]
