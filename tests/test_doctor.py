@@ -155,7 +155,7 @@ def test_selftest_str_and_json(healthy):
 def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
         "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
-        "rms_norm", "multi_tensor_adam", "cpu_fallback",
+        "rms_norm", "multi_tensor_adam", "attention", "cpu_fallback",
     )
     for name, check in checks.REGISTRY.items():
         assert check.name == name and check.fix and callable(check.case), check
@@ -271,6 +271,14 @@ def test_custom_op_failure_fix_says_report_it():
     assert "avoid_fusions=['layer_norm']" in check.fix and "report it" in check.fix
 
 
+def test_attention_check_passes_and_catches_a_fault():
+    check = doctor.selftest(checks=["attention"]).check("attention")
+    assert check.status == "PASS", check
+    assert fusion.ATTENTION_OP in check.fused
+    faulty = doctor.selftest(checks=["attention"], faults=["attention"]).check("attention")
+    assert faulty.status == "FAIL" and "avoid_fusions=['attention']" in faulty.fix and "report it" in faulty.fix
+
+
 def test_rms_norm_check_passes_and_catches_a_fault():
     check = doctor.selftest(checks=["rms_norm"]).check("rms_norm")
     assert check.status == "PASS", check
@@ -312,7 +320,7 @@ def test_custom_op_checks_skip_without_library(monkeypatch):
     from tfmetal_ext.ops import _loader
 
     monkeypatch.setattr(_loader, "load", lambda: None)
-    result = doctor.selftest(checks=["softshrink", "layer_norm", "rms_norm", "multi_tensor_adam"])
+    result = doctor.selftest(checks=["softshrink", "layer_norm", "rms_norm", "multi_tensor_adam", "attention"])
     for c in result.checks:
         assert c.status == "SKIP" and c.fix == "tfmetal-ext build-ops" and "not loaded" in c.detail
     assert result.passed

@@ -75,6 +75,7 @@ def test_reasons_say_what_layers_emit(avoid):
 def test_safe_forms_names():
     assert set(precision.SAFE_FORMS) == {
         "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm", "multi_tensor_adam",
+        "attention",
         "rms_norm",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)

@@ -265,6 +265,51 @@ def np_layer_norm_grad(dy, x, gamma, epsilon):
     return dx, (dy * xhat).sum(rows), dy.sum(rows)
 
 
+def _np_attention_probs(q, k, mask, causal, scale):
+    """float64 softmax probabilities (0 in a row attending no key) and lse (-inf there)."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    tq, tk = q.shape[2], k.shape[2]
+    scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
+    allowed = np.ones((1, 1, tq, tk), bool) if mask is None else np.asarray(mask, bool)
+    if causal:
+        allowed = allowed & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])
+    allowed = np.broadcast_to(allowed, scores.shape)
+    scores = np.where(allowed, scores, -np.inf)
+    any_key = allowed.any(-1, keepdims=True)
+    shift = np.where(any_key, scores.max(-1, keepdims=True, initial=-np.inf), 0.0)
+    e = np.where(allowed, np.exp(scores - shift), 0.0)
+    total = np.where(any_key, e.sum(-1, keepdims=True), 1.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(any_key, shift + np.log(total), -np.inf)[..., 0]
+    return np.where(any_key, e / total, 0.0), lse
+
+
+def np_attention(q, k, v, mask=None, causal=False, scale=None):
+    """``(output, lse)`` of softmax attention in float64 (TfmetalExt>Attention's contract).
+
+    Inputs (batch, heads, seq, dim); `mask` a boolean "attend" mask broadcastable to
+    (batch, heads, q_seq, kv_seq); causal: key j attended by query i only if j <= i;
+    scale None for 1/sqrt(head_dim). A row attending no key has output 0 and lse -inf.
+    """
+    scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
+    p, lse = _np_attention_probs(q, k, mask, causal, scale)
+    return np.einsum("bhqk,bhkd->bhqd", p, np.asarray(v, np.float64)), lse
+
+
+def np_attention_grad(d_output, q, k, v, mask=None, causal=False, scale=None):
+    """``(d_query, d_key, d_value)`` of `np_attention`'s output in float64."""
+    scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
+    q, k, v, do = (np.asarray(t, np.float64) for t in (q, k, v, d_output))
+    p, _ = _np_attention_probs(q, k, mask, causal, scale)
+    dp = np.einsum("bhqd,bhkd->bhqk", do, v)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    return (
+        scale * np.einsum("bhqk,bhkd->bhqd", ds, k),
+        scale * np.einsum("bhqk,bhqd->bhkd", ds, q),
+        np.einsum("bhqk,bhqd->bhkd", p, do),
+    )
+
+
 def np_rms_norm(x, gamma, epsilon):
     """RMS norm over the last axis in float64: ``x / sqrt(mean(x^2) + epsilon) * gamma``."""
     x = x.astype(np.float64)

@@ -50,7 +50,7 @@ namespace attention_cpu {
 #define TFMETAL_ATTN_INLINE inline __attribute__((always_inline))
 
 constexpr int64_t kBlockQ = 64;   // query rows per tile
-constexpr int64_t kBlockK = 64;   // keys per tile
+constexpr int64_t kBlockK = 128;  // keys per tile
 constexpr int kLanes = 16;        // independent accumulators of the row reductions
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 

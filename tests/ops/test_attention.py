@@ -1,5 +1,6 @@
 """attention: CPU kernel and pure-TF reference against a numpy softmax attention; gradients; masks; errors."""
 
+import importlib
 import math
 import os
 import subprocess
@@ -10,8 +11,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.ops import attention as attention_module
 from tfmetal_ext.ops.attention import attention
+
+# The module (tfmetal_ext.ops exports the function under the same name).
+attention_module = importlib.import_module("tfmetal_ext.ops.attention")
 
 # Output tolerance (relative to the largest magnitude, at least 1): the output
 # dtype's rounding; the kernel accumulates in float32 for every dtype.

@@ -156,6 +156,11 @@ PATTERNS = types.MappingProxyType(
                 _F.SOFTSHRINK_OP,
             ),
             Pattern(
+                "custom_attention",
+                "softmax attention, flash-style: no score matrix stored (FusedMultiHeadAttention)",
+                _F.ATTENTION_OP,
+            ),
+            Pattern(
                 "multi_tensor_adam",
                 "Adam update of every variable of one dtype (FusedAdam(multi_tensor=True))",
                 _F.MULTI_TENSOR_ADAM_OP,

@@ -52,6 +52,10 @@ _EITHER = {
         f"tfmetal_ext custom op: one {fusion.SOFTSHRINK_OP} forward, one {fusion.SOFTSHRINK_GRAD_OP} backward",
         dtypes=_CUSTOM,
     ),
+    "custom_attention": Fusion(
+        f"tfmetal_ext custom op: one {fusion.ATTENTION_OP} forward, one {fusion.ATTENTION_GRAD_OP} backward",
+        dtypes=_CUSTOM,
+    ),
     "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
 }
 _NO_LEAKY = tuple(a for a in ACTS if a != "LeakyRelu")

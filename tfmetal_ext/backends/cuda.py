@@ -40,6 +40,7 @@ CUDA = backend(
         "custom_layer_norm": never("no CUDA kernel: the pure-TF reference runs (18 ops fwd+bwd)"),
         "custom_rms_norm": never("no CUDA kernel: the pure-TF reference runs"),
         "custom_softshrink": never("no CUDA kernel: the op runs on the CPU (copies each way); use the reference there"),
+        "custom_attention": never("no CUDA kernel: the pure-TF reference runs (the score matrix is materialized)"),
         "multi_tensor_adam": never("no CUDA kernel: one ResourceApplyAdam per variable"),
         "cudnn_rnn": Fusion(
             "cuDNN: float32, float16, float64 (bfloat16 kernels registered, cuDNN support varies); "

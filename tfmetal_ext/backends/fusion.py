@@ -134,6 +134,7 @@ CUSTOM_OPS = types.MappingProxyType(
         "softshrink": CustomOp("TfmetalExt>Softshrink", "TfmetalExt>SoftshrinkGrad", "softshrink"),
         "layer_norm": CustomOp("TfmetalExt>LayerNorm", "TfmetalExt>LayerNormGrad", "layer_norm"),
         "multi_tensor_adam": CustomOp("TfmetalExt>MultiTensorAdam", None, "multi_tensor_adam"),
+        "attention": CustomOp("TfmetalExt>Attention", "TfmetalExt>AttentionGrad", "attention"),
         "rms_norm": CustomOp("TfmetalExt>RMSNorm", "TfmetalExt>RMSNormGrad", "rms_norm"),
     }
 )
@@ -146,10 +147,8 @@ LAYER_NORM_GRAD_OP = CUSTOM_OPS["layer_norm"].grad
 MULTI_TENSOR_ADAM_OP = CUSTOM_OPS["multi_tensor_adam"].name
 RMS_NORM_OP = CUSTOM_OPS["rms_norm"].name
 RMS_NORM_GRAD_OP = CUSTOM_OPS["rms_norm"].grad
-# The attention op joins CUSTOM_OPS (with its safe form and doctor check) when its kernels land;
-# until then tfmetal_ext.ops.attention runs its pure-TF reference.
-ATTENTION_OP = "TfmetalExt>Attention"
-ATTENTION_GRAD_OP = "TfmetalExt>AttentionGrad"
+ATTENTION_OP = CUSTOM_OPS["attention"].name
+ATTENTION_GRAD_OP = CUSTOM_OPS["attention"].grad
 
 # Ops that are a whole fused layer by themselves (no remapper rewrite
 # involved): the fusion report lists them beside the remapper's fused nodes.
@@ -296,6 +295,13 @@ SAFE_FORMS = _safe_forms(
         f"tfmetal_ext.ops.layer_norm (FusedLayerNorm) runs its pure-TF reference instead of {LAYER_NORM_OP}",
         implies=CUSTOM_OPS["layer_norm"].op_names,
         custom_op="layer_norm",
+    ),
+    SafeForm(
+        "attention",
+        "tfmetal_ext.ops.attention (FusedMultiHeadAttention) runs its pure-TF reference (MatMul, masked "
+        f"Softmax, MatMul: the score matrix is materialized) instead of {ATTENTION_OP}",
+        implies=CUSTOM_OPS["attention"].op_names,
+        custom_op="attention",
     ),
     SafeForm(
         "multi_tensor_adam",

@@ -207,6 +207,7 @@ METAL_PLUGIN = backend(
         "custom_layer_norm": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_rms_norm": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_softshrink": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
+        "custom_attention": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "multi_tensor_adam": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),
         "cudnn_rnn": never(
             "not fused: no CudnnRNN kernel",

@@ -292,6 +292,33 @@ def multi_tensor_adam(dtype):
     return fused, grads, reference
 
 
+ATTENTION_SCALE = 0.35
+
+
+@register("attention", op=fusion.CUSTOM_OPS["attention"])
+def attention(dtype):
+    import tensorflow as tf
+
+    lib, scale = custom_op_library(), ATTENTION_SCALE
+    rng = _rng(8)
+    b, h, tq, tk, d, dv = 2, 2, 37, 45, 16, 8  # several key tiles on the GPU, odd sizes
+    q, k = (tf.constant(rng.standard_normal((b, h, t, d)), dtype) for t in (tq, tk))
+    v = tf.constant(rng.standard_normal((b, h, tk, dv)), dtype)
+    keep = rng.random((b, 1, tq, tk)) < 0.8
+    keep[1, 0, 4, :] = False  # a row attending no key: output 0, no NaN
+    mask = tf.constant(keep)
+    dy = tf.constant(rng.standard_normal((b, h, tq, dv)), dtype)
+
+    def fused(q, k, v, mask, dy):
+        out, lse = lib.tfmetal_ext_attention(q, k, v, mask, causal=True, scale=scale)
+        grads = lib.tfmetal_ext_attention_grad(dy, q, k, v, mask, out, lse, causal=True, scale=scale)
+        return (out,) + tuple(grads)
+
+    out, _ = testing.np_attention(_f64(q), _f64(k), _f64(v), keep, True, scale)
+    grads = testing.np_attention_grad(_f64(dy), _f64(q), _f64(k), _f64(v), keep, True, scale)
+    return fused, (q, k, v, mask, dy), (out,) + tuple(grads)
+
+
 # ----------------------------------------------------------------------------
 # CPU fallback of a train step of our layers.
 

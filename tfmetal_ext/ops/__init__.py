@@ -7,13 +7,16 @@
   (+ ``TfmetalExt>RMSNormGrad``: dx and dgamma in one op).
 - `multi_tensor_adam(variables, ms, vs, grads, ...)`: ``TfmetalExt>MultiTensorAdam``,
   Adam (AMSGrad, decoupled decay) for N variables of one dtype in one op.
+- `attention(query, key, value, *, mask=None, causal=False, scale=None)`:
+  ``TfmetalExt>Attention`` (+ ``TfmetalExt>AttentionGrad``), softmax attention
+  flash-style: the score matrix is never stored, forward or backward.
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
 Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
-``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``).
+``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"attention"``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import dataclasses
 
 from tfmetal_ext.ops import _common, _loader
 from tfmetal_ext.ops._loader import BuildError, OpCacheError
+from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
 from tfmetal_ext.ops.rms_norm import rms_norm
@@ -140,5 +144,5 @@ def build(force: bool = False):
     return _loader.build(force=force).library
 
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "build", "layer_norm", "multi_tensor_adam", "rms_norm", "softshrink",
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "layer_norm", "multi_tensor_adam", "rms_norm", "softshrink",
            "status"]
