@@ -210,6 +210,26 @@ def test_fully_masked_rows_give_zero_and_no_nan(path):
     assert (grads[0].numpy()[1] == 0).all() and (grads[1].numpy()[1] == 0).all() and (grads[2].numpy()[1] == 0).all()
 
 
+@pytest.mark.parametrize("where", ["query", "key"])
+def test_nan_inputs_reach_the_rows_they_feed(path, where):
+    """As in a softmax: a NaN in query row i makes row i's output and lse NaN; a NaN key row every row's."""
+    q, k, v = qkv(1, 1, 9, 40, 8, seed=21)
+    (q if where == "query" else k)[0, 0, 2, 3] = np.nan
+    out = attention(tf.constant(q), tf.constant(k), tf.constant(v)).numpy()
+    rows = [2] if where == "query" else list(range(9))
+    assert np.isnan(out[0, 0, rows]).all()
+    others = np.delete(out[0, 0], rows, axis=0)
+    assert np.isfinite(others).all()
+    if others.size:
+        want = np.delete(np_attention(np.nan_to_num(q), k, v)[0][0, 0], rows, axis=0)
+        assert_close(others, want, 2e-5)
+    if path == "kernel":
+        lib = attention_module._common.library()
+        _, lse = lib.tfmetal_ext_attention(q, k, v, np.ones([1, 1, 1, 1], bool), causal=False,
+                                          scale=1.0 / math.sqrt(8))
+        assert np.isnan(lse.numpy()[0, 0, rows]).all()
+
+
 def test_causal_with_more_queries_than_keys_masks_nothing_extra(path):
     """Top-left aligned: query row i sees keys 0..i, so rows >= tk see every key."""
     q, k, v = qkv(1, 1, 8, 3, 4, seed=8)

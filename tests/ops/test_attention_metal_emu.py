@@ -457,10 +457,6 @@ def test_no_out_of_bounds_reads_under_address_sanitizer():
     assert result.returncode == 0 and "sanitized run passed" in result.stdout, result.stderr[-6000:]
 
 
-@pytest.mark.xfail(strict=True, reason="open defect: the shared math (tfmetal/attention.h) swallows NaN: tfm_max "
-                   "drops NaN scores from the running max, attention_weight returns 0 while the max is -inf and "
-                   "attention_lse / attention_inv_sum test running_sum > 0, so a NaN query row comes out as a "
-                   "fully masked row (output 0, lse -inf) instead of NaN as in stock softmax attention")
 @pytest.mark.parametrize("where", ["query", "key"])
 def test_nan_inputs_propagate_to_the_rows_they_reach(lib, where):
     q, k, v, _ = random_case("float", 1, 1, 9, 40, 8, 8, 60)

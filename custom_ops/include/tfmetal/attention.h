@@ -43,19 +43,21 @@ TFM_INLINE float attention_rescale(float running_max, float new_max) {
   return new_max == -INFINITY ? 1.0f : tfm_exp(running_max - new_max);
 }
 
-// exp(s - max) of a score (0 for a masked score s = -inf, and when nothing is
-// attended: max = -inf).
+// exp(s - max) of a score: 0 for a masked score s = -inf (also when nothing
+// is attended yet, max = -inf). The test is on the score, not the max, so a
+// NaN score gives NaN, which reaches the row's sum, output and lse as it does
+// in a softmax.
 TFM_INLINE float attention_weight(float score, float running_max) {
-  return running_max == -INFINITY ? 0.0f : tfm_exp(score - running_max);
+  return score == -INFINITY ? 0.0f : tfm_exp(score - running_max);
 }
 
 // The row's log-sum-exp at the end: -inf for a row that attends no key.
 TFM_INLINE float attention_lse(float running_max, float running_sum) {
-  return running_sum > 0.0f ? running_max + tfm_log(running_sum) : -INFINITY;
+  return running_sum == 0.0f ? -INFINITY : running_max + tfm_log(running_sum);  // NaN stays NaN
 }
 
 // 1 / running_sum, or 0 for a row that attends no key (its output is 0).
-TFM_INLINE float attention_inv_sum(float running_sum) { return running_sum > 0.0f ? 1.0f / running_sum : 0.0f; }
+TFM_INLINE float attention_inv_sum(float running_sum) { return running_sum == 0.0f ? 0.0f : 1.0f / running_sum; }
 
 // The probability in the backward pass, from the saved lse (0 for a row that
 // attends no key, and for a masked score s = -inf).
