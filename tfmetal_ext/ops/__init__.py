@@ -46,7 +46,7 @@ class OpsStatus:
         metal_backend: the Metal backend the GPU kernels are bound to
             (``"tensorflow-metal"``, ``"tensorflow-metal-plugin"``), or None.
         kernels: per op (``"softshrink"``, ``"layer_norm"``,
-            ``"multi_tensor_adam"``, ``"rms_norm"``: the keys of
+            ``"multi_tensor_adam"``, ``"rms_norm"``, ``"attention"``: the keys of
             `tfmetal_ext.backends.fusion.CUSTOM_OPS`), ``{"cpu": bool, "gpu":
             bool, "gpu_reason": str | None}``: whether the op's CPU kernel and
             its GPU (Metal) kernel are registered (for the op and its gradient
