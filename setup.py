@@ -28,7 +28,7 @@ setup(
     package_dir={"tfmetal_ext._custom_ops": "custom_ops"},
     package_data={
         "tfmetal_ext._custom_ops": [
-            "include/tfmetal/*.h", "ops/*.cc", "cpu/*.cc", "cpu/*.h", "signpost/*.c",
+            "include/tfmetal/*.h", "ops/*.cc", "ops/*.h", "cpu/*.cc", "cpu/*.h", "signpost/*.c",
             "metal/*.h", "metal/*.metal", "metal/*.mm", "metal/*.py", "emu/*.h", "emu/*.cc", "emu/*.py",
         ]
     },

@@ -222,6 +222,27 @@ def threadgroup_size_1d(n, cap=256, width=32, max_total=1024):
     return min(limit, -(-max(n, 1) // width) * width)
 
 
+def reduction_threadgroup_size(row_length, elements_per_thread=1, cap=1024, width=32, max_total=1024):
+    """metal_helper's ReductionThreadgroupSize: a power of two from the SIMD width up to the cap.
+
+    The smallest that covers `row_length` elements at `elements_per_thread` each, never above
+    min(max_total, cap) rounded down to a power of two.
+    """
+
+    def pow2_at_most(v):
+        p = 1
+        while p * 2 <= v:
+            p *= 2
+        return p
+
+    limit = pow2_at_most(max(min(max_total, cap), 1))
+    wanted = -(-max(row_length, 1) // elements_per_thread)
+    threads = min(pow2_at_most(width), limit)
+    while threads < wanted and threads * 2 <= limit:
+        threads *= 2
+    return threads
+
+
 # ----------------------------------------------------------------------------
 # numpy references of the custom ops, shared by the op tests, their Metal-emulation tests and
 # `tfmetal_ext.doctor.selftest()`.

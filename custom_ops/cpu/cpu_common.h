@@ -70,6 +70,29 @@ inline float ToFloat(T v) { return static_cast<float>(v); }
 template <typename T>
 inline T FromFloat(float v) { return static_cast<T>(v); }
 
+// The ops that normalize over the last axis (layer_norm, rms_norm): x must
+// have rank >= 1; rows = the product of all but the last dimension.
+inline Status RowsAndChannels(const TensorShape& shape, int64_t* rows, int64_t* channels) {
+  if (shape.dims() < 1) {
+    return errors::InvalidArgument("x must have rank >= 1 (normalized over its last axis), got shape ",
+                                   shape.DebugString());
+  }
+  *channels = shape.dim_size(shape.dims() - 1);
+  int64_t n = 1;
+  for (int i = 0; i + 1 < shape.dims(); ++i) n *= shape.dim_size(i);
+  *rows = n;
+  return Status();
+}
+
+// `t` (called `name`) must be a vector of `n` elements (`what`: what n is).
+inline Status CheckVector(const Tensor& t, const char* name, int64_t n, const char* what) {
+  if (t.dims() != 1 || t.dim_size(0) != n) {
+    return errors::InvalidArgument(name, " must be a vector of ", what, " = ", n, ", got shape ",
+                                   t.shape().DebugString());
+  }
+  return Status();
+}
+
 }  // namespace tfmetal_ext
 
 // Registers the CPU kernel Kernel<T> for T in {float, half, bfloat16} (the

@@ -150,27 +150,6 @@ void BackwardBlocks(const BackwardArgs<T>& a, int64_t begin, int64_t end, float*
   }
 }
 
-// x must have rank >= 1; rows = the product of all but the last dimension.
-Status RowsAndChannels(const TensorShape& shape, int64_t* rows, int64_t* channels) {
-  if (shape.dims() < 1) {
-    return errors::InvalidArgument("x must have rank >= 1 (normalized over its last axis), got shape ",
-                                   shape.DebugString());
-  }
-  *channels = shape.dim_size(shape.dims() - 1);
-  int64_t n = 1;
-  for (int i = 0; i + 1 < shape.dims(); ++i) n *= shape.dim_size(i);
-  *rows = n;
-  return Status();
-}
-
-Status CheckVector(const Tensor& t, const char* name, int64_t n, const char* what) {
-  if (t.dims() != 1 || t.dim_size(0) != n) {
-    return errors::InvalidArgument(name, " must be a vector of ", what, " = ", n, ", got shape ",
-                                   t.shape().DebugString());
-  }
-  return Status();
-}
-
 template <typename T>
 class RMSNormOp : public OpKernel {
  public:

@@ -7,6 +7,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/norm_shapes.h"
 
 namespace tfmetal_ext {
 namespace rms_norm_shape {
@@ -16,43 +17,13 @@ using ::tensorflow::shape_inference::DimensionHandle;
 using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
-// Input `input` (called `name`) must be a vector of `want` elements (when both are known).
-Status CheckVector(InferenceContext* c, int input, const char* name, DimensionHandle want, const char* what) {
-  ShapeHandle s = c->input(input);
-  if (!c->RankKnown(s)) return Status();
-  if (c->Rank(s) != 1) {
-    return ::tensorflow::errors::InvalidArgument(name, " must be a vector of ", what, ", got shape ",
-                                                 c->DebugString(s));
-  }
-  DimensionHandle got = c->Dim(s, 0);
-  if (c->ValueKnown(got) && c->ValueKnown(want) && c->Value(got) != c->Value(want)) {
-    return ::tensorflow::errors::InvalidArgument(name, " must be a vector of ", what, " = ", c->Value(want),
-                                                 ", got shape ", c->DebugString(s));
-  }
-  return Status();
-}
-
-// x's rank must be >= 1; gives its last dimension C and its number of rows.
-Status RowsAndChannels(InferenceContext* c, ShapeHandle x, DimensionHandle* channels, DimensionHandle* rows) {
-  *channels = c->UnknownDim();
-  *rows = c->UnknownDim();
-  if (!c->RankKnown(x)) return Status();
-  const int rank = c->Rank(x);
-  if (rank < 1) {
-    return ::tensorflow::errors::InvalidArgument("x must have rank >= 1 (normalized over its last axis), got shape ",
-                                                 c->DebugString(x));
-  }
-  *channels = c->Dim(x, rank - 1);
-  DimensionHandle n = c->MakeDim(1);
-  for (int i = 0; i < rank - 1; ++i) TF_RETURN_IF_ERROR(c->Multiply(n, c->Dim(x, i), &n));
-  *rows = n;
-  return Status();
-}
+using norm_shapes::CheckVectorShape;
+using norm_shapes::InferRowsAndChannels;
 
 Status ForwardShape(InferenceContext* c) {
   DimensionHandle channels, rows;
-  TF_RETURN_IF_ERROR(RowsAndChannels(c, c->input(0), &channels, &rows));
-  TF_RETURN_IF_ERROR(CheckVector(c, 1, "gamma", channels, "the last dimension of x"));
+  TF_RETURN_IF_ERROR(InferRowsAndChannels(c, c->input(0), &channels, &rows));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 1, "gamma", channels, "the last dimension of x"));
   c->set_output(0, c->input(0));
   c->set_output(1, c->Vector(rows));
   return Status();
@@ -65,9 +36,9 @@ Status GradShape(InferenceContext* c) {
                                                  c->DebugString(c->input(0)), " and ", c->DebugString(c->input(1)));
   }
   DimensionHandle channels, rows;
-  TF_RETURN_IF_ERROR(RowsAndChannels(c, x, &channels, &rows));
-  TF_RETURN_IF_ERROR(CheckVector(c, 2, "gamma", channels, "the last dimension of x"));
-  TF_RETURN_IF_ERROR(CheckVector(c, 3, "rstd", rows, "the number of rows of x"));
+  TF_RETURN_IF_ERROR(InferRowsAndChannels(c, x, &channels, &rows));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 2, "gamma", channels, "the last dimension of x"));
+  TF_RETURN_IF_ERROR(CheckVectorShape(c, 3, "rstd", rows, "the number of rows of x"));
   c->set_output(0, x);
   c->set_output(1, c->Vector(channels));
   return Status();

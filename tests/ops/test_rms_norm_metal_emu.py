@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.testing import compiled_ops, load_emu
+from tfmetal_ext.testing import compiled_ops, load_emu, reduction_threadgroup_size
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
@@ -54,18 +54,6 @@ def cpu():
 
 # ----------------------------------------------------------------------------
 # The host side, as rms_norm_metal.mm + metal_helper.mm do it.
-
-
-def reduction_threadgroup_size(row_length, elements_per_thread=1, cap=1024, width=32, max_total=1024):
-    """metal_helper's ReductionThreadgroupSize: a power of two from the SIMD width up to the cap."""
-    limit = 1
-    while limit * 2 <= max(min(max_total, cap), 1):
-        limit *= 2
-    wanted = -(-max(row_length, 1) // elements_per_thread)
-    threads = min(width, limit)
-    while threads < wanted and threads * 2 <= limit:
-        threads *= 2
-    return threads
 
 
 def row_threads(channels, cap):

@@ -179,7 +179,7 @@ def find_compiler() -> str | None:
 
 def _source_files(src: Path) -> list[Path]:
     files = sorted(src.glob("include/**/*.h")) + sorted(src.glob("ops/*.cc")) + sorted(src.glob("cpu/*.cc"))
-    files += sorted(src.glob("cpu/*.h"))
+    files += sorted(src.glob("ops/*.h")) + sorted(src.glob("cpu/*.h"))
     if is_macos_arm():
         files += sorted(src.glob("metal/*.h")) + sorted(src.glob("metal/*.metal")) + sorted(src.glob("metal/*.mm"))
         files += sorted(src.glob("metal/*.py"))  # embed.py shapes the embedded kernel sources
