@@ -18,7 +18,7 @@ from tfmetal_ext.ops import multi_tensor_adam
 from ._tally import expect_error, expect_ok, fuzz_settings, MODES
 
 FUZZ = fuzz_settings(10)
-# Relative tolerance on the step taken (float32 statistics of a few steps), per dtype.
+# Relative tolerance on the steps taken (their path length; float32 statistics of a few steps), per dtype.
 # float16/bfloat16 round every intermediate (v underflows for small gradients), so a float64 Adam
 # bounds them only loosely; tests/ops/test_multi_tensor_adam.py checks them bitwise.
 TOLERANCE = {"float32": 1e-4}
@@ -73,20 +73,26 @@ def test_multi_tensor_adam_matches_float64_numpy(impl, mode, dtype, data, amsgra
         for k in range(steps):
             fn([tf.constant(g) for g in grads[k]], float(k + 1))
 
-    ref = []
+    # The float64 result, and the path length sum_k |w_k - w_(k-1)| of each element: every step carries
+    # its own float32 rounding (1 - beta2**t alone is ~1e-5 relative), which does not cancel when
+    # steps in opposite directions cancel, so the bound scales with the path, not the net move.
+    ref, paths = [], []
     for i in range(len(shapes)):
         w, m, v = w0[i].astype(np.float64), np.zeros(shapes[i]), np.zeros(shapes[i])
         vhat = np.zeros(shapes[i])
+        path = np.zeros(shapes[i])
         for k in range(steps):
+            w_prev = w
             w, m, v, vhat = numpy_adam64(w, m, v, vhat, grads[k][i].astype(np.float64), k + 1, amsgrad, wd)
+            path = path + np.abs(w - w_prev)
         ref.append(w)
+        paths.append(path)
 
     def verify(_):
         for i, (var, want) in enumerate(zip(ws, ref)):
             got = var.numpy().astype(np.float64)
             assert got.shape == want.shape
-            moved = np.abs(want - w0[i].astype(np.float64))
-            tol = TOLERANCE[dtype] * (moved + LR * 0.01) + np.abs(want) * float(np.finfo(np_dtype).eps)
+            tol = TOLERANCE[dtype] * (paths[i] + LR * 0.01) + np.abs(want) * float(np.finfo(np_dtype).eps)
             err = np.abs(got - want)
             assert np.all(err <= tol), f"variable {i} {shapes[i]}: max error {err.max()} ({dtype}, steps={steps})"
 
