@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -48,20 +49,51 @@ def ratio(times, base, other):
     return statistics.median(a / b for a, b in zip(times[base], times[other]))
 
 
+def cpu_model():
+    """The CPU's model name (/proc/cpuinfo, else platform) and its fusion-relevant ISA flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    lines = info.splitlines()
+    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    return name, [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+
+
+def git_head():
+    """`git describe --always --dirty` of this checkout, or None."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def environment():
+    """Where a benchmark ran: versions, backend, the CPU and its flags, oneDNN, the load when it started."""
     import keras
     import tensorflow as tf
 
     from tfmetal_ext import devices
 
     caps = devices.capabilities()
+    cpu, flags = cpu_model()
     return {
         "tensorflow": tf.__version__,
         "keras": keras.__version__,
         "backend": caps.backend,
         "onednn": caps.onednn,
+        "cpu": cpu,
+        "cpu_flags": flags,
+        "cpu_bf16": caps.cpu_bf16,
+        "TF_ENABLE_ONEDNN_OPTS": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)"),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
+        "load_avg_1min": round(os.getloadavg()[0], 2),
     }
 
 

@@ -31,7 +31,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -41,7 +40,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, environment, ratio  # noqa: E402
+from _common import RESULTS_DIR, environment, git_head, ratio  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -66,36 +65,9 @@ LONG_SEQ = 2048
 # Environment.
 
 
-def cpu_name():
-    """The CPU's model name (/proc/cpuinfo, else platform), and its bfloat16-relevant flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return platform.processor() or platform.machine(), []
-    lines = info.splitlines()
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.machine())
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
-    return name, [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-
-
-def _git_head():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        out = subprocess.run(["git", "-C", root, "describe", "--always", "--dirty"], capture_output=True,
-                             text=True, timeout=10)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def bench_environment():
     env = environment()
-    env["cpu"], env["cpu_flags"] = cpu_name()
-    env["cpu_bf16"] = tfmetal_ext.devices.capabilities().cpu_bf16
-    env["TF_ENABLE_ONEDNN_OPTS"] = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)")
-    env["git"] = _git_head()
-    env["load_avg_1min"] = round(os.getloadavg()[0], 2)
+    env["git"] = git_head()
     return env
 
 

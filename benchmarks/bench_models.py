@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -576,23 +575,8 @@ def measure(name, builder, *, rounds=5, repeats=3, multi_tensor=None, split=True
 # Driver: one subprocess per model, results written after each.
 
 
-def _cpu_model():
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-    except OSError:
-        return platform.processor() or platform.machine(), []
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.machine())
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    return name, [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-
-
 def _environment():
-    env = environment()
-    env["cpu"], env["cpu_flags"] = _cpu_model()
-    env["TF_ENABLE_ONEDNN_OPTS"] = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)")
-    return env
+    return environment()
 
 
 COLUMNS = ["model", "input", "batch", "params", "verified", "convert_s", "shared_vars",
