@@ -18,8 +18,14 @@ of the same name, so saved state is interchangeable).
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import tensorflow as tf
 from keras.src import backend as keras_backend
+from tensorflow.python.ops import control_flow_util
+
+logger = logging.getLogger("tfmetal_ext")
 
 _merge_call = tf.__internal__.distribute.interim.maybe_merge_call
 
@@ -47,6 +53,7 @@ def dense_gradient(grad, dtype):
     return tf.cast(grad, dtype)
 
 
+@tf.autograph.experimental.do_not_convert  # reads the backend tables (plain Python) during tracing
 def composite_reason(op, dtype):
     """Why the fused optimizers emit their composite update instead of `op` on this backend, or None.
 
@@ -188,3 +195,226 @@ class FusedUpdateMixin:
                 distribution.extended.update(variable, decay, args=(rates,), group=False)
 
         _merge_call(distributed_decay, self._distribution_strategy, decayed, rates)
+
+
+# -- multi-tensor updates ------------------------------------------------------
+
+# Strategies whose update runs per replica on one device holding a copy of
+# every variable, so one op per replica can update a group of variables.
+_MULTI_TENSOR_STRATEGIES = (
+    tf.distribute.MirroredStrategy,
+    tf.distribute.MultiWorkerMirroredStrategy,
+    tf.distribute.OneDeviceStrategy,
+)
+
+MULTI_TENSOR_CHOICES = (True, False, "auto")
+
+# `MultiTensorMixin.update_form` values.
+MULTI_TENSOR, PER_VARIABLE, COMPOSITE = "multi_tensor", "per_variable", "composite"
+
+
+def check_multi_tensor(value):
+    """`value` if it is True, False or ``"auto"``; else ValueError."""
+    if not any(value is c or (isinstance(value, str) and value == c) for c in MULTI_TENSOR_CHOICES):
+        raise ValueError(
+            f"Argument `multi_tensor` must be True, False or 'auto'. Received: multi_tensor={value!r}"
+        )
+    return value
+
+
+def _placement(variable):
+    """The devices holding `variable`: one per replica for distributed variables."""
+    components = getattr(variable, "values", None)
+    if components is not None:
+        return tuple(c.device for c in components)
+    return (variable.device,)
+
+
+@tf.autograph.experimental.do_not_convert  # loads the op library: not for AutoGraph to descend into
+def multi_tensor_kernel_reason(key, variables=()):
+    """Why the custom op `key` (a `fusion.CUSTOM_OPS` key) has no kernel for these variables here, or None.
+
+    Asked by ``multi_tensor="auto"``: the op library must be loaded (not
+    ``TFMETAL_EXT_REFERENCE_OPS=1``, not a failed build), contain the op,
+    have its kernel registered for the variables' device type, and the
+    current backend's table row for the op (when it has one) must say it
+    runs there.
+    """
+    from tfmetal_ext import backends
+    from tfmetal_ext.backends import fusion
+    from tfmetal_ext.ops import _common, _loader
+
+    op = fusion.CUSTOM_OPS.get(key)
+    if op is None:
+        return f"this tfmetal_ext has no {key} op"
+    if _common.use_reference():
+        return "TFMETAL_EXT_REFERENCE_OPS=1: the op library is not used"
+    if _common.library() is None:
+        return f"the op library is not loaded ({_loader.state().error or 'unavailable'})"
+    row = backends.current().fusions.get(key)
+    if row is not None and not row.fuses:
+        return f"{backends.current().label}: {row.why_not or row.summary}"
+    from tensorflow.python.framework import kernels
+
+    registered = {k.device_type for k in kernels.get_registered_kernels_for_op(op.name).kernel}
+    wanted = set()
+    for variable in variables:
+        for device in _placement(_tf_variable(variable)):
+            wanted.add(tf.DeviceSpec.from_string(device).device_type if device else None)
+    if None in wanted or not wanted:
+        wanted.discard(None)
+        wanted.add("GPU" if tf.config.list_logical_devices("GPU") else "CPU")
+    missing = sorted(d for d in wanted if d not in registered)
+    if missing:
+        return f"{op.name} has no {'/'.join(missing)} kernel in this build"
+    return None
+
+
+class MultiTensorMixin:
+    """One custom op per group of variables instead of one update per variable.
+
+    For a `FusedUpdateMixin` optimizer whose whole step can also run as one
+    ``TfmetalExt>MultiTensor*`` op per (dtype, placement, decayed or not)
+    group, with decoupled weight decay folded into that op. Subclasses set
+    `_multi_tensor_key` (the `fusion.CUSTOM_OPS` key) and implement
+    ``_multi_tensor_apply(variables, grads, scalars, weight_decay_rate)``
+    (inside one replica's update: `variables` are that replica's copies).
+
+    ``multi_tensor``: True (the op, falling back with a WARNING where it
+    cannot run), False (per-variable updates) or ``"auto"`` (the op where its
+    kernel runs here, else per-variable updates with one INFO line).
+    """
+
+    _multi_tensor_key = None
+    _per_variable_form = "one op per variable"  # what runs instead, for the fallback's log line
+
+    def _init_multi_tensor(self, multi_tensor):
+        self.multi_tensor = multi_tensor
+        self._fallbacks_logged = set()
+        self._update_form = None
+        self._update_form_reason = None
+
+    @property
+    def update_form(self):
+        """How the last traced step updated: ``"multi_tensor"``, ``"per_variable"``, ``"composite"``
+        (Keras' math as elementwise ops where the backend lacks the fused op's kernel), or None before
+        the first step."""
+        return self._update_form
+
+    @property
+    def update_form_reason(self):
+        """Why the last traced step did not use the multi-tensor op (None when it did, or before the first)."""
+        return self._update_form_reason
+
+    def _multi_tensor_op_name(self):
+        from tfmetal_ext.backends import fusion
+
+        op = fusion.CUSTOM_OPS.get(self._multi_tensor_key)
+        return op.name if op is not None else self._multi_tensor_key
+
+    # Plain Python reading the backend tables and the op library: nothing for AutoGraph to convert.
+    @tf.autograph.experimental.do_not_convert
+    def _multi_tensor_blocker(self, variables=()):
+        """Why the multi-tensor op is not used for this step, or None."""
+        if self.multi_tensor is False:
+            return "multi_tensor=False"
+        from tfmetal_ext import precision
+        from tfmetal_ext.backends import fusion
+
+        op_name = self._multi_tensor_op_name()
+        safe_form = getattr(fusion.CUSTOM_OPS.get(self._multi_tensor_key), "safe_form", self._multi_tensor_key)
+        if safe_form in precision.avoided_fusions():
+            return f"configure(avoid_fusions=[{safe_form!r}]) avoids {op_name}"
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            return f"the step is XLA-compiled and {op_name} has no XLA kernel"
+        why = composite_reason("ResourceApplyAdam", "float32")
+        if why is not None:
+            # Where TF lacks the resource-variable kernel C API (no ResourceApply* kernel on the GPU),
+            # the custom op's Metal kernel is missing too and its CPU kernel would update GPU-resident
+            # variables from the host: the per-variable (composite) update runs instead.
+            return f"no device kernel for it or ResourceApplyAdam here ({why})"
+        if tf.distribute.has_strategy():
+            strategy = tf.distribute.get_strategy()
+            if not isinstance(strategy, _MULTI_TENSOR_STRATEGIES):
+                return f"{type(strategy).__name__} is not supported (Mirrored, MultiWorkerMirrored and OneDevice are)"
+        if self.multi_tensor == "auto":
+            return multi_tensor_kernel_reason(self._multi_tensor_key, variables)
+        return None
+
+    def _log_fallback(self, reason):
+        if self.multi_tensor is False or reason in self._fallbacks_logged:
+            return
+        self._fallbacks_logged.add(reason)
+        level = logging.INFO if self.multi_tensor == "auto" else logging.WARNING
+        logger.log(level, "tfmetal_ext: %s(multi_tensor=%r) uses %s: %s",
+                   type(self).__name__, self.multi_tensor, self._per_variable_form, reason)
+
+    def _record_form(self, variables, reason):
+        if reason is None:
+            self._update_form, self._update_form_reason = MULTI_TENSOR, None
+            return
+        dtypes = {_dtype_key(_tf_variable(v)) for v in variables} or {"float32"}
+        composite = any(self.composite_reason(d) is not None for d in dtypes)
+        self._update_form = COMPOSITE if composite else PER_VARIABLE
+        self._update_form_reason = reason
+
+    def get_config(self):
+        config = super().get_config()
+        config["multi_tensor"] = self.multi_tensor
+        return config
+
+    def _apply_weight_decay(self, variables):
+        # Keras calls this right before `_backend_update_step`, in the same
+        # context; the multi-tensor op applies the decay inside its update.
+        if self.weight_decay is not None and self._multi_tensor_blocker(variables) is None:
+            return
+        super()._apply_weight_decay(variables)
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        reason = self._multi_tensor_blocker(trainable_variables)
+        self._record_form(trainable_variables, reason)
+        if reason is not None:
+            self._log_fallback(reason)
+            return super()._backend_update_step(grads, trainable_variables, learning_rate)
+        decayed = frozenset()
+        if self.weight_decay is not None:
+            decayed = frozenset(self._var_key(v) for v in trainable_variables if self._use_weight_decay(v))
+        variables = [_tf_variable(v) for v in trainable_variables]
+        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
+        scalars = self._scalars_by_dtype(learning_rate, variables)
+        decay_rates = {}
+        if decayed:
+            with tf.name_scope("weight_decay"):
+                decay_rates = {
+                    d: tf.cast(learning_rate, d) * tf.cast(self.weight_decay, d)
+                    for d in sorted({_dtype_key(v) for v in variables if self._var_key(v) in decayed})
+                }
+        # `decayed` travels in the closure: merge_call would turn a Python
+        # object built by each replica into a per-replica value.
+        update = functools.partial(self._distributed_multi_tensor_update, decayed=decayed)
+        _merge_call(update, self._distribution_strategy, grads_and_vars, scalars, decay_rates)
+
+    def _distributed_multi_tensor_update(self, distribution, grads_and_vars, scalars, decay_rates, decayed):
+        # Groups of variables that one op can update: same dtype, same
+        # devices (per replica), same decay. Under MirroredStrategy,
+        # `extended.update` runs `fn` once per replica on that replica's
+        # device; inside it, the distributed variables in `args` resolve to
+        # that replica's copies and per-replica values to that replica's.
+        groups = {}
+        for grad, variable in grads_and_vars:
+            is_decayed = self._var_key(variable) in decayed
+            key = (_dtype_key(variable), _placement(variable), is_decayed)
+            groups.setdefault(key, []).append((grad, variable))
+        for (dtype, _, is_decayed), items in groups.items():
+            grads = [g for g, _ in items]
+            variables = [v for _, v in items]
+            rate = decay_rates[dtype] if is_decayed else None
+            distribution.extended.update(
+                variables[0], self._multi_tensor_group, args=(variables, grads, scalars[dtype], rate), group=False
+            )
+
+    def _multi_tensor_group(self, _, variables, grads, scalars, weight_decay_rate):
+        return self._multi_tensor_apply(variables, grads, scalars, weight_decay_rate)
+
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+        raise NotImplementedError

@@ -1,10 +1,8 @@
-"""FusedAdam: Keras' Adam with one ``ResourceApplyAdam`` per variable, or one
-``TfmetalExt>MultiTensorAdam`` per dtype with ``multi_tensor=True``."""
+"""FusedAdam: Keras' Adam with one ``TfmetalExt>MultiTensorAdam`` per dtype where
+that op runs (``multi_tensor="auto"``), else one ``ResourceApplyAdam`` per variable."""
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 
 import keras
@@ -15,27 +13,15 @@ from tensorflow.python.ops import control_flow_util
 from tfmetal_ext.ops._common import check_nonnegative
 from tfmetal_ext.optimizers._base import (
     FusedUpdateMixin,
-    composite_reason,
-    _dtype_key,
-    _merge_call,
-    _tf_variable,
+    MultiTensorMixin,
+    check_multi_tensor,
     check_unit_interval,
     dense_gradient,
 )
 
-logger = logging.getLogger("tfmetal_ext")
-
-# Strategies whose update runs per replica on one device holding a copy of
-# every variable, so one op per replica can update a group of variables.
-_MULTI_TENSOR_STRATEGIES = (
-    tf.distribute.MirroredStrategy,
-    tf.distribute.MultiWorkerMirroredStrategy,
-    tf.distribute.OneDeviceStrategy,
-)
-
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
+class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
     """Adam that updates each variable with one fused training op.
 
     Same algorithm, arguments, defaults and optimizer variables
@@ -51,18 +37,22 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
     elementwise ops and variable assignments instead, with the scalars once
     per step (`tfmetal_ext.optimizers` says why).
 
-    With ``multi_tensor=True`` the whole step is one
-    ``TfmetalExt>MultiTensorAdam`` op per variable dtype (apex's FusedAdam
-    pattern), with the same scalars and results bitwise identical to the
+    By default (``multi_tensor="auto"``), where the package's op library is
+    loaded and has the op's kernel for the variables' device, the whole step
+    is one ``TfmetalExt>MultiTensorAdam`` op per variable dtype (apex's
+    FusedAdam pattern), with the same scalars and results bitwise identical to the
     per-variable ops (decoupled weight decay and AMSGrad included). On the
     CPU this is also faster for many small variables: TF's per-variable
     kernel shards every variable over all threads, however small. Where the
-    op cannot run it falls back to the per-variable ops with one log line:
+    op cannot run it uses the per-variable ops, with one log line (INFO for
+    ``"auto"``, WARNING for an explicit ``multi_tensor=True``):
     inside an XLA-compiled step (the op has no XLA kernel), under
     `tf.distribute` strategies other than Mirrored, MultiWorkerMirrored and
-    OneDevice, and (inside the op wrapper) on devices without a kernel for it
+    OneDevice, without the op library (no compiler,
+    ``TFMETAL_EXT_REFERENCE_OPS=1``), and on devices without a kernel for it
     (CUDA; Apple GPUs whose TF lacks the resource-variable C API the Metal
-    kernel needs, see `tfmetal_ext.ops.multi_tensor_adam`).
+    kernel needs, see `tfmetal_ext.ops.multi_tensor_adam`; with
+    ``multi_tensor=True`` the op wrapper itself falls back there).
 
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -78,8 +68,14 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
             arguments, in `keras.optimizers.Adam`'s positional order. A
             ``weight_decay`` is applied decoupled, as Keras does, with one
             more op per variable. ``name`` defaults to ``"fused_adam"``.
-        multi_tensor: (keyword-only) update all variables of one dtype with one
-            ``TfmetalExt>MultiTensorAdam`` op instead of one op per variable.
+        multi_tensor: (keyword-only) ``"auto"`` (the default): update all
+            variables of one dtype with one ``TfmetalExt>MultiTensorAdam`` op
+            where that op's kernel runs here (op library loaded, a kernel for
+            the variables' device, not XLA, a supported strategy, not avoided
+            by ``configure(avoid_fusions=["multi_tensor_adam"])``), else one op
+            per variable (the reason logged once at INFO); True: the
+            multi-tensor op, with a WARNING where it falls back; False: one op
+            per variable. `update_form` tells what the last traced step used.
         **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
 
     Example:
@@ -88,6 +84,8 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
     model.compile(optimizer=tfmetal_ext.optimizers.FusedAdam(1e-3), loss="mse")
     ```
     """
+
+    _multi_tensor_key = "multi_tensor_adam"
 
     def __init__(
         self,
@@ -107,7 +105,7 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         gradient_accumulation_steps=None,
         name=None,
         *,
-        multi_tensor=False,
+        multi_tensor="auto",
         **kwargs,
     ):
         # The positional order is keras.optimizers.Adam's; `multi_tensor`
@@ -118,8 +116,7 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         epsilon = check_nonnegative("epsilon", epsilon)
         if not isinstance(amsgrad, bool):
             raise ValueError(f"Argument `amsgrad` must be a bool. Received: amsgrad={amsgrad!r}")
-        if not isinstance(multi_tensor, bool):
-            raise ValueError(f"Argument `multi_tensor` must be a bool. Received: multi_tensor={multi_tensor!r}")
+        multi_tensor = check_multi_tensor(multi_tensor)
         super().__init__(
             learning_rate=learning_rate,
             beta_1=beta_1,
@@ -138,13 +135,7 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
             name=name,
             **kwargs,
         )
-        self.multi_tensor = multi_tensor
-        self._fallbacks_logged = set()
-
-    def get_config(self):
-        config = super().get_config()
-        config["multi_tensor"] = self.multi_tensor
-        return config
+        self._init_multi_tensor(multi_tensor)
 
     def _keras_rounding(self, dtype):
         """Step-size factor that reproduces Keras' rounding of ``1 - beta``.
@@ -247,86 +238,9 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
         alpha = scalars["keras_lr"] * tf.sqrt(one - scalars["beta_2_power"]) / (one - scalars["beta_1_power"])
         return variable.assign_sub(m * alpha / (tf.sqrt(v_hat) + scalars["epsilon"]))
 
-    # -- multi_tensor=True ----------------------------------------------------
+    # -- multi-tensor form (MultiTensorMixin) -------------------------------
 
-    def _multi_tensor_blocker(self):
-        """Why the multi-tensor op cannot be used here, or None."""
-        if not self.multi_tensor:
-            return "multi_tensor=False"
-        from tfmetal_ext import precision
-
-        if "multi_tensor_adam" in precision.avoided_fusions():
-            return "configure(avoid_fusions=['multi_tensor_adam']) avoids TfmetalExt>MultiTensorAdam"
-        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-            return "the step is XLA-compiled and TfmetalExt>MultiTensorAdam has no XLA kernel"
-        why = composite_reason("ResourceApplyAdam", "float32")
-        if why is not None:
-            # Its Metal kernel needs the same resource-variable C API; its CPU kernel would
-            # update GPU-resident variables from the host: the composite form is used instead.
-            return f"no device kernel for it or ResourceApplyAdam here ({why}): the composite update runs"
-        if tf.distribute.has_strategy():
-            strategy = tf.distribute.get_strategy()
-            if not isinstance(strategy, _MULTI_TENSOR_STRATEGIES):
-                return f"{type(strategy).__name__} is not supported (Mirrored, MultiWorkerMirrored and OneDevice are)"
-        return None
-
-    def _log_fallback(self, reason):
-        if reason not in self._fallbacks_logged:
-            self._fallbacks_logged.add(reason)
-            logger.warning("tfmetal_ext: %s(multi_tensor=True) uses one op per variable: %s",
-                           type(self).__name__, reason)
-
-    def _apply_weight_decay(self, variables):
-        # Keras calls this right before `_backend_update_step`, in the same
-        # context; the multi-tensor op applies the decay inside its update.
-        if self.weight_decay is not None and self._multi_tensor_blocker() is None:
-            return
-        super()._apply_weight_decay(variables)
-
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        reason = self._multi_tensor_blocker()
-        if reason is not None:
-            if self.multi_tensor:
-                self._log_fallback(reason)
-            return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        decayed = frozenset()
-        if self.weight_decay is not None:
-            decayed = frozenset(self._var_key(v) for v in trainable_variables if self._use_weight_decay(v))
-        variables = [_tf_variable(v) for v in trainable_variables]
-        grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
-        scalars = self._scalars_by_dtype(learning_rate, variables)
-        decay_rates = {}
-        if decayed:
-            with tf.name_scope("weight_decay"):
-                decay_rates = {
-                    d: tf.cast(learning_rate, d) * tf.cast(self.weight_decay, d)
-                    for d in sorted({_dtype_key(v) for v in variables if self._var_key(v) in decayed})
-                }
-        # `decayed` travels in the closure: merge_call would turn a Python
-        # object built by each replica into a per-replica value.
-        update = functools.partial(self._distributed_multi_tensor_update, decayed=decayed)
-        _merge_call(update, self._distribution_strategy, grads_and_vars, scalars, decay_rates)
-
-    def _distributed_multi_tensor_update(self, distribution, grads_and_vars, scalars, decay_rates, decayed):
-        # Groups of variables that one op can update: same dtype, same
-        # devices (per replica), same decay. Under MirroredStrategy,
-        # `extended.update` runs `fn` once per replica on that replica's
-        # device; inside it, the distributed variables in `args` resolve to
-        # that replica's copies and per-replica values to that replica's.
-        groups = {}
-        for grad, variable in grads_and_vars:
-            is_decayed = self._var_key(variable) in decayed
-            key = (_dtype_key(variable), _placement(variable), is_decayed)
-            groups.setdefault(key, []).append((grad, variable))
-        for (dtype, _, is_decayed), items in groups.items():
-            grads = [g for g, _ in items]
-            variables = [v for _, v in items]
-            rate = decay_rates[dtype] if is_decayed else None
-            distribution.extended.update(
-                variables[0], self._multi_tensor_apply, args=(variables, grads, scalars[dtype], rate), group=False
-            )
-
-    def _multi_tensor_apply(self, _, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
         from tfmetal_ext.ops import multi_tensor_adam
 
         dtype = variables[0].dtype
@@ -346,10 +260,3 @@ class FusedAdam(FusedUpdateMixin, keras.optimizers.Adam):
             weight_decay_rate=weight_decay_rate,
         )
 
-
-def _placement(variable):
-    """The devices holding `variable`: one per replica for distributed variables."""
-    components = getattr(variable, "values", None)
-    if components is not None:
-        return tuple(c.device for c in components)
-    return (variable.device,)

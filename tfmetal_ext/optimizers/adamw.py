@@ -17,7 +17,7 @@ class FusedAdamW(FusedAdam):
     ``ResourceApplyGradientDescent`` per decayed variable, ``lr * wd``
     computed once), then applies Adam (one ``ResourceApplyAdam``). Variables
     excluded with `exclude_from_weight_decay` are only updated by Adam.
-    With ``multi_tensor=True`` decay and Adam run inside one
+    By default (``multi_tensor="auto"``, where the op runs) decay and Adam run inside one
     ``TfmetalExt>MultiTensorAdam`` op per dtype and decay setting.
 
     Args:
@@ -53,7 +53,7 @@ class FusedAdamW(FusedAdam):
         gradient_accumulation_steps=None,
         name=None,
         *,
-        multi_tensor=False,
+        multi_tensor="auto",
         **kwargs,
     ):
         # keras.optimizers.AdamW's positional order; `multi_tensor` is
