@@ -77,6 +77,7 @@ def test_safe_forms_names():
         "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm", "multi_tensor_adam",
         "attention",
         "rms_norm",
+        "multi_tensor_lion",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

@@ -384,6 +384,37 @@ def np_adam_step(state, g, scalars, np_dtype, amsgrad=False, decay_rate=None):
     return var, m, v, vhat
 
 
+def np_lion_step(state, g, scalars, np_dtype, decay_rate=None):
+    """One keras.optimizers.Lion update_step, operation by operation, each result rounded to `np_dtype`.
+
+    ``sign`` is tf.sign's: 1, -1, +0 for either zero, NaN for NaN.
+
+    Args:
+        state: ``(var, m)`` arrays.
+        g: the gradient.
+        scalars: ``(lr, beta_1, beta_2)``.
+        np_dtype: the numpy type values are rounded to (through float32, like Eigen).
+        decay_rate: decoupled weight decay applied first (``var -= var * decay_rate``), or None.
+
+    Returns:
+        The new ``(var, m)`` as float64 arrays (values of `np_dtype`).
+    """
+
+    def r(x):
+        return np.asarray(x, np.float64).astype(np.float32).astype(np_dtype).astype(np.float64)
+
+    var, m, g = (r(np.asarray(a).astype(np.float64)) for a in (*state, g))
+    lr, b1, b2 = (float(r(s)) for s in scalars)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if decay_rate is not None:
+            var = r(var - r(var * float(r(decay_rate))))
+        blend = r(r(m * b1) + r(g * r(1.0 - b1)))
+        sign = np.where(blend > 0, 1.0, np.where(blend < 0, -1.0, np.where(blend == 0, 0.0, blend)))
+        var = r(var - r(lr * sign))
+        m = r(r(m * b2) + r(g * r(1.0 - b2)))
+    return var, m
+
+
 class SourceUnavailable(RuntimeError):
     """The tensorflow-metal-plugin sdist could not be fetched (no package index, or a bad download)."""
 

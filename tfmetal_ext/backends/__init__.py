@@ -166,6 +166,11 @@ PATTERNS = types.MappingProxyType(
                 _F.MULTI_TENSOR_ADAM_OP,
             ),
             Pattern(
+                "multi_tensor_lion",
+                "Lion update of every variable of one dtype (FusedLion)",
+                _F.MULTI_TENSOR_LION_OP,
+            ),
+            Pattern(
                 "cudnn_rnn",
                 "a whole LSTM/GRU recurrence (tanh/sigmoid, no recurrent dropout, GRU reset_after=True)",
                 _F.CUDNN_RNN,

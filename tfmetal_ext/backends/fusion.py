@@ -134,6 +134,7 @@ CUSTOM_OPS = types.MappingProxyType(
         "softshrink": CustomOp("TfmetalExt>Softshrink", "TfmetalExt>SoftshrinkGrad", "softshrink"),
         "layer_norm": CustomOp("TfmetalExt>LayerNorm", "TfmetalExt>LayerNormGrad", "layer_norm"),
         "multi_tensor_adam": CustomOp("TfmetalExt>MultiTensorAdam", None, "multi_tensor_adam"),
+        "multi_tensor_lion": CustomOp("TfmetalExt>MultiTensorLion", None, "multi_tensor_lion"),
         "attention": CustomOp("TfmetalExt>Attention", "TfmetalExt>AttentionGrad", "attention"),
         "rms_norm": CustomOp("TfmetalExt>RMSNorm", "TfmetalExt>RMSNormGrad", "rms_norm"),
     }
@@ -145,6 +146,7 @@ SOFTSHRINK_GRAD_OP = CUSTOM_OPS["softshrink"].grad
 LAYER_NORM_OP = CUSTOM_OPS["layer_norm"].name
 LAYER_NORM_GRAD_OP = CUSTOM_OPS["layer_norm"].grad
 MULTI_TENSOR_ADAM_OP = CUSTOM_OPS["multi_tensor_adam"].name
+MULTI_TENSOR_LION_OP = CUSTOM_OPS["multi_tensor_lion"].name
 RMS_NORM_OP = CUSTOM_OPS["rms_norm"].name
 RMS_NORM_GRAD_OP = CUSTOM_OPS["rms_norm"].grad
 ATTENTION_OP = CUSTOM_OPS["attention"].name
@@ -309,6 +311,13 @@ SAFE_FORMS = _safe_forms(
         f"ResourceApplyAdam per variable instead of {MULTI_TENSOR_ADAM_OP}",
         implies=CUSTOM_OPS["multi_tensor_adam"].op_names,
         custom_op="multi_tensor_adam",
+    ),
+    SafeForm(
+        "multi_tensor_lion",
+        "tfmetal_ext.ops.multi_tensor_lion (FusedLion) updates each variable with Keras' Lion ops "
+        f"(Mul, AddV2, Sign, AssignSubVariableOp, AssignVariableOp) instead of {MULTI_TENSOR_LION_OP}",
+        implies=CUSTOM_OPS["multi_tensor_lion"].op_names,
+        custom_op="multi_tensor_lion",
     ),
     SafeForm(
         "rms_norm",

@@ -292,6 +292,33 @@ def multi_tensor_adam(dtype):
     return fused, grads, reference
 
 
+@register("multi_tensor_lion", op=fusion.CUSTOM_OPS["multi_tensor_lion"])
+def multi_tensor_lion(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(8)
+    shapes = [(5, 7), (11,)]
+    scalars = (0.01, 0.9, 0.99)  # lr, beta_1, beta_2
+    init = [[rng.standard_normal(s) * k for s in shapes] for k in (1.0, 0.1)]
+    var, m = ([tf.Variable(a, dtype=dtype) for a in group] for group in init)
+    grads = tuple(tf.constant(rng.standard_normal(s), dtype) for s in shapes)
+
+    def fused(*grads):
+        lib.tfmetal_ext_multi_tensor_lion(
+            [x.handle for x in var], [x.handle for x in m], list(grads), *(tf.constant(s, dtype) for s in scalars), [],
+        )
+        return [x.read_value() for x in var + m]
+
+    # From the values as stored in `dtype`, each operation rounded to it as Keras' Lion does.
+    steps = [
+        testing.np_lion_step((_f64(p), _f64(m0)), _f64(g), scalars, np.dtype(dtype).type)
+        for p, m0, g in zip(var, m, grads)
+    ]
+    reference = [s[k] for k in range(2) for s in steps]  # vars, then m
+    return fused, grads, reference
+
+
 ATTENTION_SCALE = 0.35
 
 

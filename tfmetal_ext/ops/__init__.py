@@ -7,6 +7,9 @@
   (+ ``TfmetalExt>RMSNormGrad``: dx and dgamma in one op).
 - `multi_tensor_adam(variables, ms, vs, grads, ...)`: ``TfmetalExt>MultiTensorAdam``,
   Adam (AMSGrad, decoupled decay) for N variables of one dtype in one op.
+- `multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, ...)`:
+  ``TfmetalExt>MultiTensorLion``, Keras' Lion (optional decoupled decay) for N
+  variables of one dtype in one op.
 - `attention(query, key, value, *, mask=None, causal=False, scale=None)`:
   ``TfmetalExt>Attention`` (+ ``TfmetalExt>AttentionGrad``), softmax attention
   flash-style: the score matrix is never stored, forward or backward.
@@ -16,7 +19,8 @@ compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
 Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
-``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"attention"``).
+``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
+``"attention"``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from tfmetal_ext.ops._loader import BuildError, OpCacheError
 from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
+from tfmetal_ext.ops.multi_tensor_lion import multi_tensor_lion
 from tfmetal_ext.ops.rms_norm import rms_norm
 from tfmetal_ext.ops.softshrink import softshrink
 
@@ -46,7 +51,8 @@ class OpsStatus:
         metal_backend: the Metal backend the GPU kernels are bound to
             (``"tensorflow-metal"``, ``"tensorflow-metal-plugin"``), or None.
         kernels: per op (``"softshrink"``, ``"layer_norm"``,
-            ``"multi_tensor_adam"``, ``"rms_norm"``, ``"attention"``: the keys of
+            ``"multi_tensor_adam"``, ``"multi_tensor_lion"``, ``"rms_norm"``,
+            ``"attention"``: the keys of
             `tfmetal_ext.backends.fusion.CUSTOM_OPS`), ``{"cpu": bool, "gpu":
             bool, "gpu_reason": str | None}``: whether the op's CPU kernel and
             its GPU (Metal) kernel are registered (for the op and its gradient
@@ -144,5 +150,5 @@ def build(force: bool = False):
     return _loader.build(force=force).library
 
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "layer_norm", "multi_tensor_adam", "rms_norm", "softshrink",
-           "status"]
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "layer_norm", "multi_tensor_adam",
+           "multi_tensor_lion", "rms_norm", "softshrink", "status"]

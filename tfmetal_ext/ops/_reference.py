@@ -79,3 +79,33 @@ def multi_tensor_adam(var_handles, m_handles, v_handles, vhat_handles, grads, lr
     if tf.executing_eagerly():
         return None
     return tf.group(*updates)
+
+
+def multi_tensor_lion(var_handles, m_handles, grads, lr, beta1, beta2, weight_decay_rate, dtype, name=None):
+    """Keras' ``Lion.update_step`` per variable, op for op in the variables'
+    dtype (after ``var -= var * weight_decay_rate`` when decaying): the ops
+    TfmetalExt>MultiTensorLion reproduces bitwise::
+
+        var -= lr * sign(m * beta1 + grad * (1 - beta1))
+        m = m * beta2 + grad * (1 - beta2)
+    """
+    updates = []
+    with tf.name_scope(name or "multi_tensor_lion"):
+        one = tf.constant(1, dtype)
+        one_minus_beta1, one_minus_beta2 = one - beta1, one - beta2
+        for var, m, grad in zip(var_handles, m_handles, grads):
+            deps = []
+            if weight_decay_rate is not None:
+                value = tf.raw_ops.ReadVariableOp(resource=var, dtype=dtype)
+                decay = tf.raw_ops.AssignSubVariableOp(resource=var, value=value * weight_decay_rate)
+                deps = [decay] if decay is not None else []
+            with tf.control_dependencies(deps):
+                m_value = tf.raw_ops.ReadVariableOp(resource=m, dtype=dtype)
+                blend = m_value * beta1 + grad * one_minus_beta1
+                step = tf.raw_ops.AssignSubVariableOp(resource=var, value=lr * tf.sign(blend))
+                new_m = m_value * beta2 + grad * one_minus_beta2
+            with tf.control_dependencies([step] if step is not None else []):
+                updates.append(tf.raw_ops.AssignVariableOp(resource=m, value=new_m))
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*updates)

@@ -185,8 +185,9 @@ def _check_distinct(lists, handles):
             seen[ident] = f"{key}[{i}]"
 
 
-def _runtime_shape_checks(lists, handles, grads):
-    """Assert ops for the shapes static shapes leave open, empty when all are known."""
+def _runtime_shape_checks(lists, handles, grads, op="multi_tensor_adam"):
+    """Assert ops for the shapes static shapes leave open, empty when all are known
+    (`op` names the function in their messages)."""
     checks = []
     for i, g in enumerate(grads):
         want = _static_shape(lists["variables"][i])
@@ -197,12 +198,12 @@ def _runtime_shape_checks(lists, handles, grads):
         var_shape = tf.raw_ops.VariableShape(input=handles["variables"][i][0], out_type=tf.int64)
         checks.append(tf.debugging.assert_equal(
             tf.shape(g, out_type=tf.int64), var_shape,
-            message=f"multi_tensor_adam: grads[{i}] must have the shape of variables[{i}]"))
+            message=f"{op}: grads[{i}] must have the shape of variables[{i}]"))
         for key in handles:
             if key != "variables":
                 checks.append(tf.debugging.assert_equal(
                     tf.raw_ops.VariableShape(input=handles[key][i][0], out_type=tf.int64), var_shape,
-                    message=f"multi_tensor_adam: {key}[{i}] must have the shape of variables[{i}]"))
+                    message=f"{op}: {key}[{i}] must have the shape of variables[{i}]"))
     return [c for c in checks if c is not None]
 
 
@@ -238,14 +239,14 @@ def _device_name(device):
     return spec.to_string()
 
 
-def _has_kernel(device):
-    """A kernel of the op is registered for `device`'s type (no device: assume CPU)."""
+def _has_kernel(device, op_name=_OP_NAME):
+    """A kernel of `op_name` is registered for `device`'s type (no device: assume CPU)."""
     device_type = tf.DeviceSpec.from_string(device).device_type if device else "CPU"
-    return device_type in _kernel_device_types()
+    return device_type in _kernel_device_types(op_name)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel_device_types():
+def _kernel_device_types(op_name=_OP_NAME):
     from tensorflow.python.framework import kernels
 
-    return frozenset(k.device_type for k in kernels.get_registered_kernels_for_op(_OP_NAME).kernel)
+    return frozenset(k.device_type for k in kernels.get_registered_kernels_for_op(op_name).kernel)
