@@ -315,8 +315,10 @@ def variables_and_grads(n=10, dtype="float32"):
 @pytest.mark.parametrize(
     "opt, train_op",
     [
-        (lambda: FusedAdam(), "ResourceApplyAdam"),
-        (lambda: FusedAdam(amsgrad=True), "ResourceApplyAdamWithAmsgrad"),
+        # multi_tensor=False: the per-variable form (the default "auto" takes the multi-tensor
+        # op where it runs, tests/optimizers/test_multi_tensor_auto.py).
+        (lambda: FusedAdam(multi_tensor=False), "ResourceApplyAdam"),
+        (lambda: FusedAdam(amsgrad=True, multi_tensor=False), "ResourceApplyAdamWithAmsgrad"),
         (lambda: FusedSGD(momentum=0.9), "ResourceApplyKerasMomentum"),
         (lambda: FusedSGD(), "ResourceApplyGradientDescent"),
     ],
@@ -346,7 +348,7 @@ def test_keras_adam_costs_many_ops_per_variable():
 
 def test_adamw_decay_is_one_op_per_variable():
     variables, grads = variables_and_grads()
-    opt = FusedAdamW()
+    opt = FusedAdamW(multi_tensor=False)
     opt.build(variables)
     cap = inspect.capture_function(lambda: opt.apply(grads, variables))
     counts = op_types(cap)
@@ -357,7 +359,7 @@ def test_adamw_decay_is_one_op_per_variable():
 def test_mixed_dtypes_get_scalars_per_dtype():
     v32, g32 = variables_and_grads(3)
     v16, g16 = variables_and_grads(3, "float16")
-    opt = FusedAdam()
+    opt = FusedAdam(multi_tensor=False)
     opt.build(v32 + v16)
     cap = inspect.capture_function(lambda: opt.apply(g32 + g16, v32 + v16))
     counts = op_types(cap)
@@ -685,7 +687,7 @@ def test_multi_tensor_sparse_gradients_are_densified():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (240, 5)).astype("int32")  # duplicate rows within batches
     y = rng.standard_normal((240, 4)).astype("float32")
-    want = fit_embedding(FusedAdam(0.01), x, y)
+    want = fit_embedding(FusedAdam(0.01, multi_tensor=False), x, y)
     got = fit_embedding(FusedAdam(0.01, multi_tensor=True), x, y)
     assert_bitwise_equal(got, want)
 
@@ -725,7 +727,8 @@ def test_multi_tensor_save_load_resume_identically(tmp_path):
 def test_multi_tensor_config_and_bad_argument():
     opt = FusedAdam(multi_tensor=True)
     assert opt.get_config()["multi_tensor"] is True
-    assert FusedAdam().get_config()["multi_tensor"] is False
+    assert FusedAdam().get_config()["multi_tensor"] == "auto"
+    assert FusedAdam(multi_tensor=False).get_config()["multi_tensor"] is False
     clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
     assert clone.multi_tensor is True
     with pytest.raises(ValueError, match="Received: multi_tensor='yes'"):
@@ -743,7 +746,7 @@ _MIRRORED_MULTI_TENSOR = textwrap.dedent(
     tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
     from tfmetal_ext import inspect
     from tfmetal_ext.optimizers import FusedAdam, FusedAdamW
-    from tfmetal_ext.optimizers import adam as adam_module
+    from tfmetal_ext.optimizers import _base as base_module
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((320, 6)).astype("float32")
@@ -786,8 +789,8 @@ _MIRRORED_MULTI_TENSOR = textwrap.dedent(
     handler = logging.Handler()
     handler.emit = records.append
     logging.getLogger("tfmetal_ext").addHandler(handler)
-    adam_module._MULTI_TENSOR_STRATEGIES = (tf.distribute.OneDeviceStrategy,)
-    same(run(lambda: FusedAdam(0.01, multi_tensor=True)), run(lambda: FusedAdam(0.01)))
+    base_module._MULTI_TENSOR_STRATEGIES = (tf.distribute.OneDeviceStrategy,)
+    same(run(lambda: FusedAdam(0.01, multi_tensor=True)), run(lambda: FusedAdam(0.01, multi_tensor=False)))
     messages = [r.getMessage() for r in records]
     assert any("MirroredStrategy is not supported" in m for m in messages), messages
     print("MIRRORED MULTI TENSOR OK")

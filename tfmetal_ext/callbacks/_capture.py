@@ -215,6 +215,8 @@ def _fusion_lines(model, fr, problems):
             counts[n.label()] = counts.get(n.label(), 0) + 1
     fused = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items())) or "none"
     lines = [f"  train step: {fr.num_ops} ops per step; fused (forward): {fused}"]
+    if getattr(fr, "optimizer_update", None) is not None:
+        lines.append(f"  optimizer update: {fr.optimizer_update}")
     for r in fr.layers:
         if r.status not in _UNFUSED_STATUSES:
             continue

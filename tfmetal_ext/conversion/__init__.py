@@ -216,9 +216,14 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     logger.info("convert(%s): rebuild done in %.1f s", model.name, time.perf_counter() - t0)
     if getattr(model, "compiled", False):
         try:
-            new.compile_from_config(model.get_compile_config())
+            config = model.get_compile_config()
+            fused_optimizer = _fused_optimizer(getattr(model, "optimizer", None), report)
+            if fused_optimizer is not None:
+                config = {**config, "optimizer": keras.saving.serialize_keras_object(fused_optimizer)}
+            new.compile_from_config(config)
             report.notes.append("compiled with the source model's compile config (fresh optimizer state)")
         except Exception as e:  # custom losses / metrics may not deserialize
+            report.optimizer = None
             report.notes.append(f"not compiled: the compile config could not be applied ({e})")
     if inference:
         report.notes.append("inference form: batch norms are folded; train the training form instead")
@@ -244,6 +249,42 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     object.__setattr__(new, "conversion_report", report)  # plain attribute, not tracked by Keras
     logger.info("%s", report)
     return new
+
+
+def _fused_optimizer(optimizer, report):
+    """`optimizer` (a stock Keras one with an `OPTIMIZER_TO_FUSED` row, also inside a
+    `keras.optimizers.LossScaleOptimizer`) as the fused class made from its config, fresh state; else None.
+
+    Sets ``report.optimizer`` to ``(stock, fused)`` class names and notes it, or notes why the
+    stock optimizer is kept (its config does not load into the fused class).
+    """
+    import importlib
+
+    from tfmetal_ext.backends.fusion import OPTIMIZER_TO_FUSED
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        return None
+    wrapper = optimizer if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) else None
+    inner = wrapper.inner_optimizer if wrapper is not None else optimizer
+    row = OPTIMIZER_TO_FUSED.get(type(inner).__name__)
+    if row is None or not type(inner).__module__.startswith("keras.") or not type(inner).__name__ == row.stock:
+        return None
+    where = " inside its LossScaleOptimizer" if wrapper is not None else ""
+    try:
+        cls = getattr(importlib.import_module(row.module), row.fused)
+        fused = cls.from_config(inner.get_config())
+        if wrapper is not None:
+            outer = wrapper.get_config()
+            outer.pop("inner_optimizer", None)
+            fused = type(wrapper).from_config({**outer, "inner_optimizer": keras.saving.serialize_keras_object(fused)})
+    except Exception as e:  # a config only the stock class accepts (e.g. a custom schedule): keep it
+        report.notes.append(f"optimizer: kept the stock {row.stock}{where}: its config does not load into "
+                            f"{row.qualified} ({type(e).__name__}: {e})")
+        return None
+    report.optimizer = (row.stock, row.fused)
+    report.notes.append(f"optimizer: stock {row.stock}{where} replaced by {row.qualified} from the same config "
+                        "(fresh optimizer state)")
+    return fused
 
 
 def _has_open_dims(model):

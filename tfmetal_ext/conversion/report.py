@@ -44,6 +44,10 @@ class ConversionReport:
         max_output_diff: largest relative output difference found by verify.
         max_grad_diff: largest relative gradient difference (training form).
         notes: anything else worth knowing (compile config copied, ...).
+        optimizer: ``(stock class, fused class)`` names when the source
+            model's stock optimizer was replaced by its fused class
+            (``("Adam", "FusedAdam")``; a LossScaleOptimizer keeps wrapping
+            it), else None.
     """
 
     model: str
@@ -56,6 +60,7 @@ class ConversionReport:
     max_output_diff: float | None = None
     max_grad_diff: float | None = None
     notes: list = dataclasses.field(default_factory=list)
+    optimizer: tuple | None = None
 
     @property
     def absorbed(self):
@@ -92,6 +97,8 @@ class ConversionReport:
             lines.append(v)
         elif self.verified is None:
             lines.append("not verified (verify=False)")
+        if self.optimizer:
+            lines.append(f"optimizer: {self.optimizer[0]} -> {self.optimizer[1]}")
         if self.rewrites:
             lines.append("rewrites:")
             width = max(len(" + ".join(r.source)) for r in self.rewrites)

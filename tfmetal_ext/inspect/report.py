@@ -304,6 +304,52 @@ def _fmt_ops(op, fused_ops):
 
 
 @dataclasses.dataclass
+class OptimizerUpdate:
+    """Which optimizer update a train step ran, read from its executed graph's ops.
+
+    Attributes:
+        form: ``"multi_tensor"`` (``TfmetalExt>MultiTensor*`` ops update
+            groups of variables), ``"per_variable"`` (``ResourceApply*`` /
+            ``ResourceScatter*`` training ops, one or more per variable),
+            ``"elementwise"`` (no training op: the update is elementwise ops
+            and variable assignments, as Keras' own optimizers and the fused
+            ones' composite form emit), or ``"unknown"`` (an XLA-compiled step
+            whose ops are inside the XLA cluster).
+        multi_tensor_ops: ``TfmetalExt>MultiTensor*`` op type -> count.
+        training_ops: ``ResourceApply*`` / ``ResourceScatter*`` op type -> count
+            (a multi-tensor step may still hold per-variable ones, e.g. the
+            decay of a group the op does not cover).
+    """
+
+    form: str
+    multi_tensor_ops: dict
+    training_ops: dict
+
+    @classmethod
+    def from_counts(cls, counts, xla=False):
+        prefix = fusion.CUSTOM_OP_PREFIX + "MultiTensor"
+        multi = {op: n for op, n in sorted(counts.items()) if op.startswith(prefix)}
+        training = {op: n for op, n in sorted(counts.items()) if op.startswith(("ResourceApply", "ResourceScatter"))}
+        if multi:
+            form = "multi_tensor"
+        elif training:
+            form = "per_variable"
+        else:
+            form = "unknown" if xla else "elementwise"
+        return cls(form, multi, training)
+
+    def __str__(self):
+        ops = ", ".join(f"{op} x{n}" for op, n in {**self.multi_tensor_ops, **self.training_ops}.items())
+        text = {
+            "multi_tensor": "multi-tensor",
+            "per_variable": "one training op per variable",
+            "elementwise": "elementwise ops and assignments (no training op)",
+            "unknown": "inside the XLA cluster (not visible)",
+        }[self.form]
+        return f"{text}" + (f": {ops}" if ops else "")
+
+
+@dataclasses.dataclass
 class FusionReport:
     """What fused in one executed step.
 
@@ -318,6 +364,8 @@ class FusionReport:
         fused: one `FusedNode` per fused node (forward and backward).
         layers: one `LayerRow` per layer the catalog has a pattern for.
         notes: remarks on how the report was made.
+        optimizer_update: for a train step, the optimizer update the
+            executed graph holds (`OptimizerUpdate`), else None.
     """
 
     mode: str
@@ -330,6 +378,7 @@ class FusionReport:
     fused: list
     layers: list
     notes: list = dataclasses.field(default_factory=list)
+    optimizer_update: OptimizerUpdate | None = None
 
     def row(self, layer):
         """The `LayerRow` of a layer, by name or nested path."""
@@ -377,6 +426,8 @@ class FusionReport:
                 lines.append(f"  {f.label():40s} {f.layer or '-'}{' (backward)' if f.backward else ''}")
         top = sorted(self.ops_by_type.items(), key=lambda kv: (-kv[1], kv[0]))[:8]
         lines.append("  most frequent ops: " + ", ".join(f"{k} x{v}" for k, v in top))
+        if self.optimizer_update is not None:
+            lines.append(f"  optimizer update: {self.optimizer_update}")
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
@@ -505,6 +556,7 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
         fused=fused,
         layers=rows,
         notes=notes,
+        optimizer_update=OptimizerUpdate.from_counts(counts, capture.jit_compile) if capture.mode == "train" else None,
     )
 
 
