@@ -8,12 +8,20 @@ optimizer variables) that update each variable with one TF training op
 implement as single kernels. Keras' own optimizers issue about 27 (Adam) or 8
 (SGD with momentum) small ops per variable.
 
+`FusedRMSprop` and `FusedAdagrad` replace `keras.optimizers.RMSprop` and
+`Adagrad` the same way: one ``ResourceApplyRMSProp``
+(``ResourceApplyCenteredRMSProp`` when centered) or ``ResourceApplyAdagradV2``
+per variable. ``ResourceApplyAdagradV2`` adds epsilon outside the square root
+where Keras adds it inside, so `FusedAdagrad` emits it only where the two agree
+to rounding (the default ``initial_accumulator_value=0.1``) and Keras' math as
+elementwise ops otherwise (`FusedAdagrad.composite_reason` says so).
+
 Which form runs where (`FusedUpdateMixin.composite_reason`, read from the
 backend table, not from a plugin name):
 
 | backend | FusedAdam / FusedAdamW / FusedSGD | ``multi_tensor=True`` |
 |---|---|---|
-| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable | one ``TfmetalExt>MultiTensorAdam`` per dtype (CPU; Metal where TF exports the resource-variable C API) |
+| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedRMSprop, FusedAdagrad too; FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form) | one ``TfmetalExt>MultiTensorAdam`` per dtype (CPU; Metal where TF exports the resource-variable C API) |
 | the open tensorflow-metal-plugin on TF 2.21 | the composite form: Keras' update math as elementwise ops into ``AssignAddVariableOp`` / ``AssignSubVariableOp`` / ``AssignVariableOp``, scalars once per step (Adam: about 10 ops per variable, Keras 27) | the same composite form, with one log line |
 
 Why the composite form on the open plugin (TF 2.21): TF 2.20/2.21 export none
@@ -39,7 +47,10 @@ worse there (or is refused), and the step times of both forms.
 """
 
 from tfmetal_ext.optimizers.adam import FusedAdam
+from tfmetal_ext.optimizers.adagrad import FusedAdagrad
 from tfmetal_ext.optimizers.adamw import FusedAdamW
+from tfmetal_ext.optimizers.lion import FusedLion
+from tfmetal_ext.optimizers.rmsprop import FusedRMSprop
 from tfmetal_ext.optimizers.sgd import FusedSGD
 
-__all__ = ["FusedAdam", "FusedAdamW", "FusedSGD"]
+__all__ = ["FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLion", "FusedRMSprop", "FusedSGD"]

@@ -1,0 +1,234 @@
+"""FusedRMSprop: Keras' RMSprop with one ``ResourceApply(Centered)RMSProp`` per variable."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from tfmetal_ext.ops._common import check_nonnegative
+from tfmetal_ext.optimizers._base import FusedUpdateMixin, _dtype_key, _tf_variable, check_unit_interval
+
+
+class _Untracked:
+    """Holds the hidden momentum buffers out of reach of tracking.
+
+    Not a `Trackable` and not a list or dict, so neither Keras' attribute
+    tracker nor `tf.train.Checkpoint` (which walks an optimizer's trackable
+    attributes) sees the buffers: they are not optimizer variables, not in
+    ``optimizer.variables``, not saved.
+    """
+
+    __slots__ = ("buffers",)
+
+    def __init__(self):
+        self.buffers = []
+
+
+def _check_momentum(value):
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"Argument `momentum` must be a float in [0, 1]. Received: momentum={value!r}")
+    return check_unit_interval("momentum", value, closed_right=True)
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext")
+class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
+    """RMSprop that updates each variable with one fused training op.
+
+    Same algorithm, arguments, defaults and optimizer variables as
+    `keras.optimizers.RMSprop` (``velocity``; ``momentum`` when
+    ``momentum > 0``; ``average_gradient`` when ``centered``), so saved
+    optimizer state loads into either class. Per variable and step:
+
+    - ``velocity = rho * velocity + (1 - rho) * grad**2`` (centered also
+      ``average_gradient = rho * average_gradient + (1 - rho) * grad``);
+    - ``increment = lr * grad / sqrt(velocity + epsilon)`` (centered:
+      ``sqrt(velocity - average_gradient**2 + epsilon)``);
+    - ``momentum > 0``: ``m = momentum * m + increment; var -= m``, else
+      ``var -= increment``.
+
+    One ``ResourceApplyRMSProp`` (``ResourceApplyCenteredRMSProp`` when
+    ``centered``) per variable, which computes the same (epsilon inside the
+    square root, as Keras has it) and has CPU, CUDA and tensorflow-metal
+    kernels; Keras emits about 12 ops per variable (16 centered). The
+    scalars (``lr``, ``rho``, ``momentum``, ``epsilon``) are built once per
+    step and dtype.
+
+    Memory: the TF ops always update a momentum buffer. With ``momentum == 0``
+    (the default) Keras has no momentum slot, so each variable gets a hidden
+    zero-initialised buffer of its own size and dtype (one extra copy of the
+    model's trainable weights), created beside the variable (per replica
+    under `tf.distribute`). It is scratch, not state: it is not an optimizer
+    variable, not in ``optimizer.variables`` and not saved (``.keras`` files
+    and `tf.train.Checkpoint` hold exactly Keras' state). With momentum 0
+    the op sets it to the step's increment; a non-finite increment (a NaN
+    gradient) stays in that variable's buffer, as it stays in the variable
+    itself and its velocity with Keras; `load_own_variables` (what loading
+    weights or a ``.keras`` file calls) clears the buffers, so restored state
+    resumes as Keras' does. (Restoring through `tf.train.Checkpoint` does not
+    reach them: call `reset_scratch()` after such a restore.)
+
+    On a backend without those kernels (the open tensorflow-metal-plugin on
+    TF 2.21) it emits Keras' update math as elementwise ops and variable
+    assignments instead (`tfmetal_ext.optimizers` says why); that form needs
+    no hidden buffer and none is created for it.
+
+    Sparse gradients (`tf.IndexedSlices`, e.g. from `Embedding`) are
+    densified: Keras decays every row of ``velocity`` each step, so its
+    update is dense in effect.
+
+    Args:
+        learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
+            or a callable taking no arguments.
+        rho: decay of the moving averages, a float in [0, 1].
+        momentum: a float in [0, 1]; 0 (no momentum slot) by default.
+        epsilon: added to the mean square inside the square root, a float >= 0.
+        centered: normalise by the estimated variance of the gradient.
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema,
+            ema_momentum, ema_overwrite_frequency, loss_scale_factor,
+            gradient_accumulation_steps, name: the `keras.optimizers.Optimizer`
+            arguments, in `keras.optimizers.RMSprop`'s positional order
+            (``name`` defaults to ``"fused_rm_sprop"``: Keras names an
+            unnamed optimizer after its class, ``"rm_sprop"`` for RMSprop).
+        **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
+    """
+
+    def __init__(
+        self,
+        learning_rate=0.001,
+        rho=0.9,
+        momentum=0.0,
+        epsilon=1e-7,
+        centered=False,
+        weight_decay=None,
+        clipnorm=None,
+        clipvalue=None,
+        global_clipnorm=None,
+        use_ema=False,
+        ema_momentum=0.99,
+        ema_overwrite_frequency=None,
+        loss_scale_factor=None,
+        gradient_accumulation_steps=None,
+        name=None,
+        **kwargs,
+    ):
+        # keras.optimizers.RMSprop's arguments, in its positional order.
+        rho = check_unit_interval("rho", rho, closed_right=True)
+        momentum = _check_momentum(momentum)
+        epsilon = check_nonnegative("epsilon", epsilon)
+        if not isinstance(centered, bool):
+            raise ValueError(f"Argument `centered` must be a bool. Received: centered={centered!r}")
+        super().__init__(
+            learning_rate=learning_rate,
+            rho=rho,
+            momentum=momentum,
+            epsilon=epsilon,
+            centered=centered,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            name=name,
+            **kwargs,
+        )
+        self._scratch = _Untracked()
+
+    # -- the hidden momentum buffers (momentum == 0) ----------------------------
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        self._scratch.buffers = []
+        if self.momentum > 0:
+            return
+        for variable in var_list:
+            self._scratch.buffers.append(self._make_scratch(variable))
+
+    def _make_scratch(self, variable):
+        """A zero buffer like `variable` beside it (per replica), or None where the composite form runs."""
+        if self.composite_reason(_dtype_key(variable)) is not None:
+            return None
+        reference = _tf_variable(variable)
+        strategy = self._distribution_strategy
+        with tf.init_scope(), strategy.scope(), strategy.extended.colocate_vars_with(reference):
+            return tf.Variable(
+                tf.zeros(reference.shape, reference.dtype),
+                trainable=False,
+                name="rmsprop_scratch_momentum",
+                aggregation=tf.VariableAggregation.NONE,
+            )
+
+    def reset_scratch(self):
+        """Zeroes the hidden momentum buffers (``momentum == 0``); they hold no state worth keeping."""
+        for buffer in self._scratch.buffers:
+            if buffer is not None:
+                buffer.assign(tf.zeros_like(buffer))
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        self.reset_scratch()
+
+    # -- the update --------------------------------------------------------------
+
+    def _step_scalars(self, learning_rate, dtype):
+        return {
+            "lr": tf.cast(learning_rate, dtype),
+            "rho": tf.constant(self.rho, dtype),
+            "one_minus_rho": tf.constant(1.0 - self.rho, dtype),
+            "momentum": tf.constant(self.momentum, dtype),
+            "epsilon": tf.constant(self.epsilon, dtype),
+        }
+
+    def _fused_op(self):
+        return "ResourceApplyCenteredRMSProp" if self.centered else "ResourceApplyRMSProp"
+
+    def _mom_handle(self, variable):
+        index = self._get_variable_index(variable)
+        if self.momentum > 0:
+            return _tf_variable(self._momentums[index]).handle
+        buffer = self._scratch.buffers[index] if index < len(self._scratch.buffers) else None
+        return None if buffer is None else buffer.handle
+
+    def _fused_apply(self, grad, variable, scalars):
+        mom = self._mom_handle(variable)
+        if mom is None:
+            # Built where the composite form ran (no buffer): keep to it.
+            return self._composite_apply(grad, variable, scalars)
+        args = dict(
+            var=variable.handle,
+            ms=self._slot_handle(self._velocities, variable),
+            mom=mom,
+            lr=scalars["lr"],
+            rho=scalars["rho"],
+            momentum=scalars["momentum"],
+            epsilon=scalars["epsilon"],
+            grad=grad,
+        )
+        if self.centered:
+            return tf.raw_ops.ResourceApplyCenteredRMSProp(
+                mg=self._slot_handle(self._average_gradients, variable), **args
+            )
+        return tf.raw_ops.ResourceApplyRMSProp(**args)
+
+    def _composite_apply(self, grad, variable, scalars):
+        """Keras' RMSprop update as elementwise ops and assignments (`composite_reason` says where)."""
+        index = self._get_variable_index(variable)
+        velocity = _tf_variable(self._velocities[index])
+        velocity.assign(scalars["rho"] * velocity + scalars["one_minus_rho"] * tf.square(grad))
+        if self.centered:
+            average = _tf_variable(self._average_gradients[index])
+            average.assign(scalars["rho"] * average + scalars["one_minus_rho"] * grad)
+            denominator = velocity - tf.square(average) + scalars["epsilon"]
+        else:
+            denominator = velocity + scalars["epsilon"]
+        increment = scalars["lr"] * grad / tf.sqrt(denominator)
+        if self.momentum > 0:
+            momentum = _tf_variable(self._momentums[index])
+            momentum.assign(scalars["momentum"] * momentum + increment)
+            return variable.assign_sub(momentum)
+        return variable.assign_sub(increment)
