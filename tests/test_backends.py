@@ -42,6 +42,17 @@ def test_stock_to_fused_names_real_classes():
     for stock, row in fusion.OPTIMIZER_TO_FUSED.items():
         assert issubclass(getattr(keras.optimizers, stock), keras.optimizers.Optimizer), stock
         assert issubclass(getattr(optimizers, row.fused), keras.optimizers.Optimizer), row.fused
+        assert row.suggestion.startswith(row.qualified + " takes the same arguments and "), row.suggestion
+
+
+def test_optimizer_advice_names_what_each_runs():
+    rows = fusion.OPTIMIZER_TO_FUSED
+    # The multi-tensor ones name their op (from CUSTOM_OPS) and what runs where it cannot.
+    assert fusion.CUSTOM_OPS["multi_tensor_adam"].name in rows["Adam"].suggestion
+    assert fusion.CUSTOM_OPS["multi_tensor_adam"].name in rows["AdamW"].suggestion
+    assert fusion.CUSTOM_OPS["multi_tensor_lion"].name in rows["Lion"].suggestion
+    assert "one fused op per variable" not in rows["Lion"].suggestion
+    assert "nesterov" in rows["SGD"].suggestion
 
 
 def test_safe_forms_and_custom_ops_point_at_each_other():
@@ -126,4 +137,7 @@ def test_callback_replacement_views_keep_their_published_values():
         "Adam": "tfmetal_ext.optimizers.FusedAdam",
         "AdamW": "tfmetal_ext.optimizers.FusedAdamW",
         "SGD": "tfmetal_ext.optimizers.FusedSGD",
+        "RMSprop": "tfmetal_ext.optimizers.FusedRMSprop",
+        "Adagrad": "tfmetal_ext.optimizers.FusedAdagrad",
+        "Lion": "tfmetal_ext.optimizers.FusedLion",
     }

@@ -220,17 +220,40 @@ def test_summary_advises_stock_layers_but_not_partial_rows():
     assert problems == [f"mid (Dense) is not fused -> use {advice}", "mid: expected fusion missing (no BiasAdd)"]
 
 
-@pytest.mark.parametrize("optimizer, stock", [(keras.optimizers.SGD, "SGD"), (keras.optimizers.AdamW, "AdamW")])
-def test_stock_optimizer_advice_is_the_fusion_tables_class(optimizer, stock):
+@pytest.mark.parametrize(
+    "make, stock",
+    [
+        (lambda: keras.optimizers.SGD(1e-3), "SGD"),
+        (lambda: keras.optimizers.SGD(1e-3, momentum=0.9, nesterov=True), "SGD"),
+        (lambda: keras.optimizers.AdamW(1e-3), "AdamW"),
+        (lambda: keras.optimizers.RMSprop(1e-3), "RMSprop"),
+        (lambda: keras.optimizers.Adagrad(1e-3), "Adagrad"),
+        (lambda: keras.optimizers.Lion(1e-3), "Lion"),
+        (lambda: keras.optimizers.LossScaleOptimizer(keras.optimizers.Lion(1e-3)), "Lion"),
+    ],
+    ids=["sgd", "sgd_nesterov", "adamw", "rmsprop", "adagrad", "lion", "lion_loss_scaled"],
+)
+def test_stock_optimizer_advice_is_the_fusion_tables_class(make, stock):
     model = _stock_dense_model()
-    model.compile(optimizer=optimizer(1e-3), loss="mse")
+    model.compile(optimizer=make(), loss="mse")
     findings = Findings()
     findings.check(model, devices.capabilities())
     advice = [line for line in findings.lines if line.startswith("optimizer:")]
+    row = OPTIMIZER_TO_FUSED[stock]
     assert advice == [
-        f"optimizer: stock keras {stock} issues many small ops per variable per step; "
-        f"{OPTIMIZER_TO_FUSED[stock].qualified} takes the same arguments and runs one fused op per variable"
+        f"optimizer: stock keras {stock} issues many small ops per variable per step; {row.suggestion}"
     ]
+    assert f"tfmetal_ext.optimizers.Fused{stock} takes the same arguments" in advice[0]
+
+
+def test_fused_optimizer_gets_no_advice():
+    model = _stock_dense_model()
+    from tfmetal_ext.optimizers import FusedLion
+
+    model.compile(optimizer=FusedLion(1e-3), loss="mse")
+    findings = Findings()
+    findings.check(model, devices.capabilities())
+    assert not [line for line in findings.lines if line.startswith("optimizer:")]
 
 
 def test_loss_scale_optimizer_is_advised_by_its_inner_optimizer():

@@ -228,10 +228,30 @@ STOCK_KEPT = types.MappingProxyType(
     }
 )
 
+
+def _optimizer(stock, fused, runs):
+    """An `OPTIMIZER_TO_FUSED` row; its advice is the class, "takes the same arguments", and what it runs."""
+    module = "tfmetal_ext.optimizers"
+    return Replacement(stock, fused, module=module, advice=f"{module}.{fused} takes the same arguments and {runs}")
+
+
+def _multi_tensor_runs(key, per_variable):
+    return (f"updates all variables of a dtype with one {CUSTOM_OPS[key].name} per step where that op's "
+            f"kernel runs (else {per_variable})")
+
+
 OPTIMIZER_TO_FUSED = _table(
-    Replacement("Adam", "FusedAdam", module="tfmetal_ext.optimizers"),
-    Replacement("AdamW", "FusedAdamW", module="tfmetal_ext.optimizers"),
-    Replacement("SGD", "FusedSGD", module="tfmetal_ext.optimizers"),
+    _optimizer("Adam", "FusedAdam", _multi_tensor_runs("multi_tensor_adam", "one ResourceApplyAdam per variable")),
+    _optimizer("AdamW", "FusedAdamW", _multi_tensor_runs(
+        "multi_tensor_adam", "one ResourceApplyAdam and one decay op per variable")),
+    _optimizer("SGD", "FusedSGD", "runs one fused op per variable (momentum and nesterov included)"),
+    _optimizer("RMSprop", "FusedRMSprop",
+               "runs one fused op per variable (ResourceApplyRMSProp, ResourceApplyCenteredRMSProp when centered)"),
+    _optimizer("Adagrad", "FusedAdagrad",
+               "runs one ResourceApplyAdagradV2 per variable where it rounds as Keras does (else Keras' math "
+               "with its scalars once per step)"),
+    _optimizer("Lion", "FusedLion", _multi_tensor_runs(
+        "multi_tensor_lion", "Keras' update math as elementwise ops, its scalars built once per step")),
 )
 
 

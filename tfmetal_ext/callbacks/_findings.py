@@ -145,7 +145,4 @@ class Findings:
         inner = getattr(opt, "inner_optimizer", opt)  # LossScaleOptimizer wraps the real one
         row = OPTIMIZER_TO_FUSED.get(type(inner).__name__) if inner is not None else None
         if row is not None and is_stock(inner):
-            self.add(
-                f"optimizer: stock keras {row.stock} issues many small ops per variable per step; "
-                f"{row.qualified} takes the same arguments and runs one fused op per variable"
-            )
+            self.add(f"optimizer: stock keras {row.stock} issues many small ops per variable per step; {row.suggestion}")
