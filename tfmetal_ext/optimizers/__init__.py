@@ -1,4 +1,4 @@
-"""Fused Keras optimizers: one training op per variable and step.
+"""Fused Keras optimizers: one training op per variable, or one op per dtype group, per step.
 
 `FusedAdam`, `FusedAdamW` and `FusedSGD` are drop-in replacements for
 `keras.optimizers.Adam`, `AdamW` and `SGD` (same arguments, results and
@@ -16,12 +16,29 @@ where Keras adds it inside, so `FusedAdagrad` emits it only where the two agree
 to rounding (the default ``initial_accumulator_value=0.1``) and Keras' math as
 elementwise ops otherwise (`FusedAdagrad.composite_reason` says so).
 
+`FusedLion` replaces `keras.optimizers.Lion`. TF has no Lion training op, so
+its per-variable form is Keras' math as elementwise ops with the step's
+scalars built once per step.
+
+`FusedAdam`, `FusedAdamW` and `FusedLion` take ``multi_tensor="auto"`` by
+default: one ``TfmetalExt>MultiTensorAdam`` / ``TfmetalExt>MultiTensorLion``
+op per (dtype, device, decayed or not) group and step where the op library
+is loaded and has the op's kernel for the variables' device (not inside XLA,
+not under an unsupported `tf.distribute` strategy, not avoided by
+``configure(avoid_fusions=...)``); elsewhere the per-variable form below,
+with the reason logged once at INFO (WARNING for an explicit
+``multi_tensor=True``). ``multi_tensor=False`` always uses the per-variable
+form. ``opt.update_form`` / ``opt.update_form_reason`` say what the last
+traced step used, and a train step's `tfmetal_ext.inspect` fusion report
+(``optimizer_update``, also in `MetalCallback`'s summary) counts it from the
+executed graph.
+
 Which form runs where (`FusedUpdateMixin.composite_reason`, read from the
 backend table, not from a plugin name):
 
-| backend | FusedAdam / FusedAdamW / FusedSGD | ``multi_tensor=True`` |
+| backend | per-variable form (FusedAdam / FusedAdamW / FusedSGD / FusedRMSprop / FusedAdagrad; FusedLion: Keras' math everywhere) | ``multi_tensor="auto"`` (default) / ``True`` |
 |---|---|---|
-| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedRMSprop, FusedAdagrad too; FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form) | one ``TfmetalExt>MultiTensorAdam`` per dtype (CPU; Metal where TF exports the resource-variable C API) |
+| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form) | one ``TfmetalExt>MultiTensorAdam`` / ``MultiTensorLion`` per group (CPU; Metal where TF exports the resource-variable C API; CUDA: no kernel, so "auto" keeps the per-variable form) |
 | the open tensorflow-metal-plugin on TF 2.21 | the composite form: Keras' update math as elementwise ops into ``AssignAddVariableOp`` / ``AssignSubVariableOp`` / ``AssignVariableOp``, scalars once per step (Adam: about 10 ops per variable, Keras 27) | the same composite form, with one log line |
 
 Why the composite form on the open plugin (TF 2.21): TF 2.20/2.21 export none
