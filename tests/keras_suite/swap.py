@@ -103,6 +103,8 @@ SUITES = types.MappingProxyType(
             Suite("Adam", "optimizers/adam_test.py", _optimizer_homes("adam")),
             Suite("AdamW", "optimizers/adamw_test.py", _optimizer_homes("adamw")),
             Suite("SGD", "optimizers/sgd_test.py", _optimizer_homes("sgd")),
+            Suite("RMSprop", "optimizers/rmsprop_test.py", _optimizer_homes("rmsprop")),
+            Suite("Adagrad", "optimizers/adagrad_test.py", _optimizer_homes("adagrad")),
         )
     }
 )
