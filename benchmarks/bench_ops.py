@@ -16,7 +16,7 @@ with ``--sections``):
 - ``softshrink``: `tfmetal_ext.ops.softshrink` vs `keras.ops.soft_shrink` at 16M
   float32 elements, forward+backward (bytes: x, y, dy, x, dx).
 - ``multi_tensor_adam``: `FusedAdam(multi_tensor=True)` (one ``TfmetalExt>MultiTensorAdam``
-  per step) vs `FusedAdam()` (one ``ResourceApplyAdam`` per variable) vs `keras.optimizers.Adam`,
+  per step) vs `FusedAdam(multi_tensor=False)` (one ``ResourceApplyAdam`` per variable) vs `keras.optimizers.Adam`,
   one ``optimizer.apply`` step, at 100 variables of 64x64 and 40 of 512x512.
 
 Times are medians of per-round medians; rounds alternate stock and ours so both
@@ -272,7 +272,8 @@ def bench_multi_tensor_adam(ctx):
     for count, shape in MULTI_TENSOR_ADAM_CASES:
         size = f"{count} x {'x'.join(map(str, shape))} float32"
         keras_step, keras_report, _ = _optimizer_step(keras.optimizers.Adam, count, shape)
-        per_var_step, per_var_report, per_var_vars = _optimizer_step(FusedAdam, count, shape)
+        per_var_step, per_var_report, per_var_vars = _optimizer_step(lambda: FusedAdam(multi_tensor=False), count,
+                                                                     shape)
         multi_step, multi_report, multi_vars = _optimizer_step(lambda: FusedAdam(multi_tensor=True), count, shape)
         # Same state after the same steps (one warm-up call each): bitwise.
         for a, b in zip(multi_vars, per_var_vars):
@@ -296,7 +297,8 @@ def bench_multi_tensor_adam(ctx):
             print(row, flush=True)
         notes.append(
             f"multi_tensor_adam {size}: per step 1 TfmetalExt>MultiTensorAdam (multi_tensor=True) vs "
-            f"{per_var_ops} ResourceApplyAdam (FusedAdam) vs {keras_report.num_ops} compute ops (keras Adam)."
+            f"{per_var_ops} ResourceApplyAdam (FusedAdam(multi_tensor=False)) vs {keras_report.num_ops} compute ops "
+            "(keras Adam)."
         )
     notes.append(
         "multi_tensor_adam: one step = optimizer.apply(grads, variables) in a tf.function with fixed gradients; "

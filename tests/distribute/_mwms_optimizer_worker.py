@@ -20,7 +20,7 @@ from tfmetal_ext.distribute import fit_compat
 STEPS = 20
 GLOBAL_BATCH = 16
 OPTIMIZERS = {
-    "adam": lambda: O.FusedAdam(learning_rate=0.01),
+    "adam": lambda: O.FusedAdam(learning_rate=0.01, multi_tensor=False),  # the per-variable form
     "adam_mt": lambda: O.FusedAdam(learning_rate=0.01, multi_tensor=True),
     "sgd_momentum": lambda: O.FusedSGD(learning_rate=0.05, momentum=0.9),
 }

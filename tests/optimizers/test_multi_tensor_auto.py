@@ -176,7 +176,8 @@ def test_auto_with_reference_ops_forced(monkeypatch, caplog):
 def test_auto_without_the_library(monkeypatch, caplog):
     # What a machine without a compiler sees: the loader tried and has no module.
     monkeypatch.delenv("TFMETAL_EXT_REFERENCE_OPS", raising=False)
-    monkeypatch.setattr(_loader, "_state", _loader._State(module=None, attempted=True, error="no C++ compiler (simulated)"))
+    state = _loader._State(module=None, attempted=True, error="no C++ compiler (simulated)")
+    monkeypatch.setattr(_loader, "_state", state)
     variables, grads = variables_and_grads(3)
     opt = FusedAdam()
     with caplog.at_level(logging.INFO, logger="tfmetal_ext"):
