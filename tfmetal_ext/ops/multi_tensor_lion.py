@@ -136,9 +136,20 @@ def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rat
     if lib is None or not _mta._has_kernel(next(iter(devices), ""), _OP_NAME):
         # Per-variable ops: every run-time shape check runs before the first
         # update, so a bad gradient leaves every variable untouched (the
-        # kernel checks all its inputs before writing, too).
+        # kernel checks all its inputs before writing, too). Where the
+        # variable's shape is static, the gradient goes through EnsureShape:
+        # inside a tf.function grappler's constant folding can fold an Assert
+        # on tf.shape(grad) away (it then takes the shape the consuming update
+        # implies), and a decay or another variable's update would be written
+        # before the bad update fails; an EnsureShape output it cannot skip.
+        ensured = []
+        for i, g in enumerate(grad_tensors):
+            shape = _mta._static_shape(lists["variables"][i])
+            if shape is not None and shape.is_fully_defined() and not g.shape.is_fully_defined():
+                grad_tensors[i] = g = tf.ensure_shape(g, shape)
+                ensured.append(g)
         checks = _mta._runtime_shape_checks(lists, handles, grad_tensors, op="multi_tensor_lion")
-        with tf.control_dependencies(checks):
+        with tf.control_dependencies(checks + ensured):
             return _reference.multi_tensor_lion(var_list, m_list, grad_tensors, *scalars,
                                                 decay[0] if decay else None, dtype=dtype, name=name)
     return lib.tfmetal_ext_multi_tensor_lion(var_list, m_list, grad_tensors, *scalars, decay, name=name)
