@@ -59,12 +59,14 @@ TFM_INLINE tfm_lion_coeffs tfm_lion_make_coeffs(float lr, float beta1, float bet
   return c;
 }
 
-// tf.sign of a float: 1, -1, +0 for +-0, NaN for NaN (returned as is).
+// tf.sign of a float: 1, -1, +0 for +-0 (1 - 1 never happens, 0 - 0 is +0),
+// NaN for NaN (returned as is). Selects, not branches: the signs of a
+// gradient step are random, and the selects let the CPU loop vectorize.
 TFM_INLINE float tfm_lion_sign(float x) {
-  if (x > 0.0f) return 1.0f;
-  if (x < 0.0f) return -1.0f;
-  if (x == 0.0f) return 0.0f;
-  return x;
+  const float pos = x > 0.0f ? 1.0f : 0.0f;
+  const float neg = x < 0.0f ? 1.0f : 0.0f;
+  const float sign = pos - neg;
+  return x == x ? sign : x;
 }
 
 // One element.
