@@ -69,8 +69,8 @@ class FusedAdagrad(FusedUpdateMixin, keras.optimizers.Adagrad):
       (0.1, 1e-7) differ by at most 1.9e-7 in float32;
     - otherwise (``initial_accumulator_value=0``, or tiny ones) Keras'
       update as elementwise ops and assignments, ``Square``, ``AssignAdd``,
-      ``AddV2``, ``Sqrt``, ``Mul``, ``RealDiv``, ``AssignSub`` (Keras emits
-      about 10 ops per variable), with the scalars once per step.
+      ``AddV2``, ``Sqrt``, ``Mul``, ``RealDiv``, ``AssignSub``: 8 ops per
+      variable (Keras' Adagrad: 9), with the scalars once per step.
       `composite_reason` says which applies.
 
     On a backend without that kernel (the open tensorflow-metal-plugin on
