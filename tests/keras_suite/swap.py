@@ -105,6 +105,7 @@ SUITES = types.MappingProxyType(
             Suite("SGD", "optimizers/sgd_test.py", _optimizer_homes("sgd")),
             Suite("RMSprop", "optimizers/rmsprop_test.py", _optimizer_homes("rmsprop")),
             Suite("Adagrad", "optimizers/adagrad_test.py", _optimizer_homes("adagrad")),
+            Suite("Lion", "optimizers/lion_test.py", _optimizer_homes("lion")),
         )
     }
 )

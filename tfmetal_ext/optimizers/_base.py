@@ -337,6 +337,12 @@ class MultiTensorMixin:
             strategy = tf.distribute.get_strategy()
             if not isinstance(strategy, _MULTI_TENSOR_STRATEGIES):
                 return f"{type(strategy).__name__} is not supported (Mirrored, MultiWorkerMirrored and OneDevice are)"
+        from tfmetal_ext.ops._common import FLOAT_DTYPES
+
+        others = sorted({_dtype_key(_tf_variable(v)) for v in variables} - {d.name for d in FLOAT_DTYPES})
+        if others:
+            return (f"{op_name} takes {', '.join(d.name for d in FLOAT_DTYPES)} variables; "
+                    f"this step has {', '.join(others)} ones")
         if self.multi_tensor == "auto":
             return multi_tensor_kernel_reason(self._multi_tensor_key, variables)
         return None
