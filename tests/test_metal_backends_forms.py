@@ -276,7 +276,7 @@ def test_stock_lstm_and_gru_rows_say_they_fail_on_the_open_plugin():
 # ----------------------------------------------------------------------------
 # Optimizers: on TF 2.21 the open plugin registers no ResourceApply* (table host_ops).
 
-from tfmetal_ext.optimizers import FusedAdam, FusedAdamW, FusedSGD  # noqa: E402
+from tfmetal_ext.optimizers import FusedAdagrad, FusedAdam, FusedAdamW, FusedRMSprop, FusedSGD  # noqa: E402
 
 OPTIMIZERS = [
     # (ours, the stock Keras optimizer it must match, the op the fused form emits)
@@ -289,6 +289,10 @@ OPTIMIZERS = [
     (lambda: FusedSGD(0.05), lambda: keras.optimizers.SGD(0.05), "ResourceApplyGradientDescent"),
     (lambda: FusedSGD(0.05, momentum=0.9, nesterov=True),
      lambda: keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True), "ResourceApplyKerasMomentum"),
+    (lambda: FusedRMSprop(0.01), lambda: keras.optimizers.RMSprop(0.01), "ResourceApplyRMSProp"),
+    (lambda: FusedRMSprop(0.01, momentum=0.5, centered=True),
+     lambda: keras.optimizers.RMSprop(0.01, momentum=0.5, centered=True), "ResourceApplyCenteredRMSProp"),
+    (lambda: FusedAdagrad(0.05), lambda: keras.optimizers.Adagrad(0.05), "ResourceApplyAdagradV2"),
 ]
 
 
