@@ -546,3 +546,10 @@ def test_default_names_follow_keras_naming():
 def test_bad_arguments(make_opt, message):
     with pytest.raises(ValueError, match=message):
         make_opt()
+
+
+@pytest.mark.parametrize("name, base", [("rmsprop", {}), ("adagrad", {}), ("sgd", {"momentum": 0.9, "nesterov": True})])
+def test_gradient_accumulation_and_loss_scale_factor(name, base):
+    kwargs = {**base, "gradient_accumulation_steps": 3, "loss_scale_factor": 64.0}
+    got, _ = assert_same_training(make(name, kwargs, "stock"), make(name, kwargs, "ours"), steps=15)
+    assert int(got.optimizer.iterations.numpy()) == 5  # one update per 3 batches
