@@ -155,7 +155,7 @@ def test_selftest_str_and_json(healthy):
 def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
         "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
-        "rms_norm", "multi_tensor_adam", "multi_tensor_lion", "attention", "cpu_fallback",
+        "rms_norm", "multi_tensor_adam", "multi_tensor_lion", "multi_tensor_rmsprop", "attention", "cpu_fallback",
     )
     for name, check in checks.REGISTRY.items():
         assert check.name == name and check.fix and callable(check.case), check
@@ -321,7 +321,7 @@ def test_custom_op_checks_skip_without_library(monkeypatch):
 
     monkeypatch.setattr(_loader, "load", lambda: None)
     result = doctor.selftest(checks=["softshrink", "layer_norm", "rms_norm", "multi_tensor_adam", "multi_tensor_lion",
-                                     "attention"])
+                                     "multi_tensor_rmsprop", "attention"])
     for c in result.checks:
         assert c.status == "SKIP" and c.fix == "tfmetal-ext build-ops" and "not loaded" in c.detail
     assert result.passed

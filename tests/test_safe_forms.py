@@ -78,6 +78,7 @@ def test_safe_forms_names():
         "attention",
         "rms_norm",
         "multi_tensor_lion",
+        "multi_tensor_rmsprop",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

@@ -415,6 +415,47 @@ def np_lion_step(state, g, scalars, np_dtype, decay_rate=None):
     return var, m
 
 
+def np_rmsprop_step(state, g, scalars, np_dtype, decay_rate=None):
+    """One keras.optimizers.RMSprop update_step, operation by operation, each result rounded to `np_dtype`.
+
+    Args:
+        state: ``(var, velocity, momentum, average_gradient)`` arrays; ``momentum`` and
+            ``average_gradient`` are None without momentum / centering (and stay None).
+        g: the gradient.
+        scalars: ``(lr, rho, momentum, epsilon)``; ``1 - rho`` is formed in double before
+            the rounding, as Keras' ``1 - self.rho``.
+        np_dtype: the numpy type values are rounded to (through float32, like Eigen).
+        decay_rate: decoupled weight decay applied first (``var -= var * decay_rate``), or None.
+
+    Returns:
+        The new state as float64 arrays (values of `np_dtype`; None where `state` has None).
+    """
+
+    def r(x):
+        return np.asarray(x, np.float64).astype(np.float32).astype(np_dtype).astype(np.float64)
+
+    var, v, m, mg = state
+    var, v, g = (r(np.asarray(a).astype(np.float64)) for a in (var, v, g))
+    lr, rho, momentum, epsilon = (float(r(s)) for s in scalars)
+    one_minus_rho = float(r(1.0 - scalars[1]))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        if decay_rate is not None:
+            var = r(var - r(var * float(r(decay_rate))))
+        v = r(r(rho * v) + r(one_minus_rho * r(g * g)))
+        if mg is not None:
+            mg = r(r(rho * r(mg)) + r(one_minus_rho * g))
+            denominator = r(r(v - r(mg * mg)) + epsilon)
+        else:
+            denominator = r(v + epsilon)
+        increment = r(r(lr * g) / r(np.sqrt(denominator)))
+        if m is not None:
+            m = r(r(momentum * r(m)) + increment)
+            var = r(var - m)
+        else:
+            var = r(var - increment)
+    return var, v, m, mg
+
+
 class SourceUnavailable(RuntimeError):
     """The tensorflow-metal-plugin sdist could not be fetched (no package index, or a bad download)."""
 

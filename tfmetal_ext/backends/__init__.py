@@ -171,6 +171,11 @@ PATTERNS = types.MappingProxyType(
                 _F.MULTI_TENSOR_LION_OP,
             ),
             Pattern(
+                "multi_tensor_rmsprop",
+                "RMSprop update of every variable of one dtype (FusedRMSprop)",
+                _F.MULTI_TENSOR_RMSPROP_OP,
+            ),
+            Pattern(
                 "cudnn_rnn",
                 "a whole LSTM/GRU recurrence (tanh/sigmoid, no recurrent dropout, GRU reset_after=True)",
                 _F.CUDNN_RNN,

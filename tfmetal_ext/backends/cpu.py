@@ -58,6 +58,7 @@ _EITHER = {
     ),
     "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
     "multi_tensor_lion": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
+    "multi_tensor_rmsprop": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
 }
 _NO_LEAKY = tuple(a for a in ACTS if a != "LeakyRelu")
 

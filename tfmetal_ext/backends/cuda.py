@@ -43,6 +43,7 @@ CUDA = backend(
         "custom_attention": never("no CUDA kernel: the pure-TF reference runs (the score matrix is materialized)"),
         "multi_tensor_adam": never("no CUDA kernel: one ResourceApplyAdam per variable"),
         "multi_tensor_lion": never("no CUDA kernel: Keras' Lion ops per variable"),
+        "multi_tensor_rmsprop": never("no CUDA kernel: one ResourceApply(Centered)RMSProp per variable"),
         "cudnn_rnn": Fusion(
             "cuDNN: float32, float16, float64 (bfloat16 kernels registered, cuDNN support varies); "
             "masks must be right-padded (sequence_lengths)",

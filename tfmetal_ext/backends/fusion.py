@@ -135,6 +135,7 @@ CUSTOM_OPS = types.MappingProxyType(
         "layer_norm": CustomOp("TfmetalExt>LayerNorm", "TfmetalExt>LayerNormGrad", "layer_norm"),
         "multi_tensor_adam": CustomOp("TfmetalExt>MultiTensorAdam", None, "multi_tensor_adam"),
         "multi_tensor_lion": CustomOp("TfmetalExt>MultiTensorLion", None, "multi_tensor_lion"),
+        "multi_tensor_rmsprop": CustomOp("TfmetalExt>MultiTensorRMSprop", None, "multi_tensor_rmsprop"),
         "attention": CustomOp("TfmetalExt>Attention", "TfmetalExt>AttentionGrad", "attention"),
         "rms_norm": CustomOp("TfmetalExt>RMSNorm", "TfmetalExt>RMSNormGrad", "rms_norm"),
     }
@@ -147,6 +148,7 @@ LAYER_NORM_OP = CUSTOM_OPS["layer_norm"].name
 LAYER_NORM_GRAD_OP = CUSTOM_OPS["layer_norm"].grad
 MULTI_TENSOR_ADAM_OP = CUSTOM_OPS["multi_tensor_adam"].name
 MULTI_TENSOR_LION_OP = CUSTOM_OPS["multi_tensor_lion"].name
+MULTI_TENSOR_RMSPROP_OP = CUSTOM_OPS["multi_tensor_rmsprop"].name
 RMS_NORM_OP = CUSTOM_OPS["rms_norm"].name
 RMS_NORM_GRAD_OP = CUSTOM_OPS["rms_norm"].grad
 ATTENTION_OP = CUSTOM_OPS["attention"].name
@@ -245,8 +247,9 @@ OPTIMIZER_TO_FUSED = _table(
     _optimizer("AdamW", "FusedAdamW", _multi_tensor_runs(
         "multi_tensor_adam", "one ResourceApplyAdam and one decay op per variable")),
     _optimizer("SGD", "FusedSGD", "runs one fused op per variable (momentum and nesterov included)"),
-    _optimizer("RMSprop", "FusedRMSprop",
-               "runs one fused op per variable (ResourceApplyRMSProp, ResourceApplyCenteredRMSProp when centered)"),
+    _optimizer("RMSprop", "FusedRMSprop", _multi_tensor_runs(
+        "multi_tensor_rmsprop",
+        "one ResourceApplyRMSProp per variable, ResourceApplyCenteredRMSProp when centered")),
     _optimizer("Adagrad", "FusedAdagrad",
                "runs one ResourceApplyAdagradV2 per variable where it rounds as Keras does (else Keras' math "
                "with its scalars once per step)"),
@@ -338,6 +341,13 @@ SAFE_FORMS = _safe_forms(
         f"(Mul, AddV2, Sign, AssignSubVariableOp, AssignVariableOp) instead of {MULTI_TENSOR_LION_OP}",
         implies=CUSTOM_OPS["multi_tensor_lion"].op_names,
         custom_op="multi_tensor_lion",
+    ),
+    SafeForm(
+        "multi_tensor_rmsprop",
+        "tfmetal_ext.ops.multi_tensor_rmsprop (FusedRMSprop) updates each variable with Keras' RMSprop ops "
+        f"(Mul, Square, AddV2, Sqrt, RealDiv, Assign*VariableOp) instead of {MULTI_TENSOR_RMSPROP_OP}",
+        implies=CUSTOM_OPS["multi_tensor_rmsprop"].op_names,
+        custom_op="multi_tensor_rmsprop",
     ),
     SafeForm(
         "rms_norm",

@@ -97,6 +97,11 @@ METAL = backend(
             "else Keras' Lion ops per variable",
             dtypes=_ALL_FLOAT,
         ),
+        "multi_tensor_rmsprop": Fusion(
+            "Metal kernel where TF exports the resource-variable C API (TF 2.19 yes, 2.21 Linux wheel no); "
+            "else one ResourceApply(Centered)RMSProp per variable",
+            dtypes=_ALL_FLOAT,
+        ),
         "cudnn_rnn": Fusion(
             "tensorflow-metal kernel: float32, float16, bfloat16; emitted as Keras emits it "
             "(batch-major, sequence_lengths)",

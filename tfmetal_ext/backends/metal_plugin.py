@@ -210,6 +210,7 @@ METAL_PLUGIN = backend(
         "custom_attention": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "multi_tensor_adam": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),
         "multi_tensor_lion": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),
+        "multi_tensor_rmsprop": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),
         "cudnn_rnn": never(
             "not fused: no CudnnRNN kernel",
             why_not="tensorflow-metal-plugin has no CudnnRNN kernel (and TensorFlow no CPU kernel): a CudnnRNNV3 "

@@ -319,6 +319,37 @@ def multi_tensor_lion(dtype):
     return fused, grads, reference
 
 
+@register("multi_tensor_rmsprop", op=fusion.CUSTOM_OPS["multi_tensor_rmsprop"])
+def multi_tensor_rmsprop(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(9)
+    shapes = [(5, 7), (11,)]
+    scalars = (0.01, 0.9, 0.5, 1e-7)  # lr, rho, momentum, epsilon
+    # var, velocity (>= 0 and above average_gradient**2), momentum, average_gradient: centered with momentum.
+    init = [[rng.standard_normal(s) * k for s in shapes] for k in (1.0, 1.0, 0.01, 0.1)]
+    init[1] = [np.abs(v) + 0.1 for v in init[1]]
+    var, v, m, mg = ([tf.Variable(a, dtype=dtype) for a in group] for group in init)
+    grads = tuple(tf.constant(rng.standard_normal(s), dtype) for s in shapes)
+    lr, rho, momentum, epsilon = scalars
+
+    def fused(*grads):
+        lib.tfmetal_ext_multi_tensor_rm_sprop(
+            [x.handle for x in var], [x.handle for x in v], [x.handle for x in m], [x.handle for x in mg], list(grads),
+            *(tf.constant(s, dtype) for s in (lr, rho, 1.0 - rho, momentum, epsilon)), [],
+        )
+        return [x.read_value() for x in var + v + m + mg]
+
+    # From the values as stored in `dtype`, each operation rounded to it as Keras' RMSprop does.
+    steps = [
+        testing.np_rmsprop_step((_f64(p), _f64(v0), _f64(m0), _f64(mg0)), _f64(g), scalars, np.dtype(dtype).type)
+        for p, v0, m0, mg0, g in zip(var, v, m, mg, grads)
+    ]
+    reference = [s[k] for k in range(4) for s in steps]  # vars, then velocities, momentums, average gradients
+    return fused, grads, reference
+
+
 ATTENTION_SCALE = 0.35
 
 

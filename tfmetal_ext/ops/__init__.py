@@ -10,6 +10,9 @@
 - `multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, ...)`:
   ``TfmetalExt>MultiTensorLion``, Keras' Lion (optional decoupled decay) for N
   variables of one dtype in one op.
+- `multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilon, ...)`:
+  ``TfmetalExt>MultiTensorRMSprop``, Keras' RMSprop (momentum, centered,
+  decoupled decay) for N variables of one dtype in one op.
 - `attention(query, key, value, *, mask=None, causal=False, scale=None)`:
   ``TfmetalExt>Attention`` (+ ``TfmetalExt>AttentionGrad``), softmax attention
   flash-style: the score matrix is never stored, forward or backward.
@@ -20,7 +23,7 @@ Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
-``"attention"``).
+``"multi_tensor_rmsprop"``, ``"attention"``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
 from tfmetal_ext.ops.multi_tensor_lion import multi_tensor_lion
+from tfmetal_ext.ops.multi_tensor_rmsprop import multi_tensor_rmsprop
 from tfmetal_ext.ops.rms_norm import rms_norm
 from tfmetal_ext.ops.softshrink import softshrink
 
@@ -51,7 +55,7 @@ class OpsStatus:
         metal_backend: the Metal backend the GPU kernels are bound to
             (``"tensorflow-metal"``, ``"tensorflow-metal-plugin"``), or None.
         kernels: per op (``"softshrink"``, ``"layer_norm"``,
-            ``"multi_tensor_adam"``, ``"multi_tensor_lion"``, ``"rms_norm"``,
+            ``"multi_tensor_adam"``, ``"multi_tensor_lion"``, ``"multi_tensor_rmsprop"``, ``"rms_norm"``,
             ``"attention"``: the keys of
             `tfmetal_ext.backends.fusion.CUSTOM_OPS`), ``{"cpu": bool, "gpu":
             bool, "gpu_reason": str | None}``: whether the op's CPU kernel and
@@ -151,4 +155,4 @@ def build(force: bool = False):
 
 
 __all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "layer_norm", "multi_tensor_adam",
-           "multi_tensor_lion", "rms_norm", "softshrink", "status"]
+           "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "softshrink", "status"]

@@ -109,3 +109,52 @@ def multi_tensor_lion(var_handles, m_handles, grads, lr, beta1, beta2, weight_de
     if tf.executing_eagerly():
         return None
     return tf.group(*updates)
+
+
+def multi_tensor_rmsprop(var_handles, ms_handles, mom_handles, mg_handles, grads, lr, rho, one_minus_rho, momentum,
+                         epsilon, weight_decay_rate, dtype, name=None):
+    """Keras' ``RMSprop.update_step`` per variable, op for op in the variables'
+    dtype (after ``var -= var * weight_decay_rate`` when decaying): the ops
+    TfmetalExt>MultiTensorRMSprop reproduces bitwise. `mom_handles` and
+    `mg_handles` are empty lists without momentum / centering::
+
+        ms = rho * ms + one_minus_rho * grad**2
+        mg = rho * mg + one_minus_rho * grad              (centered)
+        inc = lr * grad / sqrt(ms - mg**2 + epsilon)      (centered; else ms + epsilon)
+        mom = momentum * mom + inc; var -= mom            (momentum; else var -= inc)
+    """
+    updates = []
+    n = len(var_handles)
+    moms = mom_handles or [None] * n
+    mgs = mg_handles or [None] * n
+    with tf.name_scope(name or "multi_tensor_rmsprop"):
+        for var, ms, mom, mg, grad in zip(var_handles, ms_handles, moms, mgs, grads):
+            deps = []
+            if weight_decay_rate is not None:
+                value = tf.raw_ops.ReadVariableOp(resource=var, dtype=dtype)
+                decay = tf.raw_ops.AssignSubVariableOp(resource=var, value=value * weight_decay_rate)
+                deps = [decay] if decay is not None else []
+            with tf.control_dependencies(deps):
+                ms_value = tf.raw_ops.ReadVariableOp(resource=ms, dtype=dtype)
+                new_ms = rho * ms_value + one_minus_rho * tf.square(grad)
+                assigns = [tf.raw_ops.AssignVariableOp(resource=ms, value=new_ms)]
+                if mg is not None:
+                    mg_value = tf.raw_ops.ReadVariableOp(resource=mg, dtype=dtype)
+                    new_mg = rho * mg_value + one_minus_rho * grad
+                    assigns.append(tf.raw_ops.AssignVariableOp(resource=mg, value=new_mg))
+                    denominator = new_ms - tf.square(new_mg) + epsilon
+                else:
+                    denominator = new_ms + epsilon
+                increment = (lr * grad) / tf.sqrt(denominator)
+                if mom is not None:
+                    mom_value = tf.raw_ops.ReadVariableOp(resource=mom, dtype=dtype)
+                    new_mom = momentum * mom_value + increment
+                    assigns.append(tf.raw_ops.AssignVariableOp(resource=mom, value=new_mom))
+                    step = new_mom
+                else:
+                    step = increment
+            with tf.control_dependencies([a for a in assigns if a is not None]):
+                updates.append(tf.raw_ops.AssignSubVariableOp(resource=var, value=step))
+    if tf.executing_eagerly():
+        return None
+    return tf.group(*updates)

@@ -1,0 +1,186 @@
+"""multi_tensor_rmsprop: RMSprop for a list of variables in one op (``TfmetalExt>MultiTensorRMSprop``)."""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+
+import tensorflow as tf
+
+from tfmetal_ext.backends import fusion
+from tfmetal_ext.ops import _common, _reference
+
+# The list, handle and shape helpers shared with multi_tensor_adam (the module:
+# the package attribute of that name is the function).
+_mta = importlib.import_module("tfmetal_ext.ops.multi_tensor_adam")
+
+_OP_NAME = fusion.MULTI_TENSOR_RMSPROP_OP
+
+# An update op (no outputs), like the Adam and Lion ones.
+tf.no_gradient(_OP_NAME)
+
+
+# Plain Python over lists, no tensor-dependent control flow: AutoGraph has
+# nothing to convert, and converting would descend into the library loader.
+@tf.autograph.experimental.do_not_convert
+def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilon, momentums=None,
+                         average_gradients=None, weight_decay_rate=None, name=None, *, one_minus_rho=None):
+    """RMSprop update of N variables and their slots in one op.
+
+    Elementwise, for every variable ``i``, in the variables' dtype and in the
+    operation order of ``keras.optimizers.RMSprop`` (each operation rounded
+    to the dtype, so float32, float16 and bfloat16 results are bitwise those
+    of Keras' update)::
+
+        velocities[i] = rho * velocities[i] + (1 - rho) * grads[i]**2
+        # with average_gradients (centered):
+        average_gradients[i] = rho * average_gradients[i] + (1 - rho) * grads[i]
+        denominator = velocities[i] - average_gradients[i]**2 + epsilon
+        # else: denominator = velocities[i] + epsilon
+        increment = lr * grads[i] / sqrt(denominator)
+        # with momentums:
+        momentums[i] = momentum * momentums[i] + increment; variables[i] -= momentums[i]
+        # else: variables[i] -= increment
+
+    ``1 - rho`` is formed as Keras forms it: in Python (double precision)
+    from a Python `rho`, then rounded to the dtype (float32 ``1 - 0.9`` is
+    ``0.1``, not ``1 - 0.9f``); pass `one_minus_rho` to give it yourself (a
+    tensor `rho` gets ``1 - rho`` in float64 from its value). `momentum` is
+    used only with `momentums`. With `weight_decay_rate`,
+    ``variables[i] -= variables[i] * weight_decay_rate`` runs first
+    (decoupled weight decay; pass ``lr * weight_decay``).
+
+    One ``TfmetalExt>MultiTensorRMSprop`` op. Its CPU kernel reads and writes
+    every element once, spread over the intra-op thread pool; its Metal
+    kernel encodes one dispatch per variable in a single compute encoder and,
+    like `multi_tensor_adam`'s, registers only where TF exports its
+    experimental resource-variable C API (TF 2.19 yes, the 2.21 Linux wheel
+    no). Where the op has no kernel for the variables' device, without a
+    compiler, with ``TFMETAL_EXT_REFERENCE_OPS=1``, or while
+    ``tfmetal_ext.configure(avoid_fusions=["multi_tensor_rmsprop"])`` is in
+    force, the same update runs as Keras' own ops, per variable.
+
+    This is an update, not a differentiable function: it has no gradient.
+
+    Args:
+        variables: the N variables to update (`tf.Variable`s or Keras
+            variables), all of one float dtype (float32, float16 or bfloat16)
+            and on one device; group them by dtype first.
+        velocities: the N mean-square variables, same shapes and dtype.
+        grads: the N gradients, dense tensors (`tf.IndexedSlices` are
+            densified) of the variables' shapes and dtype.
+        lr, rho, momentum, epsilon: scalars, converted to the variables' dtype.
+        momentums: optional N momentum variables (Keras' ``momentum > 0``).
+        average_gradients: optional N average-gradient variables (centered).
+        weight_decay_rate: optional scalar ``lr * weight_decay``.
+        name: optional op name.
+        one_minus_rho: (keyword-only) optional scalar ``1 - rho``.
+
+    Returns:
+        The update op in graph mode; None when executing eagerly. An empty
+        list of variables is a no-op.
+
+    Raises:
+        ValueError: lists of different lengths, mixed or non-float dtypes,
+            variables on different devices, a variable passed twice, or
+            shapes that differ statically.
+        tf.errors.InvalidArgumentError: shapes that differ at run time, or a
+            variable passed twice to the raw op.
+
+    >>> w = tf.Variable([1.0, 2.0]); v = tf.Variable([0.0, 0.0])
+    >>> multi_tensor_rmsprop([w], [v], [tf.constant([0.5, -0.5])], 0.1, 0.9, 0.0, 1e-7)
+    >>> w.numpy().round(4)
+    array([0.6838, 2.3162], dtype=float32)
+    """
+    lists = {"variables": variables, "velocities": velocities}
+    if momentums is not None:
+        lists["momentums"] = momentums
+    if average_gradients is not None:
+        lists["average_gradients"] = average_gradients
+    lists["grads"] = grads
+    lists = {key: _mta._as_list(value, key) for key, value in lists.items()}
+    variables, grads = lists["variables"], lists["grads"]
+    lengths = {k: len(v) for k, v in lists.items()}
+    if len(set(lengths.values())) != 1:
+        raise ValueError(
+            f"`{'`, `'.join(lists)}` must have the same length. Received: "
+            + ", ".join(f"len({k})={n}" for k, n in lengths.items())
+        )
+    if not variables:
+        return None if tf.executing_eagerly() else tf.no_op(name=name)
+
+    var_handles = [_mta._handle(v, "variables", i) for i, v in enumerate(variables)]
+    dtype = tf.as_dtype(var_handles[0][1])
+    if dtype not in _common.FLOAT_DTYPES:
+        raise ValueError(
+            f"`variables` must be float32, float16 or bfloat16. Received: variables[0].dtype={dtype.name}"
+        )
+    handles = {"variables": var_handles}
+    for key in ("velocities", "momentums", "average_gradients"):
+        if key in lists:
+            handles[key] = [_mta._handle(v, key, i) for i, v in enumerate(lists[key])]
+    for key, hs in handles.items():
+        for i, (_, dt, _) in enumerate(hs):
+            if tf.as_dtype(dt) != dtype:
+                raise ValueError(
+                    f"All variables and slots of one call must share one dtype (group them by dtype). "
+                    f"Received: {key}[{i}].dtype={tf.as_dtype(dt).name} (variables[0].dtype={dtype.name})"
+                )
+    _mta._check_distinct({k: lists[k] for k in handles}, handles)
+    devices = {_mta._device_name(d) for _, _, d in var_handles} - {""}
+    if len(devices) > 1:
+        raise ValueError(f"All variables must be on one device. Received: devices={sorted(devices)}")
+
+    grad_tensors = []
+    for i, g in enumerate(grads):
+        g = tf.convert_to_tensor(g)  # densifies tf.IndexedSlices
+        if g.dtype != dtype:
+            raise ValueError(
+                f"`grads` must have the variables' dtype. Received: grads[{i}].dtype={g.dtype.name} "
+                f"(variables[{i}].dtype={dtype.name})"
+            )
+        grad_tensors.append(g)
+        for key in handles:
+            shape = _mta._static_shape(lists[key][i])
+            if shape is not None and not g.shape.is_compatible_with(shape):
+                raise ValueError(
+                    f"Each gradient must have its variable's shape. Received: grads[{i}].shape={tuple(g.shape)}, "
+                    f"{key}[{i}].shape={tuple(shape)}"
+                )
+
+    def scalar(value):
+        return tf.cast(value, dtype) if tf.is_tensor(value) else tf.constant(value, dtype)
+
+    if one_minus_rho is None:
+        # Keras' `1 - rho`: computed before the rounding to the dtype.
+        if isinstance(rho, numbers.Real) and not isinstance(rho, bool):
+            one_minus_rho = 1.0 - float(rho)
+        else:
+            one_minus_rho = 1.0 - tf.cast(rho, tf.float64)
+    scalars = [scalar(x) for x in (lr, rho, one_minus_rho, momentum, epsilon)]
+    decay = [] if weight_decay_rate is None else [scalar(weight_decay_rate)]
+    args = [[h for h, _, _ in handles.get(key, [])]
+            for key in ("variables", "velocities", "momentums", "average_gradients")]
+    lib = None if _common.avoided(_OP_NAME) else _common.library()
+    if lib is None or not _mta._has_kernel(next(iter(devices), ""), _OP_NAME):
+        # Per-variable ops: every run-time shape check runs before the first
+        # update, so a bad gradient leaves every variable untouched (the
+        # kernel checks all its inputs before writing, too). Statically shaped
+        # variables take their gradients through EnsureShape, as in
+        # multi_tensor_lion: grappler may fold a shape Assert away.
+        ensured = []
+        for i, g in enumerate(grad_tensors):
+            shape = _mta._static_shape(lists["variables"][i])
+            if shape is not None and shape.is_fully_defined() and not g.shape.is_fully_defined():
+                grad_tensors[i] = g = tf.ensure_shape(g, shape)
+                ensured.append(g)
+        checks = _mta._runtime_shape_checks(lists, handles, grad_tensors, op="multi_tensor_rmsprop")
+        with tf.control_dependencies(checks + ensured):
+            return _reference.multi_tensor_rmsprop(*args, grad_tensors, *scalars, decay[0] if decay else None,
+                                                   dtype=dtype, name=name)
+    return _raw_op(lib)(*args, grad_tensors, *scalars, decay, name=name)
+
+
+def _raw_op(lib):
+    """The generated Python wrapper of the op in `lib` (TF's name for it from the op name)."""
+    return lib.tfmetal_ext_multi_tensor_rm_sprop
