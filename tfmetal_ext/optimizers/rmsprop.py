@@ -1,4 +1,5 @@
-"""FusedRMSprop: Keras' RMSprop with one ``ResourceApply(Centered)RMSProp`` per variable."""
+"""FusedRMSprop: Keras' RMSprop with one ``TfmetalExt>MultiTensorRMSprop`` per dtype group where that op
+runs (``multi_tensor="auto"``), else one ``ResourceApply(Centered)RMSProp`` per variable."""
 
 from __future__ import annotations
 
@@ -6,7 +7,16 @@ import keras
 import tensorflow as tf
 
 from tfmetal_ext.ops._common import check_nonnegative
-from tfmetal_ext.optimizers._base import FusedUpdateMixin, _dtype_key, _tf_variable, check_unit_interval
+from tfmetal_ext.optimizers._base import (
+    FusedUpdateMixin,
+    MultiTensorMixin,
+    _dtype_key,
+    _merge_call,
+    _tf_variable,
+    check_multi_tensor,
+    check_unit_interval,
+    dense_gradient,
+)
 
 
 class _Untracked:
@@ -31,8 +41,8 @@ def _check_momentum(value):
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
-    """RMSprop that updates each variable with one fused training op.
+class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop):
+    """RMSprop with all variables of a dtype updated by one op, or one fused training op per variable.
 
     Same algorithm, arguments, defaults and optimizer variables as
     `keras.optimizers.RMSprop` (``velocity``; ``momentum`` when
@@ -46,8 +56,26 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
     - ``momentum > 0``: ``m = momentum * m + increment; var -= m``, else
       ``var -= increment``.
 
-    One ``ResourceApplyRMSProp`` (``ResourceApplyCenteredRMSProp`` when
-    ``centered``) per variable, which computes the same (epsilon inside the
+    By default (``multi_tensor="auto"``), where the package's op library is
+    loaded and has the op's kernel for the variables' device, each step is
+    one ``TfmetalExt>MultiTensorRMSprop`` op per (dtype, device, decayed or
+    not) group: Keras' update in Keras' operation order (float32 results
+    bitwise those of Keras' RMSprop run eagerly; inside a `tf.function`
+    grappler turns Keras' ``x / sqrt(y)`` into ``x * rsqrt(y)``, whose CPU
+    kernel is not correctly rounded, so there Keras itself differs by an ulp
+    here and there), one pass over memory, no hidden buffer, with decoupled
+    weight decay (``var -= var * lr * weight_decay``, before the update)
+    inside the same op. Elsewhere (``multi_tensor=False``, an XLA-compiled
+    step, a `tf.distribute` strategy other than Mirrored,
+    MultiWorkerMirrored and OneDevice, no op library, a device without the
+    kernel, ``configure(avoid_fusions=["multi_tensor_rmsprop"])``) the
+    per-variable form below runs, with the reason logged once at INFO
+    (WARNING for an explicit ``multi_tensor=True``); `update_form` says
+    which form the last traced step used.
+
+    The per-variable form: one ``ResourceApplyRMSProp``
+    (``ResourceApplyCenteredRMSProp`` when ``centered``) per variable, which
+    computes the same (epsilon inside the
     square root, as Keras has it); Keras' RMSprop runs 13 ops per variable
     (26 centered with momentum). The scalars (``lr``, ``rho``, ``momentum``,
     ``epsilon``) are built once per step and dtype. ``ResourceApplyRMSProp``
@@ -62,10 +90,11 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
     one ulp).
 
     Memory: the TF ops always update a momentum buffer. With ``momentum == 0``
-    (the default) Keras has no momentum slot, so each variable gets a hidden
-    zero-initialised buffer of its own size and dtype (one extra copy of the
-    model's trainable weights), created beside the variable (per replica
-    under `tf.distribute`). It is scratch, not state: it is not an optimizer
+    (the default) Keras has no momentum slot, so when a per-variable step is
+    traced each variable gets a hidden zero-initialised buffer of its own
+    size and dtype (one extra copy of the model's trainable weights), created
+    beside the variable (per replica under `tf.distribute`); the
+    multi-tensor op needs none, and none is created while only it runs. It is scratch, not state: it is not an optimizer
     variable, not in ``optimizer.variables`` and not saved (``.keras`` files
     and `tf.train.Checkpoint` hold exactly Keras' state). With momentum 0
     the op sets it to the step's increment; a non-finite increment (a NaN
@@ -97,8 +126,13 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
             arguments, in `keras.optimizers.RMSprop`'s positional order
             (``name`` defaults to ``"fused_rm_sprop"``: Keras names an
             unnamed optimizer after its class, ``"rm_sprop"`` for RMSprop).
+        multi_tensor: (keyword-only) ``"auto"`` (default), True or False, as
+            for `FusedAdam`.
         **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
     """
+
+    _multi_tensor_key = "multi_tensor_rmsprop"
+    _per_variable_form = "one ResourceApply(Centered)RMSProp per variable"
 
     def __init__(
         self,
@@ -117,6 +151,8 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
         loss_scale_factor=None,
         gradient_accumulation_steps=None,
         name=None,
+        *,
+        multi_tensor="auto",
         **kwargs,
     ):
         # keras.optimizers.RMSprop's arguments, in its positional order.
@@ -125,6 +161,7 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
         epsilon = check_nonnegative("epsilon", epsilon)
         if not isinstance(centered, bool):
             raise ValueError(f"Argument `centered` must be a bool. Received: centered={centered!r}")
+        multi_tensor = check_multi_tensor(multi_tensor)
         super().__init__(
             learning_rate=learning_rate,
             rho=rho,
@@ -144,6 +181,7 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
             **kwargs,
         )
         self._scratch = _Untracked()
+        self._init_multi_tensor(multi_tensor)
 
     # -- the hidden momentum buffers (momentum == 0) ----------------------------
 
@@ -151,11 +189,18 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
         if self.built:
             return
         super().build(var_list)
-        self._scratch.buffers = []
+        # Created when a per-variable step is traced (`_ensure_scratch`): the
+        # multi-tensor op needs none.
+        self._scratch.buffers = [None] * len(var_list) if self.momentum == 0 else []
+
+    def _ensure_scratch(self, variables):
+        """Creates the missing hidden buffers of `variables` (momentum == 0; not for the composite form)."""
         if self.momentum > 0:
             return
-        for variable in var_list:
-            self._scratch.buffers.append(self._make_scratch(variable))
+        for variable in variables:
+            index = self._get_variable_index(variable)
+            if index < len(self._scratch.buffers) and self._scratch.buffers[index] is None:
+                self._scratch.buffers[index] = self._make_scratch(variable)
 
     def _make_scratch(self, variable):
         """A zero buffer like `variable` beside it (per replica), or None where the composite form runs."""
@@ -195,6 +240,13 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
     def _fused_op(self):
         return "ResourceApplyCenteredRMSProp" if self.centered else "ResourceApplyRMSProp"
 
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if self.momentum == 0 and self._multi_tensor_blocker(trainable_variables) is not None:
+            # A per-variable step: its hidden buffers, created once, in the cross-replica
+            # context (one per replica under tf.distribute) before the update runs.
+            _merge_call(lambda _: self._ensure_scratch(trainable_variables), self._distribution_strategy)
+        return super()._backend_update_step(grads, trainable_variables, learning_rate)
+
     def _mom_handle(self, variable):
         index = self._get_variable_index(variable)
         if self.momentum > 0:
@@ -204,8 +256,12 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
 
     def _fused_apply(self, grad, variable, scalars):
         mom = self._mom_handle(variable)
+        if mom is None and not tf.distribute.has_strategy():
+            # Keras' per-variable `update_step` called directly: create the buffer now.
+            self._ensure_scratch([variable])
+            mom = self._mom_handle(variable)
         if mom is None:
-            # Built where the composite form ran (no buffer): keep to it.
+            # No buffer (the composite form's backend, or none made for this step): Keras' math.
             return self._composite_apply(grad, variable, scalars)
         args = dict(
             var=variable.handle,
@@ -240,3 +296,24 @@ class FusedRMSprop(FusedUpdateMixin, keras.optimizers.RMSprop):
             momentum.assign(scalars["momentum"] * momentum + increment)
             return variable.assign_sub(momentum)
         return variable.assign_sub(increment)
+
+    # -- multi-tensor form (MultiTensorMixin) -----------------------------------
+
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+        from tfmetal_ext.ops import multi_tensor_rmsprop
+
+        dtype = variables[0].dtype
+        indices = [self._get_variable_index(v) for v in variables]
+        return multi_tensor_rmsprop(
+            variables,
+            [self._velocities[i] for i in indices],
+            [dense_gradient(g, dtype) for g in grads],
+            lr=scalars["lr"],
+            rho=scalars["rho"],
+            momentum=scalars["momentum"],
+            epsilon=scalars["epsilon"],
+            momentums=[self._momentums[i] for i in indices] if self.momentum > 0 else None,
+            average_gradients=[self._average_gradients[i] for i in indices] if self.centered else None,
+            weight_decay_rate=weight_decay_rate,
+            one_minus_rho=scalars["one_minus_rho"],
+        )
