@@ -20,9 +20,10 @@ elementwise ops otherwise (`FusedAdagrad.composite_reason` says so).
 its per-variable form is Keras' math as elementwise ops with the step's
 scalars built once per step.
 
-`FusedAdam`, `FusedAdamW` and `FusedLion` take ``multi_tensor="auto"`` by
-default: one ``TfmetalExt>MultiTensorAdam`` / ``TfmetalExt>MultiTensorLion``
-op per (dtype, device, decayed or not) group and step where the op library
+`FusedAdam`, `FusedAdamW`, `FusedLion` and `FusedRMSprop` take
+``multi_tensor="auto"`` by default: one ``TfmetalExt>MultiTensorAdam`` /
+``MultiTensorLion`` / ``MultiTensorRMSprop`` op per (dtype, device, decayed
+or not) group and step where the op library
 is loaded and has the op's kernel for the variables' device (not inside XLA,
 not under an unsupported `tf.distribute` strategy, not avoided by
 ``configure(avoid_fusions=...)``); elsewhere the per-variable form below,
@@ -38,7 +39,7 @@ backend table, not from a plugin name):
 
 | backend | per-variable form (FusedAdam / FusedAdamW / FusedSGD / FusedRMSprop / FusedAdagrad; FusedLion: Keras' math everywhere) | ``multi_tensor="auto"`` (default) / ``True`` |
 |---|---|---|
-| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form) | one ``TfmetalExt>MultiTensorAdam`` / ``MultiTensorLion`` per group (CPU; Metal where TF exports the resource-variable C API; CUDA: no kernel, so "auto" keeps the per-variable form) |
+| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form) | one ``TfmetalExt>MultiTensorAdam`` / ``MultiTensorLion`` / ``MultiTensorRMSprop`` per group (CPU; Metal where TF exports the resource-variable C API; CUDA: no kernel, so "auto" keeps the per-variable form) |
 | the open tensorflow-metal-plugin on TF 2.21 | the composite form: Keras' update math as elementwise ops into ``AssignAddVariableOp`` / ``AssignSubVariableOp`` / ``AssignVariableOp``, scalars once per step (Adam: about 10 ops per variable, Keras 27) | the same composite form, with one log line |
 
 Why the composite form on the open plugin (TF 2.21): TF 2.20/2.21 export none
