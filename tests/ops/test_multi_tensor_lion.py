@@ -17,6 +17,7 @@ import tensorflow as tf
 
 import keras
 from tfmetal_ext import inspect, ops
+from tfmetal_ext.ops import _multi_tensor as multi_tensor_common
 
 mtl_module = importlib.import_module("tfmetal_ext.ops.multi_tensor_lion")
 
@@ -346,9 +347,9 @@ def test_avoid_fusions_runs_the_reference(monkeypatch):
 
 def test_kernel_registered_for_cpu_only_here():
     lib()
-    assert mtl_module._mta._has_kernel("/job:localhost/replica:0/task:0/device:CPU:0", mtl_module._OP_NAME)
-    assert mtl_module._mta._has_kernel("", mtl_module._OP_NAME)
-    assert not mtl_module._mta._has_kernel("/device:GPU:0", mtl_module._OP_NAME)
+    assert multi_tensor_common.has_kernel("/job:localhost/replica:0/task:0/device:CPU:0", mtl_module._OP_NAME)
+    assert multi_tensor_common.has_kernel("", mtl_module._OP_NAME)
+    assert not multi_tensor_common.has_kernel("/device:GPU:0", mtl_module._OP_NAME)
 
 
 # ----------------------------------------------------------------------------

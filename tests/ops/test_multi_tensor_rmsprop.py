@@ -18,6 +18,7 @@ import tensorflow as tf
 
 import keras
 from tfmetal_ext import inspect, ops
+from tfmetal_ext.ops import _multi_tensor as multi_tensor_common
 
 mtr_module = importlib.import_module("tfmetal_ext.ops.multi_tensor_rmsprop")
 
@@ -404,9 +405,9 @@ def test_avoid_fusions_runs_the_reference(monkeypatch):
 
 def test_kernel_registered_for_cpu_only_here():
     lib()
-    assert mtr_module._mta._has_kernel("/job:localhost/replica:0/task:0/device:CPU:0", mtr_module._OP_NAME)
-    assert mtr_module._mta._has_kernel("", mtr_module._OP_NAME)
-    assert not mtr_module._mta._has_kernel("/device:GPU:0", mtr_module._OP_NAME)
+    assert multi_tensor_common.has_kernel("/job:localhost/replica:0/task:0/device:CPU:0", mtr_module._OP_NAME)
+    assert multi_tensor_common.has_kernel("", mtr_module._OP_NAME)
+    assert not multi_tensor_common.has_kernel("/device:GPU:0", mtr_module._OP_NAME)
 
 
 # ----------------------------------------------------------------------------

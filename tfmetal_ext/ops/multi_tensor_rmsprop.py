@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 import numbers
 
 import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common, _reference
-
-# The list, handle and shape helpers shared with multi_tensor_adam (the module:
-# the package attribute of that name is the function).
-_mta = importlib.import_module("tfmetal_ext.ops.multi_tensor_adam")
+from tfmetal_ext.ops import _multi_tensor as _mt
 
 _OP_NAME = fusion.MULTI_TENSOR_RMSPROP_OP
 
@@ -98,87 +94,26 @@ def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilo
     if average_gradients is not None:
         lists["average_gradients"] = average_gradients
     lists["grads"] = grads
-    lists = {key: _mta._as_list(value, key) for key, value in lists.items()}
-    variables, grads = lists["variables"], lists["grads"]
-    lengths = {k: len(v) for k, v in lists.items()}
-    if len(set(lengths.values())) != 1:
-        raise ValueError(
-            f"`{'`, `'.join(lists)}` must have the same length. Received: "
-            + ", ".join(f"len({k})={n}" for k, n in lengths.items())
-        )
-    if not variables:
-        return None if tf.executing_eagerly() else tf.no_op(name=name)
-
-    var_handles = [_mta._handle(v, "variables", i) for i, v in enumerate(variables)]
-    dtype = tf.as_dtype(var_handles[0][1])
-    if dtype not in _common.FLOAT_DTYPES:
-        raise ValueError(
-            f"`variables` must be float32, float16 or bfloat16. Received: variables[0].dtype={dtype.name}"
-        )
-    handles = {"variables": var_handles}
-    for key in ("velocities", "momentums", "average_gradients"):
-        if key in lists:
-            handles[key] = [_mta._handle(v, key, i) for i, v in enumerate(lists[key])]
-    for key, hs in handles.items():
-        for i, (_, dt, _) in enumerate(hs):
-            if tf.as_dtype(dt) != dtype:
-                raise ValueError(
-                    f"All variables and slots of one call must share one dtype (group them by dtype). "
-                    f"Received: {key}[{i}].dtype={tf.as_dtype(dt).name} (variables[0].dtype={dtype.name})"
-                )
-    _mta._check_distinct({k: lists[k] for k in handles}, handles)
-    devices = {_mta._device_name(d) for _, _, d in var_handles} - {""}
-    if len(devices) > 1:
-        raise ValueError(f"All variables must be on one device. Received: devices={sorted(devices)}")
-
-    grad_tensors = []
-    for i, g in enumerate(grads):
-        g = tf.convert_to_tensor(g)  # densifies tf.IndexedSlices
-        if g.dtype != dtype:
-            raise ValueError(
-                f"`grads` must have the variables' dtype. Received: grads[{i}].dtype={g.dtype.name} "
-                f"(variables[{i}].dtype={dtype.name})"
-            )
-        grad_tensors.append(g)
-        for key in handles:
-            shape = _mta._static_shape(lists[key][i])
-            if shape is not None and not g.shape.is_compatible_with(shape):
-                raise ValueError(
-                    f"Each gradient must have its variable's shape. Received: grads[{i}].shape={tuple(g.shape)}, "
-                    f"{key}[{i}].shape={tuple(shape)}"
-                )
-
-    def scalar(value):
-        return tf.cast(value, dtype) if tf.is_tensor(value) else tf.constant(value, dtype)
-
+    lists = _mt.check_lists(lists)
+    if not lists["variables"]:
+        return _mt.no_op(name)
+    call = _mt.prepare(lists)
     if one_minus_rho is None:
         # Keras' `1 - rho`: computed before the rounding to the dtype.
         if isinstance(rho, numbers.Real) and not isinstance(rho, bool):
             one_minus_rho = 1.0 - float(rho)
         else:
             one_minus_rho = 1.0 - tf.cast(rho, tf.float64)
-    scalars = [scalar(x) for x in (lr, rho, one_minus_rho, momentum, epsilon)]
-    decay = [] if weight_decay_rate is None else [scalar(weight_decay_rate)]
-    args = [[h for h, _, _ in handles.get(key, [])]
-            for key in ("variables", "velocities", "momentums", "average_gradients")]
+    scalars = [call.scalar(x) for x in (lr, rho, one_minus_rho, momentum, epsilon)]
+    decay = [] if weight_decay_rate is None else [call.scalar(weight_decay_rate)]
+    args = [call.handle_list(key) for key in ("variables", "velocities", "momentums", "average_gradients")]
     lib = None if _common.avoided(_OP_NAME) else _common.library()
-    if lib is None or not _mta._has_kernel(next(iter(devices), ""), _OP_NAME):
-        # Per-variable ops: every run-time shape check runs before the first
-        # update, so a bad gradient leaves every variable untouched (the
-        # kernel checks all its inputs before writing, too). Statically shaped
-        # variables take their gradients through EnsureShape, as in
-        # multi_tensor_lion: grappler may fold a shape Assert away.
-        ensured = []
-        for i, g in enumerate(grad_tensors):
-            shape = _mta._static_shape(lists["variables"][i])
-            if shape is not None and shape.is_fully_defined() and not g.shape.is_fully_defined():
-                grad_tensors[i] = g = tf.ensure_shape(g, shape)
-                ensured.append(g)
-        checks = _mta._runtime_shape_checks(lists, handles, grad_tensors, op="multi_tensor_rmsprop")
-        with tf.control_dependencies(checks + ensured):
-            return _reference.multi_tensor_rmsprop(*args, grad_tensors, *scalars, decay[0] if decay else None,
-                                                   dtype=dtype, name=name)
-    return _raw_op(lib)(*args, grad_tensors, *scalars, decay, name=name)
+    if lib is None or not _mt.has_kernel(call.device, _OP_NAME):
+        # Per-variable ops, all-or-nothing (`_multi_tensor.fallback_guards`).
+        with tf.control_dependencies(_mt.fallback_guards(call, op="multi_tensor_rmsprop")):
+            return _reference.multi_tensor_rmsprop(*args, call.grads, *scalars, decay[0] if decay else None,
+                                                   dtype=call.dtype, name=name)
+    return _raw_op(lib)(*args, call.grads, *scalars, decay, name=name)
 
 
 def _raw_op(lib):

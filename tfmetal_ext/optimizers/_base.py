@@ -254,9 +254,9 @@ def multi_tensor_kernel_reason(key, variables=()):
     row = backends.current().fusions.get(key)
     if row is not None and not row.fuses:
         return f"{backends.current().label}: {row.why_not or row.summary}"
-    from tensorflow.python.framework import kernels
+    from tfmetal_ext.ops import _multi_tensor
 
-    registered = {k.device_type for k in kernels.get_registered_kernels_for_op(op.name).kernel}
+    registered = _multi_tensor.kernel_device_types(op.name)  # the library is loaded (above)
     wanted = set()
     for variable in variables:
         for device in _placement(_tf_variable(variable)):
