@@ -21,7 +21,9 @@ from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16), "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
-KERNELS = {d: f"multi_tensor_rmsprop_{d}" for d in DTYPES}
+# Spelled out: the coverage check (tests/ops/test_emulation_harness.py) reads the kernel names from this file.
+KERNELS = {"float": "multi_tensor_rmsprop_float", "half": "multi_tensor_rmsprop_half",
+           "bfloat": "multi_tensor_rmsprop_bfloat"}
 # tfm_multi_tensor_rmsprop_params
 PARAMS = np.dtype([("n", "<u4"), ("has_decay", "<u4"), ("centered", "<u4"), ("has_momentum", "<u4")])
 SHAPES = [(1,), (31,), (32,), (0,), (33,), (1000,), (7, 3, 5), (100003,)]
