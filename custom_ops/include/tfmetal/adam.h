@@ -35,11 +35,6 @@
 
 #include "tfmetal/portable.h"
 
-// Identity rounding: T is float.
-struct tfm_round_float {
-  static TFM_INLINE float round(float x) { return x; }
-};
-
 // The per-step constants of one call, already rounded to T.
 struct tfm_adam_coeffs {
   float alpha;            // lr * sqrt(1 - beta2_power) / (1 - beta1_power)
