@@ -79,6 +79,8 @@ def test_safe_forms_names():
         "rms_norm",
         "multi_tensor_lion",
         "multi_tensor_rmsprop",
+        "int8_matmul",
+        "int8_conv2d",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

@@ -151,6 +151,16 @@ PATTERNS = types.MappingProxyType(
             Pattern("custom_layer_norm", "layer norm over the last axis (FusedLayerNorm)", _F.LAYER_NORM_OP),
             Pattern("custom_rms_norm", "RMS norm over the last axis (FusedRMSNorm)", _F.RMS_NORM_OP),
             Pattern(
+                "custom_int8_matmul",
+                "int8-weight MatMul + scale + BiasAdd + act (quantized FusedDense, 1x1 FusedConv2D)",
+                _F.INT8_MATMUL_OP,
+            ),
+            Pattern(
+                "custom_int8_conv2d",
+                "int8-weight Conv2D + scale + BiasAdd + act (quantized FusedConv2D)",
+                _F.INT8_CONV2D_OP,
+            ),
+            Pattern(
                 "custom_softshrink",
                 "softshrink activation (Softshrink layer; keras.ops.soft_shrink is several elementwise ops)",
                 _F.SOFTSHRINK_OP,

@@ -56,6 +56,16 @@ _EITHER = {
         f"tfmetal_ext custom op: one {fusion.ATTENTION_OP} forward, one {fusion.ATTENTION_GRAD_OP} backward",
         dtypes=_CUSTOM,
     ),
+    "custom_int8_matmul": Fusion(
+        f"tfmetal_ext custom op: one {fusion.INT8_MATMUL_OP} (int8 weights, scale, bias, activation); "
+        "gradients through the de-quantized kernel",
+        dtypes=_CUSTOM,
+    ),
+    "custom_int8_conv2d": Fusion(
+        f"tfmetal_ext custom op: one {fusion.INT8_CONV2D_OP} (int8 weights, scale, bias, activation); "
+        "gradients through the de-quantized kernel",
+        dtypes=_CUSTOM,
+    ),
     "multi_tensor_adam": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
     "multi_tensor_lion": Fusion("one op per step and dtype group", dtypes=_CUSTOM),
     "multi_tensor_rmsprop": Fusion("one op per step and dtype group", dtypes=_CUSTOM),

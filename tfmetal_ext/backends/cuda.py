@@ -41,6 +41,12 @@ CUDA = backend(
         "custom_rms_norm": never("no CUDA kernel: the pure-TF reference runs"),
         "custom_softshrink": never("no CUDA kernel: the op runs on the CPU (copies each way); use the reference there"),
         "custom_attention": never("no CUDA kernel: the pure-TF reference runs (the score matrix is materialized)"),
+        "custom_int8_matmul": never(
+            "no CUDA kernel: the pure-TF reference runs (kernel de-quantized, MatMul + BiasAdd + act)"
+        ),
+        "custom_int8_conv2d": never(
+            "no CUDA kernel: the pure-TF reference runs (kernel de-quantized, Conv2D + BiasAdd + act)"
+        ),
         "multi_tensor_adam": never("no CUDA kernel: one ResourceApplyAdam per variable"),
         "multi_tensor_lion": never("no CUDA kernel: Keras' Lion ops per variable"),
         "multi_tensor_rmsprop": never("no CUDA kernel: one ResourceApply(Centered)RMSProp per variable"),

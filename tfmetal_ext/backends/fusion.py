@@ -138,6 +138,9 @@ CUSTOM_OPS = types.MappingProxyType(
         "multi_tensor_rmsprop": CustomOp("TfmetalExt>MultiTensorRMSprop", None, "multi_tensor_rmsprop"),
         "attention": CustomOp("TfmetalExt>Attention", "TfmetalExt>AttentionGrad", "attention"),
         "rms_norm": CustomOp("TfmetalExt>RMSNorm", "TfmetalExt>RMSNormGrad", "rms_norm"),
+        # Weight-only int8 contractions; their gradients are registered in Python (tfmetal_ext.ops.int8).
+        "int8_matmul": CustomOp("TfmetalExt>Int8MatMul", None, "int8_matmul"),
+        "int8_conv2d": CustomOp("TfmetalExt>Int8Conv2D", None, "int8_conv2d"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -153,6 +156,14 @@ RMS_NORM_OP = CUSTOM_OPS["rms_norm"].name
 RMS_NORM_GRAD_OP = CUSTOM_OPS["rms_norm"].grad
 ATTENTION_OP = CUSTOM_OPS["attention"].name
 ATTENTION_GRAD_OP = CUSTOM_OPS["attention"].grad
+INT8_MATMUL_OP = CUSTOM_OPS["int8_matmul"].name
+INT8_CONV2D_OP = CUSTOM_OPS["int8_conv2d"].name
+
+# The `activation` attribute of the int8 ops, in the order of the TFM_INT8_* codes of
+# custom_ops/include/tfmetal/int8.h (Keras activation names; "linear" is none).
+INT8_ACTIVATIONS = (
+    "linear", "relu", "relu6", "elu", "leaky_relu", "gelu", "gelu_approximate", "tanh", "sigmoid",
+)
 
 # Ops that are a whole fused layer by themselves (no remapper rewrite
 # involved): the fusion report lists them beside the remapper's fused nodes.
@@ -354,6 +365,20 @@ SAFE_FORMS = _safe_forms(
         f"tfmetal_ext.ops.rms_norm (FusedRMSNorm) runs its pure-TF reference instead of {RMS_NORM_OP}",
         implies=CUSTOM_OPS["rms_norm"].op_names,
         custom_op="rms_norm",
+    ),
+    SafeForm(
+        "int8_matmul",
+        "tfmetal_ext.ops.int8_matmul (quantized FusedDense, 1x1 FusedConv2D) de-quantizes the kernel (Cast, "
+        f"RealDiv) and runs MatMul + BiasAdd + activation instead of {INT8_MATMUL_OP}",
+        implies=CUSTOM_OPS["int8_matmul"].op_names,
+        custom_op="int8_matmul",
+    ),
+    SafeForm(
+        "int8_conv2d",
+        "tfmetal_ext.ops.int8_conv2d (quantized FusedConv2D) de-quantizes the kernel (Cast, RealDiv) and runs "
+        f"Conv2D + BiasAdd + activation instead of {INT8_CONV2D_OP}",
+        implies=CUSTOM_OPS["int8_conv2d"].op_names,
+        custom_op="int8_conv2d",
     ),
 )
 

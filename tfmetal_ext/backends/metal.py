@@ -87,6 +87,12 @@ METAL = backend(
         "custom_attention": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),
+        "custom_int8_matmul": Fusion(
+            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
+        ),
+        "custom_int8_conv2d": Fusion(
+            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
+        ),
         "multi_tensor_adam": Fusion(
             "Metal kernel where TF exports the resource-variable C API (TF 2.19 yes, 2.21 Linux wheel no); "
             "else one ResourceApplyAdam per variable",

@@ -263,6 +263,94 @@ def rms_norm(dtype):
     return fused, (x, gamma, dy), (y,) + tuple(grads)
 
 
+# The int8 contractions: numpy float64 of Keras' convention (w = q / scale), the TF conv padding rules.
+
+def _np_int8_activate(z, activation, alpha=fusion.LEAKY_RELU_ALPHA):
+    import math
+
+    if activation == "relu":
+        return np.maximum(z, 0.0)
+    if activation == "gelu":
+        return 0.5 * z * (1.0 + np.vectorize(math.erf)(z / math.sqrt(2.0)))
+    if activation == "leaky_relu":
+        return np.where(z < 0, z * alpha, z)
+    if activation == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-z))
+    return z
+
+
+def _np_int8_conv2d(x, w, strides, same, dilations):
+    """NHWC x HWIO in float64 with TF's VALID / SAME output sizes and padding."""
+    (b, h, wd, _), (kh, kw, _, co) = x.shape, w.shape
+    out, pads = [], []
+    for size, k, s, d in ((h, kh, strides[0], dilations[0]), (wd, kw, strides[1], dilations[1])):
+        eff = (k - 1) * d + 1
+        o = -(-size // s) if same else max(0, (size - eff) // s + 1)
+        need = max((o - 1) * s + eff - size, 0) if same else 0
+        out.append(o)
+        pads.append((need // 2, need - need // 2 + s))
+    xp = np.pad(x, ((0, 0), pads[0], pads[1], (0, 0)))
+    y = np.zeros((b, out[0], out[1], co))
+    for i in range(kh):
+        for j in range(kw):
+            r0, c0 = i * dilations[0], j * dilations[1]
+            patch = xp[:, r0:r0 + (out[0] - 1) * strides[0] + 1:strides[0],
+                       c0:c0 + (out[1] - 1) * strides[1] + 1:strides[1], :]
+            y += patch @ w[i, j]
+    return y
+
+
+def _int8_weights(rng, shape):
+    """An int8 kernel of `shape` and a float32 per-output-channel scale, as Keras quantizes."""
+    q = rng.integers(-127, 128, size=shape).astype(np.int8)
+    scale = rng.uniform(20.0, 80.0, shape[-1]).astype(np.float32)
+    return q, scale
+
+
+@register("int8_matmul", op=fusion.CUSTOM_OPS["int8_matmul"])
+def int8_matmul(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(11)
+    q, scale = _int8_weights(rng, (37, 21))
+    x = tf.constant(rng.standard_normal((5, 37)), dtype)
+    bias = tf.constant(rng.standard_normal(21) * 0.3, dtype)
+    acts = ("relu", "gelu", "linear")
+
+    def fused(x, q, scale, bias):
+        return tuple(lib.tfmetal_ext_int8_mat_mul(x, q, scale, bias, activation=a, has_bias=True) for a in acts)
+
+    z = _f64(x) @ (_f64(q) / _f64(scale)) + _f64(bias)
+    reference = tuple(_np_int8_activate(z, a) for a in acts)
+    return fused, (x, tf.constant(q), tf.constant(scale), bias), reference
+
+
+@register("int8_conv2d", op=fusion.CUSTOM_OPS["int8_conv2d"])
+def int8_conv2d(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(12)
+    q, scale = _int8_weights(rng, (3, 3, 5, 6))
+    x = tf.constant(rng.standard_normal((2, 9, 8, 5)), dtype)
+    bias = tf.constant(rng.standard_normal(6) * 0.3, dtype)
+    cases = (("SAME", (2, 1), (1, 1), "relu"), ("VALID", (1, 1), (2, 1), "leaky_relu"))
+
+    def fused(x, q, scale, bias):
+        return tuple(
+            lib.tfmetal_ext_int8_conv2d(x, q, scale, bias, activation=a, has_bias=True, strides=list(s),
+                                        dilations=list(d), padding=p)
+            for p, s, d, a in cases
+        )
+
+    w = _f64(q) / _f64(scale)
+    reference = tuple(
+        _np_int8_activate(_np_int8_conv2d(_f64(x), w, s, p == "SAME", d) + _f64(bias), a) for p, s, d, a in cases
+    )
+    return fused, (x, tf.constant(q), tf.constant(scale), bias), reference
+
+
 @register("multi_tensor_adam", op=fusion.CUSTOM_OPS["multi_tensor_adam"])
 def multi_tensor_adam(dtype):
     import tensorflow as tf

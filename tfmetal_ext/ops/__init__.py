@@ -16,6 +16,11 @@
 - `attention(query, key, value, *, mask=None, causal=False, scale=None)`:
   ``TfmetalExt>Attention`` (+ ``TfmetalExt>AttentionGrad``), softmax attention
   flash-style: the score matrix is never stored, forward or backward.
+- `int8_matmul(x, kernel, kernel_scale, bias=None, activation=None)` and
+  `int8_conv2d(x, kernel, kernel_scale, bias=None, strides, padding, dilation_rate, activation)`:
+  ``TfmetalExt>Int8MatMul`` / ``TfmetalExt>Int8Conv2D``, weight-only int8 contractions (float
+  activations, an int8 kernel with Keras' per-output-channel scale, bias and activation in the same
+  op); `quantize_int8(kernel, axis)` quantizes a float kernel the way Keras does.
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
@@ -23,7 +28,7 @@ Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
-``"multi_tensor_rmsprop"``, ``"attention"``).
+``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import dataclasses
 from tfmetal_ext.ops import _common, _loader
 from tfmetal_ext.ops._loader import BuildError, OpCacheError
 from tfmetal_ext.ops.attention import attention
+from tfmetal_ext.ops.int8 import int8_conv2d, int8_matmul, quantize_int8
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
 from tfmetal_ext.ops.multi_tensor_lion import multi_tensor_lion
@@ -154,5 +160,6 @@ def build(force: bool = False):
     return _loader.build(force=force).library
 
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "layer_norm", "multi_tensor_adam",
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "int8_conv2d", "int8_matmul",
+           "layer_norm", "multi_tensor_adam", "quantize_int8",
            "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "softshrink", "status"]
