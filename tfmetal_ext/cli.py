@@ -4,7 +4,8 @@
 and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL).
 `report MODEL.keras [--predict-for NAME]`: fusion and placement of the model's step here, or its
 predicted placement on a Metal backend (tensorflow-metal-plugin, tensorflow-metal).
-`convert IN.keras OUT.keras [--inference]`: a fusion-first, verified copy of a saved model.
+`convert IN.keras OUT.keras [--inference [--quantize int8]]`: a fusion-first, verified copy of a saved
+model (with --quantize int8: int8 weights, checked against the float inference form).
 """
 
 from __future__ import annotations
@@ -137,6 +138,9 @@ def _cmd_convert(args):
 
     if os.path.isdir(args.input) or (os.path.exists(args.input) and not args.input.endswith(".keras")):
         return _usage_error("convert", f"the input must be a .keras file; received: {args.input}")
+    if args.quantize and not args.inference:
+        return _usage_error("convert", f"--quantize {args.quantize} needs --inference: the quantized model is "
+                            "the deployment form (batch norms folded); add --inference")
     problem = _output_problem(args.output)  # before the conversion, which takes a while
     if problem:
         return _usage_error("convert", problem)
@@ -146,7 +150,7 @@ def _cmd_convert(args):
     try:
         converted = conversion.convert(
             model, inference=args.inference, verify=not args.no_verify, count_ops=not args.no_ops,
-            batch_size=args.batch,
+            batch_size=args.batch, quantize=args.quantize,
         )
     except (ValueError, conversion.VerificationError) as e:
         print(f"tfmetal-ext convert: {e}", file=sys.stderr)
@@ -199,6 +203,11 @@ def build_parser():
     p.add_argument("input", help="path to the stock .keras file")
     p.add_argument("output", help="where to save the converted .keras file")
     p.add_argument("--inference", action="store_true", help="fold batch norms into the convolutions (deployment)")
+    p.add_argument(
+        "--quantize", choices=("int8",), default=None,
+        help="with --inference: weight-only int8 kernels (a float32 scale per output channel), verified against "
+             "the float inference form",
+    )
     p.add_argument("--batch", type=_positive_int, default=2, help="batch size of verify's and op counting's inputs")
     p.add_argument("--no-verify", action="store_true", help="skip comparing outputs and gradients with the stock model")
     p.add_argument("--no-ops", action="store_true", help="skip counting ops per train step and inference call")

@@ -80,8 +80,8 @@ __all__ = [
 ]
 
 
-def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2, tolerance=None, seed=0,
-            inputs=None, in_place=False):
+def convert(model, inference=False, verify=True, *, quantize=None, count_ops=True, batch_size=2, tolerance=None,
+            seed=0, inputs=None, in_place=False):
     """Returns an equivalent model built from tfmetal_ext's fusion-first layers.
 
     Walks the layer graph of a Functional or Sequential model (nested models
@@ -121,6 +121,19 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
             subclassed model (built, or with ``inputs=``).
         inference: also fold batch norms into the preceding convolution's
             kernel and bias (the deployment form; not for training).
+        quantize: None, or ``"int8"`` (needs ``inference=True``): then every
+            leaf layer of the inference form whose ``quantize("int8")`` works
+            (`FusedDense`, `FusedConv2D`, `FusedDepthwiseConv2D`, and the
+            stock Dense, EinsumDense and Embedding that were kept; nested and
+            subclassed ones included) gets weight-only int8 weights (Keras'
+            abs-max, a float32 scale per output channel, float activations);
+            the others are listed in ``report.quantize_skipped`` with the
+            reason. verify then also checks the int8 model against the float
+            inference form: each quantized layer within the half-step error
+            bound on the inputs it received, and the outputs within
+            `quantize.output_tolerance` (see `tfmetal_ext.conversion.quantize`).
+            The report gives each layer's error, bound and weight bytes before
+            -> after, and the model's totals.
         verify: run both models on random inputs of the model's input spec
             (inference mode) and, for the training form, compare one training
             step's gradients (MSE against random targets, dropout off);
@@ -161,7 +174,8 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
 
     Raises:
         ValueError: if `model` is not a built model (``... Received:
-            model=...``), or a layer cannot be copied (``in_place=False``;
+            model=...``), `quantize` is not None or ``"int8"``, or is
+            ``"int8"`` without ``inference=True`` (or with ``in_place=True``), or a layer cannot be copied (``in_place=False``;
             the message names the layer and why), or verification data
             cannot be made (string inputs, unknown input shape: pass
             ``inputs=``).
@@ -203,6 +217,9 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not tolerance > 0):
         raise ValueError(f"`tolerance` must be a positive number or None. Received: tolerance={tolerance!r}")
+    from tfmetal_ext.conversion import quantize as _quantize
+
+    _quantize.check_args(quantize, inference, in_place)
     if subclassed and not model.built:
         model(inputs, training=False)
     report = ConversionReport(model=model.name, inference=bool(inference))
@@ -236,6 +253,11 @@ def convert(model, inference=False, verify=True, *, count_ops=True, batch_size=2
                           reference=reference)
         report.verified = True
         logger.info("convert(%s): verify done in %.1f s", model.name, time.perf_counter() - t)
+    if quantize:
+        t = time.perf_counter()
+        x = make_inputs(model, batch_size, seed, inputs) if verify else None
+        _quantize.quantize_model(model, new, report, x, verify=bool(verify))
+        logger.info("convert(%s): int8 quantization done in %.1f s", model.name, time.perf_counter() - t)
     if count_ops:
         t = time.perf_counter()
         modes = ("train", "predict") if count_ops is True else (count_ops,)

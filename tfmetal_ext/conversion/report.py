@@ -28,6 +28,39 @@ class Kept:
 
 
 @dataclasses.dataclass
+class Quantized:
+    """One layer of the converted model quantized by ``convert(..., quantize="int8")``.
+
+    Attributes:
+        name: the layer's path in the converted model (``block_1/conv`` inside
+            a subclass or a nested model).
+        class_name: its class.
+        bytes_before, bytes_after: bytes of the layer's variables before and
+            after (int8 kernel: 1 byte per element, plus a float32 scale per
+            channel, plus the bias as it was).
+        max_abs_error: largest |quantized - float| output of the layer on the
+            inputs it received in the float model's verification pass; None
+            when not verified.
+        max_rel_error: `max_abs_error` relative to that output's max |y|.
+        bound: the largest entry of the error bound the check used (half a
+            quantization step per weight, see `quantize.bound_note`), None
+            when there is no bound for the class or activation.
+        bound_ratio: largest |error| / (bound + float slack) over the output
+            entries (at most 1 when verified), None where not checked.
+    """
+
+    name: str
+    class_name: str
+    bytes_before: int
+    bytes_after: int
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    bound: float | None = None
+    bound_ratio: float | None = None
+    note: str = ""
+
+
+@dataclasses.dataclass
 class ConversionReport:
     """What `convert` did.
 
@@ -48,6 +81,19 @@ class ConversionReport:
             model's stock optimizer was replaced by its fused class
             (``("Adam", "FusedAdam")``; a LossScaleOptimizer keeps wrapping
             it), else None.
+        quantize: the quantization mode (``"int8"``) or None.
+        quantized: every layer quantized (`Quantized`), in layer order.
+        quantize_skipped: layers with weights that were not quantized
+            (`Kept` rows: path, class, reason).
+        weight_bytes_before, weight_bytes_after: bytes of every variable of
+            the whole model before and after quantization (None without
+            ``quantize``); `quantized_bytes_before` / `quantized_bytes_after`
+            sum the quantized layers only.
+        max_quantized_output_diff: largest max |y_int8 - y_float| / max
+            |y_float| over the model's outputs (the float model being the
+            converted inference form before quantization).
+        quantized_output_tolerance: the tolerance it was checked against
+            (`quantize.output_tolerance`).
     """
 
     model: str
@@ -61,6 +107,23 @@ class ConversionReport:
     max_grad_diff: float | None = None
     notes: list = dataclasses.field(default_factory=list)
     optimizer: tuple | None = None
+    quantize: str | None = None
+    quantized: list = dataclasses.field(default_factory=list)
+    quantize_skipped: list = dataclasses.field(default_factory=list)
+    weight_bytes_before: int | None = None
+    weight_bytes_after: int | None = None
+    max_quantized_output_diff: float | None = None
+    quantized_output_tolerance: float | None = None
+
+    @property
+    def quantized_bytes_before(self):
+        """Bytes of the quantized layers' variables before quantization."""
+        return sum(q.bytes_before for q in self.quantized)
+
+    @property
+    def quantized_bytes_after(self):
+        """Bytes of the quantized layers' variables after quantization."""
+        return sum(q.bytes_after for q in self.quantized)
 
     @property
     def absorbed(self):
@@ -106,8 +169,43 @@ class ConversionReport:
                 note = f"  ({r.note})" if r.note else ""
                 lines.append(f"  {' + '.join(r.source):<{width}} -> {r.name} [{r.new_class}]{note}")
         lines += _kept_lines(self.kept)
+        lines += self._quantize_lines()
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _quantize_lines(self):
+        if not self.quantize:
+            return []
+        b, a = self.quantized_bytes_before, self.quantized_bytes_after
+        lines = [f"quantized {self.quantize} (weight-only, float activations): {len(self.quantized)} layers, "
+                 f"their weights {_bytes(b)} -> {_bytes(a)} ({a / max(b, 1):.2f}x); "
+                 f"model weights {_bytes(self.weight_bytes_before)} -> {_bytes(self.weight_bytes_after)}"]
+        if self.max_quantized_output_diff is not None:
+            lines.append(f"  outputs vs the float inference form: max rel diff {self.max_quantized_output_diff:.2g} "
+                         f"(tolerance {self.quantized_output_tolerance:.2g})")
+        width = max((len(f"{q.name} [{q.class_name}]") for q in self.quantized), default=0)
+        for q in self.quantized:
+            row = f"  {q.name + ' [' + q.class_name + ']':<{width}}  {_bytes(q.bytes_before)} -> {_bytes(q.bytes_after)}"
+            if q.max_abs_error is not None:
+                row += f"; max error {q.max_abs_error:.3g} ({q.max_rel_error:.2%} of max |y|)"
+                row += f", bound {q.bound:.3g}" if q.bound is not None else ", no bound"
+            if q.note:
+                row += f" ({q.note})"
+            lines.append(row)
+        if self.quantize_skipped:
+            lines.append("not quantized:")
+            lines += [f"  {k.name} [{k.class_name}]: {k.reason}" for k in self.quantize_skipped]
+        return lines
+
+
+def _bytes(n):
+    if n is None:
+        return "?"
+    if n < 10 * 1024:
+        return f"{n} B"
+    if n < 10 * 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / (1024 * 1024):.1f} MiB"
 
 
 def _kept_lines(kept):
