@@ -159,9 +159,41 @@ def _cmd_convert(args):
         converted.save(args.output)
     except (OSError, ValueError) as e:
         return _usage_error("convert", f"cannot save {args.output}: {' '.join(str(e).split())} (choose another path)")
+    if args.quantize:
+        problem = _reload_problem(converted, args.output, args.batch)
+        if problem:
+            os.remove(args.output)
+            print(converted.conversion_report)
+            print(f"tfmetal-ext convert: {problem}; {args.output} removed", file=sys.stderr)
+            return 1
     print(converted.conversion_report)
-    print(f"saved {args.output}")
+    print(f"saved {args.output}" + (" (loaded back: predicts the same)" if args.quantize else ""))
     return 0
+
+
+def _reload_problem(converted, path, batch):
+    """Why the model saved at `path` does not load back and predict what `converted` does, or None.
+
+    Checked for the int8 form: Keras makes a subclass's sublayers in float when loading, and such a
+    file would not load at all.
+    """
+    import keras
+    import numpy as np
+
+    from tfmetal_ext.conversion.verify import _as_list, make_inputs
+
+    try:
+        loaded = keras.saving.load_model(path)
+    except Exception as e:  # Keras raises several types
+        return f"the saved int8 model does not load back: {' '.join(str(e).split())[:400]}"
+    try:
+        x = make_inputs(converted, batch, 0)
+    except ValueError:  # no synthetic data for it (string inputs): loading back is what could be checked
+        return None
+    for a, b in zip(_as_list(converted(x, training=False)), _as_list(loaded(x, training=False))):
+        if a.shape != b.shape or not np.array_equal(a, b, equal_nan=True):
+            return "the saved int8 model loads back but predicts differently from the converted one"
+    return None
 
 
 def _positive_int(text):

@@ -97,21 +97,27 @@ def check_args(quantize, inference, in_place=False):
 
 
 def _leaves(model):
-    """``[(path, layer)]`` of every leaf layer (no sublayers) under `model`, each layer once."""
+    """``[(path, layer, in_subclass)]`` of every leaf layer (no sublayers) under `model`, each layer once;
+    `in_subclass`: some enclosing layer (or `model`) is a subclass with a ``call`` of its own."""
+    from tfmetal_ext.conversion.verify import _is_subclassed
+
     out, seen = [], set()
 
-    def walk(layer, prefix):
+    def walk(layer, prefix, in_subclass):
+        # Keras' own containers (Bidirectional, TimeDistributed, ...) serialize their inner layers'
+        # configs, dtype policy included; a user's subclass (or one of ours) makes them in its constructor.
+        in_subclass = in_subclass or (_is_subclassed(layer) and not type(layer).__module__.startswith("keras."))
         for sub in layer._flatten_layers(include_self=False, recursive=False):
             path = f"{prefix}{sub.name}"
             if id(sub) in seen:
                 continue
             seen.add(id(sub))
             if any(True for _ in sub._flatten_layers(include_self=False, recursive=False)):
-                walk(sub, f"{path}/")
+                walk(sub, f"{path}/", in_subclass)
             else:
-                out.append((path, sub))
+                out.append((path, sub, in_subclass))
 
-    walk(model, "")
+    walk(model, "", False)
     return out
 
 
@@ -271,9 +277,10 @@ def quantize_model(model, new, report, x=None, verify=True):
     """
     report.quantize = "int8"
     report.weight_bytes_before = _nbytes(new.weights)
-    leaves = [(p, layer) for p, layer in _leaves(new) if layer.weights]
+    leaves = [(p, layer, sub) for p, layer, sub in _leaves(new) if layer.weights]
+    inside = {id(layer) for _, layer, sub in leaves if sub}
     candidates = []
-    for path, layer in leaves:
+    for path, layer, _ in leaves:
         kind = _kind(layer)
         candidates.append(_Candidate(path, layer, kind, _float_kernel(layer, kind), _nbytes(layer.weights)))
     records, y_float = {}, None
@@ -294,6 +301,14 @@ def quantize_model(model, new, report, x=None, verify=True):
     if not done:
         report.notes.append("quantize='int8': no layer of the converted model has an int8 form; nothing quantized")
     report.weight_bytes_after = _nbytes(new.weights)
+    held = [r.name for c, r in done if id(c.layer) in inside]
+    if held:
+        report.notes.append(
+            f"{len(held)} quantized layer(s) sit inside a subclassed layer or model ({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}): a subclass makes its sublayers in float when Keras loads it "
+            "from a .keras file, so the int8 model saved from here does not load back; save the float "
+            "inference form instead and quantize after loading"
+        )
     if not verify:
         return
     bad = []
