@@ -113,30 +113,20 @@ SUITES = types.MappingProxyType(
 # Tests our class may fail, each with the issue that fixes it. Marked
 # xfail(strict=True), so a fix is noticed. Keyed by suite, then the test's
 # name (`Class::test_method`, as in baseline.json).
-_QUANTIZATION = (
-    "issue 18 (int8 and the other quantization modes) adds the quantization entry points "
-    "(quantize, quantized_build, the quantized calls and dtype policies)"
+_OTHER_MODES = (
+    "FusedDense implements only Keras' 'int8' quantization mode (weight-only int8 through "
+    "TfmetalExt>Int8MatMul, issue 18); {modes} raise NotImplementedError naming int8"
 )
 EXPECTED_FAILURES = types.MappingProxyType(
     {
         "Dense": {
-            f"DenseTest::{name}": _QUANTIZATION
-            for name in (
-                "test_quantize_dtype_argument_float8",
-                "test_quantize_dtype_argument_int4",
-                "test_quantize_dtype_argument_int8",
-                "test_quantize_invalid_mode_float7",
-                "test_quantize_invalid_mode_int7",
-                "test_quantize_on_subclass_float8",
-                "test_quantize_on_subclass_int4",
-                "test_quantize_on_subclass_int8",
-            )
-        }
-        | {
-            # Its float32 part (a store with numeric keys) passes; the rest
-            # loads int8/int4/float8/GPTQ/AWQ stores into layers built with
-            # quantized dtype policies.
-            "DenseTest::test_legacy_load_own_variables": _QUANTIZATION,
+            "DenseTest::test_quantize_dtype_argument_float8": _OTHER_MODES.format(modes="float8"),
+            "DenseTest::test_quantize_dtype_argument_int4": _OTHER_MODES.format(modes="int4"),
+            "DenseTest::test_quantize_on_subclass_float8": _OTHER_MODES.format(modes="float8"),
+            "DenseTest::test_quantize_on_subclass_int4": _OTHER_MODES.format(modes="int4"),
+            # Its float32 and int8 parts pass; the rest loads int4/float8/GPTQ/AWQ stores into
+            # layers built with those dtype policies.
+            "DenseTest::test_legacy_load_own_variables": _OTHER_MODES.format(modes="int4, float8, gptq and awq"),
         },
     }
 )

@@ -668,6 +668,46 @@ def _custom_op_block(ctx, layer, pattern, op, uses_kernel, safe_form):
     return None
 
 
+REASON_STOCK_INT8 = (
+    "stock Keras int8 (quantize('int8')): its inputs are quantized too and the int8 MatMul/Conv is followed "
+    "by Cast, RealDiv and the bias/activation ops, which no remapper pattern fuses; the tfmetal_ext layer "
+    "runs one TfmetalExt>Int8MatMul / Int8Conv2D"
+)
+
+
+def int8_rule(layer, ctx, kind="matmul", *, note=None, reference=None):
+    """A quantized (int8) tfmetal_ext contraction: one ``TfmetalExt>Int8MatMul`` (`kind` ``"matmul"``) or
+    ``TfmetalExt>Int8Conv2D`` (``"conv2d"``) per call, bias and activation in the op.
+
+    The op reads the layer's int8 kernel, so the report credits it to the
+    layer. Where it does not run (XLA, ``configure(avoid_fusions=["int8_matmul"])``,
+    no op library or kernel for the dtype/device) the pure-TF reference runs
+    (de-quantized kernel, then the float contraction + BiasAdd + activation):
+    `reference` is the float layer's `Expectation` of that form; the row
+    then says why the int8 op is not there.
+    """
+    import importlib
+
+    int8_ops = importlib.import_module("tfmetal_ext.ops.int8")
+    op = _fusion.INT8_MATMUL_OP if kind == "matmul" else _fusion.INT8_CONV2D_OP
+    pattern = f"custom_int8_{kind}"
+    blocked = _custom_op_block(ctx, layer, pattern, op, lambda: int8_ops.int8_uses_kernel(kind), f"int8_{kind}")
+    if blocked is None:
+        return Expectation(pattern, op, (), (), note=note)
+    if reference is None:
+        return Expectation(pattern, None, None, (), reason=blocked, ideal_op=op, note=note)
+    why = "; ".join(r for r in (f"{blocked} (the reference is the float form)", reference.reason) if r)
+    return dataclasses.replace(reference, reason=why, ideal_op=op, note=note)
+
+
+def stock_int8_rule(layer, ctx):
+    """A stock Keras layer quantized to int8: nothing fuses, with the reason; None when not quantized."""
+    if getattr(layer, "quantization_mode", None) is None or _is_fusion_first(layer):
+        return None
+    return Expectation(f"custom_int8_{'conv2d' if 'Conv' in type(layer).__name__ else 'matmul'}", None, None, (),
+                       reason=REASON_STOCK_INT8)
+
+
 class _Projections:
     """What `contraction_rule` reads of a MultiHeadAttention's q/k/v/output projections."""
 
@@ -720,7 +760,7 @@ def _register_keras_rules():
     register_rule(keras.layers.Conv2D, conv2d_rule)
     register_rule(keras.layers.Conv2DTranspose, lambda layer, ctx: None)
     register_rule(keras.layers.DepthwiseConv2D, depthwise_rule)
-    register_rule(keras.layers.Dense, dense_rule)
+    register_rule(keras.layers.Dense, lambda layer, ctx: stock_int8_rule(layer, ctx) or dense_rule(layer, ctx))
     register_rule(keras.layers.BatchNormalization, _batchnorm_rule)
     register_rule(keras.layers.LayerNormalization, _layernorm_rule)
     register_rule(keras.layers.LSTM, _stock_rnn_rule)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
 from tfmetal_ext.layers import _ops
+from tfmetal_ext.layers import _quantize as Q
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
@@ -56,11 +58,21 @@ class FusedDense(keras.layers.Layer):
         lora_rank: with an int, LoRA is enabled at build (`enable_lora`).
         lora_alpha: the LoRA scale numerator (``alpha / rank``); defaults to
             `lora_rank`.
-        quantization_config: None only (no quantized form; use
-            `keras.layers.Dense`).
+        quantization_config: None or a weight-only
+            `keras.quantizers.Int8QuantizationConfig` (``activation_quantizer=None``),
+            used when the layer is built with an ``int8_from_*`` dtype policy.
         **kwargs: `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Masks pass through unchanged (``supports_masking``), as Keras' Dense.
+
+    int8: `quantize` ("int8", ``model.quantize("int8")``, a ``dtype`` /
+    ``dtype_policy`` of ``"int8_from_<policy>"``) stores the kernel as int8
+    with a per-column float ``kernel_scale`` (stock Dense's variables and
+    stores, so weights load either way) and runs one
+    ``TfmetalExt>Int8MatMul`` per call: weight-only, the activations stay
+    float (stock Dense also quantizes its inputs by default). The int8
+    kernel and its scale are not trainable; gradients reach the inputs, the
+    bias and LoRA, computed with the de-quantized kernel.
 
     Input shape:
         N-D tensor ``(batch, ..., in)``, N >= 2, last dimension known.
@@ -100,11 +112,8 @@ class FusedDense(keras.layers.Layer):
         quantization_config=None,
         **kwargs,
     ):
-        if quantization_config is not None:
-            raise ValueError(
-                "FusedDense has no quantized form (its MatMul is the float one the remapper fuses); "
-                f"use keras.layers.Dense. Received: quantization_config={quantization_config!r}"
-            )
+        if isinstance(quantization_config, dict):  # a serialized config (from_config)
+            quantization_config = keras.saving.deserialize_keras_object(quantization_config)
         activity_regularizer = C.keras_object(
             keras.regularizers.get, activity_regularizer, "activity_regularizer"
         )
@@ -126,6 +135,8 @@ class FusedDense(keras.layers.Layer):
         self.lora_alpha = lora_alpha if lora_alpha is not None else lora_rank
         self.lora_enabled = False
         self.quantization_config = None
+        if quantization_config is not None:
+            self.quantization_config = Q.check_config(self, quantization_config, axes=(0,), ndim=2)
         self.input_spec = keras.layers.InputSpec(min_ndim=2)
         self.supports_masking = True  # masks pass through, as Keras' Dense
 
@@ -137,14 +148,18 @@ class FusedDense(keras.layers.Layer):
             )
         in_dim = int(input_shape[-1])
         self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={-1: in_dim})
-        self._kernel = self.add_weight(
-            name="kernel",
-            shape=(in_dim, self.units),
-            initializer=self.kernel_initializer,
-            regularizer=self.kernel_regularizer,
-            constraint=self.kernel_constraint,
-            trainable=True,
-        )
+        kernel_shape = (in_dim, self.units)
+        if self.quantization_mode:  # an int8_from_* dtype policy: build the quantized variables
+            self.quantized_build(kernel_shape, mode=self.quantization_mode, config=self.quantization_config)
+        else:
+            self._kernel = self.add_weight(
+                name="kernel",
+                shape=kernel_shape,
+                initializer=self.kernel_initializer,
+                regularizer=self.kernel_regularizer,
+                constraint=self.kernel_constraint,
+                trainable=True,
+            )
         C.add_bias(self, self.units)
         self.built = True
         if self.lora_rank:
@@ -203,30 +218,128 @@ class FusedDense(keras.layers.Layer):
         self.lora_rank = rank
         self.lora_alpha = lora_alpha if lora_alpha is not None else rank
 
+    # ------------------------------------------------------------------
+    # Saving: stock Dense's stores (`variable_serialization_spec` order).
+
+    @property
+    def variable_serialization_spec(self):
+        """The stored variable names per quantization mode, in store order (as Keras' Dense)."""
+        return {mode: list(names) for mode, names in Q.SERIALIZATION_SPEC.items()}
+
+    def _merged_int8_kernel(self):
+        """``(q, scale)`` with the LoRA update merged and re-quantized (as Keras' Dense saves it)."""
+        if not self.lora_enabled:
+            return self._kernel, self.kernel_scale
+        delta = tf.matmul(self.lora_kernel_a, self.lora_kernel_b) * (self.lora_alpha / self.lora_rank)
+        merged = Q.dequantized(self, dtype=tf.float32) + delta
+        return Q.quantize_kernel(merged, (0,), self.units)
+
     def save_own_variables(self, store):
-        # As Keras' Dense: the kernel with the LoRA update merged in, then the bias.
+        # As Keras' Dense: kernel (LoRA merged; int8: merged and re-quantized), bias, kernel_scale.
         if not self.built:
             return
-        store["0"] = keras.ops.convert_to_numpy(self.kernel)
-        if self.bias is not None:
-            store["1"] = keras.ops.convert_to_numpy(self.bias)
+        names = Q.stored_names(self)
+        if self.quantization_mode == Q.INT8:
+            kernel, scale = self._merged_int8_kernel()
+        else:
+            kernel, scale = self.kernel, None
+        values = {"kernel": kernel, "bias": self.bias, "kernel_scale": scale}
+        for i, name in enumerate(names):
+            store[str(i)] = keras.ops.convert_to_numpy(values[name])
 
     def load_own_variables(self, store):
         if not self.built:
             return
-        expected = 1 + (self.bias is not None)
-        if len(store.keys()) != expected:
-            raise ValueError(
-                f"Layer '{self.name}' expected {expected} variables, but received {len(store.keys())} "
-                f"variables during loading. Expected: {['kernel', 'bias'][:expected]}. "
-                f"Received: store keys={sorted(store.keys())}"
-            )
-        self._kernel.assign(store["0"])
-        if self.bias is not None:
-            self.bias.assign(store["1"])
+        names = Q.stored_names(self)
+        Q.check_store(self, store, names)
+        targets = {"kernel": self._kernel, "bias": self.bias, "kernel_scale": getattr(self, "kernel_scale", None)}
+        for i, name in enumerate(names):
+            targets[name].assign(store[str(i)])
         if self.lora_enabled:  # the stored kernel has the update merged: restart it from zero
             self.lora_kernel_a.assign(tf.zeros(self.lora_kernel_a.shape, self.lora_kernel_a.dtype))
             self.lora_kernel_b.assign(tf.zeros(self.lora_kernel_b.shape, self.lora_kernel_b.dtype))
+
+    # ------------------------------------------------------------------
+    # Keras' int8 quantization API (weight-only: float activations).
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the kernel to int8 in place, as `keras.layers.Dense.quantize("int8")`.
+
+        The float kernel becomes a non-trainable int8 ``_kernel`` and a
+        non-trainable float ``kernel_scale`` of the ``units`` columns
+        (`tfmetal_ext.ops.quantize_int8`: Keras' abs-max scale, bitwise the
+        weights stock Dense stores); the dtype policy becomes
+        ``int8_from_<policy>``. Calls then run one ``TfmetalExt>Int8MatMul``
+        (bias and activation in the op; with LoRA, the op then the adapters,
+        bias and activation). Activations stay float: the form is weight-only.
+
+        Args:
+            mode: ``"int8"``, or None with an int8 `config`.
+            type_check: as Keras: a subclass of FusedDense raises
+                NotImplementedError unless this is False.
+            config: None or a `keras.quantizers.Int8QuantizationConfig`
+                with ``activation_quantizer=None``. Keras' default activation
+                quantizer (``AbsMaxQuantizer()``, what ``quantize("int8")``
+                resolves to) is accepted and dropped; any other raises
+                ValueError (activations stay float).
+
+        Raises:
+            ValueError: an unbuilt or already quantized layer, an unknown
+                mode, ``compute_dtype="float16"`` (Keras' checks), or a config
+                this form does not implement.
+            NotImplementedError: a subclass with `type_check`, or a mode other
+                than int8 (int4, float8, gptq, awq).
+        """
+        if type_check and type(self) is not FusedDense:
+            raise self._not_implemented_error(self.quantize)
+        if mode != Q.INT8:
+            raise Q.not_int8_error(self, mode)
+        config = Q.check_config(self, config, axes=(0,), ndim=2)
+        q, scale = Q.quantize_kernel(self._kernel, (0,), self.units)
+        kernel_shape = tuple(self._kernel.shape)
+        self.quantization_config = config
+        del self._kernel
+        self.quantized_build(kernel_shape, mode, config)
+        self._kernel.assign(q)
+        self.kernel_scale.assign(scale)
+        Q.set_policy(self)
+
+    def quantized_build(self, kernel_shape, mode, config=None):
+        if mode != Q.INT8:
+            raise Q.not_int8_error(self, mode)
+        self._int8_build(kernel_shape, config)
+        self._is_quantized = True
+
+    def _int8_build(self, kernel_shape, config=None):
+        self.inputs_quantizer = None  # weight-only: the inputs stay float
+        Q.add_int8_weights(self, kernel_shape, self.units)
+
+    def _int8_call(self, inputs, training=None):
+        tops = Q.ops()
+        scale = Q.scale_f32(self)
+        if isinstance(inputs, tf.SparseTensor):  # as the float layer: a sparse MatMul, nothing fuses
+            outputs = keras.ops.matmul(inputs, Q.dequantized(self))
+            if self.lora_enabled:
+                outputs = outputs + self._lora_update(inputs)
+            if self.use_bias:
+                outputs = outputs + self.bias
+            return C.apply_activation(outputs, self.activation, self._activation_name)
+        dtype = inputs.dtype
+        bias = tf.cast(self.bias, dtype) if self.use_bias else None
+        act = self._activation_name
+        if self.lora_enabled or act not in fusion.INT8_ACTIVATIONS:
+            outputs = tops.int8_matmul(inputs, self._kernel, scale, bias=None if self.lora_enabled else bias)
+            if self.lora_enabled:
+                outputs = outputs + self._lora_update(inputs)
+                if bias is not None:
+                    outputs = outputs + bias
+            return C.apply_activation(outputs, self.activation, act)
+        return tops.int8_matmul(inputs, self._kernel, scale, bias=bias, activation=act)
+
+    def _lora_update(self, inputs):
+        a = tf.cast(self.lora_kernel_a, inputs.dtype)
+        b = tf.cast(self.lora_kernel_b, inputs.dtype)
+        return keras.ops.matmul(keras.ops.matmul(inputs, a), b) * (self.lora_alpha / self.lora_rank)
 
     def call(self, inputs, training=None):
         kernel = self.kernel
@@ -269,7 +382,7 @@ class FusedDense(keras.layers.Layer):
                 "activity_regularizer": keras.regularizers.serialize(self.activity_regularizer),
                 "kernel_constraint": keras.constraints.serialize(self.kernel_constraint),
                 "bias_constraint": keras.constraints.serialize(self.bias_constraint),
-                "quantization_config": None,
+                "quantization_config": keras.saving.serialize_keras_object(self.quantization_config),
             }
         )
         if self.lora_rank:
@@ -284,4 +397,17 @@ def _fused_dense_rule(layer, ctx):
     return catalog.dense_rule(layer, ctx, act_name=name, reshape_blocks=False)
 
 
-catalog.register_rule(FusedDense, catalog.unless_avoided("matmul_bias_relu", _fused_dense_rule))
+_float_rule = catalog.unless_avoided("matmul_bias_relu", _fused_dense_rule)
+
+
+def _rule(layer, ctx):
+    if layer.quantization_mode == Q.INT8:  # one TfmetalExt>Int8MatMul (bias, activation in it)
+        note = None
+        if layer.lora_enabled or layer._activation_name not in fusion.INT8_ACTIVATIONS:
+            note = ("LoRA: the adapters, bias and activation run after the op" if layer.lora_enabled
+                    else "this activation runs after the op")
+        return catalog.int8_rule(layer, ctx, "matmul", note=note, reference=_fused_dense_rule(layer, ctx))
+    return _float_rule(layer, ctx)
+
+
+catalog.register_rule(FusedDense, _rule)
