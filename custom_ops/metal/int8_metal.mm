@@ -18,6 +18,7 @@
 // (K == 0 or Cin == 0) still dispatches: y = act(0 / scale + bias).
 #include "metal/metal_helper.h"
 
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -118,6 +119,10 @@ Int8Kernel CommonAttrs(TF_OpKernelConstruction* ctx, TF_Status* status) {
   }
   TF_OpKernelConstruction_GetAttrFloat(ctx, "leaky_relu_alpha", &k.alpha, status);
   if (!Ok(status)) return k;
+  if (!std::isfinite(k.alpha)) {
+    SetStatus(status, TF_INVALID_ARGUMENT, "leaky_relu_alpha must be finite, got " + std::to_string(k.alpha));
+    return k;
+  }
   TF_Bool has_bias = 0;
   TF_OpKernelConstruction_GetAttrBool(ctx, "has_bias", &has_bias, status);
   k.has_bias = has_bias != 0;
