@@ -43,7 +43,7 @@ import keras
 import numpy as np
 
 from tfmetal_ext.conversion.report import Kept, Quantized
-from tfmetal_ext.conversion.verify import VerificationError, _as_list, rel_diff
+from tfmetal_ext.conversion.verify import VerificationError, _agree, _as_list, rel_diff
 
 QUANTIZE_MODES = ("int8",)
 
@@ -340,9 +340,10 @@ def _check_layer(c, row, calls):
     for args, kwargs, out in calls:
         y_f = _first_float(out)
         y_q = _first_float(layer(*args, **kwargs))
-        err = np.abs(y_q - y_f)
+        with np.errstate(invalid="ignore"):  # the same NaN / inf on both sides is no error
+            err = np.where(_agree(y_q, y_f), 0.0, np.abs(y_q - y_f))
         errs.append(float(np.max(err, initial=0.0)))
-        peaks.append(float(np.max(np.abs(y_f), initial=0.0)))
+        peaks.append(float(np.max(np.abs(np.where(np.isfinite(y_f), y_f, 0.0)), initial=0.0)))
         if lip is None or axes is None:
             continue
         x = keras.ops.convert_to_numpy(args[0])
