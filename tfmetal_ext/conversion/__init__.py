@@ -4,6 +4,7 @@
 >>> fused = tfmetal_ext.convert(model)            # training form, verified
 >>> print(fused.conversion_report)
 >>> deploy = tfmetal_ext.convert(model, inference=True)   # batch norms folded into the convolutions
+>>> int8 = tfmetal_ext.convert(model, inference=True, quantize="int8")   # ... and int8 weights
 
 The converter walks the functional graph of a Functional or Sequential model
 (nested models recursively), decides per call of each layer what replaces it,
@@ -36,7 +37,8 @@ same way; it is never merged with its neighbours.
 Modules: `planners` (what replaces each layer call: the planner registry,
 keyed by layer class, `register_planner`), `rebuild` (the graph walk that
 makes the new model), `graph` (consumers and call counts of one graph),
-`weights` (weight copies and batch-norm folding), `copying` (independent
+`weights` (weight copies and batch-norm folding), `quantize` (the int8 form of the inference
+model and its check against the float one), `copying` (independent
 copies of kept and subclassed layers: construction, sublayer swaps, state
 moved by Keras' own save/load methods), `verify` (outputs and gradients
 against the stock model, `VerificationError`) and `report`
