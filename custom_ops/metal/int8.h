@@ -11,18 +11,24 @@
 //
 // q is the int8 kernel (`kernel` is a keyword in Metal).
 //
-// One thread per output element over a 1-D grid (dispatchThreads), output
-// elements in memory order: the output channel is the fastest index, so the
+// Threads over a 1-D grid (dispatchThreads), output channel fastest, so the
 // 32 lanes of a SIMD-group read 32 consecutive int8 weights of one kernel row
-// and (mostly) the same activation. The accumulator is float32 for every T,
-// summed in the order of k (matmul) or of kh, kw, ci (conv), then
-// tfm_int8_epilogue. The weights are read as int8 and converted in registers:
-// nothing is de-quantized into memory.
+// and (mostly) the same activation:
+//   int8_matmul: one thread per column n and block of TFM_INT8_MATMUL_ROWS
+//                rows of x (thread t: block t / N, column t % N); each weight
+//                it loads serves every row of its block (batch 8 reads the
+//                kernel twice, not 8 times), the rows past M of the last
+//                block re-read row M - 1 and are not stored;
+//   int8_conv2d: one thread per output element (b, oh, ow, co).
+// The accumulator of each output is float32 for every T, summed in the order
+// of k (matmul) or of kh, kw, ci (conv), then tfm_int8_epilogue. The weights
+// are read as int8 and converted in registers: nothing is de-quantized into
+// memory.
 //
-// A dispatch covers output elements [base, base + count) (count <= 2^30, the
-// helper's kMaxElementsPerDispatch); the host encodes as many as the output
-// needs. Indices into the tensors are 64-bit; each dimension is < 2^31
-// (checked by the host).
+// A dispatch covers threads [base, base + count) (count <= 2^30, the helper's
+// kMaxElementsPerDispatch); the host encodes as many as the output needs.
+// Indices into the tensors are 64-bit; each dimension is < 2^31 (checked by
+// the host).
 //
 // kernel_scale is in device memory, so the host cannot check its values
 // without waiting for the GPU: an output channel whose scale is not finite
@@ -34,10 +40,13 @@
 #include "tfmetal/portable.h"
 #include "tfmetal/int8.h"
 
+// Rows of x one int8_matmul thread computes (the host sizes the grid with it).
+#define TFM_INT8_MATMUL_ROWS 4
+
 // setBytes data of int8_matmul (shared with the host).
 struct tfm_int8_matmul_params {
-  uint64_t base;        // first output element of this dispatch (m * n + col)
-  uint32_t count;       // output elements in this dispatch
+  uint64_t base;        // first thread of this dispatch (row block * n + col)
+  uint32_t count;       // threads in this dispatch
   uint32_t m;           // rows of x and y
   uint32_t k;           // columns of x, rows of the kernel
   uint32_t n;           // columns of the kernel and y (output channels)
@@ -92,19 +101,30 @@ template <typename T>
                             constant tfm_int8_matmul_params& p [[buffer(5)]],
                             TFM_KERNEL_BUILTINS) {
   if (gid.x >= p.count) return;
-  const ulong e = p.base + static_cast<ulong>(gid.x);
+  const ulong t = p.base + static_cast<ulong>(gid.x);
   const ulong cols = p.n;
-  const uint row = static_cast<uint>(e / cols);
-  const uint col = static_cast<uint>(e - static_cast<ulong>(row) * cols);
-  device const T* xr = x + static_cast<ulong>(row) * p.k;
+  const uint block = static_cast<uint>(t / cols);
+  const uint col = static_cast<uint>(t - static_cast<ulong>(block) * cols);
+  const uint row0 = block * TFM_INT8_MATMUL_ROWS;  // < m: the host dispatches ceil(m / ROWS) blocks
+  device const T* xr[TFM_INT8_MATMUL_ROWS];
+  float acc[TFM_INT8_MATMUL_ROWS];
+  for (uint r = 0; r < TFM_INT8_MATMUL_ROWS; ++r) {
+    xr[r] = x + static_cast<ulong>(min(row0 + r, p.m - 1)) * p.k;
+    acc[r] = 0.0f;
+  }
   device const int8_t* qc = q + col;
 
-  float acc = 0.0f;
   for (uint i = 0; i < p.k; ++i) {
-    acc += static_cast<float>(xr[i]) * static_cast<float>(qc[static_cast<ulong>(i) * cols]);
+    const float w = static_cast<float>(qc[static_cast<ulong>(i) * cols]);
+    for (uint r = 0; r < TFM_INT8_MATMUL_ROWS; ++r) acc[r] += static_cast<float>(xr[r][i]) * w;
   }
+  const float scale = kernel_scale[col];
   const float b = p.has_bias != 0 ? static_cast<float>(bias[col]) : 0.0f;
-  y[e] = static_cast<T>(int8_finish(acc, kernel_scale[col], b, p.activation, p.alpha));
+  for (uint r = 0; r < TFM_INT8_MATMUL_ROWS; ++r) {
+    if (row0 + r < p.m) {
+      y[static_cast<ulong>(row0 + r) * cols + col] = static_cast<T>(int8_finish(acc[r], scale, b, p.activation, p.alpha));
+    }
+  }
 }
 
 template <typename T>

@@ -5,8 +5,9 @@
 //
 // Checks the attrs (at construction) and the input shapes, allocates the
 // output, binds the buffers and dispatches int8_matmul_<T> / int8_conv2d_<T>
-// (kernels in int8.h): one thread per output element, in 1-D dispatches of at
-// most kMaxElementsPerDispatch elements (the first element of each goes in the
+// (kernels in int8.h): one thread per output element (conv) or per column and
+// block of TFM_INT8_MATMUL_ROWS rows (matmul), in 1-D dispatches of at most
+// kMaxElementsPerDispatch threads (the first thread of each goes in the
 // params). Limits: every dimension < 2^31, and for the conv the padded
 // extents (in + (k - 1) * dilation + stride) too: the kernels do their
 // spatial index arithmetic in 32-bit integers. Beyond that: InvalidArgument.
@@ -256,8 +257,9 @@ void Int8MatMulCompute(const Int8Kernel& k, TF_OpKernelContext* ctx, TF_Status* 
   if (!Ok(status)) return;
   TensorPtr y = Output(ctx, 0, dtype, {m, n}, status);
   if (!Ok(status)) return;
-  const int64_t total = m * n;
-  if (total == 0) return;  // Metal rejects empty dispatches
+  if (m == 0 || n == 0) return;  // Metal rejects empty dispatches
+  // One thread per column and block of TFM_INT8_MATMUL_ROWS rows (int8.h).
+  const int64_t total = (m + TFM_INT8_MATMUL_ROWS - 1) / TFM_INT8_MATMUL_ROWS * n;
 
   Int8Slices s;
   if (!ResolveAll(in, y.get(), &s, status)) return;

@@ -2,9 +2,10 @@
 
 Every instantiation -- int8_matmul_float, int8_matmul_half, int8_matmul_bfloat,
 int8_conv2d_float, int8_conv2d_half, int8_conv2d_bfloat -- is dispatched the
-way int8_metal.mm dispatches it (one thread per output element, 1-D
-dispatchThreads of at most 2^30 elements with the first element in the params,
-metal_helper's ThreadgroupSize1D) and compared with a float64 numpy reference
+way int8_metal.mm dispatches it (1-D dispatchThreads of at most 2^30 threads
+with the first thread in the params, metal_helper's ThreadgroupSize1D; one
+thread per output element of the conv, per column and block of 4 rows of the
+matmul) and compared with a float64 numpy reference
 written here (de-quantize q / scale, contract, add the bias, activate) and
 with the CPU kernel of the op library.
 
@@ -37,6 +38,7 @@ CONV2D = {"float": "int8_conv2d_float", "half": "int8_conv2d_half", "bfloat": "i
 OUTPUT_ROUNDING = {"float": 0.0, "half": 2.0 ** -10, "bfloat": 2.0 ** -7}
 ACTIVATIONS = ["linear", "relu", "relu6", "elu", "leaky_relu", "gelu", "gelu_approximate", "tanh", "sigmoid"]
 MAX_PER_DISPATCH = 1 << 30  # metal_helper.h kMaxElementsPerDispatch
+MATMUL_ROWS = 4  # int8.h TFM_INT8_MATMUL_ROWS: rows of x per int8_matmul thread
 
 # tfm_int8_matmul_params / tfm_int8_conv2d_params (custom_ops/metal/int8.h)
 MATMUL_PARAMS = np.dtype([("base", "<u8"), ("count", "<u4"), ("m", "<u4"), ("k", "<u4"), ("n", "<u4"),
@@ -75,7 +77,7 @@ def valid_out(size, k, stride, dilation):
 
 
 def dispatch(lib, name, buffers, params, total, chunk=MAX_PER_DISPATCH, order="linear"):
-    """The host's loop: dispatches of at most `chunk` output elements, each with its first element in base."""
+    """The host's loop: dispatches of at most `chunk` threads, each with its first thread in base."""
     for start in range(0, total, chunk):
         count = min(chunk, total - start)
         params["base"], params["count"] = start, count
@@ -100,7 +102,8 @@ def metal_matmul(lib, dtype, x, q, scale, bias=None, activation="linear", alpha=
     params["alpha"], params["has_bias"] = alpha, int(bias is not None)
     if m * n:  # the host encodes nothing for an empty output
         xs, qs, bs = placeholders(scale, np.ascontiguousarray(x), np.ascontiguousarray(q), bias_in)
-        dispatch(lib, MATMUL[dtype], [xs, qs, scale, bs, y], params, m * n, chunk, order)
+        threads = -(-m // MATMUL_ROWS) * n  # one per column and block of rows
+        dispatch(lib, MATMUL[dtype], [xs, qs, scale, bs, y], params, threads, chunk, order)
     return y
 
 
@@ -247,6 +250,11 @@ def test_library_instantiates_every_dtype(lib):
             assert kinds[5].kind == "reference" and kinds[5].size == params.itemsize, name
 
 
+def test_matmul_rows_per_thread_is_the_headers():
+    header = (ROOT / "custom_ops" / "metal" / "int8.h").read_text()
+    assert re.search(r"#define TFM_INT8_MATMUL_ROWS (\d+)", header).group(1) == str(MATMUL_ROWS)
+
+
 def test_host_activation_names_are_the_registrys():
     # int8_metal.mm maps the `activation` attr to the TFM_INT8_* codes with its own table.
     text = (ROOT / "custom_ops" / "metal" / "int8_metal.mm").read_text()
@@ -260,7 +268,7 @@ def test_host_activation_names_are_the_registrys():
 # ----------------------------------------------------------------------------
 # Int8MatMul
 
-MATMUL_SHAPES = [(1, 1, 1), (3, 5, 7), (4, 33, 31), (2, 64, 65), (7, 3, 40), (1, 300, 3)]
+MATMUL_SHAPES = [(1, 1, 1), (3, 5, 7), (4, 33, 31), (2, 64, 65), (7, 3, 40), (1, 300, 3), (8, 17, 9), (9, 6, 33)]
 
 
 @pytest.mark.parametrize("shape", MATMUL_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -294,8 +302,8 @@ def test_matmul_activations_in_16_bits(lib, dtype, activation):
 
 
 def test_matmul_chunks_start_where_the_last_ended(lib):
-    # The host's dispatch loop with a 7-element chunk instead of 2^30: rows straddle chunks.
-    x, q, scale, bias = case("float", (5, 9), (9, 11), seed=3)
+    # The host's dispatch loop with a 7-thread chunk instead of 2^30: row blocks straddle chunks.
+    x, q, scale, bias = case("float", (10, 9), (9, 11), seed=3)
     whole = metal_matmul(lib, "float", x, q, scale, bias, activation="gelu")
     chunked = metal_matmul(lib, "float", x, q, scale, bias, activation="gelu", chunk=7)
     np.testing.assert_array_equal(chunked, whole)
