@@ -304,10 +304,10 @@ def test_model_quantize_and_the_executed_graph(mode):
     kwargs = dict(optimizer="sgd", loss="mse") if mode == "train" else {}
     report = ti.fusion_report(model, mode=mode, **kwargs)
     if int8_ops.int8_uses_kernel("matmul"):
-        assert report.ops_by_type.get(INT8_MATMUL) == 2
         if mode == "predict":
-            # The stock layer de-quantizes its output (Cast, RealDiv); ours de-quantize nothing.
-            assert report.ops_by_type.get("RealDiv", 0) == 1
+            assert report.ops_by_type.get(INT8_MATMUL) == 2
+        else:  # the gradient of a non-linear activation recomputes its input with a linear op
+            assert report.ops_by_type.get(INT8_MATMUL) >= 2
         for name in ("ours_a", "ours_b"):
             row = report.row(name)
             if INT8_MATMUL in catalog.FUSED_LAYER_OPS:
@@ -318,6 +318,18 @@ def test_model_quantize_and_the_executed_graph(mode):
         assert "reference" in report.row("ours_a").reason
     assert report.row("stock").status == "not fused"
     assert report.row("stock").reason == catalog.REASON_STOCK_INT8
+
+
+def test_only_the_op_runs_no_dequantized_kernel():
+    model = keras.Sequential([keras.Input((2, 5)), FusedDense(8, activation="relu"), FusedDense(3)])
+    model.quantize("int8")
+    report = ti.fusion_report(model)
+    if not int8_ops.int8_uses_kernel("matmul"):
+        assert INT8_MATMUL not in report.ops_by_type and report.ops_by_type.get("RealDiv") == 2
+        return
+    assert report.ops_by_type.get(INT8_MATMUL) == 2
+    for op in ("Cast", "RealDiv", "MatMul", "BatchMatMulV3", "_FusedMatMul", "BiasAdd", "Relu"):
+        assert op not in report.ops_by_type, op
 
 
 # ----------------------------------------------------------------------------
@@ -357,6 +369,245 @@ def test_dense_quantize_errors():
 
     sub = Sub(3)
     sub.build((None, 4))
+    with pytest.raises(NotImplementedError):
+        sub.quantize("int8")
+    sub.quantize("int8", type_check=False)
+    assert sub.quantization_mode == "int8"
+
+
+# ----------------------------------------------------------------------------
+# FusedConv2D / FusedDepthwiseConv2D.
+
+from tfmetal_ext.layers import FusedConv2D, FusedDepthwiseConv2D  # noqa: E402
+
+
+def _np_pad(x, k, s, d, padding):
+    """NHWC input padded by TF's rules; returns (padded, out_h, out_w)."""
+    h, w = x.shape[1:3]
+    outs, pads = [], []
+    for size, kk, ss, dd in ((h, k[0], s[0], d[0]), (w, k[1], s[1], d[1])):
+        ek = (kk - 1) * dd + 1
+        if padding == "valid":
+            out = (size - ek) // ss + 1
+            pads.append((0, 0))
+        else:
+            out = -(-size // ss)
+            total = max((out - 1) * ss + ek - size, 0)
+            pads.append((total // 2, total - total // 2))
+        outs.append(out)
+    return np.pad(x, ((0, 0), pads[0], pads[1], (0, 0))), outs[0], outs[1]
+
+
+def np_conv2d(x, w, bias, strides, padding, dilation, act):
+    x = np.asarray(x, np.float64)
+    kh, kw = w.shape[:2]
+    xp, oh, ow = _np_pad(x, (kh, kw), strides, dilation, padding)
+    y = np.zeros((x.shape[0], oh, ow, w.shape[-1]))
+    for i in range(kh):
+        for j in range(kw):
+            r0, c0 = i * dilation[0], j * dilation[1]
+            patch = xp[:, r0:r0 + (oh - 1) * strides[0] + 1:strides[0], c0:c0 + (ow - 1) * strides[1] + 1:strides[1], :]
+            y += patch @ w[i, j]
+    if bias is not None:
+        y = y + bias
+    return NP_ACTS[act](y)
+
+
+def np_depthwise(x, w, bias, strides, padding, act):
+    kh, kw, cin, dm = w.shape
+    full = np.zeros((kh, kw, cin, cin * dm))
+    for c in range(cin):
+        full[:, :, c, c * dm:(c + 1) * dm] = w[:, :, c, :]
+    return np_conv2d(x, full, bias, strides, padding, (1, 1), act)
+
+
+CONV_CASES = [
+    dict(filters=4, kernel_size=3, padding="same", activation="relu"),
+    dict(filters=5, kernel_size=3, strides=2, padding="valid"),
+    dict(filters=3, kernel_size=(2, 3), dilation_rate=2, padding="same", activation="tanh"),
+    dict(filters=6, kernel_size=1, activation="relu"),  # 1x1 stride 1: an Int8MatMul
+    dict(filters=2, kernel_size=3, activation="sigmoid", use_bias=False),
+]
+
+
+def _random_conv(cls, kwargs, shape, seed):
+    layer = cls(**kwargs)
+    layer.build(shape)
+    rng = np.random.default_rng(seed)
+    layer.set_weights([rng.normal(size=w.shape).astype("float32") for w in layer.weights])
+    return layer
+
+
+@pytest.mark.parametrize("kwargs", CONV_CASES)
+def test_conv2d_matches_numpy_and_the_float_layer(kwargs):
+    x = np.random.default_rng(30).normal(size=(2, 7, 6, 3)).astype("float32")
+    layer = _random_conv(FusedConv2D, kwargs, x.shape, 31)
+    y_float = np.asarray(layer(x))
+    w = layer._kernel.numpy()
+    layer.quantize("int8")
+    q, scale = np_quantize(w, (0, 1, 2))
+    np.testing.assert_array_equal(layer._kernel.numpy(), q)
+    np.testing.assert_array_equal(layer.kernel_scale.numpy(), scale.reshape(-1))
+    strides = layer.strides
+    want = np_conv2d(
+        x, q.astype(np.float64) / scale.astype(np.float64), layer.bias.numpy() if layer.use_bias else None,
+        strides, layer.padding, layer.dilation_rate, kwargs.get("activation") or "linear",
+    )
+    y = np.asarray(layer(x))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    # Half a step per weight: |dy| <= sum |x| * 0.5 / scale over each window (bounded by all of x).
+    assert np.max(np.abs(y - y_float)) <= np.sum(np.abs(x[0])) * np.max(0.5 / scale) + 1e-5
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=3, depth_multiplier=2, padding="same", activation="relu"),
+                                    dict(kernel_size=2, strides=2, activation="linear")])
+def test_depthwise_matches_numpy(kwargs):
+    x = np.random.default_rng(32).normal(size=(2, 6, 6, 3)).astype("float32")
+    layer = _random_conv(FusedDepthwiseConv2D, kwargs, x.shape, 33)
+    w = layer.kernel.numpy()
+    layer.quantize("int8")
+    q, scale = np_quantize(w, (0, 1))
+    np.testing.assert_array_equal(layer.kernel.numpy(), q)
+    np.testing.assert_array_equal(layer._kernel.numpy(), q)
+    dm = layer.depth_multiplier
+    assert layer.kernel_scale.shape == (3 * dm,)
+    np.testing.assert_array_equal(layer.kernel_scale.numpy(), scale.reshape(-1))
+    want = np_depthwise(x, q.astype(np.float64) / scale.astype(np.float64), layer.bias.numpy(), layer.strides,
+                        layer.padding, kwargs["activation"])
+    np.testing.assert_allclose(np.asarray(layer(x)), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls,kwargs", [(FusedConv2D, dict(filters=4, kernel_size=3)),
+                                        (FusedDepthwiseConv2D, dict(kernel_size=3, depth_multiplier=2))])
+def test_conv_variables_policy_and_store_order(cls, kwargs):
+    layer = _random_conv(cls, kwargs, (1, 5, 5, 3), 34)
+    layer.quantize("int8")
+    rows = _var_rows(layer)
+    channels = kwargs.get("filters", 3 * kwargs.get("depth_multiplier", 1))
+    assert sorted(rows) == sorted([("bias", "float32", True, (channels,)),
+                                   ("kernel", "int8", False, tuple(layer._kernel.shape)),
+                                   ("kernel_scale", "float32", False, (channels,))])
+    assert layer.dtype_policy.name == "int8_from_float32"
+    store = {}
+    layer.save_own_variables(store)
+    assert [np.asarray(store[k]).dtype for k in ("0", "1", "2")] == [np.int8, np.float32, np.float32]
+    assert np.asarray(store["1"]).shape == (channels,)  # kernel, bias, kernel_scale
+    built = cls(dtype="int8_from_float32", **kwargs)
+    built.build((1, 5, 5, 3))
+    assert sorted(_var_rows(built)) == sorted(rows)
+    built.load_own_variables(store)
+    x = np.random.default_rng(35).normal(size=(1, 5, 5, 3)).astype("float32")
+    np.testing.assert_array_equal(np.asarray(built(x)), np.asarray(layer(x)))
+
+
+def _conv_model():
+    inputs = keras.Input((8, 8, 3))
+    h = FusedConv2D(4, 3, padding="same", activation="relu", name="conv3")(inputs)
+    h = FusedDepthwiseConv2D(3, padding="same", activation="relu", name="dw")(h)
+    h = FusedConv2D(6, 1, activation="relu", name="conv1")(h)
+    h = keras.layers.Conv2D(4, 3, name="stock_conv")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    outputs = FusedDense(2, name="fc")(h)
+    return keras.Model(inputs, outputs)
+
+
+def test_model_quantize_mixes_convs_and_stock_layers(tmp_path):
+    model = _conv_model()
+    x = np.random.default_rng(36).normal(size=(2, 8, 8, 3)).astype("float32")
+    y_float = np.asarray(model(x))
+    with pytest.warns(UserWarning, match="Layer Conv2D does not have a `quantize`"):
+        model.quantize("int8")  # stock Conv2D has no quantize in Keras 3.15: skipped with Keras' warning
+    modes = {l.name: l.quantization_mode for l in model.layers}
+    assert modes["stock_conv"] is None
+    assert all(modes[n] == "int8" for n in ("conv3", "dw", "conv1", "fc"))
+    y = np.asarray(model(x))
+    assert np.max(np.abs(y - y_float)) < 0.05 * (np.max(np.abs(y_float)) + 1)
+    path = str(tmp_path / "convs.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    np.testing.assert_array_equal(np.asarray(loaded(x)), y)
+    report = ti.fusion_report(model)
+    if int8_ops.int8_uses_kernel("conv2d"):
+        assert report.ops_by_type.get(INT8_CONV2D) == 1
+    if int8_ops.int8_uses_kernel("matmul"):
+        assert report.ops_by_type.get(INT8_MATMUL) == 2  # the 1x1 conv and the dense
+    for name, op, kind in (("conv3", INT8_CONV2D, "conv2d"), ("conv1", INT8_MATMUL, "matmul"),
+                           ("fc", INT8_MATMUL, "matmul")):
+        row = report.row(name)
+        if int8_ops.int8_uses_kernel(kind) and op in catalog.FUSED_LAYER_OPS:
+            assert (row.status, row.actual_op) == ("fused", op), name
+        else:
+            assert row.status != "missed" and "reference" in row.reason, name
+    assert report.row("dw").status != "missed"
+
+
+def test_conv_gradients_and_fit():
+    model = keras.Sequential([keras.Input((6, 6, 2)), FusedConv2D(3, 3, activation="tanh", name="c"),
+                              FusedDepthwiseConv2D(2, name="d"), keras.layers.Flatten(), FusedDense(1)])
+    model.quantize("int8")
+    conv = model.get_layer("c")
+    x = tf.constant(np.random.default_rng(37).normal(size=(2, 6, 6, 2)).astype("float32"))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = conv(x, training=True)
+        loss = tf.reduce_sum(y)
+    dx, dbias = tape.gradient(loss, [x, conv.bias])
+    w = tf.constant((conv._kernel.numpy() / conv.kernel_scale.numpy()).astype("float32"))
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss_ref = tf.reduce_sum(tf.tanh(tf.nn.conv2d(x, w, 1, "VALID") + conv.bias))
+    dx_ref, dbias_ref = tape.gradient(loss_ref, [x, conv.bias])
+    np.testing.assert_allclose(dx.numpy(), dx_ref.numpy(), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(dbias.numpy(), dbias_ref.numpy(), rtol=1e-4, atol=1e-4)
+    assert sorted(v.name for v in model.trainable_weights) == ["bias", "bias", "bias"]
+    kernels = [v.numpy().copy() for v in model.non_trainable_weights]
+    model.compile(optimizer="sgd", loss="mse")
+    rng = np.random.default_rng(38)
+    history = model.fit(rng.normal(size=(8, 6, 6, 2)), rng.normal(size=(8, 1)), epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+    for v, k in zip(model.non_trainable_weights, kernels):
+        np.testing.assert_array_equal(v.numpy(), k)
+
+
+def test_conv_quantize_errors():
+    grouped = FusedConv2D(4, 3, groups=2)
+    grouped.build((1, 6, 6, 4))
+    with pytest.raises(NotImplementedError, match="groups=2"):
+        grouped.quantize("int8")
+    first = FusedConv2D(4, 3, data_format="channels_first")
+    first.build((1, 3, 6, 6))
+    with pytest.raises(NotImplementedError, match="channels_first"):
+        first.quantize("int8")
+    lora = FusedConv2D(4, 3, lora_rank=2)
+    lora.build((1, 6, 6, 3))
+    with pytest.raises(NotImplementedError, match="LoRA"):
+        lora.quantize("int8")
+    conv = FusedConv2D(4, 3)
+    with pytest.raises(ValueError, match="isn't yet built"):
+        conv.quantize("int8")
+    conv.build((1, 6, 6, 3))
+    with pytest.raises(NotImplementedError, match="'int8'"):
+        conv.quantize("int4")
+    with pytest.raises(ValueError, match="activations stay float"):
+        conv.quantize("int8", config=keras.quantizers.Int8QuantizationConfig(
+            activation_quantizer=keras.quantizers.AbsMaxQuantizer(value_range=(-3, 3))))
+    assert conv.quantization_mode is None
+    conv.quantize("int8")
+    with pytest.raises(ValueError, match="is already quantized"):
+        conv.quantize("int8")
+    with pytest.raises(NotImplementedError, match="groups=2"):
+        FusedConv2D(4, 3, groups=2, dtype="int8_from_float32").build((1, 6, 6, 4))
+    model = keras.Sequential([keras.Input((6, 6, 4)), FusedConv2D(4, 3, groups=2), keras.layers.Flatten(),
+                              FusedDense(2)])
+    with pytest.warns(UserWarning, match="groups=2"):
+        model.quantize("int8")  # Keras skips the layer whose quantize raises NotImplementedError
+    assert [l.quantization_mode for l in model.layers] == [None, None, "int8"]
+
+    class Sub(FusedDepthwiseConv2D):
+        pass
+
+    sub = Sub(3)
+    sub.build((1, 6, 6, 2))
     with pytest.raises(NotImplementedError):
         sub.quantize("int8")
     sub.quantize("int8", type_check=False)

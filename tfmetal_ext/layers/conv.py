@@ -2,15 +2,145 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import keras
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
-from tfmetal_ext.layers._contraction import ConvDropIn, bias_and_activation, stock_path_reason
+from tfmetal_ext.layers import _quantize as Q
+from tfmetal_ext.layers._contraction import (
+    ConvDropIn,
+    apply_activation,
+    bias_and_activation,
+    resolve_activation,
+    stock_path_reason,
+)
+
+
+class _Int8Conv:
+    """Keras' int8 quantization API for the conv drop-ins (stock Keras 3.15 convs have none).
+
+    Subclasses set `_int8_axes` (the kernel axes the scale reduces over) and
+    implement `_int8_channels`, `_add_int8_kernel` and `_int8_call`. Variables
+    of the int8 form: an int8 kernel (non-trainable) and ``kernel_scale``,
+    float32, one per output channel; stored as kernel, bias, kernel_scale.
+    """
+
+    _int8_axes = (0, 1, 2)
+
+    def _int8_unsupported(self):
+        """Why this layer has no int8 form, or None."""
+        if self.data_format != "channels_last":
+            return "data_format='channels_first' (the int8 form is NHWC)"
+        if getattr(self, "groups", 1) != 1:
+            return f"groups={self.groups} (the int8 convolution has no groups)"
+        if getattr(self, "lora_enabled", False):
+            return "LoRA is enabled (LoRA on an int8 convolution is not implemented)"
+        return None
+
+    def _int8_not_implemented(self, reason):
+        return NotImplementedError(
+            f"{type(self).__name__} has no int8 form for this configuration: {reason}. "
+            f"Received: data_format={self.data_format!r}, groups={getattr(self, 'groups', 1)}, "
+            f"lora_enabled={getattr(self, 'lora_enabled', False)}"
+        )
+
+    @property
+    def variable_serialization_spec(self):
+        """The stored variable names per quantization mode, in store order (as Keras' Dense)."""
+        return {mode: list(names) for mode, names in Q.SERIALIZATION_SPEC.items()}
+
+    def quantize(self, mode=None, type_check=True, config=None):
+        """Quantizes the kernel to int8 in place (Keras' API; see `FusedDense.quantize`).
+
+        Raises:
+            ValueError: Keras' checks (unbuilt, already quantized, unknown
+                mode, float16 compute dtype) or a config the form does not
+                implement (an activation quantizer, a non-default weight quantizer).
+            NotImplementedError: a subclass with `type_check`, a mode other
+                than int8, or a configuration the int8 form does not run
+                (channels_first, groups > 1, LoRA enabled; `model.quantize`
+                skips such layers with Keras' warning).
+        """
+        if type_check and type(self) not in (FusedConv2D, FusedDepthwiseConv2D):
+            raise self._not_implemented_error(self.quantize)
+        if mode != Q.INT8:
+            raise Q.not_int8_error(self, mode)
+        reason = self._int8_unsupported()
+        if reason is not None:
+            raise self._int8_not_implemented(reason)
+        kernel = self._kernel
+        config = Q.check_config(self, config, axes=self._int8_axes, ndim=len(kernel.shape))
+        q, scale = Q.quantize_kernel(kernel, self._int8_axes, self._int8_channels(kernel.shape))
+        kernel_shape = tuple(kernel.shape)
+        self.quantization_config = config
+        self._drop_float_kernel()
+        self.quantized_build(kernel_shape, mode, config)
+        self._kernel.assign(q)
+        self.kernel_scale.assign(scale)
+        Q.set_policy(self)
+
+    def quantized_build(self, kernel_shape, mode, config=None):
+        if mode != Q.INT8:
+            raise Q.not_int8_error(self, mode)
+        reason = self._int8_unsupported()
+        if reason is not None:
+            raise self._int8_not_implemented(reason)
+        self._int8_build(kernel_shape, config)
+        self._is_quantized = True
+
+    def _int8_build(self, kernel_shape, config=None):
+        self.inputs_quantizer = None  # weight-only: the inputs stay float
+        channels = self._int8_channels(kernel_shape)
+        self._add_int8_kernel(kernel_shape)
+        self.kernel_scale = self.add_weight(
+            name="kernel_scale", shape=(channels,), initializer="ones", trainable=False, autocast=False
+        )
+
+    def _build_int8(self, input_shape, kernel_shape, bias_channels):
+        """`build` under an ``int8_from_*`` policy: the int8 kernel and scale, then the bias."""
+        self.quantized_build(kernel_shape, mode=self.quantization_mode, config=getattr(self, "quantization_config", None))
+        self.bias = None
+        if self.use_bias:
+            self.bias = self.add_weight(
+                name="bias", shape=(bias_channels,), initializer=self.bias_initializer,
+                regularizer=self.bias_regularizer, constraint=self.bias_constraint, trainable=True,
+                dtype=self.dtype,
+            )
+        self.built = True
+
+    def save_own_variables(self, store):
+        if self.quantization_mode is None:
+            return super().save_own_variables(store)
+        if not self.built:
+            return
+        values = {"kernel": self._kernel, "bias": self.bias, "kernel_scale": self.kernel_scale}
+        for i, name in enumerate(Q.stored_names(self)):
+            store[str(i)] = keras.ops.convert_to_numpy(values[name])
+
+    def load_own_variables(self, store):
+        if self.quantization_mode is None:
+            return super().load_own_variables(store)
+        if not self.built:
+            return
+        names = Q.stored_names(self)
+        Q.check_store(self, store, names)
+        targets = {"kernel": self._kernel, "bias": self.bias, "kernel_scale": self.kernel_scale}
+        for i, name in enumerate(names):
+            targets[name].assign(store[str(i)])
+
+    def _int8_epilogue(self, run):
+        """`run(bias, act)` with the activation in the op where the op has it, else applied after."""
+        _, name = resolve_activation(self.activation)
+        if name in fusion.INT8_ACTIVATIONS:
+            return run(self.bias if self.use_bias else None, name)
+        return apply_activation(run(self.bias if self.use_bias else None, None), self.activation, name)
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FusedConv2D(ConvDropIn, keras.layers.Conv2D):
+class FusedConv2D(_Int8Conv, ConvDropIn, keras.layers.Conv2D):
     """2-D convolution that emits ``Conv2D -> BiasAdd -> activation`` and nothing else.
 
     A drop-in for `keras.layers.Conv2D`: a subclass with the same arguments
@@ -72,6 +202,55 @@ class FusedConv2D(ConvDropIn, keras.layers.Conv2D):
         """None when the fused form runs (dilated included), else why the stock form runs."""
         return stock_path_reason(self, dilation=False)
 
+    # int8 (Keras' quantization API; stock Conv2D has none in Keras 3.15).
+
+    def build(self, input_shape):
+        if not self.quantization_mode:
+            return super().build(input_shape)
+        input_channel = input_shape[-1] if self.data_format == "channels_last" else input_shape[1]
+        channel_axis = -1 if self.data_format == "channels_last" else 1
+        self.input_spec = keras.layers.InputSpec(min_ndim=self.rank + 2, axes={channel_axis: input_channel})
+        if input_channel % self.groups != 0:
+            raise ValueError(
+                "The number of input channels must be evenly divisible by the number of groups. "
+                f"Received groups={self.groups}, but the input has {input_channel} channels "
+                f"(full input shape is {input_shape})."
+            )
+        self.compute_output_shape(input_shape)
+        kernel_shape = tuple(self.kernel_size) + (input_channel // self.groups, self.filters)
+        self._build_int8(input_shape, kernel_shape, self.filters)
+
+    def _int8_channels(self, kernel_shape):
+        return int(kernel_shape[-1])
+
+    def _add_int8_kernel(self, kernel_shape):
+        self._kernel = self.add_weight(
+            name="kernel", shape=tuple(kernel_shape), initializer="zeros", dtype="int8", trainable=False
+        )
+
+    def _drop_float_kernel(self):
+        del self._kernel
+
+    @property
+    def _int8_as_matmul(self):
+        """A 1x1, stride-1 filter: the convolution is a MatMul over the channels (TfmetalExt>Int8MatMul)."""
+        return tuple(self.kernel_size) == (1, 1) and tuple(self.strides) == (1, 1)
+
+    def _int8_call(self, inputs):
+        tops = Q.ops()
+        scale = Q.scale_f32(self)
+        if self._int8_as_matmul:
+            kernel = tf.reshape(self._kernel, self._kernel.shape[2:])
+            return self._int8_epilogue(
+                lambda bias, act: tops.int8_matmul(inputs, kernel, scale, bias=bias, activation=act)
+            )
+        return self._int8_epilogue(
+            lambda bias, act: tops.int8_conv2d(
+                inputs, self._kernel, scale, bias=bias, strides=self.strides, padding=self.padding,
+                dilation_rate=self.dilation_rate, activation=act,
+            )
+        )
+
     def call(self, inputs):
         if self.fused_path_reason() is not None or len(inputs.shape) != 4:
             return super().call(inputs)
@@ -88,7 +267,7 @@ class FusedConv2D(ConvDropIn, keras.layers.Conv2D):
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FusedDepthwiseConv2D(ConvDropIn, keras.layers.DepthwiseConv2D):
+class FusedDepthwiseConv2D(_Int8Conv, ConvDropIn, keras.layers.DepthwiseConv2D):
     """Depthwise 2-D convolution that emits ``DepthwiseConv2dNative -> BiasAdd -> activation``.
 
     A drop-in for `keras.layers.DepthwiseConv2D`: a subclass with the same
@@ -152,19 +331,67 @@ class FusedDepthwiseConv2D(ConvDropIn, keras.layers.DepthwiseConv2D):
     def call(self, inputs):
         if self.fused_path_reason() is not None or len(inputs.shape) != 4:
             return super().call(inputs)
+        return self._fused(inputs, self.kernel)
+
+    def _fused(self, inputs, kernel):
         strides = (1,) + tuple(self.strides) + (1,)
         if self.dilated:
             outputs = tf.nn.depthwise_conv2d(
-                inputs, self.kernel, strides=strides, padding=self.padding.upper(),
+                inputs, kernel, strides=strides, padding=self.padding.upper(),
                 dilations=self.dilation_rate, data_format="NHWC",
             )
         else:
             # The raw op: exactly one DepthwiseConv2dNative node for the remapper.
             outputs = tf.raw_ops.DepthwiseConv2dNative(
-                input=inputs, filter=self.kernel, strides=list(strides),
+                input=inputs, filter=kernel, strides=list(strides),
                 padding=self.padding.upper(), data_format="NHWC",
             )
         return bias_and_activation(self, outputs)
+
+    # int8 (Keras' quantization API; stock DepthwiseConv2D has none in Keras 3.15). The int8 kernel
+    # keeps the stock attribute name (`kernel`); `_kernel` reads it, as on the other layers.
+
+    _int8_axes = (0, 1)
+
+    @property
+    def _kernel(self):
+        return self.kernel
+
+    def _int8_unsupported(self):
+        reason = super()._int8_unsupported()
+        if reason is None and self.dilated and max(self.strides) > 1:
+            reason = "strides > 1 with dilation_rate > 1 (Keras decomposes that convolution)"
+        return reason
+
+    def build(self, input_shape):
+        if not self.quantization_mode:
+            return super().build(input_shape)
+        input_channel = input_shape[-1] if self.data_format == "channels_last" else input_shape[1]
+        channel_axis = -1 if self.data_format == "channels_last" else 1
+        self.input_spec = keras.layers.InputSpec(min_ndim=self.rank + 2, axes={channel_axis: input_channel})
+        self.compute_output_shape(input_shape)
+        kernel_shape = tuple(self.kernel_size) + (input_channel, self.depth_multiplier)
+        self._build_int8(input_shape, kernel_shape, input_channel * self.depth_multiplier)
+
+    def _int8_channels(self, kernel_shape):
+        return int(kernel_shape[-2]) * int(kernel_shape[-1])  # Cin * depth_multiplier output channels
+
+    def _add_int8_kernel(self, kernel_shape):
+        self.kernel = self.add_weight(
+            name="kernel", shape=tuple(kernel_shape), initializer="zeros", dtype="int8", trainable=False
+        )
+
+    def _drop_float_kernel(self):
+        del self.kernel
+
+    def _int8_call(self, inputs):
+        # The kernel is small: de-quantize it (Cast, RealDiv) and run the float layer's fused pattern
+        # (DepthwiseConv2dNative -> BiasAdd -> activation). Output channel c * depth_multiplier + m
+        # has scale index c * depth_multiplier + m, so the scale reshapes to the kernel's last two axes.
+        kernel = Q.dequantized(self, dtype=tf.float32, shape=self.kernel.shape[-2:])
+        if inputs.dtype != tf.float32:
+            kernel = tf.cast(kernel, inputs.dtype)
+        return self._fused(inputs, kernel)
 
 
 # ----------------------------------------------------------------------------
@@ -204,5 +431,41 @@ def _fused_depthwise_rule(layer, ctx):
     )
 
 
-catalog.register_rule(FusedConv2D, catalog.unless_avoided("conv_bias_relu", _fused_conv2d_rule))
-catalog.register_rule(FusedDepthwiseConv2D, catalog.unless_avoided("conv_bias_relu", _fused_depthwise_rule))
+_conv2d_float_rule = catalog.unless_avoided("conv_bias_relu", _fused_conv2d_rule)
+_depthwise_float_rule = catalog.unless_avoided("conv_bias_relu", _fused_depthwise_rule)
+
+
+def _int8_note(layer):
+    _, name = resolve_activation(layer.activation)
+    return None if name in fusion.INT8_ACTIVATIONS else "this activation runs after the op"
+
+
+def _conv2d_rule(layer, ctx):
+    if layer.quantization_mode != Q.INT8:
+        return _conv2d_float_rule(layer, ctx)
+    if layer._int8_as_matmul:  # 1x1, stride 1: one TfmetalExt>Int8MatMul over the channels
+        reference = catalog.contraction_rule(
+            "matmul_bias_act", fusion.FUSED_MATMUL, layer, ctx, act=catalog.act_op(layer)
+        )
+        return catalog.int8_rule(layer, ctx, "matmul", note=_int8_note(layer), reference=reference)
+    reference = _dilation_block(layer, "conv2d_bias_act") or catalog.conv2d_rule(layer, ctx)
+    return catalog.int8_rule(layer, ctx, "conv2d", note=_int8_note(layer), reference=reference)
+
+
+def _int8_depthwise_rule(layer, ctx):
+    exp = _dilation_block(layer, "depthwise_bias_act") or catalog.depthwise_rule(layer, ctx)
+    note = "int8: the kernel is de-quantized (Cast, RealDiv) before the DepthwiseConv2dNative"
+    return dataclasses.replace(exp, note="; ".join(n for n in (exp.note, note) if n))
+
+
+_depthwise_int8_rule = catalog.unless_avoided("conv_bias_relu", _int8_depthwise_rule)
+
+
+def _depthwise_rule(layer, ctx):
+    if layer.quantization_mode == Q.INT8:
+        return _depthwise_int8_rule(layer, ctx)
+    return _depthwise_float_rule(layer, ctx)
+
+
+catalog.register_rule(FusedConv2D, _conv2d_rule)
+catalog.register_rule(FusedDepthwiseConv2D, _depthwise_rule)
