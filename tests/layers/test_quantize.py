@@ -612,3 +612,44 @@ def test_conv_quantize_errors():
         sub.quantize("int8")
     sub.quantize("int8", type_check=False)
     assert sub.quantization_mode == "int8"
+
+
+def test_avoid_fusions_runs_the_reference_with_the_reason():
+    import tfmetal_ext
+
+    model = _conv_model()
+    model.quantize("int8")
+    x = np.random.default_rng(40).normal(size=(2, 8, 8, 3)).astype("float32")
+    y_op = np.asarray(model(x))
+    try:
+        tfmetal_ext.configure("float32", avoid_fusions=["int8_matmul", "int8_conv2d"])
+        report = ti.fusion_report(model)
+        assert INT8_MATMUL not in report.ops_by_type and INT8_CONV2D not in report.ops_by_type
+        for name in ("conv3", "conv1", "fc"):
+            assert "avoid_fusions" in report.row(name).reason, name
+        traced = tf.function(model)  # traced while avoided: the reference form
+        np.testing.assert_allclose(np.asarray(traced(x)), y_op, rtol=1e-5, atol=1e-5)
+    finally:
+        tfmetal_ext.configure("float32", avoid_fusions=())
+
+
+@pytest.mark.parametrize("cls,kwargs", [(FusedConv2D, dict(filters=4, kernel_size=3, padding="same")),
+                                        (FusedConv2D, dict(filters=4, kernel_size=1)),
+                                        (FusedDepthwiseConv2D, dict(kernel_size=3))])
+def test_conv_mixed_bfloat16(cls, kwargs):
+    layer = cls(dtype="mixed_bfloat16", **kwargs)
+    layer.build((2, 6, 6, 3))
+    layer.quantize("int8")
+    assert layer.dtype_policy.name == "int8_from_mixed_bfloat16"
+    assert keras.backend.standardize_dtype(layer.kernel_scale.dtype) == "float32"
+    x = np.random.default_rng(41).normal(size=(2, 6, 6, 3)).astype("float32")
+    y = layer(x)
+    assert y.dtype == tf.bfloat16
+    float_layer = cls(**kwargs)
+    float_layer.build((2, 6, 6, 3))
+    q = layer._kernel.numpy().astype(np.float32)
+    scale = layer.kernel_scale.numpy().reshape(q.shape[-2:] if cls is FusedDepthwiseConv2D else q.shape[-1:])
+    float_layer.set_weights([q / scale, layer.bias.numpy()])
+    xb = np.asarray(tf.cast(tf.cast(x, tf.bfloat16), tf.float32))
+    want = np.asarray(float_layer(xb))
+    np.testing.assert_allclose(np.asarray(tf.cast(y, tf.float32)), want, rtol=3e-2, atol=3e-2 * np.max(np.abs(want)))

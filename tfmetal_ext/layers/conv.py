@@ -172,6 +172,18 @@ class FusedConv2D(_Int8Conv, ConvDropIn, keras.layers.Conv2D):
     ``data_format="channels_first"`` run the stock Keras form (the fusion
     report says why: `fused_path_reason`).
 
+    int8: `quantize` (``"int8"``, ``model.quantize("int8")``, a dtype policy
+    ``"int8_from_<policy>"``), which stock Conv2D lacks in Keras 3.15, stores
+    the kernel as int8 with a float ``kernel_scale`` per filter (Keras' abs-max
+    scheme, `tfmetal_ext.ops.quantize_int8`; stored as kernel, bias,
+    kernel_scale) and runs one ``TfmetalExt>Int8Conv2D`` per call (a 1x1
+    stride-1 filter: one ``TfmetalExt>Int8MatMul`` over the channels), bias
+    and activation in the op. Weight-only: the activations stay float; the
+    int8 kernel and scale are not trainable, gradients reach the inputs and
+    the bias. ``groups > 1``, ``channels_first`` and LoRA have no int8 form
+    (NotImplementedError, so ``model.quantize`` skips the layer with Keras'
+    warning).
+
     Args:
         As `keras.layers.Conv2D`.
 
@@ -293,6 +305,13 @@ class FusedDepthwiseConv2D(_Int8Conv, ConvDropIn, keras.layers.DepthwiseConv2D):
     convolution: the CPU DepthwiseConv2dNative kernel has no dilation without
     oneDNN) and does not fuse. ``data_format="channels_first"`` and strides > 1
     together with dilation > 1 run the stock Keras form (`fused_path_reason`).
+
+    int8: `quantize` as `FusedConv2D` (stock DepthwiseConv2D has none in
+    Keras 3.15): an int8 ``kernel`` (also readable as ``_kernel``) and a float
+    ``kernel_scale`` of the ``in * depth_multiplier`` output channels. The
+    kernel is small, so each call de-quantizes it (Cast, RealDiv) and runs the
+    float pattern above. channels_first and strides > 1 with dilation > 1
+    have no int8 form (NotImplementedError).
 
     Args:
         As `keras.layers.DepthwiseConv2D`.
