@@ -653,3 +653,19 @@ def test_conv_mixed_bfloat16(cls, kwargs):
     xb = np.asarray(tf.cast(tf.cast(x, tf.bfloat16), tf.float32))
     want = np.asarray(float_layer(xb))
     np.testing.assert_allclose(np.asarray(tf.cast(y, tf.float32)), want, rtol=3e-2, atol=3e-2 * np.max(np.abs(want)))
+
+
+def test_dense_other_activation_rank3_lora_and_sparse_inputs():
+    ours, _ = _built_pair(activation="silu", seed=50)
+    ours.enable_lora(2)
+    ours.quantize("int8")
+    rng = np.random.default_rng(51)
+    ours.lora_kernel_b.assign(rng.normal(size=ours.lora_kernel_b.shape).astype("float32"))
+    a, b = ours.lora_kernel_a.numpy().astype(np.float64), ours.lora_kernel_b.numpy().astype(np.float64)
+    w = ours._kernel.numpy().astype(np.float64) / ours.kernel_scale.numpy() + a @ b
+    x = rng.normal(size=(2, 3, 5)).astype("float32")
+    z = x.astype(np.float64) @ w + ours.bias.numpy()
+    np.testing.assert_allclose(np.asarray(ours(x)), z / (1 + np.exp(-z)), rtol=1e-4, atol=1e-4)
+    dense_x = np.where(rng.random((4, 5)) < 0.5, 0, rng.normal(size=(4, 5))).astype("float32")
+    sparse = tf.sparse.from_dense(dense_x)
+    np.testing.assert_allclose(np.asarray(ours(sparse)), np.asarray(ours(dense_x)), rtol=1e-5, atol=1e-5)
