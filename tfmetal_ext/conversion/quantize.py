@@ -318,8 +318,9 @@ def quantize_model(model, new, report, x=None, verify=True):
         report.notes.append(
             f"{len(held)} quantized layer(s) sit inside a subclassed layer or model ({', '.join(held[:3])}"
             f"{', ...' if len(held) > 3 else ''}): a subclass makes its sublayers in float when Keras loads it "
-            "from a .keras file, so the int8 model saved from here does not load back; save the float "
-            "inference form instead and quantize after loading"
+            "from a .keras file, so the int8 model saved from here does not load back (the same holds for "
+            "Keras' own model.quantize, e.g. of a MultiHeadAttention); save the float inference form "
+            "instead and quantize after loading"
         )
     if not verify:
         return
