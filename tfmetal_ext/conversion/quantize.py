@@ -22,9 +22,9 @@ quantization), in two parts:
   at most ``L * bound`` (`ACTIVATION_LIPSCHITZ`). The check is
   ``|y_int8 - y_float| <= L * bound + slack`` per entry, where
   ``slack = max(FLOAT_SLACK, FLOAT_SLACK_PER_ROOT_K sqrt(K)) * (|x| (*) |w|) + OUTPUT_SLACK * max|y|``
-  (K terms per output) covers the two float32
-  accumulations' rounding (a bfloat16 / float16 layer: plus a few of its roundoffs of |y|). A layer class or activation without a bound here is checked end to
-  end only (the report says so).
+  (K terms per output) covers the two float32 accumulations' rounding (a bfloat16 / float16
+  layer: plus a few of its roundoffs of |y|). A layer class or activation without a bound here
+  is checked end to end only (the report says so).
 - End to end: ``max |y_int8 - y_float| / max |y_float| <= output_tolerance(n)`` for each output,
   `n` the number of quantized layers. The per-layer bound is a worst case (every weight error
   at half a step, all of one sign against x); the weight errors are in fact independent and

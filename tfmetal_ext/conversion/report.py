@@ -185,7 +185,8 @@ class ConversionReport:
                          f"(tolerance {self.quantized_output_tolerance:.2g})")
         width = max((len(f"{q.name} [{q.class_name}]") for q in self.quantized), default=0)
         for q in self.quantized:
-            row = f"  {q.name + ' [' + q.class_name + ']':<{width}}  {_bytes(q.bytes_before)} -> {_bytes(q.bytes_after)}"
+            label = f"{q.name} [{q.class_name}]"
+            row = f"  {label:<{width}}  {_bytes(q.bytes_before)} -> {_bytes(q.bytes_after)}"
             if q.max_abs_error is not None:
                 row += f"; max error {q.max_abs_error:.3g} ({q.max_rel_error:.2%} of max |y|)"
                 row += f", bound {q.bound:.3g}" if q.bound is not None else ", no bound"
