@@ -325,12 +325,40 @@ def reference_int8_matmul(x, kernel, kernel_scale, bias=None, activation=None, a
 def reference_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), padding="VALID", dilations=(1, 1),
                           activation=None, alpha=LEAKY_RELU_ALPHA):
     """The convolution of `int8_conv2d` with the de-quantized kernel, in float32, cast back to x's dtype."""
+    empty = _empty_conv_output(x, kernel, strides, padding, dilations)
+    if empty is not None:  # TF's Conv2D rejects a VALID window larger than the input; the op gives empty output
+        return tf.zeros(empty, x.dtype)
     xf = tf.cast(x, tf.float32)
-    y = tf.nn.conv2d(xf, dequantize(kernel, kernel_scale), strides=list(strides), padding=padding.upper(),
-                     dilations=list(dilations))
+    # The dilated kernel spelled out (zeros between the taps): the same convolution, and TF's CPU
+    # Conv2D gradient kernels take no dilation.
+    w = _dilate(dequantize(kernel, kernel_scale), dilations)
+    y = tf.nn.conv2d(xf, w, strides=list(strides), padding=padding.upper())
     if bias is not None:
         y = tf.nn.bias_add(y, tf.cast(bias, tf.float32))
     return tf.cast(_activate(y, activation, alpha), x.dtype)
+
+
+def _dilate(w, dilations):
+    """HWIO `w` with dilations[i] - 1 zeros between its taps along H and W (no-op for (1, 1))."""
+    dh, dw = dilations
+    if (dh, dw) == (1, 1):
+        return w
+    kh, kw, ci, co = tf.unstack(tf.shape(w))
+    wide = tf.pad(w[:, None, :, None], [[0, 0], [0, dh - 1], [0, 0], [0, dw - 1], [0, 0], [0, 0]])
+    wide = tf.reshape(wide, tf.stack([kh * dh, kw * dw, ci, co]))
+    return wide[: (kh - 1) * dh + 1, : (kw - 1) * dw + 1]
+
+
+def _empty_conv_output(x, kernel, strides, padding, dilations):
+    """The static output shape when a VALID convolution has no output position, else None."""
+    if padding.upper() != "VALID" or x.shape.rank != 4 or None in x.shape[1:3] or None in kernel.shape:
+        return None
+    out = [max(0, (x.shape[1 + i] - ((kernel.shape[i] - 1) * dilations[i] + 1)) // strides[i] + 1)
+           if x.shape[1 + i] >= (kernel.shape[i] - 1) * dilations[i] + 1 else 0 for i in range(2)]
+    if min(out) > 0:
+        return None
+    batch = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+    return [batch, out[0], out[1], kernel.shape[3]]
 
 
 # ----------------------------------------------------------------------------
@@ -406,8 +434,8 @@ def _int8_conv2d_grad(op, dy):
     padding = op.get_attr("padding")
     padding = padding.decode() if isinstance(padding, bytes) else padding
     dx = tf.raw_ops.Conv2DBackpropInput(
-        input_sizes=tf.shape(x), filter=dequantize(kernel, scale), out_backprop=dz, strides=[1, sh, sw, 1],
-        padding=padding, dilations=[1, dh, dw, 1])
+        input_sizes=tf.shape(x), filter=_dilate(dequantize(kernel, scale), (dh, dw)), out_backprop=dz,
+        strides=[1, sh, sw, 1], padding=padding)
     dbias = tf.cast(tf.reduce_sum(dz, axis=[0, 1, 2]), bias.dtype) if op.get_attr("has_bias") else tf.zeros_like(bias)
     return tf.cast(dx, x.dtype), None, None, dbias
 
