@@ -122,7 +122,8 @@ template <typename T>
   const float b = p.has_bias != 0 ? static_cast<float>(bias[col]) : 0.0f;
   for (uint r = 0; r < TFM_INT8_MATMUL_ROWS; ++r) {
     if (row0 + r < p.m) {
-      y[static_cast<ulong>(row0 + r) * cols + col] = static_cast<T>(int8_finish(acc[r], scale, b, p.activation, p.alpha));
+      const float out = int8_finish(acc[r], scale, b, p.activation, p.alpha);
+      y[static_cast<ulong>(row0 + r) * cols + col] = static_cast<T>(out);
     }
   }
 }

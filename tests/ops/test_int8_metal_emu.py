@@ -30,7 +30,6 @@ from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
-TF_DTYPES = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}
 MATMUL = {"float": "int8_matmul_float", "half": "int8_matmul_half", "bfloat": "int8_matmul_bfloat"}
 CONV2D = {"float": "int8_conv2d_float", "half": "int8_conv2d_half", "bfloat": "int8_conv2d_bfloat"}
 # Relative rounding of one stored output (half: 2^-11, bfloat16: 2^-8), with room for a
@@ -76,6 +75,11 @@ def valid_out(size, k, stride, dilation):
     return 0 if size < eff else (size - eff) // stride + 1
 
 
+def conv_dim(size, k, stride, dilation, padding):
+    """(output size, padding before) of one spatial dimension."""
+    return same_padding(size, k, stride, dilation) if padding == "SAME" else (valid_out(size, k, stride, dilation), 0)
+
+
 def dispatch(lib, name, buffers, params, total, chunk=MAX_PER_DISPATCH, order="linear"):
     """The host's loop: dispatches of at most `chunk` threads, each with its first thread in base."""
     for start in range(0, total, chunk):
@@ -111,10 +115,8 @@ def metal_conv2d(lib, dtype, x, q, scale, bias=None, strides=(1, 1), dilations=(
                  activation="linear", alpha=0.2, chunk=MAX_PER_DISPATCH):
     b, h, w, cin = x.shape
     kh, kw, _, cout = q.shape
-    if padding == "SAME":
-        (oh, pt), (ow, pl) = same_padding(h, kh, strides[0], dilations[0]), same_padding(w, kw, strides[1], dilations[1])
-    else:
-        oh, ow, pt, pl = valid_out(h, kh, strides[0], dilations[0]), valid_out(w, kw, strides[1], dilations[1]), 0, 0
+    oh, pt = conv_dim(h, kh, strides[0], dilations[0], padding)
+    ow, pl = conv_dim(w, kw, strides[1], dilations[1], padding)
     y = np.full((b, oh, ow, cout), np.nan, DTYPES[dtype])
     bias_in = np.zeros(0, DTYPES[dtype]) if bias is None else bias
     params = np.zeros((), CONV2D_PARAMS)
@@ -191,10 +193,8 @@ def np_conv2d(x, q, scale, bias=None, strides=(1, 1), dilations=(1, 1), padding=
     """NHWC x, HWIO q: zero padding per TF's rules, one tap (kh, kw) at a time."""
     b, h, w, _ = x.shape
     kh, kw, _, cout = q.shape
-    if padding == "SAME":
-        (oh, pt), (ow, pl) = same_padding(h, kh, strides[0], dilations[0]), same_padding(w, kw, strides[1], dilations[1])
-    else:
-        oh, ow, pt, pl = valid_out(h, kh, strides[0], dilations[0]), valid_out(w, kw, strides[1], dilations[1]), 0, 0
+    oh, pt = conv_dim(h, kh, strides[0], dilations[0], padding)
+    ow, pl = conv_dim(w, kw, strides[1], dilations[1], padding)
     rows = max((oh - 1) * strides[0] + (kh - 1) * dilations[0] + 1, h + pt)
     cols = max((ow - 1) * strides[1] + (kw - 1) * dilations[1] + 1, w + pl)
     xp = np.zeros((b, rows, cols, x.shape[3]))
@@ -219,9 +219,10 @@ def assert_matches_reference(got, want, noise, dtype, q):
     """Within float32 accumulation noise of the float64 reference, plus the rounding of the stored output.
 
     A float32 sum of `depth` products is within about depth * 2^-24 * sum |x q| of the exact sum
-    (`noise` = sum |x q| / scale; depth from the kernel `q`); dividing, adding the bias and activating (at most 1.13-Lipschitz, erf
-    within 1.2e-7) add a few float32 roundings of |v| + 1; a 16-bit store rounds by half a unit of the
-    result (the bound allows a whole one: a float32 value next to a tie may round either way).
+    (`noise` = sum |x q| / scale; depth from the kernel `q`); dividing, adding the bias and activating
+    (at most 1.13-Lipschitz, erf within 1.2e-7) add a few float32 roundings of |v| + 1; a 16-bit store
+    rounds by half a unit of the result (the bound allows a whole one: a float32 value next to a tie may
+    round either way).
     """
     assert got.dtype == DTYPES[dtype] and got.shape == want.shape
     depth = q.size // q.shape[-1]  # K, or KH * KW * Cin
