@@ -355,7 +355,8 @@ def test_masks_pass_through_as_keras():
     np.testing.assert_array_equal(np.asarray(layer.compute_mask(x, mask)), np.asarray(mask))
 
 
-def test_quantization_config_other_than_none_is_refused():
+def test_quantization_config_that_is_not_a_config_is_refused():
+    # None and a keras.quantizers.Int8QuantizationConfig are accepted (tests/layers/test_quantize.py).
     FusedDense(3, quantization_config=None)
     with pytest.raises(ValueError, match="Received: quantization_config="):
         FusedDense(3, quantization_config=object())
