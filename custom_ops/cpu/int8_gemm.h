@@ -11,8 +11,8 @@
 // microkernel pass over it (kMR rows x kNR columns in registers, k innermost; a weight is
 // converted int8 -> float once per pass and used for kMR rows). While a panel is
 // computed, the next panel's lines are prefetched (the kernel rows are N bytes apart,
-// a stride the hardware prefetchers do not follow). Batch 1 streams the int8 weights once
-// at memory speed: 4x fewer bytes than a float matmul.
+// a stride the hardware prefetchers do not follow). One or two rows (batch 1 and 2) skip
+// the packing and stream each kernel row's run of the unit once (StreamRows).
 //
 // The rounding: each output is the sum over k in increasing order of float(x) * float(q),
 // one float32 accumulator per output (fused multiply-add where the loops vectorize to
@@ -24,6 +24,7 @@
 #define TFMETAL_CPU_INT8_GEMM_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>

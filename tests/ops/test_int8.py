@@ -465,3 +465,22 @@ def test_portable_loops_match_numpy():
     wc = np_dequantize(qc, sc)
     ref = np_conv2d(xc, wc, (2, 2), "same", (1, 1))
     assert_close(conv, ref, np_conv2d(np.abs(xc), np.abs(wc), (2, 2), "same", (1, 1)), 1e-5)
+
+
+@pytest.mark.parametrize("k, n", [(3, 8), (7, 13), (130, 70), (257, 200)])
+def test_one_and_two_rows_stream_and_match_the_packed_rows(k, n):
+    # One or two rows take the unpacked streaming loop (cpu/int8_gemm_body.h StreamRows), more
+    # rows the packed panels: both sum each output over k in order with one multiply-add per k,
+    # so a row comes out bitwise the same whichever path ran; and both match float64 numpy.
+    assert int8_ops.uses_kernel("matmul")
+    rng = np.random.default_rng(k * 1000 + n)
+    q = rng.integers(-127, 128, (k, n)).astype(np.int8)
+    scale = rng.uniform(10.0, 100.0, n).astype(np.float32)
+    x = rng.standard_normal((5, k)).astype(np.float32)
+    packed = ops.int8_matmul(x, q, scale).numpy()
+    want = x.astype(np.float64) @ (q.astype(np.float64) / scale.astype(np.float64))
+    bound = 4 * k * np.finfo(np.float32).eps * (np.abs(x).astype(np.float64) @ np.abs(q / scale.astype(np.float64)))
+    for m in (1, 2):
+        streamed = ops.int8_matmul(x[:m], q, scale).numpy()
+        np.testing.assert_array_equal(streamed, packed[:m])
+        assert np.all(np.abs(streamed - want[:m]) <= bound[:m] + 1e-30)
