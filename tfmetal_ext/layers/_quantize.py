@@ -131,6 +131,23 @@ def quantize_kernel(kernel, axes, channels):
     return q, scale
 
 
+def quantize_in_place(layer, kernel, axes, channels, mode, config, drop_float_kernel):
+    """The quantize step of the three layers, after their checks.
+
+    The int8 weights of the float `kernel` (`quantize_kernel`), then the float
+    kernel dropped (`drop_float_kernel()`), the int8 variables built
+    (``layer.quantized_build``) and set, and the policy switched (`set_policy`).
+    """
+    q, scale = quantize_kernel(kernel, axes, channels)
+    kernel_shape = tuple(kernel.shape)
+    layer.quantization_config = config
+    drop_float_kernel()
+    layer.quantized_build(kernel_shape, mode, config)
+    layer._kernel.assign(q)
+    layer.kernel_scale.assign(scale)
+    set_policy(layer)
+
+
 def add_int8_weights(layer, kernel_shape, channels):
     """Creates ``layer._kernel`` (int8) and ``layer.kernel_scale`` (the output channels), non-trainable.
 

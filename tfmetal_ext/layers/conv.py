@@ -73,14 +73,8 @@ class _Int8Conv:
             raise self._int8_not_implemented(reason)
         kernel = self._kernel
         config = Q.check_config(self, config, axes=self._int8_axes, ndim=len(kernel.shape))
-        q, scale = Q.quantize_kernel(kernel, self._int8_axes, self._int8_channels(kernel.shape))
-        kernel_shape = tuple(kernel.shape)
-        self.quantization_config = config
-        self._drop_float_kernel()
-        self.quantized_build(kernel_shape, mode, config)
-        self._kernel.assign(q)
-        self.kernel_scale.assign(scale)
-        Q.set_policy(self)
+        Q.quantize_in_place(self, kernel, self._int8_axes, self._int8_channels(kernel.shape), mode, config,
+                            self._drop_float_kernel)
 
     def quantized_build(self, kernel_shape, mode, config=None):
         if mode != Q.INT8:
@@ -98,6 +92,13 @@ class _Int8Conv:
         self.kernel_scale = self.add_weight(
             name="kernel_scale", shape=(channels,), initializer="ones", trainable=False, autocast=False
         )
+
+    def _int8_input_spec(self, input_shape):
+        """Sets the input spec as the stock conv's build does; returns the input channels."""
+        input_channel = input_shape[-1] if self.data_format == "channels_last" else input_shape[1]
+        channel_axis = -1 if self.data_format == "channels_last" else 1
+        self.input_spec = keras.layers.InputSpec(min_ndim=self.rank + 2, axes={channel_axis: input_channel})
+        return input_channel
 
     def _build_int8(self, input_shape, kernel_shape, bias_channels):
         """`build` under an ``int8_from_*`` policy: the int8 kernel and scale, then the bias."""
@@ -219,9 +220,7 @@ class FusedConv2D(_Int8Conv, ConvDropIn, keras.layers.Conv2D):
     def build(self, input_shape):
         if not self.quantization_mode:
             return super().build(input_shape)
-        input_channel = input_shape[-1] if self.data_format == "channels_last" else input_shape[1]
-        channel_axis = -1 if self.data_format == "channels_last" else 1
-        self.input_spec = keras.layers.InputSpec(min_ndim=self.rank + 2, axes={channel_axis: input_channel})
+        input_channel = self._int8_input_spec(input_shape)
         if input_channel % self.groups != 0:
             raise ValueError(
                 "The number of input channels must be evenly divisible by the number of groups. "
@@ -385,9 +384,7 @@ class FusedDepthwiseConv2D(_Int8Conv, ConvDropIn, keras.layers.DepthwiseConv2D):
     def build(self, input_shape):
         if not self.quantization_mode:
             return super().build(input_shape)
-        input_channel = input_shape[-1] if self.data_format == "channels_last" else input_shape[1]
-        channel_axis = -1 if self.data_format == "channels_last" else 1
-        self.input_spec = keras.layers.InputSpec(min_ndim=self.rank + 2, axes={channel_axis: input_channel})
+        input_channel = self._int8_input_spec(input_shape)
         self.compute_output_shape(input_shape)
         kernel_shape = tuple(self.kernel_size) + (input_channel, self.depth_multiplier)
         self._build_int8(input_shape, kernel_shape, input_channel * self.depth_multiplier)

@@ -295,14 +295,10 @@ class FusedDense(keras.layers.Layer):
         if mode != Q.INT8:
             raise Q.not_int8_error(self, mode)
         config = Q.check_config(self, config, axes=(0,), ndim=2)
-        q, scale = Q.quantize_kernel(self._kernel, (0,), self.units)
-        kernel_shape = tuple(self._kernel.shape)
-        self.quantization_config = config
+        Q.quantize_in_place(self, self._kernel, (0,), self.units, mode, config, self._drop_float_kernel)
+
+    def _drop_float_kernel(self):
         del self._kernel
-        self.quantized_build(kernel_shape, mode, config)
-        self._kernel.assign(q)
-        self.kernel_scale.assign(scale)
-        Q.set_policy(self)
 
     def quantized_build(self, kernel_shape, mode, config=None):
         if mode != Q.INT8:
