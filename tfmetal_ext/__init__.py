@@ -2,12 +2,12 @@
 
 Public API: `configure`, `Config`, `convert` (returns a converted model whose
 `conversion_report` is a `ConversionReport`), and the submodules `callbacks`, `devices`,
-`backends` (what each backend has and fuses, as data), `conversion`, `doctor`, `precision`,
-`inspect`, `layers`, `ops` and `optimizers`.
+`backends` (what each backend has and fuses, as data), `conversion`, `distribute`
+(multi-worker `fit_compat`), `doctor`, `precision`, `inspect`, `layers`, `ops` and `optimizers`.
 """
 
 from tfmetal_ext import backends, callbacks, devices, inspect, layers, ops, optimizers, precision
-from tfmetal_ext import doctor
+from tfmetal_ext import distribute, doctor
 from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
 from tfmetal_ext import conversion
@@ -23,6 +23,7 @@ __all__ = [
     "conversion",
     "convert",
     "devices",
+    "distribute",
     "doctor",
     "inspect",
     "layers",
