@@ -27,6 +27,29 @@ _USE_OPS = textwrap.dedent(
 )
 
 
+def small_sources(dest: Path) -> Path:
+    """A copy of custom_ops/ that builds one op, Softshrink, in seconds.
+
+    The tests of the build mechanics (the cache, concurrent builds, a
+    corrupted entry) build in fresh caches; the whole library takes a minute
+    and more per build, and what they prove does not depend on which ops are
+    in it. Every header and the Metal plumbing come along; only the other
+    ops' translation units stay out.
+    """
+    src = _loader.sources_dir()
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    for unit in [*dest.glob("ops/*.cc"), *dest.glob("cpu/*.cc"), *dest.glob("metal/*.mm")]:
+        if not unit.name.startswith(("softshrink", "metal_helper")):
+            unit.unlink()
+    return dest
+
+
+def with_sources(code, sources):
+    """`code` run with the loader building from `sources` (the package's own otherwise)."""
+    return (f"from pathlib import Path\nfrom tfmetal_ext.ops import _loader\n"
+            f"_loader.sources_dir = lambda: Path({str(sources)!r})\n" + code)
+
+
 def run_python(code, cache, env=None, cwd=None, check=True):
     full_env = {k: v for k, v in os.environ.items() if k != "TFMETAL_EXT_REFERENCE_OPS"}
     full_env.update({"TFMETAL_EXT_CACHE": str(cache), "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})})
@@ -52,9 +75,10 @@ def test_cache_key_depends_on_sources_and_tf(tmp_path, monkeypatch):
 
 
 def test_two_processes_build_once_and_both_succeed(tmp_path):
+    code = with_sources(_USE_OPS, small_sources(tmp_path / "src"))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _USE_OPS],
+            [sys.executable, "-c", code],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -72,14 +96,16 @@ def test_two_processes_build_once_and_both_succeed(tmp_path):
 
 
 def test_corrupted_cache_entry_is_rebuilt(tmp_path):
-    first = run_python(_USE_OPS, tmp_path)
+    code = with_sources(_USE_OPS, small_sources(tmp_path / "src"))
+    cache = tmp_path / "cache"
+    first = run_python(code, cache)
     assert "building the custom-op library" in first.stderr
-    (library,) = (tmp_path / "ops").glob("tf*/" + _loader.LIBRARY_NAME)
+    (library,) = (cache / "ops").glob("tf*/" + _loader.LIBRARY_NAME)
     library.write_bytes(library.read_bytes()[:4096])  # truncated, as by a crash or full disk
-    second = run_python(_USE_OPS, tmp_path)
+    second = run_python(code, cache)
     assert "building the custom-op library" in second.stderr
     assert "STATUS True" in second.stdout
-    third = run_python(_USE_OPS, tmp_path)  # valid again: no rebuild
+    third = run_python(code, cache)  # valid again: no rebuild
     assert "building the custom-op library" not in third.stderr
 
 
@@ -116,8 +142,7 @@ def test_reference_switch_never_loads_the_library(tmp_path):
 
 
 def test_compile_error_shows_the_compiler_message(tmp_path, monkeypatch):
-    copy = tmp_path / "src"
-    shutil.copytree(_loader.sources_dir(), copy)
+    copy = small_sources(tmp_path / "src")
     (copy / "cpu" / "broken_kernels.cc").write_text("this is not C++;\n")
     monkeypatch.setattr(_loader, "sources_dir", lambda: copy)
     monkeypatch.setenv("TFMETAL_EXT_CACHE", str(tmp_path / "cache"))
