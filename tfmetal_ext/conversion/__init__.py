@@ -51,6 +51,7 @@ import logging
 
 import keras
 
+from tfmetal_ext.conversion import quantize  # noqa: F401  (a documented module; convert's argument shadows it below)
 from tfmetal_ext.conversion.planners import register_planner
 from tfmetal_ext.conversion.rebuild import Converter
 from tfmetal_ext.conversion.report import NO_COUNTERPART, ConversionReport, Kept, Rewrite, count_ops as _count_ops
