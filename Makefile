@@ -1,8 +1,10 @@
-# Two commands: `make demo` and `make test`. Each works on a fresh machine with only
+# `make demo`, `make test` and `make test-full`. Each works on a fresh machine with only
 # Python (>= 3.10) and a C++ compiler: it creates its virtualenv and installs what it needs.
 #
-#   make test                 # TensorFlow 2.21 in .venv (2 test processes; PYTEST_WORKERS=N to change)
-#   make test TF=2.19.1       # the same suite against TensorFlow 2.19.1 in .venv-tf2.19.1
+#   make test                 # the quick tier, TensorFlow 2.21 in .venv (2 test processes; PYTEST_WORKERS=N
+#                             # to change); at most 10 minutes on a 2-core box, or it fails (tests/_tiers.py)
+#   make test-full            # every test and every parametrized case, fuzz and slow tests included (CI)
+#   make test TF=2.19.1       # the same against TensorFlow 2.19.1 in .venv-tf2.19.1
 #   make demo                 # examples/quickstart.py
 
 PYTHON ?= python3
@@ -21,7 +23,7 @@ PYTEST_WORKERS ?= 2
 # Keep TensorFlow's C++ logging quiet in test and demo output.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test venv clean
+.PHONY: demo test test-full venv clean
 
 $(VENV)/.installed-$(TF): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,7 +34,10 @@ $(VENV)/.installed-$(TF): setup.py pyproject.toml
 venv: $(VENV)/.installed-$(TF)
 
 test: venv
-	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --tier quick $(PYTEST_ARGS)
+
+test-full: venv
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --tier full $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) examples/quickstart.py

@@ -1,4 +1,7 @@
+import gc
+import importlib.util
 import os
+import pathlib
 import zlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -7,6 +10,27 @@ import keras  # noqa: E402
 import pytest  # noqa: E402
 
 from tfmetal_ext import devices  # noqa: E402
+
+
+def _load_tiers():
+    # By path: the tests directory need not be importable as a package.
+    spec = importlib.util.spec_from_file_location("tfmetal_ext_test_tiers", pathlib.Path(__file__).with_name("_tiers.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_tiers = _load_tiers()
+
+
+def pytest_addoption(parser):
+    _tiers.add_options(parser)
+
+
+def pytest_configure(config):
+    # The tiers (quick: make test; full: make test-full) and the quick tier's time budget.
+    config.pluginmanager.register(_tiers, "tfmetal_ext_tiers")
+    _tiers.register(config)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -57,6 +81,18 @@ def onednn():
 
 @pytest.fixture(autouse=True)
 def _fresh_keras_session(request):
+    """Keras' global state reset after each test, and the garbage collected.
+
+    What survives the collection is frozen (`gc.freeze`): the next
+    collection then scans only what later tests create. Without it each
+    collection walks every object TensorFlow, Keras and earlier tests keep
+    alive, and late in a worker's run that took over a second per test, more
+    than half of the suite's time (measured: 3675 of 6639 test-seconds).
+    Frozen objects are still freed when their last reference goes; only a
+    cycle among them is never collected, which a test process can afford.
+    """
     yield
     if request.node.get_closest_marker("no_keras") is None:
-        keras.backend.clear_session()
+        keras.backend.clear_session(free_memory=False)
+        gc.collect()
+        gc.freeze()

@@ -291,6 +291,8 @@ _MIRRORED = textwrap.dedent(
 )
 
 
+# Full tier: the quick tier's two-replica run is test_optimizers' multi-tensor FusedAdam.
+@pytest.mark.full
 def test_mirrored_strategy_two_cpus():
     result = subprocess.run([sys.executable, "-c", _MIRRORED], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})

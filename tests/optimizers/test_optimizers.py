@@ -173,6 +173,8 @@ def test_keras_features(name, kwargs):
     assert_same_training(stock(**kwargs, **extra), ours(**kwargs, **extra), steps=30)
 
 
+# Quick tier: one optimizer (each compiles its own XLA step; the full tier runs all four).
+@pytest.mark.sample_axes("name", "kwargs")
 @pytest.mark.parametrize("name, kwargs", [("adam", {}), ("adam", {"amsgrad": True}), ("adamw", {}), ("sgd", {"momentum": 0.9})])
 def test_xla_compiled_train_step(name, kwargs):
     # jit_compile=True (CUDA's default): AMSGrad has no XLA kernel and falls
@@ -559,6 +561,9 @@ _MIRRORED = textwrap.dedent(
 )
 
 
+# Full tier: in the quick tier test_multi_tensor_mirrored_strategy_two_cpus runs the same
+# two-replica subprocess with FusedAdam's multi-tensor form.
+@pytest.mark.full
 def test_mirrored_strategy_two_cpus():
     result = subprocess.run([sys.executable, "-c", _MIRRORED], capture_output=True, text=True, timeout=300,
                             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
