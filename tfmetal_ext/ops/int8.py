@@ -326,7 +326,7 @@ def reference_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), pa
                           activation=None, alpha=LEAKY_RELU_ALPHA):
     """The convolution of `int8_conv2d` with the de-quantized kernel, in float32, cast back to x's dtype."""
     empty = _empty_conv_output(x, kernel, strides, padding, dilations)
-    if empty is not None:  # TF's Conv2D rejects a VALID window larger than the input; the op gives empty output
+    if empty is not None:  # no output position, or an empty batch (see `_empty_conv_output`)
         return tf.zeros(empty, x.dtype)
     xf = tf.cast(x, tf.float32)
     # The dilated kernel spelled out (zeros between the taps): the same convolution, and TF's CPU
@@ -350,12 +350,24 @@ def _dilate(w, dilations):
 
 
 def _empty_conv_output(x, kernel, strides, padding, dilations):
-    """The static output shape when a VALID convolution has no output position, else None."""
-    if padding.upper() != "VALID" or x.shape.rank != 4 or None in x.shape[1:3] or None in kernel.shape:
+    """The static output shape when the convolution's output is statically empty, else None.
+
+    Empty when a VALID window is larger than the input (TF's Conv2D rejects
+    that; the op gives an empty output) or the batch is 0: TF's oneDNN Conv2D
+    (x86-64 Linux wheels on AVX-512 CPUs, or TF_ENABLE_ONEDNN_OPTS=1) returns
+    its input unchanged for an empty batch, with the input's spatial size and
+    channels, so the bias that follows fails or the shape is wrong. A batch
+    that is 0 only at run time (an unknown batch dimension in a graph) still
+    meets that bug, as stock Keras' Conv2D does there.
+    """
+    if x.shape.rank != 4 or None in x.shape[1:3] or None in kernel.shape:
         return None
-    out = [max(0, (x.shape[1 + i] - ((kernel.shape[i] - 1) * dilations[i] + 1)) // strides[i] + 1)
-           if x.shape[1 + i] >= (kernel.shape[i] - 1) * dilations[i] + 1 else 0 for i in range(2)]
-    if min(out) > 0:
+    if padding.upper() == "VALID":
+        out = [(x.shape[1 + i] - ((kernel.shape[i] - 1) * dilations[i] + 1)) // strides[i] + 1
+               if x.shape[1 + i] >= (kernel.shape[i] - 1) * dilations[i] + 1 else 0 for i in range(2)]
+    else:  # SAME: ceil(in / stride)
+        out = [-(-x.shape[1 + i] // strides[i]) for i in range(2)]
+    if min(out) > 0 and x.shape[0] != 0:
         return None
     batch = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
     return [batch, out[0], out[1], kernel.shape[3]]
