@@ -71,11 +71,30 @@ def _restore_global_policy(request):
     keras.mixed_precision.set_global_policy("float32")
 
 
+_BF16_SKIP = ("oneDNN fuses bfloat16 only on CPUs with AVX512F or AVX_NE_CONVERT (TF's "
+              "IsBF16SupportedByOneDNNOnThisCPU), this one has neither; tests/inspect/test_catalog.py checks the "
+              "reason the report gives here")
+
+
 @pytest.fixture
-def onednn():
-    """Skips oneDNN-only fusion checks where oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0, macOS)."""
-    if not devices.capabilities().onednn:
+def onednn(request):
+    """Skips oneDNN-only fusion checks where oneDNN is off (TF_ENABLE_ONEDNN_OPTS=0, macOS), and their
+    bfloat16 cases (a ``mixed_bfloat16`` / ``bfloat16`` parameter) where oneDNN has no bfloat16 here."""
+    caps = devices.capabilities()
+    if not caps.onednn:
         pytest.skip("this fusion needs oneDNN (x86-64 Linux wheels, TF_ENABLE_ONEDNN_OPTS unset)")
+    callspec = getattr(request.node, "callspec", None)
+    params = callspec.params.values() if callspec is not None else ()
+    if not caps.onednn_bf16 and any(isinstance(v, str) and v in ("mixed_bfloat16", "bfloat16") for v in params):
+        pytest.skip(_BF16_SKIP)
+    return True
+
+
+@pytest.fixture
+def onednn_bf16(onednn):
+    """Skips a bfloat16 fusion check where oneDNN does not fuse bfloat16 (no AVX512F / AVX_NE_CONVERT)."""
+    if not devices.capabilities().onednn_bf16:
+        pytest.skip(_BF16_SKIP)
     return True
 
 

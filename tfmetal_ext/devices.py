@@ -169,6 +169,10 @@ class Capabilities:
         pairing_fixes: every `PairingFix` route, the first is `pairing_fix`.
         python: the Python version, e.g. ``"3.12.8"``.
         macos: the macOS version (``"15.3"``) on Darwin, else None.
+        onednn_bf16: oneDNN is on and fuses bfloat16 on this CPU: TF's
+            ``IsBF16SupportedByOneDNNOnThisCPU`` (AVX512F or AVX_NE_CONVERT).
+            Off on an AVX2-only CPU with ``TF_ENABLE_ONEDNN_OPTS=1``: there
+            the remapper leaves bfloat16 nodes unfused.
     """
 
     backend: str
@@ -188,6 +192,7 @@ class Capabilities:
     pairing_fixes: tuple = ()
     python: str = ""
     macos: str | None = None
+    onednn_bf16: bool = False
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -725,6 +730,11 @@ def describe_pairing(caps):
     return lines
 
 
+# CPU features with which TF's oneDNN fuses bfloat16 (tensorflow/core/util/port.cc,
+# IsBF16SupportedByOneDNNOnThisCPU: AVX512F or AVX_NE_CONVERT), as /proc/cpuinfo names them.
+ONEDNN_BF16_FLAGS = frozenset({"avx512f", "avx_ne_convert"})
+
+
 def capabilities():
     """Collects backend, versions, CPU features and the Metal plugin pairing verdict.
 
@@ -761,4 +771,5 @@ def capabilities():
         pairing_fixes=check.fixes,
         python=python,
         macos=macos,
+        onednn_bf16=_onednn_enabled() and bool(flags & ONEDNN_BF16_FLAGS),
     )

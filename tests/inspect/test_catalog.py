@@ -93,3 +93,31 @@ def test_keras_norm_layers_never_fuse():
 
 def test_unknown_layer_has_no_row():
     assert catalog.expectation(keras.layers.Flatten(), ctx("cpu")) is None
+
+
+def test_cpu_onednn_without_avx512f_leaves_bfloat16_unfused():
+    # TF's IsBF16SupportedByOneDNNOnThisCPU: oneDNN fuses bfloat16 only with AVX512F or AVX_NE_CONVERT
+    # (an AVX2-only CPU with TF_ENABLE_ONEDNN_OPTS=1 has neither); float32 fuses either way.
+    no_isa = ctx("cpu", onednn=True, onednn_bf16=False)
+    for layer in (conv(dtype="mixed_bfloat16"), dense(dtype="mixed_bfloat16")):
+        exp = catalog.expectation(layer, no_isa)
+        assert exp.op is None and exp.reason == catalog.REASON_BF16_ONEDNN
+    assert catalog.expectation(conv(), no_isa).fused_ops == ("BiasAdd", "Relu")
+    exp = catalog.expectation(conv(dtype="mixed_bfloat16"), ctx("cpu", onednn=True, onednn_bf16=True))
+    assert (exp.op, exp.fused_ops) == ("_FusedConv2D", ("BiasAdd", "Relu"))
+
+
+@pytest.mark.parametrize("flags,onednn_on,want", [
+    ({"avx2", "fma"}, True, False),                  # the AVX2-only CI box with TF_ENABLE_ONEDNN_OPTS=1
+    ({"avx2", "avx512f", "avx512_bf16"}, True, True),
+    ({"avx2", "avx_ne_convert"}, True, True),        # AVX-NE-CONVERT without AVX-512 (e.g. Sierra Forest)
+    ({"avx2", "avx512f"}, False, False),             # oneDNN off: TF's own kernels never fuse bfloat16
+])
+def test_onednn_bf16_capability_follows_tf_rule(monkeypatch, flags, onednn_on, want):
+    # TF's IsBF16SupportedByOneDNNOnThisCPU (tensorflow/core/util/port.cc): AVX512F or AVX_NE_CONVERT.
+    from tfmetal_ext import devices
+
+    monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(devices, "_onednn_enabled", lambda: onednn_on)
+    caps = devices.capabilities()
+    assert (caps.onednn, caps.onednn_bf16) == (onednn_on, want)

@@ -247,7 +247,7 @@ def test_train_step_other_activation_not_fused(onednn):
     assert row.status == "not fused" and "fuses only with Relu" in row.reason
 
 
-def test_bfloat16_predict_fuses_batchnorm_relu_only(onednn):
+def test_bfloat16_predict_fuses_batchnorm_relu_only(onednn_bf16):
     report = inspect.fusion_report(_model("mixed_bfloat16"), mode="predict")
     inspect.assert_fused(report, layer="cba", op="_FusedBatchNormEx", fused_ops=[])
     row = report.row("cba")

@@ -130,9 +130,12 @@ def _branches(make_layer, shape, fusions):
 @pytest.mark.parametrize("mode", ["predict", "train"])
 @pytest.mark.parametrize("shape", [(6,), (3, 6)], ids=["rank2", "rank3"])
 def test_fuses(policy, mode, shape):
-    onednn = devices.capabilities().onednn
-    if policy == "mixed_bfloat16" and not onednn:
-        pytest.skip("bfloat16 MatMul fusion needs oneDNN (x86-64 Linux wheels, TF_ENABLE_ONEDNN_OPTS unset)")
+    caps = devices.capabilities()
+    onednn = caps.onednn
+    if policy == "mixed_bfloat16" and not caps.onednn_bf16:
+        pytest.skip("bfloat16 MatMul fusion needs oneDNN with bfloat16 on this CPU (AVX512F or AVX_NE_CONVERT; "
+                    "x86-64 Linux wheels, TF_ENABLE_ONEDNN_OPTS unset); tests/inspect/test_fusion_stock.py "
+                    "checks the report's reason where it does not fuse")
     keras.mixed_precision.set_global_policy(policy)
     fusions = [f for f in DENSE_FUSIONS if onednn or not f[3]]
     model = _branches(lambda act, name: FusedDense(4, activation=act, name=name), shape, fusions)

@@ -232,7 +232,7 @@ def test_train_step(onednn, policy):
         assert row.status == "not fused" and why in row.reason
 
 
-def test_bfloat16_predict(onednn):
+def test_bfloat16_predict(onednn_bf16):
     report = inspect.fusion_report(_model("mixed_bfloat16", filters=4), mode="predict")
     inspect.assert_fused(report, layer="blk/conv1", op="_FusedBatchNormEx", fused_ops=[])
     assert report.row("blk/conv1").status == "partial"

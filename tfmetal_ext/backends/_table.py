@@ -94,6 +94,8 @@ class Backend:
         kernels: op -> dtypes it has kernels for, where known (None: not
             recorded; TF's full registry applies).
         half_needs_native: float16 nodes fuse only on a CPU with native fp16.
+        bf16_needs_onednn_isa: bfloat16 nodes fuse only where oneDNN supports
+            bfloat16 on the CPU (`devices.Capabilities.onednn_bf16`).
         addv2_bias: a broadcast AddV2 after a contraction counts as its
             BiasAdd (oneDNN); elsewhere only a real BiasAdd fuses.
         pointwise_train_as_matmul: in a training step a 1x1, stride-1
@@ -135,6 +137,7 @@ class Backend:
     fusions: types.MappingProxyType
     kernels: types.MappingProxyType | None = None
     half_needs_native: bool = False
+    bf16_needs_onednn_isa: bool = False
     addv2_bias: bool = False
     pointwise_train_as_matmul: bool = False
     rnn_stock_from: types.MappingProxyType | None = None

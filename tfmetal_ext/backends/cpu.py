@@ -111,6 +111,9 @@ ONEDNN = backend(
         ),
     },
     half_needs_native=True,
+    # Measured on TF 2.21 with TF_ENABLE_ONEDNN_OPTS=1 on an AVX2-only AMD EPYC: no bfloat16 node fuses
+    # (TF's IsBF16SupportedByOneDNNOnThisCPU needs AVX512F or AVX_NE_CONVERT).
+    bf16_needs_onednn_isa=True,
     addv2_bias=True,  # measured on TF 2.19 and 2.21: a broadcast AddV2 fuses as the BiasAdd
     # Measured (TF 2.21, ResNet-50's pointwise shapes, batch 16): MatMul 5-15% faster.
     pointwise_train_as_matmul=True,

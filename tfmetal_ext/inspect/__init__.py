@@ -218,6 +218,7 @@ def _context(mode, xla, model=None):
     caps = devices.capabilities()
     return FusionContext(
         backend=caps.backend, onednn=caps.onednn, mode=mode, xla=xla, cpu_fp16=caps.cpu_fp16,
+        onednn_bf16=caps.onednn_bf16,
         metal_plugin=caps.metal_plugin,
         logits_read=catalog.read_as_logits(model) if mode == "train" else frozenset(),
     )

@@ -31,6 +31,10 @@ ACTIVATION_OPS = _fusion.ACTIVATION_OPS
 
 REASON_XLA = "XLA compiled: grappler not applied"
 REASON_HALF_CPU = "float16 on CPU: remapper skips half"
+REASON_BF16_ONEDNN = (
+    "bfloat16 on CPU: oneDNN fuses bfloat16 only on CPUs with AVX512F or AVX_NE_CONVERT, "
+    "and this one has neither"
+)
 REASON_BN = (
     "BatchNormalization is not fused by Keras 3 (moments + Rsqrt/Mul/Sub/Add, no "
     "FusedBatchNormV3)"
@@ -51,6 +55,7 @@ class FusionContext:
         mode: ``"train"`` or ``"predict"``.
         xla: the step is XLA compiled.
         cpu_fp16: the CPU computes float16 natively (then half fuses on CPU).
+        onednn_bf16: oneDNN fuses bfloat16 on this CPU (AVX512F or AVX_NE_CONVERT).
         cublaslt: ``TF_USE_CUBLASLT=1`` (CUDA MatMul fusions).
         metal_plugin: on Metal, which plugin (``devices.METAL_PLUGINS``);
             None reads as Apple's tensorflow-metal.
@@ -64,6 +69,7 @@ class FusionContext:
     mode: str = "predict"
     xla: bool = False
     cpu_fp16: bool = False
+    onednn_bf16: bool = True
     cublaslt: bool = dataclasses.field(
         default_factory=lambda: os.environ.get("TF_USE_CUBLASLT", "0") == "1"
     )
@@ -268,6 +274,8 @@ def dtype_block(ctx, dtype, pattern):
     t = table(ctx)
     if dtype == "float16" and t.half_needs_native and not ctx.cpu_fp16:
         return REASON_HALF_CPU
+    if dtype == "bfloat16" and t.bf16_needs_onednn_isa and not ctx.onednn_bf16:
+        return REASON_BF16_ONEDNN
     f = t.fusion(pattern)
     if f.fuses and dtype not in f.dtypes_in(ctx.mode):
         return f"{dtype} on {t.label}: no fused kernel for this dtype"
