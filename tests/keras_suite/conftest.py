@@ -1,12 +1,14 @@
-"""Marks for the Keras suite: which Keras tests apply to a class, and which are gated to Keras' own.
+"""Marks for the Keras suite: which Keras tests apply to a class, and which are gated.
 
 From `baseline.json` (regenerate with ``python -m tests.keras_suite.make_baseline``):
 
-- a test that never builds the bare subclass (the file's Conv1D cases, say)
-  does not test this class: deselected;
-- a test the bare subclass fails is gated to Keras' own class: xfail (not
-  strict), with the bare subclass's error as the reason;
-- a test in `swap.EXPECTED_FAILURES`: xfail(strict=True) with its reason;
+- a test that never builds the class (the file's Conv1D cases, say) does not
+  test it: deselected;
+- a test listed under the suite's ``identity`` (it checks the class's
+  identity, which a drop-in cannot have): xfail (not strict), with the
+  listed reason;
+- a test Keras' own class does not pass here: skipped or xfail (not
+  strict), with Keras' own reason;
 - every other test, including tests the baseline has not seen (a newer
   Keras), must pass.
 """
@@ -58,15 +60,16 @@ def pytest_collection_modifyitems(config, items):
         if name in data.get("not_applicable", ()):
             deselected.append(item)
             continue
-        expected = swap.EXPECTED_FAILURES.get(suite, {}).get(name)
-        if expected is not None:
-            item.add_marker(pytest.mark.xfail(reason=expected, strict=True))
+        identity = data.get("identity", {}).get(name)
+        if identity is not None:
+            item.add_marker(pytest.mark.xfail(reason=f"checks the class's identity: {identity}", strict=False))
             continue
-        bare = data.get("tests", {}).get(name)
-        if bare is not None and bare["bare"] == "failed":
+        stock = data.get("tests", {}).get(name)
+        if stock is not None and stock["stock"] == "skipped":
+            item.add_marker(pytest.mark.skip(reason=f"Keras' own class skips it here: {stock.get('reason', '')}"))
+        elif stock is not None and stock["stock"] != "passed":
             item.add_marker(
-                pytest.mark.xfail(reason=f"gated to Keras' own class (a bare subclass fails: {bare['reason']})",
-                                  strict=False)
+                pytest.mark.xfail(reason=f"Keras' own class fails it here: {stock.get('reason', '')}", strict=False)
             )
     if deselected:
         chosen = set(map(id, deselected))

@@ -341,25 +341,9 @@ def test_dense_quantize_errors():
     with pytest.raises(ValueError, match="isn't yet built"):
         layer.quantize("int8")
     layer.build((None, 4))
-    for mode in ("int4", "float8"):
-        with pytest.raises(NotImplementedError, match="'int8'"):
-            layer.quantize(mode)
     with pytest.raises(ValueError, match="Invalid quantization mode"):
         layer.quantize("int7")
-    custom = keras.quantizers.Int8QuantizationConfig(
-        activation_quantizer=keras.quantizers.AbsMaxQuantizer(value_range=(-5, 5))
-    )
-    with pytest.raises(ValueError, match="activations stay float"):
-        layer.quantize("int8", config=custom)
-    bad_weights = keras.quantizers.Int8QuantizationConfig(
-        weight_quantizer=keras.quantizers.AbsMaxQuantizer(axis=0, value_range=(-100, 100)),
-        activation_quantizer=None,
-    )
-    with pytest.raises(ValueError, match="Received: weight_quantizer="):
-        layer.quantize("int8", config=bad_weights)
     assert layer.quantization_mode is None and layer._kernel.dtype == "float32"
-    with pytest.raises(ValueError, match="activations stay float"):
-        FusedDense(3, quantization_config=custom)
     layer.quantize("int8")
     with pytest.raises(ValueError, match="is already quantized"):
         layer.quantize("int8")
@@ -373,6 +357,70 @@ def test_dense_quantize_errors():
         sub.quantize("int8")
     sub.quantize("int8", type_check=False)
     assert sub.quantization_mode == "int8"
+
+
+def _custom_activation_quantizer():
+    return keras.quantizers.Int8QuantizationConfig(
+        activation_quantizer=keras.quantizers.AbsMaxQuantizer(value_range=(-5, 5)))
+
+
+def _custom_weight_quantizer():
+    return keras.quantizers.Int8QuantizationConfig(
+        weight_quantizer=keras.quantizers.AbsMaxQuantizer(axis=0, value_range=(-100, 100)), activation_quantizer=None)
+
+
+KERAS_FORMS = [
+    pytest.param("int4", None, "quantization mode 'int4'", id="int4"),
+    pytest.param("float8", None, "quantization mode 'float8'", id="float8"),
+    pytest.param("int8", _custom_activation_quantizer, "int8 with an activation quantizer",
+                 id="int8-activation_quantizer"),
+    pytest.param("int8", _custom_weight_quantizer, "weight quantizer other than Keras' default",
+                 id="int8-weight_quantizer"),
+]
+
+
+@pytest.mark.parametrize("mode, config, reason", KERAS_FORMS)
+def test_dense_modes_without_a_fused_form_run_keras_own(mode, config, reason):
+    """A drop-in refuses nothing: what the fused int8 form does not run is Keras' own form, as stock Dense runs it,
+    and the fusion report says which form ran and why."""
+    ours, stock = _built_pair(units=6, in_dim=5, activation="relu")
+    for layer in (ours, stock):
+        layer.quantize(mode, config=config() if config else None)
+    assert ours.quantization_mode == stock.quantization_mode
+    assert [(v.path.split("/")[-1], v.dtype) for v in ours.weights] == [
+        (v.path.split("/")[-1], v.dtype) for v in stock.weights]
+    for a, b in zip(ours.get_weights(), stock.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    x = np.random.default_rng(3).normal(size=(4, 5)).astype("float32")
+    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(stock(x)))
+    model = keras.Sequential([keras.Input((5,)), ours])
+    report = ti.fusion_report(model)
+    row = report.row(ours.name)
+    # Keras' form may de-quantize the kernel and run the float MatMul + bias + relu, which can fuse.
+    assert row.status in ("fused", "not fused"), row
+    assert f"Keras' own {mode} form runs" in row.note and reason in row.note
+    assert INT8_MATMUL not in report.ops_by_type
+    # The config and the stores round-trip as stock Dense's do.
+    back = FusedDense.from_config(ours.get_config())
+    assert back.quantization_mode == mode
+    store = {}
+    ours.save_own_variables(store)
+    back.build((None, 5))
+    back.load_own_variables(store)
+    np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(stock(x)))
+
+
+def test_dense_default_int8_runs_the_fused_form_not_keras_own():
+    ours, _ = _built_pair(units=6, in_dim=5, activation="relu")
+    ours.quantize("int8")
+    assert ours._tfm_int8 and ours.inputs_quantizer is None
+    ours, _ = _built_pair(units=6, in_dim=5, activation="relu")
+    ours.quantize("int8", config=_weight_only())
+    assert ours._tfm_int8
+    # Built from an int8_from_* policy with a config the fused form does not run: Keras' own form.
+    layer = FusedDense(4, dtype="int8_from_float32", quantization_config=_custom_activation_quantizer())
+    layer.build((None, 3))
+    assert not layer._tfm_int8 and layer.inputs_quantizer is not None
 
 
 # ----------------------------------------------------------------------------
@@ -586,9 +634,11 @@ def test_conv_quantize_errors():
     with pytest.raises(ValueError, match="isn't yet built"):
         conv.quantize("int8")
     conv.build((1, 6, 6, 3))
+    # Stock Keras convs have no quantization: what the weight-only form does not run is refused as a stock
+    # conv refuses it (NotImplementedError; model.quantize skips the layer with Keras' warning).
     with pytest.raises(NotImplementedError, match="'int8'"):
         conv.quantize("int4")
-    with pytest.raises(ValueError, match="activations stay float"):
+    with pytest.raises(NotImplementedError, match="no int8 form of this layer to fall back to"):
         conv.quantize("int8", config=keras.quantizers.Int8QuantizationConfig(
             activation_quantizer=keras.quantizers.AbsMaxQuantizer(value_range=(-3, 3))))
     assert conv.quantization_mode is None

@@ -716,6 +716,21 @@ def stock_int8_rule(layer, ctx):
                        reason=REASON_STOCK_INT8)
 
 
+def keras_quantized_rule(layer, ctx, reason):
+    """A tfmetal_ext drop-in running Keras' own form of its quantization mode (int4, float8, gptq, awq, or
+    int8 with quantizers the fused form does not run). No fused op is expected; where that form
+    de-quantizes its kernel and then runs the float contraction, the remapper may still fuse that (a
+    `may_fuse`). The row says which form ran and why, fused or not."""
+    mode = getattr(layer, "quantization_mode", None)
+    conv = "Conv" in type(layer).__name__
+    text = f"Keras' own {mode} form runs: {reason}"
+    return Expectation(
+        f"custom_int8_{'conv2d' if conv else 'matmul'}", None, None, (), reason=text, note=text,
+        ideal_op=(_fusion.INT8_CONV2D_OP if conv else _fusion.INT8_MATMUL_OP) if mode == "int8" else None,
+        may_fuse=((_fusion.FUSED_CONV2D if conv else _fusion.FUSED_MATMUL, ()),),
+    )
+
+
 class _Projections:
     """What `contraction_rule` reads of a MultiHeadAttention's q/k/v/output projections."""
 

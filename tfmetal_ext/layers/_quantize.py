@@ -21,11 +21,6 @@ INT8 = "int8"
 # The int8 form stores its variables in stock Dense's order (`variable_serialization_spec`).
 SERIALIZATION_SPEC = {None: ("kernel", "bias"), INT8: ("kernel", "bias", "kernel_scale")}
 
-_WEIGHT_ONLY = (
-    "the int8 form of {cls} is weight-only: the kernel is int8, the activations stay float "
-    "(no activation quantizer runs)"
-)
-
 
 def ops():
     """`tfmetal_ext.ops`, imported on first use (the layers package is imported by it indirectly)."""
@@ -70,57 +65,97 @@ def _is_keras_default_activation_quantizer(q):
     )
 
 
+def _default_weight_quantizer(wq, axes, ndim):
+    default = keras.quantizers.AbsMaxQuantizer()
+    return (
+        type(wq) is keras.quantizers.AbsMaxQuantizer
+        and tuple(wq.value_range) == (-127, 127)
+        and wq.output_dtype == "int8"
+        and float(wq.epsilon) == float(default.epsilon)
+        and _axes(wq.axis, ndim) in (None, tuple(sorted(a % ndim for a in axes)))
+    )
+
+
+def weight_only(config, axes, ndim):
+    """Whether the fused weight-only int8 form runs `config`.
+
+    It does for None; for Keras' default config, ``Int8QuantizationConfig()``
+    (no weight quantizer, Keras' default activation quantizer), which is what
+    ``quantize("int8")`` and ``model.quantize("int8")`` resolve to before a
+    layer sees it (its activation quantizer is dropped: the activations stay
+    float); and for an `Int8QuantizationConfig` with ``activation_quantizer=None``
+    and a weight quantizer that is None or Keras' default abs-max int8 one
+    (one scale per output channel: `axes` are the kernel axes it reduces
+    over). Anything else, a config naming its quantizers in particular, runs
+    Keras' own form (`keras_form_reason` says why).
+    """
+    if config is None:
+        return True
+    if not isinstance(config, keras.quantizers.Int8QuantizationConfig):
+        return False
+    aq, wq = config.activation_quantizer, config.weight_quantizer
+    if aq is not None:
+        return wq is None and _is_keras_default_activation_quantizer(aq)
+    return wq is None or _default_weight_quantizer(wq, axes, ndim)
+
+
+def weight_only_config(config):
+    """The config to keep for the weight-only form: `config` without its (default) activation quantizer."""
+    if config is None:
+        return keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)
+    if config.activation_quantizer is None:
+        return config
+    return keras.quantizers.Int8QuantizationConfig(weight_quantizer=config.weight_quantizer, activation_quantizer=None)
+
+
+def keras_form_reason(layer):
+    """Why a quantized `layer` runs Keras' own form of its mode instead of the fused int8 one."""
+    mode = layer.quantization_mode
+    if mode != INT8:
+        return f"quantization mode {mode!r}: no fused form (TfmetalExt>Int8MatMul is int8, weight-only)"
+    config = getattr(layer, "quantization_config", None)
+    aq = getattr(config, "activation_quantizer", None)
+    if aq is not None:
+        return (f"int8 with an activation quantizer ({aq!r}): the fused form is weight-only, so this layer "
+                "runs Keras' own int8 form, which quantizes its inputs")
+    return ("int8 with a weight quantizer other than Keras' default abs-max one "
+            f"({getattr(config, 'weight_quantizer', None)!r}): this layer runs Keras' own int8 form")
+
+
+def not_weight_only_error(layer, config):
+    """NotImplementedError for a layer with no Keras int8 form (the convs) and a config the fused form does not run.
+
+    Stock Keras convolutions have no quantization at all, so `model.quantize`
+    skips such a layer with Keras' warning, as it skips a stock conv.
+    """
+    return NotImplementedError(
+        f"{type(layer).__name__}'s int8 form is weight-only with Keras' default abs-max weight quantizer, "
+        "and stock Keras has no int8 form of this layer to fall back to. "
+        f"Received: quantization_config={config!r}"
+    )
+
+
 def check_config(layer, config, axes, ndim):
-    """The weight-only `Int8QuantizationConfig` to keep for `layer`, or a ValueError.
+    """The weight-only `Int8QuantizationConfig` to keep for a layer with no Keras int8 form (the convs).
 
     Args:
         config: None, or the `keras.quantizers.QuantizationConfig` given.
         axes: the kernel axes the scale reduces over (every axis but the output one).
         ndim: the kernel's rank.
 
-    Keras' default activation quantizer (what ``quantize("int8")`` resolves
-    to) is accepted and dropped: the stored config says
-    ``activation_quantizer=None``, what runs.
-
     Raises:
-        ValueError: not an int8 config, an activation quantizer other than
-            Keras' default, or a weight quantizer other than the default
-            abs-max int8 one.
+        ValueError: not an int8 config.
+        NotImplementedError: a config the weight-only form does not run
+            (`not_weight_only_error`).
     """
-    if config is None:
-        return keras.quantizers.Int8QuantizationConfig(activation_quantizer=None)
-    if not isinstance(config, keras.quantizers.Int8QuantizationConfig):
+    if config is not None and not isinstance(config, keras.quantizers.Int8QuantizationConfig):
         raise ValueError(
             f"{type(layer).__name__} takes an int8 quantization config (keras.quantizers."
             f"Int8QuantizationConfig) or None. Received: quantization_config={config!r}"
         )
-    aq = config.activation_quantizer
-    if aq is not None and not _is_keras_default_activation_quantizer(aq):
-        raise ValueError(
-            _WEIGHT_ONLY.format(cls=type(layer).__name__)
-            + "; pass Int8QuantizationConfig(activation_quantizer=None). "
-            f"Received: activation_quantizer={aq!r} (value_range={getattr(aq, 'value_range', None)})"
-        )
-    wq = config.weight_quantizer
-    if wq is not None:
-        default = keras.quantizers.AbsMaxQuantizer()
-        ok = (
-            type(wq) is keras.quantizers.AbsMaxQuantizer
-            and tuple(wq.value_range) == (-127, 127)
-            and wq.output_dtype == "int8"
-            and float(wq.epsilon) == float(default.epsilon)
-            and _axes(wq.axis, ndim) in (None, tuple(sorted(a % ndim for a in axes)))
-        )
-        if not ok:
-            raise ValueError(
-                f"{type(layer).__name__} quantizes its kernel with Keras' default abs-max int8 quantizer "
-                f"(value_range=(-127, 127), one scale per output channel: axis={tuple(axes)}); other weight "
-                f"quantizers are not implemented. Received: weight_quantizer={wq!r} "
-                f"(axis={getattr(wq, 'axis', None)}, value_range={getattr(wq, 'value_range', None)})"
-            )
-    if aq is None:
-        return config
-    return keras.quantizers.Int8QuantizationConfig(weight_quantizer=wq, activation_quantizer=None)
+    if not weight_only(config, axes, ndim):
+        raise not_weight_only_error(layer, config)
+    return weight_only_config(config)
 
 
 def quantize_kernel(kernel, axes, channels):

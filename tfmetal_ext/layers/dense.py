@@ -13,11 +13,12 @@ from tfmetal_ext.layers import _quantize as Q
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
-class FusedDense(keras.layers.Layer):
+class FusedDense(keras.layers.Dense):
     """Densely connected layer that emits ``MatMul -> BiasAdd -> activation``.
 
-    Same math, arguments and weights (``kernel`` ``(in, units)``, ``bias``
-    ``(units,)``) as `keras.layers.Dense`. Inputs of rank > 2 are reshaped to
+    A drop-in for `keras.layers.Dense`: a subclass with the same math,
+    arguments, weights (``kernel`` ``(in, units)``, ``bias`` ``(units,)``),
+    LoRA and quantization modes. Inputs of rank > 2 are reshaped to
     2-D, multiplied, biased and activated, then reshaped back, so the MatMul,
     BiasAdd and activation stay adjacent and fuse (Keras' Dense puts a Reshape
     between MatMul and BiasAdd there, and nothing fuses).
@@ -58,21 +59,27 @@ class FusedDense(keras.layers.Layer):
         lora_rank: with an int, LoRA is enabled at build (`enable_lora`).
         lora_alpha: the LoRA scale numerator (``alpha / rank``); defaults to
             `lora_rank`.
-        quantization_config: None or a weight-only
-            `keras.quantizers.Int8QuantizationConfig` (``activation_quantizer=None``),
-            used when the layer is built with an ``int8_from_*`` dtype policy.
+        quantization_config: None or a `keras.quantizers.QuantizationConfig`,
+            used when the layer is quantized (`quantize`, an ``<mode>_from_*``
+            dtype policy); see below.
         **kwargs: `keras.layers.Layer` arguments (`name`, `dtype`, ...).
 
     Masks pass through unchanged (``supports_masking``), as Keras' Dense.
 
-    int8: `quantize` ("int8", ``model.quantize("int8")``, a ``dtype`` /
-    ``dtype_policy`` of ``"int8_from_<policy>"``) stores the kernel as int8
-    with a per-column float ``kernel_scale`` (stock Dense's variables and
-    stores, so weights load either way) and runs one
-    ``TfmetalExt>Int8MatMul`` per call: weight-only, the activations stay
-    float (stock Dense also quantizes its inputs by default). The int8
-    kernel and its scale are not trainable; gradients reach the inputs, the
-    bias and LoRA, computed with the de-quantized kernel.
+    Quantization: every mode stock Dense has. ``"int8"`` (``quantize("int8")``,
+    ``model.quantize("int8")``, a ``dtype`` / ``dtype_policy`` of
+    ``"int8_from_<policy>"``) with no config (Keras' default one), or with
+    ``Int8QuantizationConfig(activation_quantizer=None)``, runs the fused form:
+    the kernel is stored as int8 with a per-column float ``kernel_scale``
+    (stock Dense's variables and stores, so weights load either way) and each
+    call is one ``TfmetalExt>Int8MatMul``, weight-only (the activations stay
+    float; stock Dense also quantizes its inputs by default). The int8 kernel
+    and its scale are not trainable; gradients reach the inputs, the bias and
+    LoRA, computed with the de-quantized kernel. A config with an activation
+    quantizer (stock Dense then quantizes its inputs) or another weight
+    quantizer, and the modes ``"int4"``, ``"float8"``, ``"gptq"`` and
+    ``"awq"``, run Keras' own implementation of that form, as stock Dense
+    does; the fusion report says which form ran and why.
 
     Input shape:
         N-D tensor ``(batch, ..., in)``, N >= 2, last dimension known.
@@ -114,31 +121,41 @@ class FusedDense(keras.layers.Layer):
     ):
         if isinstance(quantization_config, dict):  # a serialized config (from_config)
             quantization_config = keras.saving.deserialize_keras_object(quantization_config)
-        activity_regularizer = C.keras_object(
-            keras.regularizers.get, activity_regularizer, "activity_regularizer"
-        )
-        super().__init__(activity_regularizer=activity_regularizer, **kwargs)
-        self.units = C.positive_int(units, "units")
-        self.activation, self._activation_name = C.resolve_activation(
-            activation, allow_gelu_approximate=True
-        )
-        self.use_bias = C.boolean(use_bias, "use_bias")
-        self.kernel_initializer = C.keras_object(keras.initializers.get, kernel_initializer, "kernel_initializer")
-        self.bias_initializer = C.keras_object(keras.initializers.get, bias_initializer, "bias_initializer")
-        self.kernel_regularizer = C.keras_object(keras.regularizers.get, kernel_regularizer, "kernel_regularizer")
-        self.bias_regularizer = C.keras_object(keras.regularizers.get, bias_regularizer, "bias_regularizer")
-        self.kernel_constraint = C.keras_object(keras.constraints.get, kernel_constraint, "kernel_constraint")
-        self.bias_constraint = C.keras_object(keras.constraints.get, bias_constraint, "bias_constraint")
+        if quantization_config is not None and not isinstance(quantization_config, keras.quantizers.QuantizationConfig):
+            raise ValueError(
+                "`quantization_config` must be None or a keras.quantizers.QuantizationConfig. "
+                f"Received: quantization_config={quantization_config!r}"
+            )
+        activation_fn, activation_name = C.resolve_activation(activation, allow_gelu_approximate=True)
         if lora_rank is not None:
             lora_rank = C.positive_int(lora_rank, "lora_rank")
-        self.lora_rank = lora_rank
-        self.lora_alpha = lora_alpha if lora_alpha is not None else lora_rank
-        self.lora_enabled = False
-        self.quantization_config = None
-        if quantization_config is not None:
-            self.quantization_config = Q.check_config(self, quantization_config, axes=(0,), ndim=2)
-        self.input_spec = keras.layers.InputSpec(min_ndim=2)
-        self.supports_masking = True  # masks pass through, as Keras' Dense
+        super().__init__(
+            C.positive_int(units, "units"),
+            activation=None,  # set below: "gelu_approximate" is ours
+            use_bias=C.boolean(use_bias, "use_bias"),
+            kernel_initializer=C.keras_object(keras.initializers.get, kernel_initializer, "kernel_initializer"),
+            bias_initializer=C.keras_object(keras.initializers.get, bias_initializer, "bias_initializer"),
+            kernel_regularizer=C.keras_object(keras.regularizers.get, kernel_regularizer, "kernel_regularizer"),
+            bias_regularizer=C.keras_object(keras.regularizers.get, bias_regularizer, "bias_regularizer"),
+            activity_regularizer=C.keras_object(keras.regularizers.get, activity_regularizer, "activity_regularizer"),
+            kernel_constraint=C.keras_object(keras.constraints.get, kernel_constraint, "kernel_constraint"),
+            bias_constraint=C.keras_object(keras.constraints.get, bias_constraint, "bias_constraint"),
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            quantization_config=quantization_config,
+            **kwargs,
+        )
+        self.activation, self._activation_name = activation_fn, activation_name
+        self._tfm_int8 = False  # the fused int8 form is built (see `_int8_build`)
+
+    def _keras_form(self):
+        """The layer runs Keras' own form of its quantization mode (not ours)."""
+        mode = self.quantization_mode
+        if mode is None:
+            return False
+        if self.built:
+            return not self._tfm_int8
+        return not (mode == Q.INT8 and Q.weight_only(self.quantization_config, axes=(0,), ndim=2))
 
     def build(self, input_shape):
         if len(input_shape) < 2 or input_shape[-1] is None:
@@ -146,6 +163,9 @@ class FusedDense(keras.layers.Layer):
                 "Expected an input of rank >= 2 with a known last dimension. "
                 f"Received: input_shape={tuple(input_shape)}"
             )
+        if self._keras_form():  # int4, float8, gptq, awq, or int8 with quantizers ours does not run
+            super().build(input_shape)
+            return
         in_dim = int(input_shape[-1])
         self.input_spec = keras.layers.InputSpec(min_ndim=2, axes={-1: in_dim})
         kernel_shape = (in_dim, self.units)
@@ -165,17 +185,6 @@ class FusedDense(keras.layers.Layer):
         if self.lora_rank:
             self.enable_lora(self.lora_rank, lora_alpha=self.lora_alpha)
 
-    @property
-    def kernel(self):
-        """The kernel variable; with LoRA enabled, the effective kernel
-        ``kernel + (lora_alpha / lora_rank) * lora_kernel_a @ lora_kernel_b`` in
-        the compute dtype (a tensor), as Keras' Dense."""
-        if not self.lora_enabled:
-            return self._kernel
-        dtype = self.compute_dtype  # as Keras: in the compute dtype (the variables autocast in call)
-        a, b = tf.cast(self.lora_kernel_a, dtype), tf.cast(self.lora_kernel_b, dtype)
-        return tf.cast(self._kernel, dtype) + tf.matmul(a, b) * (self.lora_alpha / self.lora_rank)
-
     def enable_lora(self, rank, lora_alpha=None, a_initializer="he_uniform", b_initializer="zeros"):
         """Low-rank adaptation, as `keras.layers.Dense.enable_lora`.
 
@@ -189,6 +198,8 @@ class FusedDense(keras.layers.Layer):
             ValueError: with a kernel constraint, before the layer is built, or
                 when LoRA is already enabled (Keras' messages).
         """
+        if self._keras_form():
+            return super().enable_lora(rank, lora_alpha, a_initializer, b_initializer)
         if self.kernel_constraint:
             raise ValueError(
                 "Lora is incompatible with kernel constraints. In order to enable lora on this layer, "
@@ -221,11 +232,6 @@ class FusedDense(keras.layers.Layer):
     # ------------------------------------------------------------------
     # Saving: stock Dense's stores (`variable_serialization_spec` order).
 
-    @property
-    def variable_serialization_spec(self):
-        """The stored variable names per quantization mode, in store order (as Keras' Dense)."""
-        return {mode: list(names) for mode, names in Q.SERIALIZATION_SPEC.items()}
-
     def _merged_int8_kernel(self):
         """``(q, scale)`` with the LoRA update merged and re-quantized (as Keras' Dense saves it)."""
         if not self.lora_enabled:
@@ -236,6 +242,8 @@ class FusedDense(keras.layers.Layer):
 
     def save_own_variables(self, store):
         # As Keras' Dense: kernel (LoRA merged; int8: merged and re-quantized), bias, kernel_scale.
+        if self._keras_form():
+            return super().save_own_variables(store)
         if not self.built:
             return
         names = Q.stored_names(self)
@@ -248,6 +256,8 @@ class FusedDense(keras.layers.Layer):
             store[str(i)] = keras.ops.convert_to_numpy(values[name])
 
     def load_own_variables(self, store):
+        if self._keras_form():
+            return super().load_own_variables(store)
         if not self.built:
             return
         names = Q.stored_names(self)
@@ -260,57 +270,64 @@ class FusedDense(keras.layers.Layer):
             self.lora_kernel_b.assign(tf.zeros(self.lora_kernel_b.shape, self.lora_kernel_b.dtype))
 
     # ------------------------------------------------------------------
-    # Keras' int8 quantization API (weight-only: float activations).
+    # Keras' quantization API: the fused weight-only int8 form, else Keras' own form.
 
     def quantize(self, mode=None, type_check=True, config=None):
-        """Quantizes the kernel to int8 in place, as `keras.layers.Dense.quantize("int8")`.
+        """Quantizes the kernel in place, as `keras.layers.Dense.quantize`.
 
-        The float kernel becomes a non-trainable int8 ``_kernel`` and a
-        non-trainable float ``kernel_scale`` of the ``units`` columns
-        (`tfmetal_ext.ops.quantize_int8`: Keras' abs-max scale, bitwise the
-        weights stock Dense stores); the dtype policy becomes
-        ``int8_from_<policy>``. Calls then run one ``TfmetalExt>Int8MatMul``
-        (bias and activation in the op; with LoRA, the op then the adapters,
-        bias and activation). Activations stay float: the form is weight-only.
+        ``"int8"`` with no config (``quantize("int8")``,
+        ``model.quantize("int8")``: Keras resolves it to ``Int8QuantizationConfig()``)
+        or ``Int8QuantizationConfig(activation_quantizer=None)``: the fused
+        weight-only form. The float kernel becomes a non-trainable
+        int8 ``_kernel`` and a non-trainable float ``kernel_scale`` of the
+        ``units`` columns (`tfmetal_ext.ops.quantize_int8`: Keras' abs-max
+        scale, bitwise the weights stock Dense stores); the dtype policy
+        becomes ``int8_from_<policy>``. Calls then run one
+        ``TfmetalExt>Int8MatMul`` (bias and activation in the op; with LoRA,
+        the op then the adapters, bias and activation). Keras' default config
+        is taken as "no config": its default activation quantizer is dropped
+        (the stored config says ``activation_quantizer=None``, what runs).
+        To run Keras' own int8 form, with its inputs quantized, pass a config
+        that names its quantizers.
+
+        Every other case (a config with an activation quantizer, another
+        weight quantizer, and the modes ``"int4"``, ``"float8"``, ``"gptq"``,
+        ``"awq"``) is Keras' own implementation, as stock Dense runs it.
 
         Args:
-            mode: ``"int8"``, or None with an int8 `config`.
+            mode: a Keras quantization mode, or None with a `config`.
             type_check: as Keras: a subclass of FusedDense raises
                 NotImplementedError unless this is False.
-            config: None or a `keras.quantizers.Int8QuantizationConfig`
-                with ``activation_quantizer=None``. Keras' default activation
-                quantizer (``AbsMaxQuantizer()``, what ``quantize("int8")``
-                resolves to) is accepted and dropped; any other raises
-                ValueError (activations stay float).
+            config: None or a `keras.quantizers.QuantizationConfig`.
 
         Raises:
             ValueError: an unbuilt or already quantized layer, an unknown
-                mode, ``compute_dtype="float16"`` (Keras' checks), or a config
-                this form does not implement.
-            NotImplementedError: a subclass with `type_check`, or a mode other
-                than int8 (int4, float8, gptq, awq).
+                mode, ``compute_dtype="float16"``, a config that does not
+                match the mode (Keras' checks).
+            NotImplementedError: a subclass with `type_check`.
         """
         if type_check and type(self) is not FusedDense:
             raise self._not_implemented_error(self.quantize)
-        if mode != Q.INT8:
-            raise Q.not_int8_error(self, mode)
-        config = Q.check_config(self, config, axes=(0,), ndim=2)
-        Q.quantize_in_place(self, self._kernel, (0,), self.units, mode, config, self._drop_float_kernel)
+        if mode == Q.INT8 and Q.weight_only(config, axes=(0,), ndim=2):
+            config = Q.weight_only_config(config)
+            Q.quantize_in_place(self, self._kernel, (0,), self.units, mode, config, self._drop_float_kernel)
+            return
+        super().quantize(mode, type_check=False, config=config)
 
     def _drop_float_kernel(self):
         del self._kernel
 
-    def quantized_build(self, kernel_shape, mode, config=None):
-        if mode != Q.INT8:
-            raise Q.not_int8_error(self, mode)
-        self._int8_build(kernel_shape, config)
-        self._is_quantized = True
-
     def _int8_build(self, kernel_shape, config=None):
+        if not Q.weight_only(config, axes=(0,), ndim=2):  # Keras' int8 form, with its quantizers
+            self._tfm_int8 = False
+            return super()._int8_build(kernel_shape, config)
+        self._tfm_int8 = True
         self.inputs_quantizer = None  # weight-only: the inputs stay float
         Q.add_int8_weights(self, kernel_shape, self.units)
 
     def _int8_call(self, inputs, training=None):
+        if not self._tfm_int8:
+            return super()._int8_call(inputs, training=training)
         tops = Q.ops()
         scale = Q.scale_f32(self)
         if isinstance(inputs, tf.SparseTensor):  # as the float layer: a sparse MatMul, nothing fuses
@@ -361,11 +378,9 @@ class FusedDense(keras.layers.Layer):
             outputs.set_shape(inputs.shape[:-1].concatenate([self.units]))
         return outputs
 
-    def compute_output_shape(self, input_shape):
-        return tuple(input_shape)[:-1] + (self.units,)
-
     def get_config(self):
-        config = super().get_config()
+        # Keras Layer's config, then Dense's keys (its get_config would serialize "gelu_approximate" as a function).
+        config = keras.layers.Layer.get_config(self)
         config.update(
             {
                 "units": self.units,
@@ -397,6 +412,8 @@ _float_rule = catalog.unless_avoided("matmul_bias_relu", _fused_dense_rule)
 
 
 def _rule(layer, ctx):
+    if layer._keras_form():  # Keras' own quantized form: unfused, the report says which ran and why
+        return catalog.keras_quantized_rule(layer, ctx, Q.keras_form_reason(layer))
     if layer.quantization_mode == Q.INT8:  # one TfmetalExt>Int8MatMul (bias, activation in it)
         note = None
         if layer.lora_enabled or layer._activation_name not in fusion.INT8_ACTIVATIONS:
