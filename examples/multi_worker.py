@@ -35,33 +35,102 @@ import sys
 GLOBAL_BATCH = 32
 
 
+# What TF prints when its gRPC server cannot bind the worker's port.
+BIND_FAILURE = "Could not start gRPC server"
+
+
 def free_ports(n):
+    """`n` ports free right now on every interface (TF's gRPC server binds 0.0.0.0:<port>)."""
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
-            s.bind(("127.0.0.1", 0))
+            s.bind(("0.0.0.0", 0))
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
             s.close()
 
 
-def launch(n, timeout, epochs):
-    ports = ",".join(str(p) for p in free_ports(n))
-    procs = [
-        subprocess.Popen([sys.executable, __file__, "--worker", str(i), "--ports", ports,
-                          "--epochs", str(epochs)])
-        for i in range(n)
-    ]
-    try:
-        for p in procs:
-            p.wait(timeout=timeout)
-    finally:
-        for p in procs:
+class Cluster:
+    """Worker processes on loopback ports, relaunched on new ports when one could not bind its port.
+
+    A port found free is released before the worker binds it, seconds later
+    once TensorFlow is imported, and another process can take it meanwhile.
+    The worker then fails with "Could not start gRPC server" while the
+    others wait for it; the cluster is stopped and started again on fresh
+    ports (at most `attempts` times). Each worker's output goes to a file.
+
+    Args:
+        argv_for: ``argv_for(index, ports)`` -> the worker's command line.
+        n: the number of workers.
+        env_for: ``env_for(index, ports)`` -> its environment (default: this one).
+        attempts: launches at most, bind failures included.
+    """
+
+    def __init__(self, argv_for, n, env_for=None, attempts=3):
+        self.argv_for, self.n, self.env_for, self.attempts = argv_for, n, env_for, attempts
+        self.procs, self.files, self.launches = [], [], 0
+
+    def start(self):
+        import tempfile
+
+        self.stop()
+        ports = free_ports(self.n)
+        self.launches += 1
+        self.files = [tempfile.TemporaryFile("w+") for _ in range(self.n)]
+        self.procs = [
+            subprocess.Popen(self.argv_for(i, ports), env=self.env_for(i, ports) if self.env_for else None,
+                             stdout=f, stderr=subprocess.STDOUT, text=True)
+            for i, f in enumerate(self.files)
+        ]
+        return self
+
+    def output(self, i):
+        f = self.files[i]
+        f.flush()
+        f.seek(0)
+        return f.read()
+
+    def bind_failed(self):
+        return any(p.poll() not in (None, 0) and BIND_FAILURE in self.output(i) for i, p in enumerate(self.procs))
+
+    def poll(self):
+        """True while a worker runs; relaunches the cluster after a bind failure (RuntimeError past `attempts`)."""
+        if self.bind_failed():
+            if self.launches >= self.attempts:
+                raise RuntimeError(f"workers could not bind their ports in {self.launches} launches:\n"
+                                   + self.output(0)[-2000:])
+            self.start()
+        return any(p.poll() is None for p in self.procs)
+
+    def wait(self, timeout):
+        """Waits for every worker (relaunching after a bind failure); returns (returncodes, outputs)."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        try:
+            while self.poll():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            self.stop()
+        return [p.returncode for p in self.procs], [self.output(i) for i in range(len(self.procs))]
+
+    def stop(self):
+        for p in self.procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return max(abs(p.returncode or 0) for p in procs)
+
+
+def launch(n, timeout, epochs):
+    cluster = Cluster(lambda i, ports: [sys.executable, __file__, "--worker", str(i),
+                                        "--ports", ",".join(map(str, ports)), "--epochs", str(epochs)], n).start()
+    codes, outputs = cluster.wait(timeout)
+    for i, text in enumerate(outputs):
+        print(f"----- worker {i} -----\n{text}", end="" if text.endswith("\n") else "\n")
+    return max(abs(c if c is not None else 1) for c in codes)
 
 
 def train(index, ports, epochs):

@@ -19,7 +19,8 @@ def _example():
     return module
 
 
-free_ports = _example().free_ports
+_EXAMPLE = _example()
+free_ports = _EXAMPLE.free_ports
 
 
 def worker_env(ports, index, **extra):
@@ -35,17 +36,20 @@ def worker_env(ports, index, **extra):
     return env
 
 
-def start(script, args, index, ports, **extra):
-    env = worker_env(ports, index, **extra) if ports else dict(
-        os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
-        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    )
-    if not ports:
-        env.pop("TF_CONFIG", None)
-    return subprocess.Popen(
-        [sys.executable, script, *args], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
+def cluster(script, args, n=2, **extra):
+    """`n` MWMS workers running `script args` on loopback ports, started; relaunched on new ports when one
+    could not bind its port (examples/multi_worker.py's `Cluster`)."""
+    return _EXAMPLE.Cluster(lambda i, ports: [sys.executable, script, *args], n,
+                            env_for=lambda i, ports: worker_env(ports, i, **extra)).start()
+
+
+def start_single(script, args, **extra):
+    """One process of `script args` with no cluster (no TF_CONFIG)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+    env.pop("TF_CONFIG", None)
+    return subprocess.Popen([sys.executable, script, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def run_all(procs, timeout):

@@ -29,31 +29,28 @@ def _runs(outs):
 def test_killed_worker_resumes_from_backup(tmp_path):
     out = str(tmp_path)
     # Uninterrupted reference: one process, same global batches, same backup callback.
-    ref = [_cluster.start(WORKER, [out, "ref"], 0, None)]
-    ports = _cluster.free_ports(2)
-    procs = [_cluster.start(WORKER, [out, "multi", str(KILL_AT)], i, ports) for i in range(2)]
+    ref = [_cluster.start_single(WORKER, [out, "ref"])]
+    first = _cluster.cluster(WORKER, [out, "multi", str(KILL_AT)])
     try:
         deadline = time.monotonic() + 120
         marker = os.path.join(out, "marker")
         while not os.path.exists(marker):
-            assert all(p.poll() is None for p in procs), "a worker exited before the kill"
+            first.poll()  # relaunches on new ports if a worker could not bind its port
+            assert all(p.poll() is None for p in first.procs), "a worker exited before the kill: " + first.output(0)[-2000:]
             assert time.monotonic() < deadline, "worker 1 never reached the kill step"
             time.sleep(0.2)
-        procs[1].send_signal(signal.SIGKILL)
-        procs[1].wait(timeout=30)
-        assert procs[1].returncode == -signal.SIGKILL
+        first.procs[1].send_signal(signal.SIGKILL)
+        first.procs[1].wait(timeout=30)
+        assert first.procs[1].returncode == -signal.SIGKILL
     finally:
-        for p in procs:  # worker 0 is blocked in a collective: stop it too
-            if p.poll() is None:
-                p.kill()
-            p.communicate(timeout=30)
+        first.stop()  # worker 0 is blocked in a collective: stop it too
     for i in range(2):  # each worker kept the backup of the last finished epoch
         with open(os.path.join(out, f"backup_multi_{i}", "training_metadata.json")) as f:
             assert json.load(f)["epoch"] == 2
 
-    ports = _cluster.free_ports(2)
-    procs = [_cluster.start(WORKER, [out, "multi"], i, ports) for i in range(2)]
-    codes, outs = _cluster.run_all(procs + ref, timeout=150)
+    codes, outs = _cluster.cluster(WORKER, [out, "multi"]).wait(timeout=150)
+    ref_codes, ref_outs = _cluster.run_all(ref, timeout=150)
+    codes, outs = codes + ref_codes, outs + ref_outs
     for code, text in zip(codes, outs):
         assert code == 0, text[-3000:]
     runs = {r["task"]: r for r in _runs(outs[:2])}

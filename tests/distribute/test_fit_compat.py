@@ -21,8 +21,7 @@ def test_install_is_idempotent_and_reversible():
 
 def test_two_workers_fit_on_loopback():
     worker = os.path.join(os.path.dirname(__file__), "_mwms_fit_worker.py")
-    ports = _cluster.free_ports(2)
-    codes, outs = _cluster.run_all([_cluster.start(worker, [], i, ports) for i in range(2)], timeout=150)
+    codes, outs = _cluster.cluster(worker, []).wait(timeout=150)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outs)
     weights = [line for out in outs for line in out.splitlines() if line.startswith("WEIGHTS")]
     assert len(weights) == 2 and weights[0] == weights[1], outs

@@ -16,10 +16,10 @@ OPTIMIZERS = ["adam", "adam_mt", "sgd_momentum"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("mwms_opt"))
-    ports = _cluster.free_ports(2)
-    procs = [_cluster.start(WORKER, [out, "multi"], i, ports) for i in range(2)]
-    procs.append(_cluster.start(WORKER, [out, "single"], 0, None))
-    codes, outs = _cluster.run_all(procs, timeout=150)
+    single = _cluster.start_single(WORKER, [out, "single"])
+    codes, outs = _cluster.cluster(WORKER, [out, "multi"]).wait(timeout=150)
+    single_codes, single_outs = _cluster.run_all([single], timeout=150)
+    codes, outs = codes + single_codes, outs + single_outs
     for code, text in zip(codes, outs):
         assert code == 0, text[-3000:]
     return out
@@ -30,6 +30,10 @@ def _load(path):
         return [f[k] for k in sorted(f.files, key=lambda k: int(k.split("_")[1]))]
 
 
+# Full tier: one cluster run of three optimizers (20 s). In the quick tier the multi-worker path is
+# test_fit_compat.py's two-worker fit, and the fused optimizers across replicas are
+# tests/optimizers/test_optimizers.py::test_multi_tensor_mirrored_strategy_two_cpus.
+@pytest.mark.full
 @pytest.mark.parametrize("opt", OPTIMIZERS)
 def test_two_workers_match_one_process(runs, opt):
     single = _load(os.path.join(runs, f"single_{opt}_0.npz"))
