@@ -92,6 +92,8 @@ def _append_to(copy, name, text):
     return path
 
 
+# Full tier: in the quick tier test_generated_module_is_current runs the same generator over the same sources.
+@pytest.mark.full
 def test_generator_reads_a_new_registration_through_its_loops(tmp_path):
     # A registration the table has never seen, inside the dtype loop of an existing helper: the
     # generator must follow the code (it runs it), not a list of names.

@@ -1,5 +1,7 @@
 """Build-on-first-use: cache key, concurrent builds, corrupted entries, no compiler, wheel install."""
 
+from __future__ import annotations
+
 import os
 import shutil
 import subprocess
@@ -27,7 +29,7 @@ _USE_OPS = textwrap.dedent(
 )
 
 
-def small_sources(dest: Path) -> Path:
+def small_sources(dest: Path, src: Path | None = None) -> Path:
     """A copy of custom_ops/ that builds one op, Softshrink, in seconds.
 
     The tests of the build mechanics (the cache, concurrent builds, a
@@ -36,7 +38,7 @@ def small_sources(dest: Path) -> Path:
     in it. Every header and the Metal plumbing come along; only the other
     ops' translation units stay out.
     """
-    src = _loader.sources_dir()
+    src = src or _loader.sources_dir()
     shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
     for unit in [*dest.glob("ops/*.cc"), *dest.glob("cpu/*.cc"), *dest.glob("metal/*.mm")]:
         if not unit.name.startswith(("softshrink", "metal_helper")):
@@ -95,23 +97,36 @@ def test_two_processes_build_once_and_both_succeed(tmp_path):
     assert len(list((tmp_path / "ops").glob("tf*/" + _loader.LIBRARY_NAME))) == 1
 
 
+def _stand_in_compiler(tmp_path):
+    """An executable that writes b"library" to the path after its `-o` (and answers --version)."""
+    script = tmp_path / "fake-cxx"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = --version ]; then echo fake-cxx 1.0; exit 0; fi\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then printf library > "$2"; fi; shift; done\n'
+    )
+    os.chmod(script, 0o700)
+    return str(script)
+
+
 def test_corrupted_cache_entry_is_rebuilt(tmp_path, monkeypatch):
+    # The cache logic with a stand-in compiler (that a real build loads and runs, in two processes at
+    # once, is test_two_processes_build_once_and_both_succeed).
     src = small_sources(tmp_path / "src")
-    cache = tmp_path / "cache"
     monkeypatch.setattr(_loader, "sources_dir", lambda: src)
-    monkeypatch.setenv("TFMETAL_EXT_CACHE", str(cache))
+    monkeypatch.setenv("TFMETAL_EXT_CACHE", str(tmp_path / "cache"))
+    compiler = _stand_in_compiler(tmp_path)
     compiles = []
     real_compile = _loader._compile
     monkeypatch.setattr(_loader, "_compile", lambda p: (compiles.append(p.key), real_compile(p)))
-    plan = _loader.build()
-    assert len(compiles) == 1 and _loader.entry_is_valid(plan)
-    plan.library.write_bytes(plan.library.read_bytes()[:4096])  # truncated, as by a crash or full disk
+    plan = _loader.build(compiler=compiler)
+    assert len(compiles) == 1 and _loader.entry_is_valid(plan) and plan.library.read_bytes() == b"library"
+    plan.library.write_bytes(b"lib")  # truncated, as by a crash or full disk
     assert not _loader.entry_is_valid(plan)
-    _loader.build()
-    assert len(compiles) == 2 and _loader.entry_is_valid(plan)
-    _loader.build()  # valid again: no rebuild
+    _loader.build(compiler=compiler)
+    assert len(compiles) == 2 and _loader.entry_is_valid(plan) and plan.library.read_bytes() == b"library"
+    _loader.build(compiler=compiler)  # valid again: no rebuild
     assert len(compiles) == 2
-    # That a fresh build loads and runs in a new process is test_two_processes_build_once_and_both_succeed.
 
 
 def test_no_compiler_falls_back_to_references_with_one_warning(tmp_path):
@@ -177,17 +192,28 @@ def test_build_ops_cli(capsys):
 
 @pytest.mark.slow
 def test_non_editable_install_builds_from_shipped_sources(tmp_path):
-    # A wheel-style install outside the source tree: the sources must ship
-    # in the package for the build to work.
+    # A wheel-style install outside the source tree: the sources must ship in the package, and the
+    # installed package's loader must find them there and build from them.
     target = tmp_path / "site"
     pip = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target), str(REPO)],
         capture_output=True, text=True, timeout=600,
     )
     assert pip.returncode == 0, pip.stderr[-3000:]
-    assert (target / "tfmetal_ext" / "_custom_ops" / "ops" / "softshrink_op.cc").is_file()
-    code = "import tfmetal_ext, sys; assert tfmetal_ext.__file__.startswith(sys.argv[1] if len(sys.argv) > 1 else '')\n" + _USE_OPS
+    shipped = target / "tfmetal_ext" / "_custom_ops"
+    # Every file the build reads ships: the installed package builds what the source tree builds.
+    repo = _loader.sources_dir()
+    assert ([str(p.relative_to(shipped)) for p in _loader._source_files(shipped)]
+            == [str(p.relative_to(repo)) for p in _loader._source_files(repo)])
+    # The installed package finds its own sources, and a build from them (one op's units, as the other
+    # build tests do) loads and runs there.
+    code = (
+        "import tfmetal_ext\nfrom tfmetal_ext.ops import _loader\n"
+        "print('PACKAGE', tfmetal_ext.__file__)\nprint('SOURCES', _loader.sources_dir())\n"
+    ) + with_sources(_USE_OPS, small_sources(tmp_path / "small", src=shipped))
     result = run_python(code, tmp_path / "cache", env={"PYTHONPATH": str(target)}, cwd=tmp_path)
+    assert f"PACKAGE {target / 'tfmetal_ext' / '__init__.py'}" in result.stdout
+    assert f"SOURCES {shipped}" in result.stdout
     assert "STATUS True" in result.stdout
     assert str(tmp_path / "cache") in result.stdout
 

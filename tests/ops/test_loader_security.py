@@ -120,12 +120,12 @@ def _status(cache_root, prefix=()):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _plan_paths(cache_root):
-    code = ("import json; from tfmetal_ext.ops import _loader; p = _loader.plan(); "
-            "print(json.dumps([str(p.directory), str(p.library), str(p.metadata)]))")
-    r = _run([sys.executable, "-c", code], cache_root)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return [Path(x) for x in json.loads(r.stdout.strip().splitlines()[-1])]
+def _plan_paths(cache_root, monkeypatch):
+    """Where the loader of a process with TFMETAL_EXT_CACHE=`cache_root` puts the library (planned here: the
+    plan depends only on the cache root, this TF, the compiler and the sources)."""
+    monkeypatch.setenv("TFMETAL_EXT_CACHE", str(cache_root))
+    p = _loader.plan()
+    return p.directory, p.library, p.metadata
 
 
 @pytest.fixture
@@ -138,7 +138,7 @@ def shared_dir():
 
 
 @needs_root
-def test_library_planted_by_another_user_never_runs(shared_dir):
+def test_library_planted_by_another_user_never_runs(shared_dir, monkeypatch):
     """A `.so` with a constructor, planted with a matching build.json by uid
     65534 in a shared TFMETAL_EXT_CACHE: root's loader refuses it, naming the
     path and the fix, and the constructor never runs (the reference ops run)."""
@@ -155,7 +155,7 @@ def test_library_planted_by_another_user_never_runs(shared_dir):
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(evil), str(src)], check=True, timeout=60)
     os.chmod(evil, 0o755)
     cache_root = shared_dir / "cache"
-    directory, library, metadata = _plan_paths(cache_root)
+    directory, library, metadata = _plan_paths(cache_root, monkeypatch)
     plant = (
         "import hashlib, json, os, shutil, sys\n"
         "d, lib, meta, evil = sys.argv[1:5]\n"

@@ -268,13 +268,14 @@ _THREADS_CASE = textwrap.dedent(
 def test_results_do_not_depend_on_the_thread_count(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TFMETAL_EXT_REFERENCE_OPS"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"
-    results = []
-    for threads in ("1", "2"):
-        path = tmp_path / f"t{threads}.npz"
-        proc = subprocess.run([sys.executable, "-c", _THREADS_CASE, str(path), threads], capture_output=True,
-                              text=True, env=env, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        results.append(np.load(path))
+    paths = [tmp_path / f"t{threads}.npz" for threads in ("1", "2")]
+    procs = [subprocess.Popen([sys.executable, "-c", _THREADS_CASE, str(path), threads], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env)
+             for path, threads in zip(paths, ("1", "2"))]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    results = [np.load(path) for path in paths]
     for key in ("y", "rstd", "dx", "dgamma"):
         np.testing.assert_array_equal(results[0][key], results[1][key], err_msg=key)
 

@@ -90,6 +90,9 @@ def test_numpy_lion_single_variable():
         np.testing.assert_allclose(var.numpy(), w, rtol=0, atol=1e-5)
 
 
+# Quick tier: each form once (the Keras features are the shared base's; test_optimizers.py runs every
+# feature in the quick tier, and the full tier runs every feature in both forms here).
+@pytest.mark.sample_axes("kwargs")
 @pytest.mark.parametrize("multi_tensor", FORMS)
 @pytest.mark.parametrize(
     "kwargs",

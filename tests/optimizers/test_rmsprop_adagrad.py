@@ -184,6 +184,10 @@ def rtol(name, kwargs=None):
     return 1e-4 if name == "rmsprop" and "clipvalue" in (kwargs or {}) else 1e-5
 
 
+# Quick tier: one case. Keras' features (schedules, clipping, EMA, weight decay) reach every fused
+# optimizer through the shared base (optimizers/_base.py); test_optimizers.py::test_keras_features runs
+# each feature in the quick tier, and the full tier runs every optimizer with every feature here.
+@pytest.mark.sample_axes("name", "base", "kwargs")
 @pytest.mark.parametrize("name, base", FEATURE_CASES)
 @pytest.mark.parametrize(
     "kwargs",
@@ -202,6 +206,8 @@ def test_keras_features(name, base, kwargs):
                          rtol=rtol(name, kwargs))
 
 
+# Quick tier: one optimizer (the LossScaleOptimizer wrapping is the shared base's; the full tier runs each).
+@pytest.mark.sample_axes("name", "base")
 @pytest.mark.parametrize("name, base", FEATURE_CASES)
 def test_loss_scale_optimizer(name, base):
     # Wrapped explicitly (float32 model): the same trajectory as the wrapped stock optimizer.
@@ -462,6 +468,8 @@ def test_mirrored_strategy_two_cpus():
 # Saving, loading, configs, arguments.
 
 
+# Quick tier: one optimizer (saving and Keras' state layout are the shared base's; the full tier runs each).
+@pytest.mark.sample_axes("name", "kwargs")
 @pytest.mark.parametrize("name, kwargs", [
     pytest.param(name, kwargs, id=i, marks=() if i in ("rmsprop", "adagrad", "nesterov") else _SLOW)
     for (name, kwargs), i in zip(CASES, CASE_IDS)])
@@ -555,6 +563,8 @@ def test_bad_arguments(make_opt, message):
         make_opt()
 
 
+# Quick tier: one optimizer (gradient accumulation is the shared base's; the full tier runs each).
+@pytest.mark.sample_axes("name", "base")
 @pytest.mark.parametrize("name, base", [("rmsprop", {}), ("adagrad", {}), ("sgd", {"momentum": 0.9, "nesterov": True})])
 def test_gradient_accumulation_and_loss_scale_factor(name, base):
     kwargs = {**base, "gradient_accumulation_steps": 3, "loss_scale_factor": 64.0}
