@@ -279,6 +279,109 @@ def test_gradients_match_numpy(path, dtype):
             assert_close(as64(got), want, 2 * tol, f"d{what}, {case_id(case)}")
 
 
+# ---------------------------------------------------------------- rounded once: a derived bound
+
+
+F32_U = 2.0**-24
+HALF_U = {"float16": 2.0**-11, "bfloat16": 2.0**-8}  # unit roundoff 2^-p, p significand bits (11, 8)
+
+
+def _gamma(n):
+    return n * F32_U / (1 - n * F32_U)
+
+
+def rounded_once_bounds(q, k, v, do, mask, causal, scale, half_u):
+    """Exact (float64) O, dQ, dK, dV on the op's (half) inputs, and the bound on each component of an
+    algorithm that computes in float32 and rounds each output once to the half type.
+
+    The derivation (u = 2^-24, gamma(n) = n u / (1 - n u), |.| elementwise, products of absolute values
+    bounding the float32 errors; Higham, "Accuracy and Stability of Numerical Algorithms", 3.1, 3.5):
+    - scores S = scale * Q K^T: |dS| <= Delta = gamma(d + 1) scale |Q||K|^T; over a row, softmax moves
+      each p by a factor within e^(+-2 Delta_i), Delta_i = max_j Delta_ij;
+    - the float32 exp, shift, running-max rescales (at most one per key), sum and division, and the
+      backward's p = exp(s - lse): at most eps_i = (e^(2 Delta_i) - 1) + 4u (max_j |S_ij| + |lse_i|)
+      + (4 tk + 16) u relative on each p (expf is within 1 ulp; 16 covers it and the divisions);
+    - O = P V: |dO| <= (eps + gamma(tk)) P |V|;
+    - dV = P^T dO: (eps + gamma(tq))-weighted P^T |dO|;  dP = dO V^T: gamma(dv) |dO||V|^T;
+    - D = rowsum(dO * O), from the op's own output, which may already be rounded: (gamma(dv) + h) |dO||O|;
+    - dS = P (dP - D): eps P |dP - D| + P (|d dP| + |d D|) + 2u P |dP - D|;
+    - dQ = scale dS K, dK = scale dS^T Q: the dS error through |K|, |Q|, plus gamma(tk + 1), gamma(tq + 1);
+    - the output rounded once to the half type: |fl(x^) - x| <= h (|x| + E) + E, h = 2^-p.
+    An extra rounding to the half type inside (scores, probabilities, an accumulator) is a relative
+    error of h >> u on an intermediate: far outside this bound.
+    """
+    q, k, v, do = (np.asarray(t, np.float64) for t in (q, k, v, do))
+    d, tq, tk, dv = q.shape[-1], q.shape[2], k.shape[2], v.shape[-1]
+    p, lse = np_probs(q, k, mask, causal, scale)
+    o = np.einsum("bhqk,bhkd->bhqd", p, v)
+    scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
+    live = p > 0
+    delta = _gamma(d + 1) * scale * np.einsum("bhqd,bhkd->bhqk", np.abs(q), np.abs(k))
+    delta_i = np.where(live, delta, 0).max(-1, keepdims=True)
+    s_max = np.where(live, np.abs(scores), 0).max(-1, keepdims=True)
+    lse_abs = np.where(np.isfinite(lse), np.abs(lse), 0)[..., None]
+    eps = np.expm1(2 * delta_i) + 4 * F32_U * (s_max + lse_abs) + (4 * tk + 16) * F32_U
+    e_o = (eps + _gamma(tk)) * np.einsum("bhqk,bhkd->bhqd", p, np.abs(v))
+
+    dp = np.einsum("bhqd,bhkd->bhqk", do, v)
+    dr = (do * o).sum(-1, keepdims=True)
+    ds = p * (dp - dr)
+    dq = scale * np.einsum("bhqk,bhkd->bhqd", ds, k)
+    dk = scale * np.einsum("bhqk,bhqd->bhkd", ds, q)
+    d_v = np.einsum("bhqk,bhqd->bhkd", p, do)
+    e_dv = np.einsum("bhqk,bhqd->bhkd", (eps + _gamma(tq)) * p, np.abs(do))
+    e_dp = _gamma(dv) * np.einsum("bhqd,bhkd->bhqk", np.abs(do), np.abs(v))
+    e_dr = (_gamma(dv) + half_u) * (np.abs(do) * np.abs(o)).sum(-1, keepdims=True)
+    e_ds = (eps + 2 * F32_U) * p * np.abs(dp - dr) + p * (e_dp + e_dr)
+    e_dq = scale * (np.einsum("bhqk,bhkd->bhqd", e_ds, np.abs(k))
+                    + _gamma(tk + 1) * np.einsum("bhqk,bhkd->bhqd", np.abs(ds), np.abs(k)))
+    e_dk = scale * (np.einsum("bhqk,bhqd->bhkd", e_ds, np.abs(q))
+                    + _gamma(tq + 1) * np.einsum("bhqk,bhqd->bhkd", np.abs(ds), np.abs(q)))
+    exact = (o, dq, dk, d_v)
+    errors = (e_o, e_dq, e_dk, e_dv)
+    return exact, tuple(half_u * (np.abs(x) + e) + e for x, e in zip(exact, errors))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_and_bfloat16_are_float32_rounded_once(path, dtype):
+    """The op's half/bfloat16 output and gradients are the float32 computation rounded once: within
+    the derived bound (rounded_once_bounds) of the exact result on the same inputs, componentwise.
+    This is what makes it at least as accurate as stock attention, which rounds its scores,
+    probabilities and products to the half type as well."""
+    tf_dtype = DTYPES[dtype][0]
+    for seed, case in enumerate(CASES[:9]):
+        b, h, tq, tk, d, dv, kind, causal = case
+        q, k, v = qkv(b, h, tq, tk, d, dv, seed=seed)
+        do = np.random.default_rng(seed + 50).normal(0, 1, (b, h, tq, dv)).astype("float32")
+        mask = make_mask(kind, b, h, tq, tk, seed)
+        qt, kt, vt, dot = (tf.constant(t, tf_dtype) for t in (q, k, v, do))
+        with tf.GradientTape() as tape:
+            tape.watch([qt, kt, vt])
+            out = attention(qt, kt, vt, mask=mask, causal=causal)
+        grads = tape.gradient(out, [qt, kt, vt], output_gradients=dot)
+        exact, bounds = rounded_once_bounds(*(as64(t) for t in (qt, kt, vt, dot)), mask, causal,
+                                            1 / math.sqrt(d), HALF_U[dtype])
+        for what, got, want, bound in zip(("O", "dQ", "dK", "dV"), [out, *grads], exact, bounds):
+            assert got.dtype == tf_dtype
+            error = np.abs(as64(got) - want)
+            worst = np.unravel_index(np.argmax(error - bound), error.shape) if error.size else ()
+            assert (error <= bound).all(), (what, case_id(case), worst, error[worst], bound[worst])
+
+
+def test_rounded_once_bound_catches_a_second_rounding():
+    # The bound is tight enough to tell: the float32 result rounded once passes it, the same computation
+    # with its probabilities rounded to bfloat16 on the way does not.
+    q, k, v = qkv(2, 2, 9, 9, 8, 8, seed=3)
+    do = np.random.default_rng(3).normal(0, 1, (2, 2, 9, 8))
+    q, k, v, do = (rounded(t, tf.bfloat16) for t in (q, k, v, do))
+    (o, *_), (bound, *_) = rounded_once_bounds(q, k, v, do, None, True, 1 / math.sqrt(8), HALF_U["bfloat16"])
+    p, _ = np_probs(q, k, None, True, 1 / math.sqrt(8))
+    once = rounded(np.einsum("bhqk,bhkd->bhqd", p, v), tf.bfloat16)
+    twice = rounded(np.einsum("bhqk,bhkd->bhqd", rounded(p, tf.bfloat16), v), tf.bfloat16)
+    assert (np.abs(once - o) <= bound).all()
+    assert not (np.abs(twice - o) <= bound).all()
+
+
 @pytest.mark.parametrize(
     "case", [(1, 2, 3, 4, 3, 2, "padding", False), (2, 1, 4, 4, 2, 3, None, True), (1, 1, 5, 3, 4, 4, "full", True)]
 )
