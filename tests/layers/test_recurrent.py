@@ -821,6 +821,8 @@ def test_gru_reset_after_false_runs_the_stock_form():
 # The open tensorflow-metal-plugin (no CudnnRNNV3 kernel): the loop in its GPU form.
 
 
+# Quick tier: one kind of the open plugin's loop form (the full tier, CI's make test-full, runs each).
+@pytest.mark.sample_axes("kind")
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_open_plugin_form_matches_keras(kind, monkeypatch):
     """Under assume_backend("tensorflow-metal-plugin") the layers run the loop with Split/ConcatV2 lists

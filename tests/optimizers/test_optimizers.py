@@ -803,6 +803,9 @@ _MIRRORED_MULTI_TENSOR = textwrap.dedent(
 )
 
 
+# Full tier (CI's make test-full): a two-device MirroredStrategy subprocess, 15 s; the quick tier keeps the
+# multi-tensor form's single-device checks (bitwise per-variable equality, Keras features, XLA fallback).
+@pytest.mark.full
 def test_multi_tensor_mirrored_strategy_two_cpus():
     result = subprocess.run([sys.executable, "-c", _MIRRORED_MULTI_TENSOR], capture_output=True, text=True,
                             timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
