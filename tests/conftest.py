@@ -33,6 +33,37 @@ def pytest_configure(config):
     _tiers.register(config)
 
 
+_PREBUILD = {}
+
+
+def pytest_sessionstart(session):
+    # The op library is built (or found in the cache) once, before any test: on a fresh machine the
+    # build (about 40 s on the 2-core box) would otherwise land on whichever test first uses an op, and
+    # on the quick tier's per-test cap. In the controlling process only: the workers start after it and
+    # find it built. A build failure is left to the tests (tfmetal_ext.ops.status() reports it there).
+    if hasattr(session.config, "workerinput") or os.environ.get("TFMETAL_EXT_REFERENCE_OPS") == "1":
+        return
+    import time
+
+    from tfmetal_ext.ops import _loader
+
+    if _loader.find_compiler() is None:
+        return
+    start = time.perf_counter()
+    try:
+        _loader.build()
+        _PREBUILD["seconds"] = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 - reported by the tests that load the library
+        _PREBUILD["error"] = f"{type(e).__name__}: {e}"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if "seconds" in _PREBUILD:
+        terminalreporter.write_line(f"op library built or found before the tests: {_PREBUILD['seconds']:.1f} s")
+    elif "error" in _PREBUILD:
+        terminalreporter.write_line(f"op library build before the tests failed: {_PREBUILD['error']}")
+
+
 def pytest_collection_modifyitems(config, items):
     # `metal` tests need the real device: run them on a Mac with `pytest -m metal`.
     if devices.backend() == "metal":
