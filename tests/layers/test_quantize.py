@@ -410,6 +410,53 @@ def test_dense_modes_without_a_fused_form_run_keras_own(mode, config, reason):
     np.testing.assert_array_equal(np.asarray(back(x)), np.asarray(stock(x)))
 
 
+def _gptq_config():
+    from keras.src.quantizers.gptq_config import GPTQConfig
+
+    return GPTQConfig(dataset=None, tokenizer=None, weight_bits=4, group_size=4)
+
+
+def _awq_config():
+    from keras.src.quantizers.awq_config import AWQConfig
+
+    return AWQConfig(dataset=None, tokenizer=None, group_size=4, num_grid_points=10)
+
+
+@pytest.mark.parametrize("mode, config", [("gptq", _gptq_config), ("awq", _awq_config)], ids=["gptq", "awq"])
+def test_dense_calibrated_modes_take_keras_own_form(mode, config):
+    # GPTQ and AWQ: layer.quantize(mode, config) prepares Keras' own form (model.quantize then calibrates it
+    # through Keras' isinstance(layer, Dense) walk, which FusedDense, a Dense subclass, takes part in):
+    # the same variables, config and stores as stock Dense, and the report names the form.
+    ours, stock = _built_pair(units=8, in_dim=8, activation="relu")
+    for layer in (ours, stock):
+        layer.quantize(mode, config=config())
+    assert ours.quantization_mode == stock.quantization_mode == mode
+    assert [(v.path.split("/")[-1], v.shape, v.dtype) for v in ours.weights] == [
+        (v.path.split("/")[-1], v.shape, v.dtype) for v in stock.weights]
+    back = FusedDense.from_config(ours.get_config())
+    back.build((None, 8))
+    assert back.quantization_mode == mode and isinstance(back, keras.layers.Dense)
+    store_ours, store_stock = {}, {}
+    ours.save_own_variables(store_ours)
+    stock.save_own_variables(store_stock)
+    assert sorted(store_ours) == sorted(store_stock)
+    # Before calibration Keras' own form does not load its own store back (Keras 3.15: one variable short);
+    # ours does what stock does.
+    stock_back = keras.layers.Dense.from_config(stock.get_config())
+    stock_back.build((None, 8))
+    outcomes = []
+    for layer, store in ((back, store_ours), (stock_back, store_stock)):
+        try:
+            layer.load_own_variables(store)
+            outcomes.append("loaded")
+        except ValueError as e:
+            outcomes.append(str(e).split(" expected ", 1)[1])
+    assert outcomes[0] == outcomes[1], outcomes
+    report = ti.fusion_report(keras.Sequential([keras.Input((8,)), ours]))
+    note = report.row(ours.name).note
+    assert f"Keras' own {mode} form runs" in note and INT8_MATMUL not in report.ops_by_type
+
+
 def test_dense_default_int8_runs_the_fused_form_not_keras_own():
     ours, _ = _built_pair(units=6, in_dim=5, activation="relu")
     ours.quantize("int8")
