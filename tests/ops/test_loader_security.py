@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tfmetal_ext.ops import _loader
+from tests.ops.test_loader import _stand_in_compiler
 
 
 def _plan(root):
@@ -48,18 +49,6 @@ def test_library_owned_by_other_uid_refused(cache):
     os.chown(cache.library, 65534, 65534)
     with pytest.raises(_loader.OpCacheError, match="uid 65534"):
         _loader.verify_cache(cache, create=False)
-
-
-def _stand_in_compiler(tmp_path):
-    """An executable that writes b"library" to the path after its `-o` (and answers --version)."""
-    script = tmp_path / "fake-cxx"
-    script.write_text(
-        "#!/bin/sh\n"
-        'if [ "$1" = --version ]; then echo fake-cxx 1.0; exit 0; fi\n'
-        'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then printf library > "$2"; fi; shift; done\n'
-    )
-    os.chmod(script, 0o700)
-    return str(script)
 
 
 def test_build_does_not_follow_symlinks_planted_at_its_temp_names(cache, tmp_path):
