@@ -320,6 +320,21 @@ def test_model_quantize_and_the_executed_graph(mode):
     assert report.row("stock").reason == catalog.REASON_STOCK_INT8
 
 
+@pytest.mark.parametrize("mode", ["int4", "float8"])
+def test_model_quantize_other_modes_report_keras_own_form_for_ours_and_stock(mode):
+    # model.quantize(mode) with another mode: ours and stock Dense both run Keras' own form, and each row
+    # says so; where that form de-quantizes and runs the float MatMul + BiasAdd, the fusion is expected
+    # (no "unexpected" row).
+    model = _mixed_model()
+    model.quantize(mode)
+    report = ti.fusion_report(model)
+    assert INT8_MATMUL not in report.ops_by_type
+    for name in ("ours_a", "ours_b", "stock"):
+        row = report.row(name)
+        assert row.status in ("fused", "not fused") and f"Keras' own {mode} form runs" in row.note, row
+    assert "a stock Dense" in report.row("stock").note
+
+
 def test_only_the_op_runs_no_dequantized_kernel():
     model = keras.Sequential([keras.Input((2, 5)), FusedDense(8, activation="relu"), FusedDense(3)])
     model.quantize("int8")

@@ -709,9 +709,14 @@ def int8_rule(layer, ctx, kind="matmul", *, note=None, reference=None):
 
 
 def stock_int8_rule(layer, ctx):
-    """A stock Keras layer quantized to int8: nothing fuses, with the reason; None when not quantized."""
-    if getattr(layer, "quantization_mode", None) is None or _is_fusion_first(layer):
+    """A stock Keras layer quantized: int8 fuses nothing, with the reason; another mode (int4, float8, gptq,
+    awq) de-quantizes its kernel and may fuse the float contraction (`keras_quantized_rule`); None when
+    not quantized."""
+    mode = getattr(layer, "quantization_mode", None)
+    if mode is None or _is_fusion_first(layer):
         return None
+    if mode != "int8":
+        return keras_quantized_rule(layer, ctx, f"a stock {type(layer).__name__}; tfmetal_ext has no fused {mode} form")
     return Expectation(f"custom_int8_{'conv2d' if 'Conv' in type(layer).__name__ else 'matmul'}", None, None, (),
                        reason=REASON_STOCK_INT8)
 
