@@ -2,6 +2,7 @@ import gc
 import importlib.util
 import os
 import pathlib
+import time
 import zlib
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -43,8 +44,6 @@ def pytest_sessionstart(session):
     # find it built. A build failure is left to the tests (tfmetal_ext.ops.status() reports it there).
     if hasattr(session.config, "workerinput") or os.environ.get("TFMETAL_EXT_REFERENCE_OPS") == "1":
         return
-    import time
-
     from tfmetal_ext.ops import _loader
 
     if _loader.find_compiler() is None:

@@ -426,15 +426,11 @@ def test_dense_modes_without_a_fused_form_run_keras_own(mode, config, reason):
 
 
 def _gptq_config():
-    from keras.src.quantizers.gptq_config import GPTQConfig
-
-    return GPTQConfig(dataset=None, tokenizer=None, weight_bits=4, group_size=4)
+    return keras.quantizers.GPTQConfig(dataset=None, tokenizer=None, weight_bits=4, group_size=4)
 
 
 def _awq_config():
-    from keras.src.quantizers.awq_config import AWQConfig
-
-    return AWQConfig(dataset=None, tokenizer=None, group_size=4, num_grid_points=10)
+    return keras.quantizers.AWQConfig(dataset=None, tokenizer=None, group_size=4, num_grid_points=10)
 
 
 @pytest.mark.parametrize("mode, config", [("gptq", _gptq_config), ("awq", _awq_config)], ids=["gptq", "awq"])
