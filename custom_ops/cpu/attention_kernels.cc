@@ -359,8 +359,7 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
     return errors::InvalidArgument("the head dims of query and value must be in [1, ", TFM_ATTENTION_MAX_HEAD_DIM,
                                    "], got shapes ", q.shape().DebugString(), " and ", v.shape().DebugString());
   }
-  constexpr int64_t kMaxLen = std::numeric_limits<int32_t>::max();
-  if (s->tq > kMaxLen || s->tk > kMaxLen) {
+  if (s->tq > kMaxDimension || s->tk > kMaxDimension) {  // tfmetal/host_checks.h
     return errors::InvalidArgument("sequence lengths must be < 2^31, got shapes ", q.shape().DebugString(), " and ",
                                    k.shape().DebugString());
   }

@@ -9,6 +9,9 @@
 #define TFMETAL_CPU_COMMON_H_
 
 #include <cstdint>
+#include <string>
+
+#include "tfmetal/host_checks.h"
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -71,26 +74,17 @@ template <typename T>
 inline T FromFloat(float v) { return static_cast<T>(v); }
 
 // The ops that normalize over the last axis (layer_norm, rms_norm): x must
-// have rank >= 1; rows = the product of all but the last dimension.
+// have rank >= 1; rows = the product of all but the last dimension
+// (tfmetal/host_checks.h, shared with the Metal host code).
 inline Status RowsAndChannels(const TensorShape& shape, int64_t* rows, int64_t* channels) {
-  if (shape.dims() < 1) {
-    return errors::InvalidArgument("x must have rank >= 1 (normalized over its last axis), got shape ",
-                                   shape.DebugString());
-  }
-  *channels = shape.dim_size(shape.dims() - 1);
-  int64_t n = 1;
-  for (int i = 0; i + 1 < shape.dims(); ++i) n *= shape.dim_size(i);
-  *rows = n;
-  return Status();
+  const std::string error = NormRowsAndChannels(shape.dim_sizes().data(), shape.dims(), rows, channels);
+  return error.empty() ? Status() : errors::InvalidArgument(error);
 }
 
 // `t` (called `name`) must be a vector of `n` elements (`what`: what n is).
 inline Status CheckVector(const Tensor& t, const char* name, int64_t n, const char* what) {
-  if (t.dims() != 1 || t.dim_size(0) != n) {
-    return errors::InvalidArgument(name, " must be a vector of ", what, " = ", n, ", got shape ",
-                                   t.shape().DebugString());
-  }
-  return Status();
+  const std::string error = VectorShapeError(name, t.shape().dim_sizes().data(), t.dims(), n, what);
+  return error.empty() ? Status() : errors::InvalidArgument(error);
 }
 
 }  // namespace tfmetal_ext

@@ -38,9 +38,6 @@ namespace {
 
 const MetalLibrarySource kLibrary{tfm_attention_metal_source_name, tfm_attention_metal_source};
 
-// The kernels count rows and mask elements with 32-bit integers.
-constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
-
 struct AttentionKernel {
   bool causal;
   float scale;

@@ -38,9 +38,6 @@ namespace {
 
 const MetalLibrarySource kLibrary{tfm_int8_metal_source_name, tfm_int8_metal_source};
 
-// The kernels index each dimension with 32-bit integers.
-constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
-
 struct Int8Kernel {
   int32_t activation = TFM_INT8_LINEAR;
   float alpha = 0.2f;
@@ -148,7 +145,9 @@ bool CheckRank(const TF_Tensor* t, const char* name, size_t rank, const char* la
   return true;
 }
 
-bool CheckVector(const TF_Tensor* t, const char* name, int64_t n, const std::string& what, TF_Status* status) {
+// Its own text ("of length n (what)"), not the norms' shared CheckVector's.
+bool CheckChannelVector(const TF_Tensor* t, const char* name, int64_t n, const std::string& what,
+                        TF_Status* status) {
   const std::vector<int64_t> dims = Dims(t);
   if (dims.size() != 1 || dims[0] != n) {
     SetStatus(status, TF_INVALID_ARGUMENT, std::string(name) + " must be a vector of length " + std::to_string(n) +
@@ -161,9 +160,9 @@ bool CheckVector(const TF_Tensor* t, const char* name, int64_t n, const std::str
 // kernel_scale [channels]; bias [channels] with has_bias, else [0].
 bool CheckScaleAndBias(const Int8Kernel& k, const TF_Tensor* scale, const TF_Tensor* bias, int64_t channels,
                        TF_Status* status) {
-  if (!CheckVector(scale, "kernel_scale", channels, "the kernel's output channels", status)) return false;
-  if (k.has_bias) return CheckVector(bias, "bias", channels, "the kernel's output channels", status);
-  return CheckVector(bias, "bias", 0, "has_bias is false", status);
+  if (!CheckChannelVector(scale, "kernel_scale", channels, "the kernel's output channels", status)) return false;
+  if (k.has_bias) return CheckChannelVector(bias, "bias", channels, "the kernel's output channels", status);
+  return CheckChannelVector(bias, "bias", 0, "has_bias is false", status);
 }
 
 struct Int8Inputs {

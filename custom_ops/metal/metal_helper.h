@@ -93,12 +93,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "metal/dispatch_geometry.h"  // the sizes below, shared with the emulator tests
 #include "metal/metal_binding.h"
 #include "metal/metal_plugin_stream.h"
 #include "tensorflow/c/kernels.h"
 #include "tensorflow/c/tf_datatype.h"
 #include "tensorflow/c/tf_status.h"
 #include "tensorflow/c/tf_tensor.h"
+#include "tfmetal/host_checks.h"  // kMaxDimension, the checks shared with the CPU kernels
 
 // The stream tensorflow-metal passes to kernels registered for "GPU" through
 // TF's C kernel API (WWDC22 "Accelerate machine learning with Metal").
@@ -199,15 +201,22 @@ inline std::vector<int64_t> Dims(const TF_Tensor* t) {
 }
 
 inline std::string ShapeString(const std::vector<int64_t>& dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? "," : "") + std::to_string(dims[i]);
-  return s + "]";
+  return ShapeText(dims.data(), static_cast<int>(dims.size()));
 }
 
 // Whether `a` and `b` have the same shape; InvalidArgument "<a_name> and
 // <b_name> must have the same shape, got [..] and [..]" if not.
 bool CheckSameShape(const TF_Tensor* a, const char* a_name, const TF_Tensor* b, const char* b_name,
                     TF_Status* status);
+
+// Whether `t` (called `name`) is a vector of `n` elements (`what`: what n
+// is); InvalidArgument with the CPU kernels' text (tfmetal/host_checks.h) if not.
+inline bool CheckVector(const TF_Tensor* t, const char* name, int64_t n, const char* what, TF_Status* status) {
+  const std::vector<int64_t> dims = Dims(t);
+  const std::string error = VectorShapeError(name, dims.data(), static_cast<int>(dims.size()), n, what);
+  if (!error.empty()) SetStatus(status, TF_INVALID_ARGUMENT, error);
+  return error.empty();
+}
 
 // Input `index` of the op (null with `status` set on failure), owned.
 inline TensorPtr Input(TF_OpKernelContext* ctx, int index, TF_Status* status) {
@@ -319,7 +328,7 @@ void DispatchThreads1D(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipeli
 
 // The most elements one 1-D dispatch covers: the kernels index elements with
 // 32-bit integers, so larger tensors are dispatched in chunks.
-constexpr int64_t kMaxElementsPerDispatch = int64_t{1} << 30;
+constexpr int64_t kMaxElementsPerDispatch = geometry::kMaxElementsPerDispatch;
 
 // One thread per element over n elements of `element_size` bytes, in chunks
 // of at most kMaxElementsPerDispatch: for each chunk `bind(byte_offset,
@@ -330,8 +339,7 @@ template <class Bind>
 void DispatchChunked1D(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline, int64_t n,
                        size_t element_size, Bind&& bind, NSUInteger cap = 256) {
   for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
-    const uint32_t count = static_cast<uint32_t>(n - start < kMaxElementsPerDispatch ? n - start
-                                                                                      : kMaxElementsPerDispatch);
+    const uint32_t count = static_cast<uint32_t>(geometry::ChunkElements(n, start, kMaxElementsPerDispatch));
     bind(static_cast<NSUInteger>(start) * element_size, count);
     DispatchThreads1D(encoder, pipeline, count, cap);
   }

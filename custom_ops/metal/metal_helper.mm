@@ -29,12 +29,6 @@ NSUInteger RoundUp(NSUInteger value, NSUInteger multiple) {
   return multiple == 0 ? value : (value + multiple - 1) / multiple * multiple;
 }
 
-NSUInteger PowerOfTwoAtMost(NSUInteger value) {
-  NSUInteger p = 1;
-  while (p * 2 <= value) p *= 2;
-  return p;
-}
-
 // Directory of the loaded binary that contains this code (the op library).
 std::string ThisLibraryDirectory() {
   Dl_info info;
@@ -470,25 +464,17 @@ id<MTLComputePipelineState> PipelineCache::Pipeline(id<MTLDevice> device, const 
 // ---------------------------------------------------------------------------
 // Sizing and dispatch
 
+// The sizes themselves: dispatch_geometry.h (shared with the emulator tests).
 MTLSize ThreadgroupSize1D(id<MTLComputePipelineState> pipeline, NSUInteger threads, NSUInteger cap) {
-  const NSUInteger width = std::max<NSUInteger>(pipeline.threadExecutionWidth, 1);
-  NSUInteger limit = std::min<NSUInteger>(pipeline.maxTotalThreadsPerThreadgroup, cap == 0 ? NSUIntegerMax : cap);
-  if (limit >= width) limit -= limit % width;  // whole SIMD-groups
-  limit = std::max<NSUInteger>(limit, 1);
-  const NSUInteger wanted = RoundUp(std::max<NSUInteger>(threads, 1), width);
-  return MTLSizeMake(std::min(limit, wanted), 1, 1);
+  return MTLSizeMake(geometry::ThreadgroupSize1D(pipeline.threadExecutionWidth, pipeline.maxTotalThreadsPerThreadgroup,
+                                                 threads, cap),
+                     1, 1);
 }
 
 NSUInteger ReductionThreadgroupSize(id<MTLComputePipelineState> pipeline, NSUInteger row_length,
                                     NSUInteger elements_per_thread, NSUInteger cap) {
-  const NSUInteger width = std::max<NSUInteger>(pipeline.threadExecutionWidth, 1);
-  const NSUInteger limit = PowerOfTwoAtMost(
-      std::max<NSUInteger>(std::min<NSUInteger>(pipeline.maxTotalThreadsPerThreadgroup, cap == 0 ? NSUIntegerMax : cap), 1));
-  const NSUInteger per_thread = std::max<NSUInteger>(elements_per_thread, 1);
-  const NSUInteger wanted = (std::max<NSUInteger>(row_length, 1) + per_thread - 1) / per_thread;
-  NSUInteger threads = std::min(PowerOfTwoAtMost(width), limit);
-  while (threads < wanted && threads * 2 <= limit) threads *= 2;
-  return threads;
+  return geometry::ReductionThreadgroupSize(pipeline.threadExecutionWidth, pipeline.maxTotalThreadsPerThreadgroup,
+                                            row_length, elements_per_thread, cap);
 }
 
 void DispatchThreads1D(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline, NSUInteger n,
