@@ -24,6 +24,7 @@
 #ifndef TFMETAL_METAL_LAYER_NORM_KERNELS_H_
 #define TFMETAL_METAL_LAYER_NORM_KERNELS_H_
 
+#include "reduction.h"  // tfm_threadgroup_sum
 #include "tfmetal/portable.h"
 #include "tfmetal/layer_norm.h"
 
@@ -41,25 +42,6 @@ static_assert(sizeof(tfm_layer_norm_params) == 12, "tfm_layer_norm_params layout
 
 #if TFM_METAL
 
-// SIMD-groups are 32 wide on Apple GPUs (and in the emulator).
-#define TFM_LAYER_NORM_SIMD_WIDTH 32u
-#define TFM_LAYER_NORM_MAX_SIMDGROUPS 32u  // 1024 threads
-
-// Sum of `value` over the threadgroup, returned to every thread. Uses
-// slots[0, number of SIMD-groups) of threadgroup memory; a later reduction
-// must use other slots (then no barrier is needed after this one). The same
-// order in every thread and every run: deterministic.
-inline float layer_norm_threadgroup_sum(float value, threadgroup float* slots, uint threads, uint simd_lane,
-                                        uint simd_id) {
-  const float partial = simd_sum(value);
-  if (simd_lane == 0) slots[simd_id] = partial;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint groups = (threads + TFM_LAYER_NORM_SIMD_WIDTH - 1) / TFM_LAYER_NORM_SIMD_WIDTH;
-  float total = 0.0f;
-  for (uint s = 0; s < groups; ++s) total += slots[s];
-  return total;
-}
-
 template <typename T>
 [[kernel]] void layer_norm(device const T* x [[buffer(0)]],
                            device const float* gamma [[buffer(1)]],
@@ -69,7 +51,7 @@ template <typename T>
                            device float* rstd_out [[buffer(5)]],
                            constant tfm_layer_norm_params& p [[buffer(6)]],
                            TFM_KERNEL_BUILTINS) {
-  threadgroup float slots[2 * TFM_LAYER_NORM_MAX_SIMDGROUPS];
+  threadgroup float slots[2 * TFM_MAX_SIMDGROUPS];
   const uint row = tgid.x;
   const uint channels = p.channels;
   const uint threads = tgsize.x;
@@ -82,7 +64,7 @@ template <typename T>
   float shifted = 0.0f;
   for (uint c = lid.x; c < channels; c += threads) shifted += static_cast<float>(xr[c]) - x0;
   const float mean =
-      layer_norm_mean(x0, layer_norm_threadgroup_sum(shifted, slots, threads, simd_lane, simd_id), inv_count);
+      layer_norm_mean(x0, tfm_threadgroup_sum(shifted, slots, threads, simd_lane, simd_id), inv_count);
 
   // Pass 2: sum of (x - mean)^2 -> rstd.
   float squares = 0.0f;
@@ -91,7 +73,7 @@ template <typename T>
     squares += d * d;
   }
   const float rstd = layer_norm_rstd(
-      layer_norm_threadgroup_sum(squares, slots + TFM_LAYER_NORM_MAX_SIMDGROUPS, threads, simd_lane, simd_id),
+      tfm_threadgroup_sum(squares, slots + TFM_MAX_SIMDGROUPS, threads, simd_lane, simd_id),
       inv_count, p.epsilon);
 
   for (uint c = lid.x; c < channels; c += threads) {
@@ -114,7 +96,7 @@ template <typename T>
                                 device T* dx [[buffer(5)]],
                                 constant tfm_layer_norm_params& p [[buffer(6)]],
                                 TFM_KERNEL_BUILTINS) {
-  threadgroup float slots[2 * TFM_LAYER_NORM_MAX_SIMDGROUPS];
+  threadgroup float slots[2 * TFM_MAX_SIMDGROUPS];
   const uint row = tgid.x;
   const uint channels = p.channels;
   const uint threads = tgsize.x;
@@ -132,9 +114,9 @@ template <typename T>
     sum_gxhat += g * xhat;
   }
   // Two reductions into separate slots: no barrier between them is needed.
-  const float mean_g = layer_norm_threadgroup_sum(sum_g, slots, threads, simd_lane, simd_id) * inv_count;
+  const float mean_g = tfm_threadgroup_sum(sum_g, slots, threads, simd_lane, simd_id) * inv_count;
   const float mean_gxhat =
-      layer_norm_threadgroup_sum(sum_gxhat, slots + TFM_LAYER_NORM_MAX_SIMDGROUPS, threads, simd_lane, simd_id) *
+      tfm_threadgroup_sum(sum_gxhat, slots + TFM_MAX_SIMDGROUPS, threads, simd_lane, simd_id) *
       inv_count;
 
   for (uint c = lid.x; c < channels; c += threads) {

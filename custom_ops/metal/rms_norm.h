@@ -24,6 +24,7 @@
 #ifndef TFMETAL_METAL_RMS_NORM_KERNELS_H_
 #define TFMETAL_METAL_RMS_NORM_KERNELS_H_
 
+#include "reduction.h"  // tfm_threadgroup_sum
 #include "tfmetal/portable.h"
 #include "tfmetal/rms_norm.h"
 
@@ -41,22 +42,6 @@ static_assert(sizeof(tfm_rms_norm_params) == 12, "tfm_rms_norm_params layout is 
 
 #if TFM_METAL
 
-#define TFM_RMS_NORM_SIMD_WIDTH 32u  // Apple GPUs (and the emulator)
-#define TFM_RMS_NORM_MAX_SIMDGROUPS 32u  // 1024 threads
-
-// Sum of `value` over the threadgroup, returned to every thread; uses
-// slots[0, number of SIMD-groups). The same order in every thread and run.
-inline float rms_norm_threadgroup_sum(float value, threadgroup float* slots, uint threads, uint simd_lane,
-                                      uint simd_id) {
-  const float partial = simd_sum(value);
-  if (simd_lane == 0) slots[simd_id] = partial;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint groups = (threads + TFM_RMS_NORM_SIMD_WIDTH - 1) / TFM_RMS_NORM_SIMD_WIDTH;
-  float total = 0.0f;
-  for (uint s = 0; s < groups; ++s) total += slots[s];
-  return total;
-}
-
 template <typename T>
 [[kernel]] void rms_norm(device const T* x [[buffer(0)]],
                          device const float* gamma [[buffer(1)]],
@@ -64,7 +49,7 @@ template <typename T>
                          device float* rstd_out [[buffer(3)]],
                          constant tfm_rms_norm_params& p [[buffer(4)]],
                          TFM_KERNEL_BUILTINS) {
-  threadgroup float slots[TFM_RMS_NORM_MAX_SIMDGROUPS];
+  threadgroup float slots[TFM_MAX_SIMDGROUPS];
   const uint row = tgid.x;
   const uint channels = p.channels;
   const uint threads = tgsize.x;
@@ -77,7 +62,7 @@ template <typename T>
     squares += v * v;
   }
   const float rstd =
-      rms_norm_rstd(rms_norm_threadgroup_sum(squares, slots, threads, simd_lane, simd_id),
+      rms_norm_rstd(tfm_threadgroup_sum(squares, slots, threads, simd_lane, simd_id),
                     rms_norm_inv_count(static_cast<float>(channels)), p.epsilon);
   for (uint c = lid.x; c < channels; c += threads) {
     yr[c] = static_cast<T>(rms_norm_forward(static_cast<float>(xr[c]), rstd, gamma[c]));
@@ -95,7 +80,7 @@ template <typename T>
                               device T* dx [[buffer(4)]],
                               constant tfm_rms_norm_params& p [[buffer(5)]],
                               TFM_KERNEL_BUILTINS) {
-  threadgroup float slots[TFM_RMS_NORM_MAX_SIMDGROUPS];
+  threadgroup float slots[TFM_MAX_SIMDGROUPS];
   const uint row = tgid.x;
   const uint channels = p.channels;
   const uint threads = tgsize.x;
@@ -107,7 +92,7 @@ template <typename T>
     const float xhat = rms_norm_xhat(static_cast<float>(x[base + c]), row_rstd);
     sum_gxhat += static_cast<float>(dy[base + c]) * gamma[c] * xhat;
   }
-  const float mean_gxhat = rms_norm_threadgroup_sum(sum_gxhat, slots, threads, simd_lane, simd_id) *
+  const float mean_gxhat = tfm_threadgroup_sum(sum_gxhat, slots, threads, simd_lane, simd_id) *
                            rms_norm_inv_count(static_cast<float>(channels));
   for (uint c = lid.x; c < channels; c += threads) {
     const float xhat = rms_norm_xhat(static_cast<float>(x[base + c]), row_rstd);
