@@ -1,9 +1,22 @@
-// multi_tensor_metal.h: the host code the Metal kernels of the multi-tensor
-// optimizer ops (multi_tensor_adam_metal.mm, multi_tensor_lion_metal.mm)
-// share: TF's experimental resource-variable C API, looked up at load time,
-// copy-on-write on the GPU, duplicate detection, and locking + reading the
-// variables with their dtype and shape checks. Objective-C++ with ARC, macOS
-// arm64 only; header-only (inline), included by both .mm files.
+// multi_tensor_metal.h: the host code of the Metal kernels of the multi-tensor
+// optimizer ops (multi_tensor_{adam,lion,rmsprop}_metal.mm): one table-driven
+// runner (Spec, Register at the end) and what it is built on: TF's
+// experimental resource-variable C API, looked up at load time, copy-on-write
+// on the GPU, duplicate detection, and locking + reading the variables with
+// their dtype and shape checks. Objective-C++ with ARC, macOS arm64 only;
+// header-only (inline), included by each op's .mm, which holds one Spec.
+//
+// One launch for N variables, the Metal way. apex's FusedAdam launches one
+// CUDA kernel over a table of raw device pointers. Metal buffers are separate
+// objects: a kernel can only reach a buffer bound to the encoder (or made
+// resident and addressed through an argument buffer / gpuAddress table, which
+// needs Metal 3 and a useResource: call per buffer anyway). So an op encodes
+// ONE compute encoder with one dispatch per variable (per 2^30-element chunk,
+// via buffer offsets): a single command-buffer submission and no CPU-GPU
+// synchronization, with a few microseconds of GPU-side cost per dispatch; the
+// scalar buffers are bound once and stay bound across the dispatches. The
+// kernels compute the step's coefficients on the GPU from the scalar tensors,
+// which stay in device memory (reading them on the host would wait for the GPU).
 //
 // Resource variables go through TF's experimental kernel C API
 // (tensorflow/c/kernels_experimental.h), as TF's own training kernels do in C++:
@@ -235,6 +248,198 @@ inline bool LockAndReadVariables(TF_OpKernelContext* ctx, const Layout& layout, 
     }
   }
   return true;
+}
+
+// ---------------------------------------------------------------------------
+// The runner: one op = one Spec (a row of names and [[buffer(n)]] indices).
+//
+// Inputs, in order: the resource groups of `slots` (each N variables; an
+// optional slot's group only when its count attr is N), grad (N tensors),
+// the `scalars`, then weight_decay_rate when num_decay is 1. The kernel
+// takes, per dispatch, every slot (an absent optional slot bound to its
+// `placeholder` slot, not touched), grad and the params {count, flags...};
+// the scalars and weight_decay_rate (absent: scalars[0], not read) are bound
+// once. Messages name the inputs as the CPU kernels do.
+
+// A kernel buffer: the input's name and its [[buffer(index)]].
+struct Buffer {
+  const char* name;
+  int index;
+};
+
+// A per-variable slot (var, m, ...). Optional slots have a count attr that
+// must be 0 or N ("vhat must hold 0 (Adam) or N = 2 (AMSGrad) variables").
+struct Slot {
+  const char* name;
+  int index;
+  const char* count_attr = nullptr;   // nullptr: always present
+  const char* without = nullptr;      // "(Adam)": what 0 means, in the message
+  const char* with = nullptr;         // "(AMSGrad)": what N means
+  int placeholder = 0;                // slot bound in its place when absent
+};
+
+struct Spec {
+  const char* op;      // "TfmetalExt>MultiTensorAdam"
+  const char* kernel;  // "multi_tensor_adam": host names <kernel>_<dtype>
+  MetalLibrarySource library;
+  std::vector<Slot> slots;  // in input order
+  Buffer grad;
+  std::vector<Buffer> scalars;
+  Buffer decay;   // weight_decay_rate (num_decay = 0 or 1)
+  Buffer params;  // constant <kernel>_params& p: uint32 {count, flags...}
+  std::vector<const char*> flags;  // params after count: 1 if the slot (or decay) named is present
+  size_t params_size;              // sizeof the kernel's params struct
+};
+
+// One op instance: its attrs.
+struct Kernel {
+  const Spec* spec = nullptr;
+  int n = 0;
+  std::vector<int> counts;  // per slot: 0 or N (required slots: N)
+  int num_decay = 0;
+  TF_DataType dtype = TF_FLOAT;
+  std::string kernel_name;
+};
+
+template <const Spec& S>
+void* Create(TF_OpKernelConstruction* ctx) {
+  StatusPtr status(TF_NewStatus());
+  Kernel k;
+  k.spec = &S;
+  int32_t n = 0, num_decay = 0;
+  std::vector<int32_t> counts(S.slots.size(), 0);
+  TF_OpKernelConstruction_GetAttrInt32(ctx, "N", &n, status.get());
+  for (size_t s = 0; s < S.slots.size(); ++s) {
+    if (S.slots[s].count_attr == nullptr) counts[s] = n;
+    else if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, S.slots[s].count_attr, &counts[s], status.get());
+  }
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, "num_decay", &num_decay, status.get());
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrType(ctx, "T", &k.dtype, status.get());
+  for (size_t s = 0; s < S.slots.size(); ++s) {
+    const Slot& slot = S.slots[s];
+    if (Ok(status.get()) && counts[s] != 0 && counts[s] != n) {
+      SetStatus(status.get(), TF_INVALID_ARGUMENT,
+                std::string(slot.name) + " must hold 0" + (slot.without ? std::string(" ") + slot.without : "") +
+                    " or N = " + std::to_string(n) + (slot.with ? std::string(" ") + slot.with : "") +
+                    " variables, got " + std::to_string(counts[s]));
+    }
+  }
+  if (Ok(status.get()) && num_decay > 1) {
+    SetStatus(status.get(), TF_INVALID_ARGUMENT,
+              std::string(S.decay.name) + " must hold 0 or 1 scalar, got " + std::to_string(num_decay));
+  }
+  if (Ok(status.get())) k.kernel_name = KernelName(S.kernel, "", k.dtype, status.get());
+  k.n = n;
+  k.counts.assign(counts.begin(), counts.end());
+  k.num_decay = num_decay;
+  return NewKernelOrFail(ctx, status.get(), k);
+}
+
+inline void Run(const Kernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
+  const Spec& spec = *k.spec;
+  const int n = k.n;
+  // The groups present, in input order, and where each slot's group is (-1: absent).
+  Layout layout{{}, 0, n};
+  std::vector<int> group(spec.slots.size(), -1);
+  for (size_t s = 0; s < spec.slots.size(); ++s) {
+    if (k.counts[s] == 0) continue;
+    group[s] = layout.groups++;
+    layout.names.push_back(spec.slots[s].name);
+  }
+  const int grad_start = layout.num_resources();
+  const int scalar_start = grad_start + n;
+  const int num_scalars = static_cast<int>(spec.scalars.size()) + k.num_decay;
+  auto scalar = [&](int s) -> const Buffer& { return s < static_cast<int>(spec.scalars.size()) ? spec.scalars[s] : spec.decay; };
+
+  // Scalars first: cheap, and no lock is needed to check their shapes (their
+  // values stay on the GPU).
+  std::vector<TensorPtr> scalars(static_cast<size_t>(num_scalars));
+  for (int s = 0; s < num_scalars; ++s) {
+    scalars[s] = Input(ctx, scalar_start + s, status);
+    if (!Ok(status)) return;
+    if (TF_NumDims(scalars[s].get()) != 0) {
+      SetStatus(status, TF_INVALID_ARGUMENT,
+                std::string(scalar(s).name) + " is not a scalar: " + ShapeString(Dims(scalars[s].get())));
+      return;
+    }
+  }
+  std::vector<TensorPtr> grads(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    grads[i] = Input(ctx, grad_start + i, status);
+    if (!Ok(status)) return;
+  }
+  // Lock every variable (held until the end of this function, after the
+  // update is encoded), get their tensors (copy-on-write done), and validate
+  // everything before updating anything: an error leaves every variable unchanged.
+  LockPtr locks;
+  std::vector<TensorPtr> vars;  // group-major, groups present only
+  if (!LockAndReadVariables(ctx, layout, k.dtype, grads, &locks, &vars, status)) return;
+  int64_t total = 0;
+  for (int i = 0; i < n; ++i) total += TF_TensorElementCount(grads[i].get());
+  if (total == 0) return;
+
+  // Every tensor's buffer and offset, resolved before anything is encoded.
+  std::vector<MetalSlice> scalar_slices(static_cast<size_t>(num_scalars));
+  for (int s = 0; s < num_scalars; ++s) {
+    if (!Resolve(scalars[s].get(), scalar(s).name, &scalar_slices[s], status)) return;
+  }
+  std::vector<MetalSlice> var_slices(static_cast<size_t>(layout.num_resources())), grad_slices(static_cast<size_t>(n));
+  for (int i = 0; i < layout.num_resources(); ++i) {
+    if (!Resolve(vars[i].get(), layout.InputName(i).c_str(), &var_slices[i], status)) return;
+  }
+  for (int i = 0; i < n; ++i) {
+    if (!Resolve(grads[i].get(), ("grad[" + std::to_string(i) + "]").c_str(), &grad_slices[i], status)) return;
+  }
+  // params after count: 1 where the named slot (or weight_decay_rate) is present.
+  std::vector<uint32_t> words(1 + spec.flags.size(), 0);
+  for (size_t f = 0; f < spec.flags.size(); ++f) {
+    const std::string flag = spec.flags[f];
+    if (flag == spec.decay.name) words[1 + f] = k.num_decay ? 1u : 0u;
+    for (size_t s = 0; s < spec.slots.size(); ++s) {
+      if (flag == spec.slots[s].name) words[1 + f] = group[s] >= 0 ? 1u : 0u;
+    }
+  }
+  const size_t element_size = TF_DataTypeSize(k.dtype);
+  EncodeKernel(ctx, spec.library, k.kernel_name.c_str(), status,
+               [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
+    // The scalars, bound once: bindings persist across the dispatches of an encoder.
+    for (size_t s = 0; s < spec.scalars.size(); ++s) {
+      [encoder setBuffer:scalar_slices[s].buffer offset:scalar_slices[s].offset atIndex:spec.scalars[s].index];
+    }
+    const MetalSlice& decay = scalar_slices[k.num_decay ? spec.scalars.size() : 0];  // absent: scalars[0], not read
+    [encoder setBuffer:decay.buffer offset:decay.offset atIndex:spec.decay.index];
+    for (int i = 0; i < n; ++i) {
+      // Nothing is dispatched for an empty variable.
+      DispatchChunked1D(encoder, pipeline, TF_TensorElementCount(grads[i].get()), element_size,
+                        [&](NSUInteger offset, uint32_t count) {
+        for (size_t s = 0; s < spec.slots.size(); ++s) {
+          const int g = group[s] >= 0 ? group[s] : group[spec.slots[s].placeholder];
+          const MetalSlice& slot = var_slices[g * n + i];
+          [encoder setBuffer:slot.buffer offset:slot.offset + offset atIndex:spec.slots[s].index];
+        }
+        const MetalSlice& grad = grad_slices[i];
+        [encoder setBuffer:grad.buffer offset:grad.offset + offset atIndex:spec.grad.index];
+        words[0] = count;
+        [encoder setBytes:words.data() length:words.size() * sizeof(uint32_t) atIndex:spec.params.index];
+      });
+    }
+  });
+}
+
+// Registers the op's GPU kernel for float, half and bfloat16, if TF exports
+// the variable API (see the top of the file) and the spec's params match the
+// kernel's struct.
+template <const Spec& S>
+void Register() {
+  if (!Variables().available()) {
+    RecordNotRegistered(S.op, NoVariableApiReason());
+    return;
+  }
+  if (S.params_size != (1 + S.flags.size()) * sizeof(uint32_t)) {
+    RecordNotRegistered(S.op, "internal error: the host's params do not match the kernel's struct");
+    return;
+  }
+  RegisterFloatKernels<Kernel, &Run>(S.op, &Create<S>);
 }
 
 }  // namespace multi_tensor_metal

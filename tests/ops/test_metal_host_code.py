@@ -126,11 +126,47 @@ def test_metal_host_code_compiles_against_stubs(clang, embedded, source, sdk):
     syntax_check(clang, [source], [ROOT / "custom_ops" / "include", ROOT / "custom_ops", embedded], SDKS[sdk])
 
 
-# `[encoder setBuffer:... atIndex:3];  // device T* y [[buffer(3)]]` or
-# `SetBytes(encoder, params, 6);  // constant P& p [[buffer(6)]]`, the comment on
-# the binding's line or on the line(s) just above it.
+# The shared host headers, each compiled on its own (not only through the .mm
+# files that include them): the Objective-C++ ones with the .mm flags, the
+# plain C++ ones (no Objective-C, no TF: the emulator compiles
+# dispatch_geometry.h, the CPU kernels include host_checks.h) as C++ too.
+OBJC_HOST_HEADERS = [METAL_DIR / n for n in ("metal_helper.h", "multi_tensor_metal.h", "norm_metal.h")]
+CXX_HOST_HEADERS = [METAL_DIR / "dispatch_geometry.h", ROOT / "custom_ops" / "include" / "tfmetal" / "host_checks.h"]
+
+
+@pytest.mark.parametrize("header", OBJC_HOST_HEADERS + CXX_HOST_HEADERS, ids=lambda p: p.name)
+def test_shared_host_headers_compile_on_their_own(clang, header):
+    syntax_check(clang, [header], [ROOT / "custom_ops" / "include", ROOT / "custom_ops"])
+    if header in CXX_HOST_HEADERS:
+        cmd = [clang, "-fsyntax-only", "-x", "c++", "-std=c++17", "-Wall", "-Wextra", "-Werror",
+               "-I", str(ROOT / "custom_ops" / "include"), str(header)]
+        result = _RUN(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-20000:]
+
+
+def test_every_shared_host_header_is_used():
+    # Each shared header is included by a host file, so the checks above cover
+    # it in use too; and every header a .mm includes from metal/ is one of them
+    # or a kernel header (<op>.h, reduction.h).
+    included = set()
+    for f in HOST_FILES + OBJC_HOST_HEADERS:
+        included |= set(re.findall(r'#include "(?:metal|tfmetal)/([\w.]+)"', f.read_text()))
+    for header in OBJC_HOST_HEADERS + CXX_HOST_HEADERS:
+        assert header.name in included, f"{header.name} is included by no host file"
+    kernel_headers = {p.stem + ".h" for p in METAL_DIR.glob("*.metal")} | {"reduction.h", "metal_binding.h",
+                                                                           "metal_plugin_stream.h"}
+    for name in included:
+        if (METAL_DIR / name).is_file():
+            assert METAL_DIR / name in OBJC_HOST_HEADERS + CXX_HOST_HEADERS or name in kernel_headers, name
+
+
+# `[encoder setBuffer:... atIndex:3];  // device T* y [[buffer(3)]]`,
+# `SetBytes(encoder, params, 6);  // constant P& p [[buffer(6)]]` or a row of a
+# multi-tensor Spec (multi_tensor_metal.h binds it) `{"lr", 5},  // device const T* lr [[buffer(5)]]`,
+# the comment on the binding's line or on the line(s) just above it.
 _COMMENT = re.compile(r"//.*?\b(\w+)\s*\[\[buffer\((\d+)\)\]\]")
-_BINDING = re.compile(r"atIndex:\s*(\d+)\s*\]|SetBytes\(\s*encoder\s*,\s*[^,]+,\s*(\d+)\s*\)")
+_BINDING = re.compile(r"atIndex:\s*(\d+)\s*\]|SetBytes\(\s*encoder\s*,\s*[^,]+,\s*(\d+)\s*\)"
+                      r"|^\s*\{\s*\"(\w+)\"\s*,\s*(\d+)\s*[,}]")
 _KERNEL_PARAM = re.compile(r"\b(\w+)\s*\[\[buffer\((\d+)\)\]\]")
 
 
@@ -149,7 +185,10 @@ def _bindings(mm_text):
             code = lines[j].split("//")[0]
         binding = _BINDING.search(code)
         assert binding, f"line {i + 1}: a [[buffer(n)]] comment without a binding below it: {line.strip()}"
-        found.append((comment.group(1), int(comment.group(2)), int(binding.group(1) or binding.group(2))))
+        if binding.group(3):  # a Spec row: its input name is the kernel parameter's
+            assert binding.group(3) == comment.group(1), f"line {i + 1}: {line.strip()}"
+        found.append((comment.group(1), int(comment.group(2)),
+                      int(binding.group(1) or binding.group(2) or binding.group(4))))
     return found
 
 
