@@ -19,12 +19,12 @@ namespace geometry {
 
 // The most elements one 1-D dispatch covers: the kernels index elements with
 // 32-bit integers, so larger tensors are dispatched in chunks at buffer offsets.
-constexpr int64_t kMaxElementsPerDispatch = int64_t{1} << 30;
+inline constexpr int64_t kMaxElementsPerDispatch = int64_t{1} << 30;
 
 // Rows of the norm kernels (layer_norm, rms_norm): enough threads for about
 // 4 elements each, at most 1024 threads per row.
-constexpr uint64_t kNormElementsPerThread = 4;
-constexpr uint64_t kNormMaxRowThreads = 1024;
+inline constexpr uint64_t kNormElementsPerThread = 4;
+inline constexpr uint64_t kNormMaxRowThreads = 1024;
 
 inline uint64_t RoundUp(uint64_t value, uint64_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 

@@ -26,7 +26,7 @@ const multi_tensor_metal::Spec kSpec{
         {"m", 1},    // device T* m [[buffer(1)]]
         {"v", 2},    // device T* v [[buffer(2)]]
         // vhat: 0 (Adam; var as its placeholder, not read) or N (AMSGrad, ResourceApplyAdamWithAmsgrad).
-        {"vhat", 3, "num_vhat", "(Adam)", "(AMSGrad)", 0},  // device T* vhat [[buffer(3)]]
+        {"vhat", 3, "num_vhat", "(Adam)", "(AMSGrad)", 0, true},  // device T* vhat [[buffer(3)]]
     },
     {"grad", 4},  // device const T* grad [[buffer(4)]]
     {

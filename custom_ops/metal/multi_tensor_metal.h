@@ -276,6 +276,8 @@ struct Slot {
   const char* without = nullptr;      // "(Adam)": what 0 means, in the message
   const char* with = nullptr;         // "(AMSGrad)": what N means
   int placeholder = 0;                // slot bound in its place when absent
+  bool listed_when_absent = false;    // still named in "every var, m, v and vhat must be a distinct
+                                      // variable" (as the CPU kernel names it); last slots only
 };
 
 struct Spec {
@@ -345,6 +347,9 @@ inline void Run(const Kernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
     if (k.counts[s] == 0) continue;
     group[s] = layout.groups++;
     layout.names.push_back(spec.slots[s].name);
+  }
+  for (const Slot& slot : spec.slots) {
+    if (k.counts[&slot - spec.slots.data()] == 0 && slot.listed_when_absent) layout.names.push_back(slot.name);
   }
   const int grad_start = layout.num_resources();
   const int scalar_start = grad_start + n;

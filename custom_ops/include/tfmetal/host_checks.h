@@ -16,7 +16,7 @@ namespace tfmetal_ext {
 
 // The Metal kernels index a dimension (a row, a count of rows, ...) with
 // 32-bit integers: larger dimensions are refused by the host code.
-constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
+inline constexpr int64_t kMaxDimension = std::numeric_limits<int32_t>::max();
 
 // "[2,3]", as TensorShape::DebugString and metal_helper's ShapeString write it.
 inline std::string ShapeText(const int64_t* dims, int rank) {
