@@ -215,11 +215,58 @@ def compiled_ops():
     return library
 
 
+# The Metal host's dispatch geometry, from the host's own C++
+# (custom_ops/metal/dispatch_geometry.h, which metal_helper.mm and the <op>_metal.mm files call):
+# the emulator compiles that header into a library of its own and these functions call it
+# through ctypes, so an emulation test dispatches a kernel exactly as the host would.
+# Defaults: the SIMD width (32) and threadgroup limit (1024) of Apple GPUs and the emulator.
+
+_GEOMETRY_FUNCTIONS = {
+    "max_elements_per_dispatch": ("i64", ()),
+    "threadgroup_size_1d": ("u64", ("u64",) * 4),
+    "reduction_threadgroup_size": ("u64", ("u64",) * 5),
+    "chunk_elements": ("i64", ("i64",) * 3),
+    "norm_row_threads": ("u64", ("u64",) * 4),
+    "norm_param_grad_groups": ("u64", ("u64",) * 2),
+    "norm_param_grad_threads": ("u64", ("u64",) * 5),
+}
+_geometry = []
+
+
+def host_geometry():
+    """The C functions ``tfm_geometry_<name>`` of dispatch_geometry.h, built once by the emulator (ctypes)."""
+    if not _geometry:
+        import ctypes
+
+        from tfmetal_ext.ops import _loader
+
+        built = load_emu().build(_loader.sources_dir() / "metal" / "dispatch_geometry.h")
+        library = ctypes.CDLL(str(built.path))
+        types = {"i64": ctypes.c_int64, "u64": ctypes.c_uint64}
+        functions = {}
+        for name, (restype, argtypes) in _GEOMETRY_FUNCTIONS.items():
+            function = getattr(library, f"tfm_geometry_{name}")
+            function.restype = types[restype]
+            function.argtypes = [types[t] for t in argtypes]
+            functions[name] = function
+        _geometry.append(functions)
+    return _geometry[0]
+
+
+def max_elements_per_dispatch():
+    """metal_helper's kMaxElementsPerDispatch: the most elements one 1-D dispatch covers (2^30)."""
+    return host_geometry()["max_elements_per_dispatch"]()
+
+
+def dispatch_chunks(n, chunk=None):
+    """DispatchChunked1D's ``(start, count)`` chunks of n elements (chunks of `chunk`, default the host's)."""
+    chunk = max_elements_per_dispatch() if chunk is None else chunk
+    return [(start, host_geometry()["chunk_elements"](n, start, chunk)) for start in range(0, n, chunk)]
+
+
 def threadgroup_size_1d(n, cap=256, width=32, max_total=1024):
     """metal_helper's ThreadgroupSize1D: whole SIMD-groups, no more than the work, at most `cap`."""
-    limit = min(max_total, cap)
-    limit -= limit % width
-    return min(limit, -(-max(n, 1) // width) * width)
+    return host_geometry()["threadgroup_size_1d"](width, max_total, n, cap)
 
 
 def reduction_threadgroup_size(row_length, elements_per_thread=1, cap=1024, width=32, max_total=1024):
@@ -228,19 +275,22 @@ def reduction_threadgroup_size(row_length, elements_per_thread=1, cap=1024, widt
     The smallest that covers `row_length` elements at `elements_per_thread` each, never above
     min(max_total, cap) rounded down to a power of two.
     """
+    return host_geometry()["reduction_threadgroup_size"](width, max_total, row_length, elements_per_thread, cap)
 
-    def pow2_at_most(v):
-        p = 1
-        while p * 2 <= v:
-            p *= 2
-        return p
 
-    limit = pow2_at_most(max(min(max_total, cap), 1))
-    wanted = -(-max(row_length, 1) // elements_per_thread)
-    threads = min(pow2_at_most(width), limit)
-    while threads < wanted and threads * 2 <= limit:
-        threads *= 2
-    return threads
+def norm_row_threads(channels, cap=1024, width=32, max_total=1024):
+    """Threads per row of the norm kernels' forward and dx passes (norm_metal.h), capped at `cap`."""
+    return host_geometry()["norm_row_threads"](width, max_total, channels, cap)
+
+
+def norm_param_grad_groups(channels, columns=32):
+    """Threadgroups of a norm kernel's parameter-gradient pass: one per `columns` columns."""
+    return host_geometry()["norm_param_grad_groups"](channels, columns)
+
+
+def norm_param_grad_threads(rows, cap=1024, columns=32, width=32, max_total=1024):
+    """Threads per threadgroup of a norm kernel's parameter-gradient pass (`columns` times the row lanes)."""
+    return host_geometry()["norm_param_grad_threads"](width, max_total, rows, columns, cap)
 
 
 # ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import pytest
 import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
-from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
+from tfmetal_ext.testing import compiled_ops, dispatch_chunks, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
@@ -36,7 +36,6 @@ CONV2D = {"float": "int8_conv2d_float", "half": "int8_conv2d_half", "bfloat": "i
 # float32 accumulation a rounding away from float64 landing on the other side of a tie.
 OUTPUT_ROUNDING = {"float": 0.0, "half": 2.0 ** -10, "bfloat": 2.0 ** -7}
 ACTIVATIONS = ["linear", "relu", "relu6", "elu", "leaky_relu", "gelu", "gelu_approximate", "tanh", "sigmoid"]
-MAX_PER_DISPATCH = 1 << 30  # metal_helper.h kMaxElementsPerDispatch
 MATMUL_ROWS = 4  # int8.h TFM_INT8_MATMUL_ROWS: rows of x per int8_matmul thread
 
 # tfm_int8_matmul_params / tfm_int8_conv2d_params (custom_ops/metal/int8.h)
@@ -80,10 +79,9 @@ def conv_dim(size, k, stride, dilation, padding):
     return same_padding(size, k, stride, dilation) if padding == "SAME" else (valid_out(size, k, stride, dilation), 0)
 
 
-def dispatch(lib, name, buffers, params, total, chunk=MAX_PER_DISPATCH, order="linear"):
+def dispatch(lib, name, buffers, params, total, chunk=None, order="linear"):
     """The host's loop: dispatches of at most `chunk` threads, each with its first thread in base."""
-    for start in range(0, total, chunk):
-        count = min(chunk, total - start)
+    for start, count in dispatch_chunks(total, chunk):
         params["base"], params["count"] = start, count
         lib.run(name, buffers + [("bytes", params.copy())], grid=count, threadgroup=threadgroup_size_1d(count),
                 order=order, seed=start + 1)
@@ -94,7 +92,7 @@ def placeholders(scale, *tensors):
     return [t if t.size else ("buffer", scale) for t in tensors]
 
 
-def metal_matmul(lib, dtype, x, q, scale, bias=None, activation="linear", alpha=0.2, chunk=MAX_PER_DISPATCH,
+def metal_matmul(lib, dtype, x, q, scale, bias=None, activation="linear", alpha=0.2, chunk=None,
                  order="linear"):
     m, k = x.shape
     n = q.shape[1]
@@ -112,7 +110,7 @@ def metal_matmul(lib, dtype, x, q, scale, bias=None, activation="linear", alpha=
 
 
 def metal_conv2d(lib, dtype, x, q, scale, bias=None, strides=(1, 1), dilations=(1, 1), padding="VALID",
-                 activation="linear", alpha=0.2, chunk=MAX_PER_DISPATCH):
+                 activation="linear", alpha=0.2, chunk=None):
     b, h, w, cin = x.shape
     kh, kw, _, cout = q.shape
     oh, pt = conv_dim(h, kh, strides[0], dilations[0], padding)

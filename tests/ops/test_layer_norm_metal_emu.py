@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.testing import compiled_ops, load_emu, reduction_threadgroup_size
+from tfmetal_ext.testing import (compiled_ops, load_emu, norm_param_grad_groups, norm_param_grad_threads,
+                                 norm_row_threads)
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
@@ -54,15 +55,16 @@ def cpu():
 
 
 # ----------------------------------------------------------------------------
-# The host side, as layer_norm_metal.mm + metal_helper.mm do it.
+# The host side, as layer_norm_metal.mm + norm_metal.h do it.
 
 
+# The geometry is the host's own C++ (dispatch_geometry.h, through tfmetal_ext.testing).
 def row_threads(channels, cap):
-    return reduction_threadgroup_size(channels, 4, cap)  # kElementsPerThread = 4
+    return norm_row_threads(channels, cap)
 
 
 def param_threads(rows, cap):
-    return max(32, reduction_threadgroup_size(max(rows, 1) * 32, 1, cap))
+    return norm_param_grad_threads(rows, cap)
 
 
 def metal_forward(lib, dtype, x, gamma, beta, epsilon=EPSILON, threads=None, cap=1024, order="linear"):
@@ -85,7 +87,7 @@ def metal_grad(lib, dtype, dy, x, gamma, mean, rstd, threads=None, param_tg=None
     dbeta = np.full(channels, np.nan, np.float32)
     params = ("bytes", np.array((rows, channels, 0.0), PARAMS))
     if channels:
-        lib.run(PARAM_GRAD[dtype], [dy, x, mean, rstd, dgamma, dbeta, params], threadgroups=-(-channels // 32),
+        lib.run(PARAM_GRAD[dtype], [dy, x, mean, rstd, dgamma, dbeta, params], threadgroups=norm_param_grad_groups(channels),
                 threadgroup=param_tg or param_threads(rows, cap), order=order, seed=5)
     if channels and rows:
         lib.run(GRAD[dtype], [dy, x, gamma, mean, rstd, dx, params], threadgroups=rows,

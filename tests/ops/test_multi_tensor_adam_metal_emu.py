@@ -19,7 +19,7 @@ import pytest
 import tensorflow as tf
 
 from tfmetal_ext import testing
-from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
+from tfmetal_ext.testing import compiled_ops, dispatch_chunks, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16), "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
@@ -48,10 +48,10 @@ def cpu():
 
 
 # ----------------------------------------------------------------------------
-# The host side, as multi_tensor_adam_metal.mm + metal_helper.mm do it.
+# The host side, as multi_tensor_adam_metal.mm + multi_tensor_metal.h do it.
 
 
-def metal_adam(lib, dtype, state, grads, scalars, amsgrad, decay_rate, chunk=1 << 30):
+def metal_adam(lib, dtype, state, grads, scalars, amsgrad, decay_rate, chunk=None):
     """One op call on the emulator; `state` = (vars, ms, vs, vhats), lists of arrays updated in place."""
     np_dtype = DTYPES[dtype][0]
     scalar_buffers = [np.array([s], np_dtype) for s in scalars]  # lr .. beta2_power, [[buffer(5..10)]]
@@ -60,8 +60,7 @@ def metal_adam(lib, dtype, state, grads, scalars, amsgrad, decay_rate, chunk=1 <
     for i, g in enumerate(grads):
         flat = [a.reshape(-1) for a in (var[i], m[i], v[i], vhat[i] if amsgrad else var[i], g)]
         n = g.size
-        for start in range(0, n, chunk):  # nothing for an empty variable
-            count = min(chunk, n - start)
+        for start, count in dispatch_chunks(n, chunk):  # nothing for an empty variable
             views = [a[start:start + count] for a in flat]
             params = np.array((count, int(amsgrad), int(decay_rate is not None)), PARAMS)
             lib.run(KERNELS[dtype], views + scalar_buffers + [decay_buffer, ("bytes", params)], grid=count,

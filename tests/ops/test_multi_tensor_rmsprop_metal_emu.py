@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
+from tfmetal_ext.testing import compiled_ops, dispatch_chunks, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16), "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
@@ -51,10 +51,10 @@ def cpu():
 
 
 # ----------------------------------------------------------------------------
-# The host side, as multi_tensor_rmsprop_metal.mm + metal_helper.mm do it.
+# The host side, as multi_tensor_rmsprop_metal.mm + multi_tensor_metal.h do it.
 
 
-def metal_rmsprop(lib, dtype, state, grads, variant, decay_rate, chunk=1 << 30):
+def metal_rmsprop(lib, dtype, state, grads, variant, decay_rate, chunk=None):
     """One op call on the emulator; `state` = (vars, ms, moms, mgs), lists of arrays updated in place
     (moms / mgs are None for a variant without them)."""
     momentum, centered = VARIANTS[variant]
@@ -67,8 +67,7 @@ def metal_rmsprop(lib, dtype, state, grads, variant, decay_rate, chunk=1 << 30):
         mom_flat = mom[i].reshape(-1) if momentum else ms_flat  # the host's placeholder: ms
         mg_flat = mg[i].reshape(-1) if centered else ms_flat
         n = g.size
-        for start in range(0, n, chunk):  # nothing for an empty variable
-            count = min(chunk, n - start)
+        for start, count in dispatch_chunks(n, chunk):  # nothing for an empty variable
             views = [a[start:start + count] for a in (v_flat, ms_flat, mom_flat, mg_flat, g_flat)]
             params = np.array((count, int(decay_rate is not None), int(centered), int(momentum)), PARAMS)
             lib.run(KERNELS[dtype], views + scalar_buffers + [decay_buffer, ("bytes", params)], grid=count,

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from tfmetal_ext import testing
-from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
+from tfmetal_ext.testing import compiled_ops, dispatch_chunks, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16), "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
@@ -48,11 +48,10 @@ def cpu():
 # The host side, as softshrink_metal.mm + metal_helper.mm do it.
 
 
-def dispatch(lib, name, buffers, lambd, chunk=1 << 30, uniform=False):
+def dispatch(lib, name, buffers, lambd, chunk=None, uniform=False):
     """Encodes `name` over the 1-D buffers (outputs last) in chunks bound at element offsets."""
     n = buffers[0].size
-    for start in range(0, n, chunk):
-        count = min(chunk, n - start)
+    for start, count in dispatch_chunks(n, chunk):
         views = [b[start:start + count] for b in buffers]
         params = np.array((count, lambd), PARAMS)
         tg = threadgroup_size_1d(count)
