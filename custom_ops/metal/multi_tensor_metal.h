@@ -312,8 +312,11 @@ void* Create(TF_OpKernelConstruction* ctx) {
   std::vector<int32_t> counts(S.slots.size(), 0);
   TF_OpKernelConstruction_GetAttrInt32(ctx, "N", &n, status.get());
   for (size_t s = 0; s < S.slots.size(); ++s) {
-    if (S.slots[s].count_attr == nullptr) counts[s] = n;
-    else if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, S.slots[s].count_attr, &counts[s], status.get());
+    if (S.slots[s].count_attr == nullptr) {
+      counts[s] = n;
+    } else if (Ok(status.get())) {
+      TF_OpKernelConstruction_GetAttrInt32(ctx, S.slots[s].count_attr, &counts[s], status.get());
+    }
   }
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, "num_decay", &num_decay, status.get());
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrType(ctx, "T", &k.dtype, status.get());
@@ -354,7 +357,9 @@ inline void Run(const Kernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
   const int grad_start = layout.num_resources();
   const int scalar_start = grad_start + n;
   const int num_scalars = static_cast<int>(spec.scalars.size()) + k.num_decay;
-  auto scalar = [&](int s) -> const Buffer& { return s < static_cast<int>(spec.scalars.size()) ? spec.scalars[s] : spec.decay; };
+  auto scalar = [&](int s) -> const Buffer& {  // the s-th scalar input: spec.scalars, then weight_decay_rate
+    return s < static_cast<int>(spec.scalars.size()) ? spec.scalars[s] : spec.decay;
+  };
 
   // Scalars first: cheap, and no lock is needed to check their shapes (their
   // values stay on the GPU).

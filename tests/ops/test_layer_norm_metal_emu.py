@@ -87,8 +87,9 @@ def metal_grad(lib, dtype, dy, x, gamma, mean, rstd, threads=None, param_tg=None
     dbeta = np.full(channels, np.nan, np.float32)
     params = ("bytes", np.array((rows, channels, 0.0), PARAMS))
     if channels:
-        lib.run(PARAM_GRAD[dtype], [dy, x, mean, rstd, dgamma, dbeta, params], threadgroups=norm_param_grad_groups(channels),
-                threadgroup=param_tg or param_threads(rows, cap), order=order, seed=5)
+        lib.run(PARAM_GRAD[dtype], [dy, x, mean, rstd, dgamma, dbeta, params],
+                threadgroups=norm_param_grad_groups(channels), threadgroup=param_tg or param_threads(rows, cap),
+                order=order, seed=5)
     if channels and rows:
         lib.run(GRAD[dtype], [dy, x, gamma, mean, rstd, dx, params], threadgroups=rows,
                 threadgroup=threads or row_threads(channels, cap), order=order, seed=7)
