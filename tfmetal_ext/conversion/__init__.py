@@ -53,6 +53,7 @@ import keras
 
 from tfmetal_ext.conversion import quantize  # noqa: F401  (a documented module; convert's argument shadows it below)
 from tfmetal_ext.conversion.planners import register_planner
+from tfmetal_ext.inspect import step
 from tfmetal_ext.conversion.rebuild import Converter
 from tfmetal_ext.conversion.report import NO_COUNTERPART, ConversionReport, Kept, Rewrite, count_ops as _count_ops
 from tfmetal_ext.conversion.verify import (
@@ -265,7 +266,7 @@ def convert(model, inference=False, verify=True, *, quantize=None, count_ops=Tru
         t = time.perf_counter()
         modes = ("train", "predict") if count_ops is True else (count_ops,)
         x = inputs
-        if x is None and (subclassed or _has_open_dims(model)):
+        if x is None and (subclassed or step.has_open_dims(t.shape for t in model.inputs)):
             x = make_inputs(model, batch_size, seed)
         if reference is None:  # in place, the input model is no longer the stock one
             report.ops_before = _count_ops(model, batch_size, report, "stock", x, modes)
@@ -310,10 +311,6 @@ def _fused_optimizer(optimizer, report):
     report.notes.append(f"optimizer: stock {row.stock}{where} replaced by {row.qualified} from the same config "
                         "(fresh optimizer state)")
     return fused
-
-
-def _has_open_dims(model):
-    return any(d is None for t in model.inputs for d in tuple(t.shape)[1:])
 
 
 def _reference_outputs(model, batch_size, seed, inputs):

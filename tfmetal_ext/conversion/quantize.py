@@ -48,6 +48,7 @@ import numpy as np
 
 from tfmetal_ext.conversion.report import Kept, Quantized
 from tfmetal_ext.conversion.verify import VerificationError, _agree, _as_list, rel_diff
+from tfmetal_ext.inspect.step import is_subclassed
 
 QUANTIZE_MODES = ("int8",)
 
@@ -111,14 +112,12 @@ def check_args(quantize, inference, in_place=False):
 def _leaves(model):
     """``[(path, layer, in_subclass)]`` of every leaf layer (no sublayers) under `model`, each layer once;
     `in_subclass`: some enclosing layer (or `model`) is a subclass with a ``call`` of its own."""
-    from tfmetal_ext.conversion.verify import _is_subclassed
-
     out, seen = [], set()
 
     def walk(layer, prefix, in_subclass):
         # Keras' own containers (Bidirectional, TimeDistributed, ...) serialize their inner layers'
         # configs, dtype policy included; a user's subclass (or one of ours) makes them in its constructor.
-        in_subclass = in_subclass or (_is_subclassed(layer) and not type(layer).__module__.startswith("keras."))
+        in_subclass = in_subclass or (is_subclassed(layer) and not type(layer).__module__.startswith("keras."))
         for sub in layer._flatten_layers(include_self=False, recursive=False):
             path = f"{prefix}{sub.name}"
             if id(sub) in seen:

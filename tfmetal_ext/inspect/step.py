@@ -1,7 +1,9 @@
 """The step inspect runs or traces: synthetic data, layer clones, the training clone, and the dispatch.
 
 `fusion_report`, `placement_report` and the callback's first-step reports run
-(or, for a prediction, trace) the step made here.
+(or, for a prediction, trace) the step made here. It is also where synthetic
+data and clones are built for the other callers of a model's step (see the
+sections below).
 """
 
 from __future__ import annotations
@@ -30,26 +32,46 @@ def _is_model(obj):
     return isinstance(obj, keras.Model)
 
 
-def _random_for(shape, dtype, batch_size, rng, length=None):
-    shape = tuple(
-        (batch_size if i == 0 else length) if d is None else int(d) for i, d in enumerate(shape)
-    )
-    dtype = np.dtype(dtype if dtype not in ("bfloat16",) else "float32")
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(0, 10, size=shape).astype(dtype)
-    if np.issubdtype(dtype, np.bool_):
-        return rng.integers(0, 2, size=shape).astype(bool)
-    return rng.standard_normal(shape).astype(dtype)
+def is_subclassed(model):
+    """`model` is neither a Functional nor a Sequential model: it has no symbolic inputs of its own."""
+    import keras
+    from keras.src.models.functional import Functional
 
+    return not isinstance(model, (keras.Sequential, Functional))
+
+
+# ----------------------------------------------------------------------------
+# Inputs: lengths for open dimensions, dtypes, random values.
+#
+# Two callers fill a model's input spec with random values, with their own policies (kept as
+# they were when the two copies became one):
+#
+# |                      | `synthetic_inputs` (inspect)        | `make_inputs` (convert's verify, op counts) |
+# |----------------------|-------------------------------------|---------------------------------------------|
+# | models               | Functional / Sequential              | also subclassed (their build shapes)        |
+# | open dims take       | a declared length, else DEFAULT_LENGTHS | OPEN_DIM_LENGTHS                        |
+# | a length is accepted | symbolically (`compute_output_spec`, no zero-size output) | by running one row |
+# | float16 inputs       | float16                              | float32 (as bfloat16 for both)              |
+# | a fixed batch dim    | kept                                 | replaced by `batch_size`                    |
+# | string inputs        | (numpy's error)                      | ValueError asking for ``inputs=``           |
 
 # Lengths tried for an input's `None` sequence/spatial dimensions when the model declares none,
 # smallest first (each is checked symbolically before use).
 DEFAULT_LENGTHS = (32, 64, 128, 224)
+# Lengths convert() tries, in order, for an input dimension the model leaves open (None sequence or
+# spatial dims); each is checked by running the model on one row.
+OPEN_DIM_LENGTHS = (32, 64, 128, 224, 16, 8)
 # Layer attributes that declare the sequence length a model expects.
 _LENGTH_ATTRIBUTES = ("sequence_length", "input_length", "maxlen", "max_length", "output_sequence_length")
 
 
-def _declared_lengths(model):
+def has_open_dims(shapes):
+    """Some shape in `shapes` has a None dimension past the batch."""
+    return any(d is None for shape in shapes for d in tuple(shape)[1:])
+
+
+def declared_lengths(model):
+    """Sequence lengths `model`'s layers declare (``sequence_length``, ``input_length``, ...), in order."""
     found = []
     flatten = getattr(model, "_flatten_layers", None)
     for layer in flatten(include_self=True, recursive=True) if flatten else ():
@@ -60,16 +82,56 @@ def _declared_lengths(model):
     return found
 
 
-def _accepts(model, inputs, batch_size, length):
+def fill_shape(shape, batch_size, length, keep_batch=True):
+    """`shape` with its None dims filled: the batch with `batch_size` (also a fixed one unless
+    `keep_batch`), the others with `length`."""
+    shape = tuple(shape)
+    if not keep_batch:
+        return (batch_size,) + tuple(length if d is None else int(d) for d in shape[1:])
+    return tuple((batch_size if i == 0 else length) if d is None else int(d) for i, d in enumerate(shape))
+
+
+def random_array(shape, dtype, rng, widen_float16=False):
+    """Random values of `dtype`: integers in [0, 10), booleans, else standard normal floats
+    (bfloat16, and float16 when `widen_float16`, made float32)."""
+    wide = ("bfloat16", "float16") if widen_float16 else ("bfloat16",)
+    dtype = np.dtype("float32" if dtype in wide else dtype)
+    if np.issubdtype(dtype, np.integer):
+        return rng.integers(0, 10, size=shape).astype(dtype)
+    if np.issubdtype(dtype, np.bool_):
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def random_batch(specs, batch_size, length, seed, keep_batch=True, widen_float16=False):
+    """One batch for ``[(shape, dtype)]`` `specs`: an array, or a list of them for several inputs."""
+    rng = np.random.default_rng(seed)
+    values = [random_array(fill_shape(shape, batch_size, length, keep_batch), dtype, rng, widen_float16)
+              for shape, dtype in specs]
+    return values[0] if len(values) == 1 else values
+
+
+def accepts_symbolically(model, specs, batch_size, length):
+    """`model`'s output spec for inputs of `specs` with open dims of `length` exists and is not empty."""
     import keras
 
-    specs = [keras.KerasTensor(tuple((batch_size if i == 0 else length) if d is None else d
-                                     for i, d in enumerate(t.shape)), dtype=t.dtype) for t in inputs]
+    tensors = [keras.KerasTensor(fill_shape(shape, batch_size, length), dtype=dtype) for shape, dtype in specs]
     try:
-        out = model.compute_output_spec(specs[0] if len(specs) == 1 else specs)
+        out = model.compute_output_spec(tensors[0] if len(tensors) == 1 else tensors)
     except Exception:  # the model refuses this length (too short for its convs, ...)
         return False
     return all(0 not in tuple(o.shape) for o in keras.tree.flatten(out) if hasattr(o, "shape"))
+
+
+def runs_on_one_row(model, x):
+    """`model` runs (inference mode) on the first row of batch `x`."""
+    import keras
+
+    try:
+        model(keras.tree.map_structure(lambda v: v[:1], x), training=False)
+        return True
+    except Exception:  # arbitrary user code: this batch's shapes are refused
+        return False
 
 
 def synthetic_inputs(model, batch_size=8, seed=0):
@@ -89,19 +151,95 @@ def synthetic_inputs(model, batch_size=8, seed=0):
             "Cannot derive inputs for a model without a known input spec (subclassed "
             f"or unbuilt); pass inputs=. Received: model={model.name!r}"
         )
+    specs = [(tuple(t.shape), t.dtype) for t in inputs]
     length = None
-    if any(d is None for t in inputs for d in tuple(t.shape)[1:]):
-        tried = _declared_lengths(model) + [n for n in DEFAULT_LENGTHS if n not in _declared_lengths(model)]
-        length = next((n for n in tried if _accepts(model, inputs, batch_size, n)), None)
+    if has_open_dims(shape for shape, _ in specs):
+        declared = declared_lengths(model)
+        tried = declared + [n for n in DEFAULT_LENGTHS if n not in declared]
+        length = next((n for n in tried if accepts_symbolically(model, specs, batch_size, n)), None)
         if length is None:
-            shapes = [tuple(t.shape) for t in inputs]
+            shapes = [shape for shape, _ in specs]
             raise ValueError(
                 f"Cannot choose a length for the None dimensions of the model's inputs: it accepts none of "
                 f"{tried}. Pass inputs= (a batch the model accepts). Received: input shapes={shapes}"
             )
-    rng = np.random.default_rng(seed)
-    values = [_random_for(t.shape, t.dtype, batch_size, rng, length) for t in inputs]
-    return values[0] if len(values) == 1 else values
+    return random_batch(specs, batch_size, length, seed)
+
+
+def input_specs(model):
+    """``[(shape, dtype)]`` of `model`'s inputs: its functional inputs, else the shapes it was built with.
+
+    Raises:
+        ValueError: a subclassed model whose build shapes are not one plain shape.
+    """
+    inputs = getattr(model, "inputs", None) if not is_subclassed(model) else None
+    if inputs:
+        return [(tuple(t.shape), str(t.dtype)) for t in inputs]
+    config = model.get_build_config() if model.built else None
+    shapes = []
+    if config and "input_shape" in config:
+        shapes = [config["input_shape"]]
+    elif config and "shapes_dict" in config:
+        shapes = list(config["shapes_dict"].values())
+    if len(shapes) != 1 or not isinstance(shapes[0], (list, tuple)) or \
+            any(isinstance(d, (list, tuple, dict)) for d in shapes[0]):
+        raise ValueError(
+            f"convert() cannot tell the input shape of model {model.name!r} ({type(model).__name__}); pass "
+            f"verification data with convert(..., inputs=x). Received: inputs=None"
+        )
+    return [(tuple(shapes[0]), model.compute_dtype if model.compute_dtype != "bfloat16" else "float32")]
+
+
+def make_inputs(model, batch_size, seed, inputs=None):
+    """Verification inputs of convert(): `inputs` when given, else random ones of `model`'s input spec.
+
+    An input dimension the model leaves open (None, besides the batch) takes the first
+    length of `OPEN_DIM_LENGTHS` the stock model runs with.
+
+    Raises:
+        ValueError: string inputs, an input shape convert() cannot tell, or no length
+            the model accepts (each asks for ``inputs=``).
+    """
+    if inputs is not None:
+        return inputs
+    specs = input_specs(model)
+    if any("string" in dtype for _, dtype in specs):
+        raise ValueError(
+            f"convert() cannot make random verification data for the string input of {model.name!r}; "
+            "pass representative data with convert(..., inputs=x). Received: inputs=None"
+        )
+    if not has_open_dims(shape for shape, _ in specs):
+        return random_batch(specs, batch_size, None, seed, keep_batch=False, widen_float16=True)
+    for length in OPEN_DIM_LENGTHS:
+        x = random_batch(specs, batch_size, length, seed, keep_batch=False, widen_float16=True)
+        if runs_on_one_row(model, x):
+            return x
+    raise ValueError(
+        f"convert() found no length for the open (None) input dimensions of {model.name!r} that the model "
+        f"accepts (tried {', '.join(map(str, OPEN_DIM_LENGTHS))}); pass verification data with "
+        "convert(..., inputs=x). Received: inputs=None"
+    )
+
+
+def batch_size_of(inputs):
+    """The batch size of a batch of inputs (its first array's first dimension), or None."""
+    import keras
+
+    for leaf in keras.tree.flatten(inputs):
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] is not None:
+            return int(shape[0])
+    return None
+
+
+# ----------------------------------------------------------------------------
+# Targets.
+#
+# | | `synthetic_targets` (inspect's train step) | `make_targets` (convert's gradients, op counts) |
+# |---|---|---|
+# | output shapes | symbolic outputs (subclassed: `compute_output_spec(inputs)`); every None dim takes `batch_size` | symbolic outputs when only the batch is open, else one row run |
+# | values | integer labels for a sparse loss, else uniform float32 | uniform float32 (MSE) |
+# | structure | the model's output structure | one array or a flat list |
 
 
 def _loss_is_sparse(loss):
@@ -118,15 +256,16 @@ def _loss_for(loss, index, name):
     return loss
 
 
-def batch_size_of(inputs):
-    """The batch size of a batch of inputs (its first array's first dimension), or None."""
-    import keras
-
-    for leaf in keras.tree.flatten(inputs):
-        shape = getattr(leaf, "shape", None)
-        if shape is not None and len(shape) > 0 and shape[0] is not None:
-            return int(shape[0])
-    return None
+def random_targets(shapes, seed, sparse=()):
+    """One array per shape: uniform float32, or where `sparse[i]` integer labels in [0, shape[-1])."""
+    rng = np.random.default_rng(seed)
+    values = []
+    for i, shape in enumerate(shapes):
+        if i < len(sparse) and sparse[i]:
+            values.append(rng.integers(0, int(shape[-1]), size=shape[:-1]).astype("int32"))
+        else:
+            values.append(rng.random(shape).astype("float32"))
+    return values
 
 
 def synthetic_targets(model, batch_size=8, loss=None, seed=1, inputs=None):
@@ -140,7 +279,6 @@ def synthetic_targets(model, batch_size=8, loss=None, seed=1, inputs=None):
     """
     import keras
 
-    rng = np.random.default_rng(seed)
     outputs = getattr(model, "outputs", None) or []
     struct = getattr(model, "_outputs_struct", None)
     if not outputs and inputs is not None:
@@ -157,19 +295,130 @@ def synthetic_targets(model, batch_size=8, loss=None, seed=1, inputs=None):
             f"Cannot derive targets for model {model.name!r}; pass targets=. Received: targets=None"
         )
     names = list(getattr(model, "output_names", None) or [])
-    values = []
-    for i, out in enumerate(outputs):
-        shape = tuple(batch_size if d is None else int(d) for d in out.shape)
-        name = names[i] if i < len(names) else None
-        if _loss_is_sparse(_loss_for(loss, i, name)):
-            values.append(rng.integers(0, int(shape[-1]), size=shape[:-1]).astype("int32"))
-        else:
-            values.append(rng.random(shape).astype("float32"))
+    shapes = [tuple(batch_size if d is None else int(d) for d in out.shape) for out in outputs]
+    sparse = [_loss_is_sparse(_loss_for(loss, i, names[i] if i < len(names) else None)) for i in range(len(shapes))]
+    values = random_targets(shapes, seed, sparse)
     if struct is not None and not keras.tree.is_nested(struct):
         return values[0]
     if struct is not None:
         return keras.tree.pack_sequence_as(struct, values)
     return values[0] if len(values) == 1 else values
+
+
+def make_targets(model, x, seed):
+    """Random float targets shaped like `model`'s outputs on `x` (convert's gradient check and op counts)."""
+    import keras
+
+    b = int(keras.tree.flatten(x)[0].shape[0])
+    outs = getattr(model, "outputs", None) if not is_subclassed(model) else None
+    if outs and not has_open_dims(o.shape for o in outs):
+        shapes = [(b,) + tuple(o.shape)[1:] for o in outs]
+    else:  # run it on one row for the output shapes
+        one = keras.tree.map_structure(lambda v: np.asarray(v)[:1], x)
+        shapes = [(b,) + tuple(o.shape)[1:] for o in keras.tree.flatten(model(one, training=False))]
+    values = random_targets(shapes, seed)
+    return values[0] if len(values) == 1 else values
+
+
+# ----------------------------------------------------------------------------
+# Clones.
+#
+# A layer's config may hold a plain function Keras cannot deserialize (a lambda, ``tf.nn.swish``).
+# The two ways of carrying it over differ, and each caller keeps its own:
+# - `callable_safe_clone` (inspect's training clone): the config as it is first; where that fails,
+#   `activation` / `recurrent_activation` made "linear" and the layer's own callables set on the
+#   clone afterwards (this also covers a lambda, which ``get_config`` writes without a class name).
+# - `from_config` (convert's copies): every serialized plain function replaced by the layer's own
+#   attribute before ``from_config``, never set afterwards (a constructor that wraps its callable
+#   gets the right one); what this cannot re-create, convert copies another way.
+
+# Layer config entries that hold a callable which may not deserialize (a lambda, a TF function
+# such as tf.nn.swish): the clone gets the very same callable instead.
+_CALLABLE_CONFIG_KEYS = ("activation", "recurrent_activation")
+
+
+def live_callables(layer, config):
+    """`config` with each serialized plain function (an activation given as ``tf.nn.swish`` or a
+    lambda, which Keras cannot deserialize) replaced by the layer's own attribute of that name."""
+    out = dict(config)
+    for k, v in config.items():
+        if isinstance(v, dict) and v.get("class_name") in ("function", "__lambda__") and callable(getattr(layer, k, None)):
+            out[k] = getattr(layer, k)
+    return out
+
+
+def from_config(layer, config):
+    """A new `layer` of the same class from `config`, its plain functions carried over (`live_callables`)."""
+    return type(layer).from_config(live_callables(layer, config))
+
+
+def callable_safe_clone(layer):
+    """A fresh layer from `layer`'s config; callables that do not round-trip are carried over as they are."""
+    import warnings
+
+    with warnings.catch_warnings():  # Keras warns about serializing a lambda; it is not saved anywhere
+        warnings.simplefilter("ignore", UserWarning)
+        config = layer.get_config()
+    try:
+        return layer.__class__.from_config(config)
+    except Exception:
+        keys = [k for k in _CALLABLE_CONFIG_KEYS if callable(getattr(layer, k, None)) and k in config]
+        if not keys:
+            raise
+    config = dict(config, **{k: "linear" for k in keys})
+    clone = layer.__class__.from_config(config)
+    for k in keys:
+        setattr(clone, k, getattr(layer, k))
+    return clone
+
+
+def functional_view(model):
+    """A Functional model over `model`'s own layers (no copy: the same variables), or None without
+    symbolic inputs and outputs (a subclassed model)."""
+    import keras
+
+    inputs, outputs = getattr(model, "inputs", None), getattr(model, "outputs", None)
+    if not inputs or not outputs:
+        return None
+    return keras.Model(inputs, outputs, name=model.name)
+
+
+def compiled_clone(model, optimizer, loss, jit_compile="auto", copy=True):
+    """``(clone, how)``: `model` to run a train step of its own on, compiled with `optimizer` and `loss`.
+
+    With `copy`, a copy (``keras.models.clone_model`` with `callable_safe_clone`, the weights set);
+    where Keras cannot re-create a layer from its config (a subclassed block whose ``__init__``
+    takes no ``**kwargs``), and without `copy`, a `functional_view` over the model's own layers:
+    the caller restores the variables its step changes. `how` says which, for a note.
+
+    Raises:
+        ValueError: when neither can be made (a subclassed model that cannot be cloned).
+    """
+    import keras
+
+    how = "clone"
+    error = None
+    if copy:
+        try:
+            clone = keras.models.clone_model(model, clone_function=callable_safe_clone)
+            clone.set_weights(model.get_weights())
+        except Exception as e:  # clone_model raises many types for subclassed layers and models
+            error = e
+    if not copy or error is not None:
+        clone = functional_view(model)
+        if clone is None:
+            raise ValueError(
+                "To inspect the train step with a different optimizer/loss the model is cloned, "
+                f"and cloning failed ({error}). Compile the model instead. Received: model={model.name!r}"
+            ) from error
+        how = "view over the model's own layers" + (
+            f" (cloning failed: {type(error).__name__}; its weights are restored)" if error is not None else "")
+    clone.compile(optimizer=optimizer, loss=loss, jit_compile=jit_compile)
+    return clone, how
+
+
+# ----------------------------------------------------------------------------
+# The step.
 
 
 def _context(mode, xla, model=None):
@@ -198,53 +447,10 @@ def _describe(obj):
     return obj if isinstance(obj, str) else getattr(obj, "name", None) or type(obj).__name__
 
 
-# Layer config entries that hold a callable which may not deserialize (a lambda, a TF function
-# such as tf.nn.swish): the clone gets the very same callable instead.
-_CALLABLE_CONFIG_KEYS = ("activation", "recurrent_activation")
-
-
-def _clone_layer(layer):
-    """A fresh layer from `layer`'s config; callables that do not round-trip are carried over as they are."""
-    import warnings
-
-    with warnings.catch_warnings():  # Keras warns about serializing a lambda; it is not saved anywhere
-        warnings.simplefilter("ignore", UserWarning)
-        config = layer.get_config()
-    try:
-        return layer.__class__.from_config(config)
-    except Exception:
-        keys = [k for k in _CALLABLE_CONFIG_KEYS if callable(getattr(layer, k, None)) and k in config]
-        if not keys:
-            raise
-    config = dict(config, **{k: "linear" for k in keys})
-    clone = layer.__class__.from_config(config)
-    for k in keys:
-        setattr(clone, k, getattr(layer, k))
-    return clone
-
-
 def _training_model(model, optimizer, loss, jit_compile, notes):
     """The model whose train step to capture: the user's own, or a compiled clone."""
-    import keras
-
     if optimizer is None and loss is None and getattr(model, "compiled", False):
         return model
-    how = "clone"
-    try:
-        clone = keras.models.clone_model(model, clone_function=_clone_layer)
-        clone.set_weights(model.get_weights())
-    except Exception as e:  # clone_model raises many types for subclassed layers and models
-        # A layer Keras cannot re-create from its config (a subclassed block whose __init__ takes
-        # no **kwargs): a Functional view over the model's own layers instead. The capture
-        # snapshots every variable the step changes and restores it afterwards.
-        inputs, outputs = getattr(model, "inputs", None), getattr(model, "outputs", None)
-        if not inputs or not outputs:
-            raise ValueError(
-                "To inspect the train step with a different optimizer/loss the model is cloned, "
-                f"and cloning failed ({e}). Compile the model instead. Received: model={model.name!r}"
-            ) from e
-        clone = keras.Model(inputs, outputs, name=model.name)
-        how = f"view over the model's own layers (cloning failed: {type(e).__name__}; its weights are restored)"
     if optimizer is None and getattr(model, "compiled", False):
         optimizer = model.optimizer
     if loss is None:
@@ -253,7 +459,7 @@ def _training_model(model, optimizer, loss, jit_compile, notes):
         loss = "mse"
     optimizer = _fresh_optimizer(optimizer)
     jit = jit_compile if jit_compile is not None else getattr(model, "jit_compile", False)
-    clone.compile(optimizer=optimizer, loss=loss, jit_compile=bool(jit) and jit != "auto")
+    clone, how = compiled_clone(model, optimizer, loss, jit_compile=bool(jit) and jit != "auto")
     notes.append(
         f"train step inspected on a compiled {how} (optimizer={_describe(optimizer)}, "
         f"loss={_describe(loss)}); the model itself is untouched"
@@ -297,6 +503,7 @@ def _step(model_or_fn, inputs, mode, trace, *, targets=None, sample_weight=None,
         notes.append("mode applies to Keras models only; the function was run as given")
     args = inputs if isinstance(inputs, (tuple, list)) else ((inputs,) if inputs is not None else ())
     return (trace_function if trace else capture_function)(model_or_fn, *args, jit_compile=jit_compile), None, notes
+
 
 def fusion_report(model_or_fn, inputs=None, mode="predict", **kw):
     """Runs one step and reports what the remapper fused.
