@@ -314,9 +314,9 @@ def _fused_optimizer(optimizer, report):
 
 
 def _reference_outputs(model, batch_size, seed, inputs):
-    from tfmetal_ext.conversion.verify import _as_list
+    from tfmetal_ext.conversion.verify import as_numpy_list
 
-    return _as_list(model(make_inputs(model, batch_size, seed, inputs), training=False))
+    return as_numpy_list(model(make_inputs(model, batch_size, seed, inputs), training=False))
 
 
 def _convert_subclassed(model, conv, report, batch_size, seed, inputs):

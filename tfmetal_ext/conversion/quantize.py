@@ -47,7 +47,7 @@ import keras
 import numpy as np
 
 from tfmetal_ext.conversion.report import Kept, Quantized
-from tfmetal_ext.conversion.verify import VerificationError, _agree, _as_list, rel_diff
+from tfmetal_ext.conversion.verify import VerificationError, _agree, as_numpy_list, rel_diff
 from tfmetal_ext.inspect.step import is_subclassed
 
 QUANTIZE_MODES = ("int8",)
@@ -248,7 +248,7 @@ def _capturing(layers):
 
 
 def _first_float(out):
-    return np.asarray(_as_list(out)[0], dtype="float64")
+    return np.asarray(as_numpy_list(out)[0], dtype="float64")
 
 
 # ----------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def quantize_model(model, new, report, x=None, verify=True):
     records, y_float = {}, None
     if verify:
         with _capturing([c.layer for c in candidates]) as records:
-            y_float = _as_list(new(x, training=False))
+            y_float = as_numpy_list(new(x, training=False))
     done = []
     for c in candidates:
         why = _quantize_layer(c.layer)
@@ -326,7 +326,7 @@ def quantize_model(model, new, report, x=None, verify=True):
     bad = []
     for c, row in done:
         bad += _check_layer(c, row, records[id(c.layer)])
-    y_q = _as_list(new(x, training=False))
+    y_q = as_numpy_list(new(x, training=False))
     tol = output_tolerance(len(done))
     worst = max((rel_diff(a, b) for a, b in zip(y_float, y_q)), default=0.0)
     report.max_quantized_output_diff = worst

@@ -98,7 +98,7 @@ def _abs_l2(a, b):
     return float(np.linalg.norm(np.where(fin, a - np.where(fin, b, 0.0), 0.0)))
 
 
-def _as_list(y):
+def as_numpy_list(y):
     """Flat list of numpy arrays (floating outputs as float32)."""
     out = []
     for t in keras.tree.flatten(y):
@@ -174,7 +174,7 @@ def _layer_diffs(model, stock_graph, x, tol):
         b = keras.Model(ins, [c[3] for c in corr])(x, training=False)
     except Exception as e:  # intermediate models are best effort
         return [(f"(per-layer outputs unavailable: {e})", float("nan"), tol)]
-    for (label, cls, _, _), ya, yb in zip(corr, _as_list(a), _as_list(b)):
+    for (label, cls, _, _), ya, yb in zip(corr, as_numpy_list(a), as_numpy_list(b)):
         name, _, rest = label.partition(" ")
         rows.append((f"{name} [{cls}]{' ' + rest if rest else ''}", rel_diff(ya, yb), tol))
     return rows
@@ -182,9 +182,9 @@ def _layer_diffs(model, stock_graph, x, tol):
 
 def _check_outputs(model, new, graph, report, x, tolerance, reference=None):
     tol = _tol(OUTPUT_RTOL, model.dtype_policy.name, tolerance)
-    ref = reference if reference is not None else _as_list(model(x, training=False))
+    ref = reference if reference is not None else as_numpy_list(model(x, training=False))
     _check_finite(ref, model, report)
-    got = _as_list(new(x, training=False))
+    got = as_numpy_list(new(x, training=False))
     worst = max(rel_diff(a, b) for a, b in zip(ref, got))
     report.max_output_diff = worst
     if worst <= tol:
