@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 from tfmetal_ext.conversion.weights import to_numpy
-from tfmetal_ext.inspect.step import OPEN_DIM_LENGTHS, make_inputs, make_targets  # noqa: F401  (OPEN_DIM_LENGTHS: documented here)
+from tfmetal_ext.inspect.step import OPEN_DIM_LENGTHS, make_inputs, make_targets  # noqa: F401  (documented here)
 
 # Relative tolerances (max |stock - converted| / max |stock|) of verify, per compute dtype.
 OUTPUT_RTOL = {"float32": 1e-4, "float64": 1e-6, "bfloat16": 5e-2, "float16": 2e-2}
@@ -156,10 +156,11 @@ def _check_finite(ref, model, report):
             "or pass verify=False to convert without checking.",
             diffs=[], report=report,
         )
-    # Frames up to the caller of convert(): _check_finite, _check_outputs, verify_conversion, convert.
+    # Frames up to the caller of convert(): _check_finite, _check_outputs, verify_conversion,
+    # pipeline.check, convert.
     _warn_partial(report, f"{bad} of {total} output values of {model.name!r} on the synthetic verification "
                   "inputs are NaN or inf (in the stock model itself); there the conversion was only checked "
-                  "to give the same non-finite values", stacklevel=5)
+                  "to give the same non-finite values", stacklevel=6)
 
 
 def _layer_diffs(model, stock_graph, x, tol):
@@ -332,10 +333,10 @@ def _check_gradients(model, new, pairs, report, x, tolerance, seed):
             "stock model itself (true gradient ~0); compared against that noise only"
         )
     if nonfinite:
-        # Frames up to the caller of convert(): _check_gradients, verify_conversion, convert.
+        # Frames up to the caller of convert(): _check_gradients, verify_conversion, pipeline.check, convert.
         _warn_partial(report, f"{len(nonfinite)} of {len(rows)} weight gradients of the stock model itself "
                       f"have NaN or inf entries (first: {nonfinite[0]}); only their finite entries were compared",
-                      stacklevel=4)
+                      stacklevel=5)
     bad = [r for r in rows if not r[1] <= r[2]]
     if bad:
         lines = [f"  {w:<48} rel diff {d:.3g} (tolerance {t:.3g})" for w, d, t in bad][:25]

@@ -45,15 +45,15 @@ def is_subclassed(model):
 #
 # Two callers fill a model's input spec with random values, with their own policies (kept as
 # they were when the two copies became one):
-#
-# |                      | `synthetic_inputs` (inspect)        | `make_inputs` (convert's verify, op counts) |
-# |----------------------|-------------------------------------|---------------------------------------------|
-# | models               | Functional / Sequential              | also subclassed (their build shapes)        |
-# | open dims take       | a declared length, else DEFAULT_LENGTHS | OPEN_DIM_LENGTHS                        |
-# | a length is accepted | symbolically (`compute_output_spec`, no zero-size output) | by running one row |
-# | float16 inputs       | float16                              | float32 (as bfloat16 for both)              |
-# | a fixed batch dim    | kept                                 | replaced by `batch_size`                    |
-# | string inputs        | (numpy's error)                      | ValueError asking for ``inputs=``           |
+# - `synthetic_inputs` (inspect): Functional and Sequential models; an open dimension takes a
+#   length a layer declares, else the first of `DEFAULT_LENGTHS` the model accepts symbolically
+#   (`accepts_symbolically`: an output spec with no zero-size dimension); float16 inputs stay
+#   float16; a fixed batch dimension is kept.
+# - `make_inputs` (convert's verification and op counts): also subclassed models (the shapes they
+#   were built with, `input_specs`); an open dimension takes the first of `OPEN_DIM_LENGTHS` the
+#   model runs with on one row (`runs_on_one_row`); float16 inputs are made float32; the batch
+#   dimension is always `batch_size`; a string input is a ValueError asking for ``inputs=``.
+# Both make bfloat16 inputs float32.
 
 # Lengths tried for an input's `None` sequence/spatial dimensions when the model declares none,
 # smallest first (each is checked symbolically before use).
@@ -235,11 +235,13 @@ def batch_size_of(inputs):
 # ----------------------------------------------------------------------------
 # Targets.
 #
-# | | `synthetic_targets` (inspect's train step) | `make_targets` (convert's gradients, op counts) |
-# |---|---|---|
-# | output shapes | symbolic outputs (subclassed: `compute_output_spec(inputs)`); every None dim takes `batch_size` | symbolic outputs when only the batch is open, else one row run |
-# | values | integer labels for a sparse loss, else uniform float32 | uniform float32 (MSE) |
-# | structure | the model's output structure | one array or a flat list |
+# Two callers make random targets for a model's outputs, with their own policies:
+# - `synthetic_targets` (inspect's train step): shapes from the symbolic outputs (a subclassed
+#   model's from ``compute_output_spec(inputs)``), every None dimension taking `batch_size`;
+#   integer labels for a sparse loss, else uniform float32; in the model's output structure.
+# - `make_targets` (convert's gradient check and op counts): shapes from the symbolic outputs when
+#   only the batch is open, else from a run on one row, the batch that of the inputs; uniform
+#   float32 (the check's loss is MSE); one array or a flat list.
 
 
 def _loss_is_sparse(loss):
