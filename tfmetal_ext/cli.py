@@ -180,7 +180,7 @@ def _reload_problem(converted, path, batch):
     import keras
     import numpy as np
 
-    from tfmetal_ext.conversion.verify import _as_list, make_inputs
+    from tfmetal_ext.conversion.verify import as_numpy_list, make_inputs
 
     try:
         loaded = keras.saving.load_model(path)
@@ -190,7 +190,7 @@ def _reload_problem(converted, path, batch):
         x = make_inputs(converted, batch, 0)
     except ValueError:  # no synthetic data for it (string inputs): loading back is what could be checked
         return None
-    for a, b in zip(_as_list(converted(x, training=False)), _as_list(loaded(x, training=False))):
+    for a, b in zip(as_numpy_list(converted(x, training=False)), as_numpy_list(loaded(x, training=False))):
         if a.shape != b.shape or not np.array_equal(a, b, equal_nan=True):
             return "the saved int8 model loads back but predicts differently from the converted one"
     return None

@@ -31,6 +31,7 @@ import tempfile
 import keras
 
 from tfmetal_ext.conversion import weights
+from tfmetal_ext.inspect import step
 
 
 class NotCopyable(ValueError):
@@ -76,7 +77,7 @@ def construct(layer, label):
             errors.append(f"get_config() failed ({type(e).__name__}: {_first_line(e)})")
         if config is not None:
             try:
-                return cls.from_config(_live_callables(layer, config))
+                return step.from_config(layer, config)
             except Exception as e:  # arbitrary user code
                 errors.append(f"from_config(get_config()) failed ({type(e).__name__}: {_first_line(e)})")
         auto = getattr(layer, "_auto_config", None)
@@ -171,16 +172,6 @@ def _shell_copy(layer, base, label):
         else:
             setattr(new, k, value)
     return new
-
-
-def _live_callables(layer, config):
-    """`config` with each serialized plain function (an activation given as ``tf.nn.swish`` or a
-    lambda, which Keras cannot deserialize) replaced by the layer's own attribute of that name."""
-    out = dict(config)
-    for k, v in config.items():
-        if isinstance(v, dict) and v.get("class_name") in ("function", "__lambda__") and callable(getattr(layer, k, None)):
-            out[k] = getattr(layer, k)
-    return out
 
 
 def _first_line(e):

@@ -47,7 +47,8 @@ import keras
 import numpy as np
 
 from tfmetal_ext.conversion.report import Kept, Quantized
-from tfmetal_ext.conversion.verify import VerificationError, _agree, _as_list, rel_diff
+from tfmetal_ext.conversion.verify import VerificationError, _agree, as_numpy_list, rel_diff
+from tfmetal_ext.inspect.step import is_subclassed
 
 QUANTIZE_MODES = ("int8",)
 
@@ -111,14 +112,12 @@ def check_args(quantize, inference, in_place=False):
 def _leaves(model):
     """``[(path, layer, in_subclass)]`` of every leaf layer (no sublayers) under `model`, each layer once;
     `in_subclass`: some enclosing layer (or `model`) is a subclass with a ``call`` of its own."""
-    from tfmetal_ext.conversion.verify import _is_subclassed
-
     out, seen = [], set()
 
     def walk(layer, prefix, in_subclass):
         # Keras' own containers (Bidirectional, TimeDistributed, ...) serialize their inner layers'
         # configs, dtype policy included; a user's subclass (or one of ours) makes them in its constructor.
-        in_subclass = in_subclass or (_is_subclassed(layer) and not type(layer).__module__.startswith("keras."))
+        in_subclass = in_subclass or (is_subclassed(layer) and not type(layer).__module__.startswith("keras."))
         for sub in layer._flatten_layers(include_self=False, recursive=False):
             path = f"{prefix}{sub.name}"
             if id(sub) in seen:
@@ -249,7 +248,7 @@ def _capturing(layers):
 
 
 def _first_float(out):
-    return np.asarray(_as_list(out)[0], dtype="float64")
+    return np.asarray(as_numpy_list(out)[0], dtype="float64")
 
 
 # ----------------------------------------------------------------------------
@@ -298,7 +297,7 @@ def quantize_model(model, new, report, x=None, verify=True):
     records, y_float = {}, None
     if verify:
         with _capturing([c.layer for c in candidates]) as records:
-            y_float = _as_list(new(x, training=False))
+            y_float = as_numpy_list(new(x, training=False))
     done = []
     for c in candidates:
         why = _quantize_layer(c.layer)
@@ -327,7 +326,7 @@ def quantize_model(model, new, report, x=None, verify=True):
     bad = []
     for c, row in done:
         bad += _check_layer(c, row, records[id(c.layer)])
-    y_q = _as_list(new(x, training=False))
+    y_q = as_numpy_list(new(x, training=False))
     tol = output_tolerance(len(done))
     worst = max((rel_diff(a, b) for a, b in zip(y_float, y_q)), default=0.0)
     report.max_quantized_output_diff = worst

@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from tfmetal_ext.inspect import step
+
 NO_COUNTERPART = "no fusion-first counterpart (kept as a copy with the same config and weights)"
 
 
@@ -248,9 +250,7 @@ def count_ops(model, batch_size, report, key, inputs=None, modes=("train", "pred
         if inputs is not None:
             kw["inputs"] = inputs
             if mode == "train" and not getattr(model, "compiled", False):
-                from tfmetal_ext.conversion.verify import make_targets
-
-                kw["targets"] = make_targets(model, inputs, 1)
+                kw["targets"] = step.make_targets(model, inputs, 1)
         if mode == "train" and not getattr(model, "compiled", False):
             target = _compiled_view(model)
             if target is None:
@@ -269,11 +269,8 @@ def _compiled_view(model):
     Counting an uncompiled model's train step otherwise clones it first (seconds for a big
     model); `fusion_report` restores the weights the train step changes. None for a subclassed model.
     """
-    import keras
-
     try:
-        view = keras.Model(model.inputs, model.outputs, name=model.name)
-        view.compile(optimizer=COUNT_OPTIMIZER, loss="mse")
+        view, _ = step.compiled_clone(model, COUNT_OPTIMIZER, "mse", copy=False)
         return view
     except Exception:
         return None

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from tfmetal_ext.conversion.weights import to_numpy
+from tfmetal_ext.inspect.step import OPEN_DIM_LENGTHS, make_inputs, make_targets  # noqa: F401  (documented here)
 
 # Relative tolerances (max |stock - converted| / max |stock|) of verify, per compute dtype.
 OUTPUT_RTOL = {"float32": 1e-4, "float64": 1e-6, "bfloat16": 5e-2, "float16": 2e-2}
@@ -97,7 +98,7 @@ def _abs_l2(a, b):
     return float(np.linalg.norm(np.where(fin, a - np.where(fin, b, 0.0), 0.0)))
 
 
-def _as_list(y):
+def as_numpy_list(y):
     """Flat list of numpy arrays (floating outputs as float32)."""
     out = []
     for t in keras.tree.flatten(y):
@@ -121,98 +122,7 @@ def _warn_partial(report, note, stacklevel):
 
 
 # ----------------------------------------------------------------------------
-# Verification data.
-
-# Lengths tried, in order, for an input dimension the model leaves open (None sequence or spatial dims).
-OPEN_DIM_LENGTHS = (32, 64, 128, 224, 16, 8)
-
-
-def _input_specs(model):
-    """``[(shape, dtype)]`` of `model`'s inputs: its functional inputs, else the shapes it was built with."""
-    inputs = getattr(model, "inputs", None) if not _is_subclassed(model) else None
-    if inputs:
-        return [(tuple(t.shape), str(t.dtype)) for t in inputs], True
-    config = model.get_build_config() if model.built else None
-    shapes = []
-    if config and "input_shape" in config:
-        shapes = [config["input_shape"]]
-    elif config and "shapes_dict" in config:
-        shapes = list(config["shapes_dict"].values())
-    if len(shapes) != 1 or not isinstance(shapes[0], (list, tuple)) or \
-            any(isinstance(d, (list, tuple, dict)) for d in shapes[0]):
-        raise ValueError(
-            f"convert() cannot tell the input shape of model {model.name!r} ({type(model).__name__}); pass "
-            f"verification data with convert(..., inputs=x). Received: inputs=None"
-        )
-    return [(tuple(shapes[0]), model.compute_dtype if model.compute_dtype != "bfloat16" else "float32")], False
-
-
-def _is_subclassed(model):
-    from keras.src.models.functional import Functional
-
-    return not isinstance(model, (keras.Sequential, Functional))
-
-
-def _random(shape, dtype, rng):
-    dtype = np.dtype("float32" if dtype in ("bfloat16", "float16") else dtype)
-    if np.issubdtype(dtype, np.integer):
-        return rng.integers(0, 10, size=shape).astype(dtype)
-    if np.issubdtype(dtype, np.bool_):
-        return rng.integers(0, 2, size=shape).astype(bool)
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def make_inputs(model, batch_size, seed, inputs=None):
-    """Verification inputs: `inputs` when given, else random ones of `model`'s input spec.
-
-    An input dimension the model leaves open (None, besides the batch) takes the first
-    length of `OPEN_DIM_LENGTHS` the stock model runs with.
-
-    Raises:
-        ValueError: string inputs, an input shape convert() cannot tell, or no length
-            the model accepts (each asks for ``inputs=``).
-    """
-    if inputs is not None:
-        return inputs
-    specs, functional = _input_specs(model)
-    for shape, dtype in specs:
-        if "string" in dtype:
-            raise ValueError(
-                f"convert() cannot make random verification data for the string input of {model.name!r}; "
-                "pass representative data with convert(..., inputs=x). Received: inputs=None"
-            )
-    open_dims = any(d is None for shape, _ in specs for d in shape[1:])
-    for length in OPEN_DIM_LENGTHS if open_dims else (None,):
-        rng = np.random.default_rng(seed)
-        values = [_random((batch_size,) + tuple(length if d is None else int(d) for d in shape[1:]), dtype, rng)
-                  for shape, dtype in specs]
-        x = values[0] if len(values) == 1 else values
-        if not open_dims:
-            return x
-        try:
-            model(keras.tree.map_structure(lambda v: v[:1], x), training=False)
-            return x
-        except Exception:
-            continue
-    raise ValueError(
-        f"convert() found no length for the open (None) input dimensions of {model.name!r} that the model "
-        f"accepts (tried {', '.join(map(str, OPEN_DIM_LENGTHS))}); pass verification data with "
-        "convert(..., inputs=x). Received: inputs=None"
-    )
-
-
-def make_targets(model, x, seed):
-    """Random float targets shaped like `model`'s outputs on `x`."""
-    rng = np.random.default_rng(seed)
-    b = _batch(x)
-    outs = getattr(model, "outputs", None) if not _is_subclassed(model) else None
-    if outs and all(d is not None for o in outs for d in tuple(o.shape)[1:]):
-        shapes = [(b,) + tuple(o.shape)[1:] for o in outs]
-    else:  # run it on one row for the output shapes
-        one = keras.tree.map_structure(lambda v: np.asarray(v)[:1], x)
-        shapes = [(b,) + tuple(o.shape)[1:] for o in keras.tree.flatten(model(one, training=False))]
-    values = [rng.random(s).astype("float32") for s in shapes]
-    return values[0] if len(values) == 1 else values
+# Verification data: `make_inputs` and `make_targets` (`tfmetal_ext.inspect.step`, the one step builder).
 
 
 def _batch(x):
@@ -246,10 +156,11 @@ def _check_finite(ref, model, report):
             "or pass verify=False to convert without checking.",
             diffs=[], report=report,
         )
-    # Frames up to the caller of convert(): _check_finite, _check_outputs, verify_conversion, convert.
+    # Frames up to the caller of convert(): _check_finite, _check_outputs, verify_conversion,
+    # pipeline.check, convert.
     _warn_partial(report, f"{bad} of {total} output values of {model.name!r} on the synthetic verification "
                   "inputs are NaN or inf (in the stock model itself); there the conversion was only checked "
-                  "to give the same non-finite values", stacklevel=5)
+                  "to give the same non-finite values", stacklevel=6)
 
 
 def _layer_diffs(model, stock_graph, x, tol):
@@ -264,7 +175,7 @@ def _layer_diffs(model, stock_graph, x, tol):
         b = keras.Model(ins, [c[3] for c in corr])(x, training=False)
     except Exception as e:  # intermediate models are best effort
         return [(f"(per-layer outputs unavailable: {e})", float("nan"), tol)]
-    for (label, cls, _, _), ya, yb in zip(corr, _as_list(a), _as_list(b)):
+    for (label, cls, _, _), ya, yb in zip(corr, as_numpy_list(a), as_numpy_list(b)):
         name, _, rest = label.partition(" ")
         rows.append((f"{name} [{cls}]{' ' + rest if rest else ''}", rel_diff(ya, yb), tol))
     return rows
@@ -272,9 +183,9 @@ def _layer_diffs(model, stock_graph, x, tol):
 
 def _check_outputs(model, new, graph, report, x, tolerance, reference=None):
     tol = _tol(OUTPUT_RTOL, model.dtype_policy.name, tolerance)
-    ref = reference if reference is not None else _as_list(model(x, training=False))
+    ref = reference if reference is not None else as_numpy_list(model(x, training=False))
     _check_finite(ref, model, report)
-    got = _as_list(new(x, training=False))
+    got = as_numpy_list(new(x, training=False))
     worst = max(rel_diff(a, b) for a, b in zip(ref, got))
     report.max_output_diff = worst
     if worst <= tol:
@@ -422,10 +333,10 @@ def _check_gradients(model, new, pairs, report, x, tolerance, seed):
             "stock model itself (true gradient ~0); compared against that noise only"
         )
     if nonfinite:
-        # Frames up to the caller of convert(): _check_gradients, verify_conversion, convert.
+        # Frames up to the caller of convert(): _check_gradients, verify_conversion, pipeline.check, convert.
         _warn_partial(report, f"{len(nonfinite)} of {len(rows)} weight gradients of the stock model itself "
                       f"have NaN or inf entries (first: {nonfinite[0]}); only their finite entries were compared",
-                      stacklevel=4)
+                      stacklevel=5)
     bad = [r for r in rows if not r[1] <= r[2]]
     if bad:
         lines = [f"  {w:<48} rel diff {d:.3g} (tolerance {t:.3g})" for w, d, t in bad][:25]
