@@ -102,6 +102,7 @@ def activation_op(name):
 FUSED_CONV2D = "_FusedConv2D"
 FUSED_MATMUL = "_FusedMatMul"
 FUSED_DEPTHWISE = "_FusedDepthwiseConv2dNative"
+FUSED_BATCH_MATMUL = "_FusedBatchMatMulV2"
 FUSED_BATCH_NORM_EX = "_FusedBatchNormEx"
 FUSED_BATCH_NORM_GRAD_EX = "_FusedBatchNormGradEx"
 FUSED_BATCH_NORM = "FusedBatchNormV3"

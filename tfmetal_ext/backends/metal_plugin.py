@@ -89,6 +89,7 @@ MIN_MACOS = (15, 0)
 import types
 
 from tfmetal_ext.backends import _metal_plugin_kernels as _generated
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends._table import PREDICT, Fusion, backend, never
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS
 
@@ -163,14 +164,14 @@ METAL_PLUGIN = backend(
             "activation: TF's remapper fuses Conv2D+BiasAdd+Relu itself (not 1x1), the plugin's graph "
             "pass the rest; training: LeakyRelu not fused; no bfloat16 kernels",
             dtypes=F32_F16, acts=PASS_ACTS, train_acts=PASS_TRAIN_ACTS,
-            dtype_notes={"bfloat16": _BF16_PASS.format(op="Conv2D", fused="_FusedConv2D")},
+            dtype_notes={"bfloat16": _BF16_PASS.format(op="Conv2D", fused=fusion.FUSED_CONV2D)},
         ),
         "matmul_bias_act": Fusion(
             "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu|Sigmoid|Tanh)] float32/half (the plugin's graph pass; TF's "
             "remapper fuses MatMul on a GPU only with TF_USE_CUBLASLT=1); training: LeakyRelu not fused; "
             "no bfloat16 kernels",
             dtypes=F32_F16, acts=PASS_ACTS, train_acts=PASS_TRAIN_ACTS,
-            dtype_notes={"bfloat16": _BF16_PASS.format(op="MatMul", fused="_FusedMatMul")},
+            dtype_notes={"bfloat16": _BF16_PASS.format(op="MatMul", fused=fusion.FUSED_MATMUL)},
         ),
         "matmul_bias_gelu": never(
             "not fused (MatMul + BiasAdd fuse; GELU stays unfused)",

@@ -80,8 +80,8 @@ PLUMBING_OPS = NON_COMPUTE_OPS | HOST_OPS | frozenset(
 # The contraction chains grappler fuses (TF's remapper; on the open plugin, its graph pass too):
 # contraction op -> (backend table pattern, fused op).
 _CHAINS = {
-    "Conv2D": ("conv2d_bias_act", "_FusedConv2D"),
-    "MatMul": ("matmul_bias_act", "_FusedMatMul"),
+    "Conv2D": ("conv2d_bias_act", fusion.FUSED_CONV2D),
+    "MatMul": ("matmul_bias_act", fusion.FUSED_MATMUL),
 }
 
 _LOCK = threading.Lock()

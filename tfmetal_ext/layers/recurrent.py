@@ -40,6 +40,7 @@ import keras
 import tensorflow as tf
 
 from tfmetal_ext import devices
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation
 from tfmetal_ext.layers import _contraction as C
@@ -638,7 +639,7 @@ def _fused_rnn_rule(layer, ctx):
     table = catalog.table(ctx)
     cudnn = _rnn.implementation(ctx.backend, layer.compute_dtype, table) == "cudnn"
     if cudnn and layer.use_cudnn is not False:
-        return Expectation("cudnn_rnn", "CudnnRNNV3", (), ())
+        return Expectation("cudnn_rnn", fusion.CUDNN_RNN, (), ())
     if ctx.backend == "cpu":
         reason = REASON_CPU_RNN.format(name=name)
     elif layer.use_cudnn is False:
@@ -649,15 +650,15 @@ def _fused_rnn_rule(layer, ctx):
         row = table.fusion("matmul_bias_act")
         may = ()
         if layer.use_bias and not blocked and layer.compute_dtype in row.dtypes_in(ctx.mode):
-            may = (("_FusedMatMul", ("BiasAdd",)),)
-        return Expectation("cudnn_rnn", None, None, (), reason=reason, ideal_op="CudnnRNNV3", may_fuse=may)
+            may = ((fusion.FUSED_MATMUL, ("BiasAdd",)),)
+        return Expectation("cudnn_rnn", None, None, (), reason=reason, ideal_op=fusion.CUDNN_RNN, may_fuse=may)
     else:
         reason = f"{ctx.backend} without a CUDA build: the generic loop runs"
     blocked = catalog.dtype_block(ctx, layer.compute_dtype, "matmul_bias_act")
     if not layer.use_bias or blocked or ctx.backend != "cpu":
         why = "use_bias=False" if not layer.use_bias else blocked
-        return Expectation("cudnn_rnn", None, None, (), reason=reason + (f"; {why}" if why else ""), ideal_op="CudnnRNNV3")
-    return Expectation("cudnn_rnn", "_FusedMatMul", ("BiasAdd",), (), reason=reason, ideal_op="CudnnRNNV3")
+        return Expectation("cudnn_rnn", None, None, (), reason=reason + (f"; {why}" if why else ""), ideal_op=fusion.CUDNN_RNN)
+    return Expectation("cudnn_rnn", fusion.FUSED_MATMUL, ("BiasAdd",), (), reason=reason, ideal_op=fusion.CUDNN_RNN)
 
 
 catalog.register_rule(FusedLSTM, _fused_rnn_rule)
