@@ -46,16 +46,17 @@ from tfmetal_ext.inspect.catalog import Expectation
 from tfmetal_ext.layers import _contraction as C
 from tfmetal_ext.layers import _rnn
 
-_TANH = {keras.activations.tanh, keras.ops.tanh, tf.tanh, tf.nn.tanh, tf.math.tanh}
-_SIGMOID = {keras.activations.sigmoid, keras.ops.sigmoid, tf.sigmoid, tf.nn.sigmoid, tf.math.sigmoid}
+# The activation callables the layers accept: the Keras activation, its keras.ops function and
+# the TensorFlow functions of the same op (tf.tanh is tf.math.tanh).
+_ACTIVATION_SOURCES = (fusion.KERAS, fusion.TF_FUNCTIONS, fusion.KERAS_OPS)
 
 
-def _fixed_activation(value, name, allowed, expected, layer):
+def _fixed_activation(value, name, expected, layer):
     try:
         fn = keras.activations.get(value)
     except (ValueError, TypeError):
         fn = None
-    if fn not in allowed:
+    if fn is None or fusion.activation_name(fn, sources=_ACTIVATION_SOURCES) != expected:
         raise ValueError(
             f"{layer} supports only `{name}='{expected}'` (what the fused kernels compute); "
             f"use keras.layers.{layer[5:]} for others. Received: {name}={value!r}"
@@ -123,9 +124,9 @@ class _FusedRNN(keras.layers.Layer):
         activity_regularizer = C.keras_object(keras.regularizers.get, activity_regularizer, "activity_regularizer")
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.units = C.positive_int(units, "units")
-        self.activation = _fixed_activation(activation, "activation", _TANH, "tanh", layer)
+        self.activation = _fixed_activation(activation, "activation", "tanh", layer)
         self.recurrent_activation = _fixed_activation(
-            recurrent_activation, "recurrent_activation", _SIGMOID, "sigmoid", layer
+            recurrent_activation, "recurrent_activation", "sigmoid", layer
         )
         if use_cudnn not in ("auto", True, False):
             raise ValueError(f"`use_cudnn` must be 'auto', True or False. Received: use_cudnn={use_cudnn!r}")
