@@ -7,7 +7,7 @@ project; the tests and scripts that need its source fetch the sdist at run
 time (`tfmetal_ext.testing.metal_plugin_source`). Not measured here: no Mac on
 the project's machines.
 
-Kernels (`KERNELS`, `TF_DEFAULT_KERNELS`, `HOST_OPS`): generated from the
+Kernels (`KERNELS`, `TF_DEFAULT_KERNELS`, `UNREGISTERED_HOST_OPS`): generated from the
 sdist by ``scripts/gen_metal_plugin_kernels.py`` into
 `tfmetal_ext.backends._metal_plugin_kernels`, which runs the plugin's own
 registration functions (``kernels/metal_kernels.mm``
@@ -128,8 +128,12 @@ def _host_reason(op):
     return f"{_RESOURCE_API}: no GPU kernel, so it runs on the CPU" + _SYNC
 
 
-# op -> why it runs on the host on TF_VERSION.
-HOST_OPS = types.MappingProxyType({op: _host_reason(op) for op in _generated.NEEDS_RESOURCE_VARIABLE_API})
+# op -> why it runs on the host on TF_VERSION: the kernels the plugin registers only with the
+# resource-variable C API, which this TensorFlow lacks.
+UNREGISTERED_HOST_OPS = types.MappingProxyType(
+    {op: _host_reason(op) for op in _generated.NEEDS_RESOURCE_VARIABLE_API}
+)
+HOST_OPS = UNREGISTERED_HOST_OPS  # the name before issue 28 (public module)
 
 _RNN_FIX = (
     "use tfmetal_ext.layers.{fused} (or tfmetal_ext.convert(model)), or pass use_cudnn=False "
@@ -224,7 +228,7 @@ METAL_PLUGIN = backend(
     kernels_complete=True,
     shared_kernels=TF_DEFAULT_KERNELS,
     dtype_attrs=DTYPE_ATTR,
-    host_ops=HOST_OPS,
+    host_ops=UNREGISTERED_HOST_OPS,
     unsupported_layers=UNSUPPORTED_LAYERS,
     source=__doc__,
 )

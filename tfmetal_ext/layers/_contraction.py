@@ -80,7 +80,7 @@ def catalog_activation_name(name, fn):
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def add_bias(layer, channels):
+def add_bias_weight(layer, channels):
     """Creates ``layer.bias`` (None when ``layer.use_bias`` is False), as Keras names and shapes it."""
     layer.bias = None
     if layer.use_bias:
@@ -205,6 +205,6 @@ def stock_path_reason(layer, dilation=True):
 def bias_and_activation(layer, outputs):
     """BiasAdd (AddV2 while ``conv_bias_relu`` is avoided) and the activation as one TF op where possible."""
     if layer.use_bias:
-        outputs = _ops.add_bias(outputs, layer.bias, "conv_bias_relu")
+        outputs = _ops.bias_add(outputs, layer.bias, "conv_bias_relu")
     fn, name = resolve_activation(layer.activation)
     return apply_activation(outputs, fn, name)
