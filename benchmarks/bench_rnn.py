@@ -14,7 +14,7 @@ median of each is kept, so drift on a shared host favours neither side.
 units {32, 256}, F = 32, float32): paired rounds in one process
 (`_common.paired_rounds`, order rotated each round), speed-up = median over
 rounds of stock / ours, and which form `FusedLSTM` / `FusedGRU` chose for the
-shape (`tfmetal_ext.layers._rnn.cpu_form`). The choice is measured with the
+shape (`tfmetal_ext.backends.Backend.rnn_cpu_form`). The choice is measured with the
 fused loop forced (``ours_loop_ms``) as well, so the table shows what the
 threshold decided and why:
 
@@ -142,7 +142,7 @@ def run(name, stock_cls, ours_cls, size, policy, repeats, rounds):
 
 
 def _grid_row(name, stock_cls, ours_cls, size, rounds, repeats):
-    from tfmetal_ext.layers import _rnn
+    from tfmetal_ext.backends import _table
 
     batch, steps, features, units = size
     keras.mixed_precision.set_global_policy("float32")
@@ -157,7 +157,7 @@ def _grid_row(name, stock_cls, ours_cls, size, rounds, repeats):
     fns["ours"]()  # traced for the static batch of the timed steps: the form is chosen here
     form = ours.get_layer("rnn").form
     if form != "fused":  # also time the fused loop this shape did not choose
-        with _rnn.force_cpu_form("fused"):
+        with _table.force_cpu_form("fused"):
             loop = _model(ours_cls, steps, features, units)
             loop.set_weights(stock.get_weights())
             fns["ours_loop"] = _train_fn(loop, x, y)
@@ -186,7 +186,7 @@ def grid(args):
         f"paired rounds in one process (_common.paired_rounds, {args.rounds} rounds x {args.repeats} steps, "
         "order rotated): ms = median over rounds; speedup = median over rounds of stock_ms / ours_ms",
         "form: what FusedLSTM/FusedGRU ran for the shape (layer.form after the timed step was traced with "
-        "its static batch; the rule is tfmetal_ext.layers._rnn.cpu_form over the backend table's "
+        "its static batch; the rule is tfmetal_ext.backends.Backend.rnn_cpu_form over the backend table's "
         "rnn_stock_from): 'fused' = the hoisted-projection custom-gradient loop, 'stock' = Keras' own "
         "loop and cell math",
         "ours_loop_ms / loop_speedup: the fused loop forced, for shapes where the threshold chose stock",

@@ -19,7 +19,8 @@ import tensorflow as tf
 from tfmetal_ext import backends, devices
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import FusionContext
-from tfmetal_ext.layers import FusedGRU, FusedLSTM, _rnn
+from tfmetal_ext.layers import FusedGRU, FusedLSTM, recurrent
+from tfmetal_ext.ops import _recurrence
 
 PLUGIN = "tensorflow-metal-plugin"
 APPLE = "tensorflow-metal"
@@ -181,7 +182,7 @@ def test_open_plugin_recurrences_emit_no_cudnn_and_only_ops_with_kernels(policy)
             policy(name)
             for cls in (FusedLSTM, FusedGRU):
                 # 6 steps: the unrolled form; 130 (> MAX_UNROLL): the while loop; masks too.
-                for steps, masked in ((6, False), (6, True), (_rnn.MAX_UNROLL + 30, True)):
+                for steps, masked in ((6, False), (6, True), (_recurrence.MAX_UNROLL + 30, True)):
                     layer = cls(8, return_sequences=True, go_backwards=masked)
                     x = tf.zeros((3, steps, 5))
                     mask = tf.constant(np.arange(steps)[None] < np.array([[steps], [2], [1]])) if masked else None
@@ -194,7 +195,7 @@ def test_open_plugin_recurrences_emit_no_cudnn_and_only_ops_with_kernels(policy)
                         where = (name, cls.__name__, steps, masked, mode)
                         assert not {op for op in ops if op.startswith("CudnnRNN")}, where
                         assert not {op for op in ops if "LSTMBlock" in op}, where
-                        assert ("StatelessWhile" in ops or "While" in ops) == (steps > _rnn.MAX_UNROLL), where
+                        assert ("StatelessWhile" in ops or "While" in ops) == (steps > _recurrence.MAX_UNROLL), where
                         assert not missing_on_plugin(nodes), (where, missing_on_plugin(nodes))
                         assert not partial_strided_slices(concrete), where
 
@@ -211,23 +212,23 @@ def test_apple_metal_keeps_cudnn():
 
 
 def test_the_choice_is_the_table_data():
-    """`implementation` reads the cudnn_rnn row and `has_kernel`, not a plugin name."""
+    """`rnn_implementation` reads the cudnn_rnn row and `has_kernel`, not a plugin name."""
     apple, plugin = backends.TABLES["metal"], backends.TABLES["metal_plugin"]
-    assert _rnn.implementation("metal", "float32", apple) == "cudnn"
-    assert _rnn.implementation("metal", "float32", plugin) == "loop"
-    assert _rnn.cudnn_kernels(plugin, "float16") is False
+    assert apple.rnn_implementation("float32") == "cudnn"
+    assert plugin.rnn_implementation("float32") == "loop"
+    assert plugin.cudnn_rnn_kernels("float16") is False
     # A table like Apple's whose kernels say CudnnRNNV3 is missing: the loop.
     import dataclasses
 
     without = dataclasses.replace(apple, missing_kernels=frozenset({"CudnnRNNV3"}))
-    assert _rnn.implementation("metal", "float32", without) == "loop"
+    assert without.rnn_implementation("float32") == "loop"
     with devices.assume_backend(PLUGIN):
-        assert _rnn.implementation("metal", "float32") == "loop"
-        assert _rnn.list_form(_rnn.table_for("metal"), "float32") == "split"
+        assert recurrent._implementation("metal", "float32") == "loop"
+        assert recurrent._rnn_table("metal").rnn_list_form("float32") == "split"
     with devices.assume_backend(APPLE):
-        assert _rnn.implementation("metal", "float32") == "cudnn"
+        assert recurrent._implementation("metal", "float32") == "cudnn"
     for key in ("cpu", "cpu_onednn"):
-        assert _rnn.list_form(backends.TABLES[key], "float32") == "pack"
+        assert backends.TABLES[key].rnn_list_form("float32") == "pack"
 
 
 def test_use_cudnn_true_on_the_open_plugin_is_a_clear_error():

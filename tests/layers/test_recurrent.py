@@ -16,13 +16,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext import devices, inspect
+from tfmetal_ext import backends, devices, inspect
+from tfmetal_ext.backends import _table
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import FusionContext
 from tfmetal_ext.inspect.capture import Capture, FunctionGraph
 from tfmetal_ext.inspect.report import LayerIndex, build_fusion_report
-from tfmetal_ext.layers import FusedGRU, FusedLSTM
-from tfmetal_ext.layers import _rnn
+from tfmetal_ext.layers import FusedGRU, FusedLSTM, recurrent
+from tfmetal_ext.ops import _cudnn_params, _recurrence
 from tfmetal_ext.testing import assert_close, run_layer_test
 
 keras_tf_rnn = importlib.import_module("keras.src.backend.tensorflow.rnn")  # Keras' cuDNN path
@@ -179,7 +180,7 @@ def test_matches_keras(kind):
 
 def test_while_loop_matches_keras(monkeypatch):
     """Sequence lengths beyond MAX_UNROLL (and unknown ones) run a tf.while_loop."""
-    monkeypatch.setattr(_rnn, "MAX_UNROLL", 0)
+    monkeypatch.setattr(_recurrence, "MAX_UNROLL", 0)
     for kind in ("lstm", "gru"):
         check_equivalence(kind, dict(units=4, return_sequences=True, go_backwards=True, return_state=True),
                           (3, 6, 5), "mixed", True, seed=3)
@@ -388,10 +389,10 @@ def _check_cudnn_params(cuda_build, monkeypatch):
     r = lambda *s: tf.constant(rng.standard_normal(s).astype("float32"))  # noqa: E731
     w, u, b = r(features, 4 * units), r(units, 4 * units), r(4 * units)
     want = _keras_cudnn_params("lstm", w, u, b, monkeypatch, cuda_build)
-    np.testing.assert_array_equal(_rnn.lstm_cudnn_params(w, u, b, units).numpy(), want)
+    np.testing.assert_array_equal(_cudnn_params.lstm_cudnn_params(w, u, b, units).numpy(), want)
     w, u, b = r(features, 3 * units), r(units, 3 * units), r(2, 3 * units)
     want = _keras_cudnn_params("gru", w, u, b, monkeypatch, cuda_build)
-    np.testing.assert_array_equal(_rnn.gru_cudnn_params(w, u, b, units, swap_gates=cuda_build).numpy(), want)
+    np.testing.assert_array_equal(_cudnn_params.gru_cudnn_params(w, u, b, units, swap_gates=cuda_build).numpy(), want)
     assert want.size == 3 * units * (features + units) + 6 * units
 
 
@@ -730,7 +731,7 @@ STOCK_FORM_CASES = [
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_stock_form_matches_keras(kind):
-    with _rnn.force_cpu_form("stock"):
+    with _table.force_cpu_form("stock"):
         for i, (kwargs, shape, mask, init) in enumerate(STOCK_FORM_CASES):
             check_equivalence(kind, kwargs, shape, mask, init, seed=20 + i)
 
@@ -766,8 +767,6 @@ def test_recurrent_dropout_runs_the_stock_form(kind):
 
 
 def _rule(kind):
-    from tfmetal_ext import backends
-
     return (backends.current().rnn_stock_from or {}).get(kind)
 
 
@@ -801,8 +800,9 @@ def test_stock_form_at_the_rule_matches_keras():
     rule = _rule("lstm")
     if rule is None:
         pytest.skip("this backend table has no LSTM stock-form rule")
-    assert _rnn.cpu_form("lstm", rule[0], rule[1], 3) == "stock"
-    assert _rnn.cpu_form("lstm", None, rule[1], 3) == _rnn.cpu_form("lstm", rule[0], None, 3) == "fused"
+    table = backends.current()
+    assert table.rnn_cpu_form("lstm", rule[0], rule[1], 3) == "stock"
+    assert table.rnn_cpu_form("lstm", None, rule[1], 3) == table.rnn_cpu_form("lstm", rule[0], None, 3) == "fused"
     check_equivalence("lstm", dict(units=3, return_sequences=True), (rule[0], rule[1], 2), "right", False, seed=50)
 
 
@@ -826,14 +826,14 @@ def test_gru_reset_after_false_runs_the_stock_form():
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_open_plugin_form_matches_keras(kind, monkeypatch):
     """Under assume_backend("tensorflow-metal-plugin") the layers run the loop with Split/ConcatV2 lists
-    and float masks (`_rnn.list_form`); outputs and gradients still equal keras.layers.LSTM/GRU on CPU.
+    and float masks (`Backend.rnn_list_form`); outputs and gradients still equal keras.layers.LSTM/GRU on CPU.
     Before: the CudnnRNNV3 form, which has no kernel there (nor on this CPU)."""
     with devices.assume_backend("tensorflow-metal-plugin"):
-        assert _rnn.implementation("metal", "float32") == "loop"
+        assert recurrent._implementation("metal", "float32") == "loop"
         for i, (kwargs, shape, mask, init) in enumerate(CASES):
             check_equivalence(kind, kwargs, shape, mask, init, seed=20 + i)
         _check_mixed_precision(kind, "mixed_float16")
-        monkeypatch.setattr(_rnn, "MAX_UNROLL", 0)  # the while loop, with its float mask TensorArray
+        monkeypatch.setattr(_recurrence, "MAX_UNROLL", 0)  # the while loop, with its float mask TensorArray
         check_equivalence(kind, dict(units=4, return_sequences=True, go_backwards=True, return_state=True),
                           (3, 6, 5), "mixed", True, seed=3)
         check_equivalence(kind, dict(units=3, zero_output_for_mask=True), (2, 5, 4), "left", False, seed=4)

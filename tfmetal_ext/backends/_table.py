@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import types
 
@@ -105,7 +106,7 @@ class Backend:
             ``(min_batch, min_steps)``: from this static batch and sequence
             length on, FusedLSTM / FusedGRU's loop was measured slower than
             the stock layer's train step, so the stock form runs there
-            (`tfmetal_ext.layers._rnn.cpu_form`); None or a missing cell: the
+            (`rnn_cpu_form`); None or a missing cell: the
             fused form everywhere.
         pass_failure: a known graph shape on which the remapper pass fails
             as a whole here (TF logs "remapper failed: ... Mutation::Apply
@@ -191,6 +192,99 @@ class Backend:
     def fusion(self, pattern):
         """The `Fusion` of `pattern` here (a never-fusing one when the table has no row)."""
         return self.fusions.get(pattern) or never("not fused")
+
+    # ------------------------------------------------------------------------
+    # The recurrent forms FusedLSTM / FusedGRU run here (the engine: `tfmetal_ext.ops._recurrence`).
+
+    def cudnn_rnn_kernels(self, dtype=None):
+        """True / False / None: whether this backend runs `CudnnRNNV3` (and its backprop) in `dtype`.
+
+        Data only: the ``cudnn_rnn`` row must list `dtype` and neither op may
+        be known to lack a kernel here (`has_kernel`). None: the row fuses but
+        the table does not know the kernels (taken as present).
+        """
+        from tfmetal_ext.backends import fusion
+
+        row = self.fusion("cudnn_rnn")
+        if not row.fuses or (dtype is not None and dtype not in row.dtypes):
+            return False
+        known = [self.has_kernel(op, dtype) for op in (fusion.CUDNN_RNN, fusion.CUDNN_RNN_GRAD)]
+        if False in known:
+            return False
+        return True if all(known) else None
+
+    def rnn_implementation(self, dtype=None, cuda_build=False):
+        """``"cudnn"`` or ``"loop"``: what runs the recurrence here in the compute `dtype`.
+
+        CUDA means a CUDA build of TensorFlow with a GPU (`cuda_build`, which
+        the caller probes); other GPU platforms served as ``"cuda"`` (ROCm,
+        unknown PluggableDevices) get the loop, since their RNN kernels' weight
+        layouts differ. On Metal the table decides (`cudnn_rnn_kernels`):
+        Apple's tensorflow-metal has `CudnnRNNV3`; the open
+        tensorflow-metal-plugin has no kernel for it (and TF none on the CPU),
+        so the loop runs there.
+        """
+        if self.device == "cuda":
+            return "cudnn" if cuda_build else "loop"
+        if self.device != "metal":
+            return "loop"
+        return "loop" if self.cudnn_rnn_kernels(dtype) is False else "cudnn"
+
+    def rnn_list_form(self, dtype):
+        """``"pack"`` or ``"split"``: how the unrolled loop cuts its per-step tensors and stacks them again.
+
+        ``"pack"``: `Unpack` / `Pack` (one op each way; the CPU form).
+        ``"split"``: one `Split` and a `Squeeze` per step, `ExpandDims` per
+        step and one `ConcatV2`: the same number of device kernels (the
+        reshapes are metadata-only kernels TensorFlow registers for every
+        device), for a GPU whose table does not know `Pack` / `Unpack` to have
+        kernels (the open tensorflow-metal-plugin registers neither: they would
+        run on the host, a round trip per use). Masks then travel as float32
+        and are cast back per step, since such a backend's `Split` and
+        TensorLists need not take bool.
+        """
+        if self.device == "cpu":
+            return "pack"
+        if self.has_kernel("Pack", dtype) is True and self.has_kernel("Unpack", dtype) is True:
+            return "pack"
+        return "split"
+
+    def rnn_cpu_form(self, cell, batch, steps, units):
+        """``"fused"`` or ``"stock"``: which form a CPU `FusedLSTM` / `FusedGRU` runs for a shape.
+
+        The rule is data: `rnn_stock_from` (cell -> the static batch and
+        sequence length from which the stock form was measured faster, see
+        `tfmetal_ext.backends.cpu`). An unknown (None) batch or length runs the
+        fused form (a traced `fit` step usually has no static batch; a run-time
+        switch cost more than it saved). `units` is part of the signature so a
+        rule can use it; the measured rule does not. `force_cpu_form` overrides it.
+        """
+        forced = forced_rnn_form()
+        if forced is not None:
+            return forced
+        rule = (self.rnn_stock_from or {}).get(cell)
+        if rule is not None and batch is not None and steps is not None and batch >= rule[0] and steps >= rule[1]:
+            return "stock"
+        return "fused"
+
+
+# The CPU recurrent form `force_cpu_form` forces (innermost last).
+_FORCED_FORM = []
+
+
+def forced_rnn_form():
+    """The form `force_cpu_form` forces, or None: the one reader of `_FORCED_FORM`."""
+    return _FORCED_FORM[-1] if _FORCED_FORM else None
+
+
+@contextlib.contextmanager
+def force_cpu_form(form):
+    """Layers built (and traced) inside run `form` regardless of the threshold (benchmarks, tests)."""
+    _FORCED_FORM.append(form)
+    try:
+        yield
+    finally:
+        _FORCED_FORM.pop()
 
 
 def backend(key, device, label, fusions, **kw):

@@ -18,7 +18,7 @@ from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
 
 F32_BF16 = ("float32", "bfloat16")
 
-# Where FusedLSTM / FusedGRU run the stock form on a CPU (`_rnn.cpu_form`): cell -> (from this
+# Where FusedLSTM / FusedGRU run the stock form on a CPU (`Backend.rnn_cpu_form`): cell -> (from this
 # static batch, from this static sequence length). Measured: train step of Input -> RNN(H) ->
 # Dense(1), float32, F=32, stock vs fused in paired rounds in one process (`benchmarks/bench_rnn.py
 # --grid`, results/bench_rnn_grid*.md, and 7-round re-runs of single shapes); TF 2.21, 2-core AMD

@@ -6,7 +6,10 @@ conditions: ``IsGpuCompatibleConv2D``, ``IsGpuCompatibleMatMul`` with
 % 4 in training). Not measured here: no CUDA GPU on the project's machines.
 """
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends._table import TRAIN, Fusion, backend, never
+
+_NEEDS_CUBLASLT = f"{fusion.FUSED_MATMUL} needs TF_USE_CUBLASLT=1"
 
 CUDA = backend(
     "cuda", "cuda", "CUDA",
@@ -19,11 +22,11 @@ CUDA = backend(
             "only with TF_USE_CUBLASLT=1",
             dtypes=("float32", "float16", "bfloat16", "float64"),
             acts=("Relu", "Relu6", "Elu", "LeakyRelu", "Tanh", "Sigmoid", "GeluExact", "GeluApproximate"),
-            needs="cublaslt", why_not="_FusedMatMul needs TF_USE_CUBLASLT=1",
+            needs="cublaslt", why_not=_NEEDS_CUBLASLT,
         ),
         "matmul_bias_gelu": Fusion(
             "half with cuDNN runtime fusion", dtypes=("float32", "float16", "bfloat16", "float64"),
-            acts=("GeluExact", "GeluApproximate"), needs="cublaslt", why_not="_FusedMatMul needs TF_USE_CUBLASLT=1",
+            acts=("GeluExact", "GeluApproximate"), needs="cublaslt", why_not=_NEEDS_CUBLASLT,
         ),
         "depthwise_bias_act": never("not fused", why_not="no fused depthwise kernel"),
         "conv2d_bias_add_relu": never("not fused", why_not="no Conv2D+BiasAdd+Add+Relu fusion"),

@@ -96,12 +96,66 @@ def activation_op(name):
     return ACTIVATION_OPS.get(name, name)
 
 
+# keras.ops functions people pass as `activation=` that emit the same op as a Keras activation:
+# "keras.ops.<name>" -> that Keras name. Only the two the RNN layers accept (keras.ops.gelu, for
+# one, defaults to the tanh approximation where keras.activations.gelu does not).
+KERAS_OPS_ACTIVATIONS = types.MappingProxyType({"tanh": "tanh", "sigmoid": "sigmoid"})
+
+# Where a known activation callable may come from (`activation_name`'s `sources`).
+KERAS, TF_FUNCTIONS, KERAS_OPS = "keras", "tf", "keras_ops"
+
+
+def activation_name(act, sources=(KERAS, TF_FUNCTIONS)):
+    """The Keras name of activation `act` when it is a known one, else None (its op: `activation_op`).
+
+    The one place that says whether an activation callable is known. `act` is
+    a callable or None (``"linear"``); it is known, by `sources`, when it is
+    ``KERAS``: a Keras activation itself (``keras.activations.get(its
+    __name__)`` is it); ``TF_FUNCTIONS``: a TensorFlow function of
+    `TF_ACTIVATION_FUNCTIONS`; ``KERAS_OPS``: a function of
+    `KERAS_OPS_ACTIVATIONS`. Any other callable (a lambda, a custom function
+    or layer) is unknown.
+    """
+    if act is None:
+        return "linear"
+    if KERAS in sources:
+        import keras  # lazy: this module is data, read before the frameworks load
+
+        name = getattr(act, "__name__", None)
+        if isinstance(name, str):
+            try:
+                if keras.activations.get(name) is act:
+                    return name
+            except Exception:  # not a Keras activation name
+                pass
+    if TF_FUNCTIONS in sources:
+        import tensorflow as tf
+
+        for path, name in TF_ACTIVATION_FUNCTIONS.items():
+            if _attribute(tf, path) is act:
+                return name
+    if KERAS_OPS in sources:
+        import keras
+
+        for path, name in KERAS_OPS_ACTIVATIONS.items():
+            if _attribute(keras.ops, path) is act:
+                return name
+    return None
+
+
+def _attribute(obj, path):
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 # ----------------------------------------------------------------------------
 # Op names.
 
 FUSED_CONV2D = "_FusedConv2D"
 FUSED_MATMUL = "_FusedMatMul"
 FUSED_DEPTHWISE = "_FusedDepthwiseConv2dNative"
+FUSED_BATCH_MATMUL = "_FusedBatchMatMulV2"
 FUSED_BATCH_NORM_EX = "_FusedBatchNormEx"
 FUSED_BATCH_NORM_GRAD_EX = "_FusedBatchNormGradEx"
 FUSED_BATCH_NORM = "FusedBatchNormV3"

@@ -13,6 +13,7 @@ no Mac on the project's machines.
 
 import types
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends._table import Fusion, backend, never
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
 
@@ -29,10 +30,10 @@ MATMUL_RELU_NOTE = (
 # is unknown (`Backend.has_kernel` -> None), not missing.
 KERNELS = types.MappingProxyType(
     {
-        "_FusedConv2D": F32_F16,
-        "_FusedMatMul": F32_F16,
-        "_FusedBatchNormEx": F32_F16,
-        "_FusedBatchMatMulV2": F32_F16,
+        fusion.FUSED_CONV2D: F32_F16,
+        fusion.FUSED_MATMUL: F32_F16,
+        fusion.FUSED_BATCH_NORM_EX: F32_F16,
+        fusion.FUSED_BATCH_MATMUL: F32_F16,
         "ResourceApplyAdam": F32_F16,
         "ResourceApplyAdamWithAmsgrad": F32_F16,
         "ResourceApplyKerasMomentum": F32_F16,
@@ -43,10 +44,10 @@ KERNELS = types.MappingProxyType(
         "ResourceApplyGradientDescent": F32_F16,
         "CudnnRNN": _ALL_FLOAT,
         "CudnnRNNV2": _ALL_FLOAT,
-        "CudnnRNNV3": _ALL_FLOAT,
+        fusion.CUDNN_RNN: _ALL_FLOAT,
         "CudnnRNNBackprop": _ALL_FLOAT,
         "CudnnRNNBackpropV2": _ALL_FLOAT,
-        "CudnnRNNBackpropV3": _ALL_FLOAT,
+        fusion.CUDNN_RNN_GRAD: _ALL_FLOAT,
     }
 )
 

@@ -7,7 +7,7 @@ project; the tests and scripts that need its source fetch the sdist at run
 time (`tfmetal_ext.testing.metal_plugin_source`). Not measured here: no Mac on
 the project's machines.
 
-Kernels (`KERNELS`, `TF_DEFAULT_KERNELS`, `HOST_OPS`): generated from the
+Kernels (`KERNELS`, `TF_DEFAULT_KERNELS`, `UNREGISTERED_HOST_OPS`): generated from the
 sdist by ``scripts/gen_metal_plugin_kernels.py`` into
 `tfmetal_ext.backends._metal_plugin_kernels`, which runs the plugin's own
 registration functions (``kernels/metal_kernels.mm``
@@ -89,6 +89,7 @@ MIN_MACOS = (15, 0)
 import types
 
 from tfmetal_ext.backends import _metal_plugin_kernels as _generated
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends._table import PREDICT, Fusion, backend, never
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS
 
@@ -127,8 +128,12 @@ def _host_reason(op):
     return f"{_RESOURCE_API}: no GPU kernel, so it runs on the CPU" + _SYNC
 
 
-# op -> why it runs on the host on TF_VERSION.
-HOST_OPS = types.MappingProxyType({op: _host_reason(op) for op in _generated.NEEDS_RESOURCE_VARIABLE_API})
+# op -> why it runs on the host on TF_VERSION: the kernels the plugin registers only with the
+# resource-variable C API, which this TensorFlow lacks.
+UNREGISTERED_HOST_OPS = types.MappingProxyType(
+    {op: _host_reason(op) for op in _generated.NEEDS_RESOURCE_VARIABLE_API}
+)
+HOST_OPS = UNREGISTERED_HOST_OPS  # the name before issue 28 (public module)
 
 _RNN_FIX = (
     "use tfmetal_ext.layers.{fused} (or tfmetal_ext.convert(model)), or pass use_cudnn=False "
@@ -163,14 +168,14 @@ METAL_PLUGIN = backend(
             "activation: TF's remapper fuses Conv2D+BiasAdd+Relu itself (not 1x1), the plugin's graph "
             "pass the rest; training: LeakyRelu not fused; no bfloat16 kernels",
             dtypes=F32_F16, acts=PASS_ACTS, train_acts=PASS_TRAIN_ACTS,
-            dtype_notes={"bfloat16": _BF16_PASS.format(op="Conv2D", fused="_FusedConv2D")},
+            dtype_notes={"bfloat16": _BF16_PASS.format(op="Conv2D", fused=fusion.FUSED_CONV2D)},
         ),
         "matmul_bias_act": Fusion(
             "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu|Sigmoid|Tanh)] float32/half (the plugin's graph pass; TF's "
             "remapper fuses MatMul on a GPU only with TF_USE_CUBLASLT=1); training: LeakyRelu not fused; "
             "no bfloat16 kernels",
             dtypes=F32_F16, acts=PASS_ACTS, train_acts=PASS_TRAIN_ACTS,
-            dtype_notes={"bfloat16": _BF16_PASS.format(op="MatMul", fused="_FusedMatMul")},
+            dtype_notes={"bfloat16": _BF16_PASS.format(op="MatMul", fused=fusion.FUSED_MATMUL)},
         ),
         "matmul_bias_gelu": never(
             "not fused (MatMul + BiasAdd fuse; GELU stays unfused)",
@@ -223,7 +228,7 @@ METAL_PLUGIN = backend(
     kernels_complete=True,
     shared_kernels=TF_DEFAULT_KERNELS,
     dtype_attrs=DTYPE_ATTR,
-    host_ops=HOST_OPS,
+    host_ops=UNREGISTERED_HOST_OPS,
     unsupported_layers=UNSUPPORTED_LAYERS,
     source=__doc__,
 )

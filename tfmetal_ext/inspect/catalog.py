@@ -224,35 +224,11 @@ def function_activation_name(act):
         return "linear"
     if isinstance(act, str):
         return act
-    name = _keras_activation_name(act) or _tf_activation_name(act)
+    name = _fusion.activation_name(act)
     if name is not None:
         return name
     label = getattr(act, "__name__", None) or type(act).__name__
     return f"custom ({label})"
-
-
-def _keras_activation_name(act):
-    import keras
-
-    name = getattr(act, "__name__", None)
-    if not isinstance(name, str):
-        return None
-    try:
-        return name if keras.activations.get(name) is act else None
-    except Exception:  # not a Keras activation name
-        return None
-
-
-def _tf_activation_name(act):
-    import tensorflow as tf
-
-    for path, name in _fusion.TF_ACTIVATION_FUNCTIONS.items():
-        obj = tf
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if obj is not None and obj is act:
-            return name
-    return None
 
 
 def act_op(layer):

@@ -52,7 +52,7 @@ import threading
 
 from tfmetal_ext import backends, devices
 from tfmetal_ext.backends import PREDICT, TRAIN, fusion
-from tfmetal_ext.inspect.report import HOST_OPS, NON_COMPUTE_OPS, FallbackNode, PlacementReport
+from tfmetal_ext.inspect.report import EXPECTED_HOST_OPS, NON_COMPUTE_OPS, FallbackNode, PlacementReport
 
 # What each listed op would do.
 FALLBACK = "falls back to the CPU"
@@ -68,7 +68,7 @@ _HOST_DTYPES = ("int32",)
 
 # Ops skipped: nothing a kernel table speaks of (graph arguments, constants, identities, variable
 # handles and reads, functional control flow whose bodies are read as functions, v1 loop plumbing).
-PLUMBING_OPS = NON_COMPUTE_OPS | HOST_OPS | frozenset(
+PLUMBING_OPS = NON_COMPUTE_OPS | EXPECTED_HOST_OPS | frozenset(
     {
         "Placeholder", "PlaceholderWithDefault", "IdentityN", "ReadVariableOp", "VarHandleOp",
         "VarIsInitializedOp", "DestroyResourceOp", "While", "StatelessWhile", "If", "StatelessIf", "Case",
@@ -80,8 +80,8 @@ PLUMBING_OPS = NON_COMPUTE_OPS | HOST_OPS | frozenset(
 # The contraction chains grappler fuses (TF's remapper; on the open plugin, its graph pass too):
 # contraction op -> (backend table pattern, fused op).
 _CHAINS = {
-    "Conv2D": ("conv2d_bias_act", "_FusedConv2D"),
-    "MatMul": ("matmul_bias_act", "_FusedMatMul"),
+    "Conv2D": ("conv2d_bias_act", fusion.FUSED_CONV2D),
+    "MatMul": ("matmul_bias_act", fusion.FUSED_MATMUL),
 }
 
 _LOCK = threading.Lock()

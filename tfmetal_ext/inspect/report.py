@@ -14,8 +14,8 @@ from tfmetal_ext.inspect import catalog
 NON_COMPUTE_OPS = frozenset({"_Arg", "_Retval", "Const", "NoOp", "Identity"})
 
 # Ops that legitimately run on the host even when a GPU is present (input
-# pipeline plumbing, cross-device transfers).
-HOST_OPS = frozenset(
+# pipeline plumbing, cross-device transfers): no placement finding.
+EXPECTED_HOST_OPS = frozenset(
     {
         "_Arg", "_Retval", "_Send", "_Recv", "_HostSend", "_HostRecv", "Const", "NoOp",
         "Identity", "IteratorGetNext", "IteratorGetNextAsOptional", "OptionalFromValue",
@@ -23,6 +23,7 @@ HOST_OPS = frozenset(
         "AnonymousIteratorV3", "_DeviceArg", "_DeviceRetval",
     }
 )
+HOST_OPS = EXPECTED_HOST_OPS  # the name before issue 28 (public module)
 
 _SUFFIX = re.compile(r"_\d+$")
 
@@ -678,7 +679,7 @@ def build_placement_report(capture, index, gpu_present=None):
             continue
         dev = _short_device(node.device)
         by_device[dev] += 1
-        if gpu_present and dev.startswith("CPU") and node.op not in HOST_OPS:
+        if gpu_present and dev.startswith("CPU") and node.op not in EXPECTED_HOST_OPS:
             fallbacks.append(
                 FallbackNode(op=node.op, name=node.name, layer=index.layer_of(node.name), device=dev)
             )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.layers import _ops
 from tfmetal_ext.layers._ops import FUSABLE_ACTIVATIONS
 
@@ -50,12 +51,9 @@ def resolve_activation(activation, allow_gelu_approximate=False):
             f"`activation` must be a Keras activation name, config or callable. "
             f"Received: activation={activation!r}"
         ) from e
-    name = getattr(fn, "__name__", None)
-    try:
-        builtin = name is not None and keras.activations.get(name) is fn
-    except ValueError:
-        builtin = False
-    return fn, (name if builtin else None)
+    # A Keras activation only: a TF function (tf.nn.sigmoid, ...) is applied as given, since the
+    # single-op form of its name may differ (keras.activations.sigmoid tags its logits).
+    return fn, fusion.activation_name(fn, sources=(fusion.KERAS,))
 
 
 def serialize_activation(fn, name):
@@ -82,7 +80,7 @@ def catalog_activation_name(name, fn):
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
-def add_bias(layer, channels):
+def add_bias_weight(layer, channels):
     """Creates ``layer.bias`` (None when ``layer.use_bias`` is False), as Keras names and shapes it."""
     layer.bias = None
     if layer.use_bias:
@@ -207,6 +205,6 @@ def stock_path_reason(layer, dilation=True):
 def bias_and_activation(layer, outputs):
     """BiasAdd (AddV2 while ``conv_bias_relu`` is avoided) and the activation as one TF op where possible."""
     if layer.use_bias:
-        outputs = _ops.add_bias(outputs, layer.bias, "conv_bias_relu")
+        outputs = _ops.bias_add(outputs, layer.bias, "conv_bias_relu")
     fn, name = resolve_activation(layer.activation)
     return apply_activation(outputs, fn, name)

@@ -31,7 +31,7 @@ def avoided(pattern):
     return pattern in precision.avoided_fusions()
 
 
-def add_bias(x, bias, pattern):
+def bias_add(x, bias, pattern):
     """``BiasAdd(x, bias)``, or ``AddV2(x, bias)`` while `pattern` is avoided.
 
     A GPU remapper (TF's and tensorflow-metal's) fuses a contraction only with

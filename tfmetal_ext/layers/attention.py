@@ -327,7 +327,7 @@ class FusedMultiHeadAttention(_STOCK):
             kernel, bias = _concat_projections(denses, self.compute_dtype)
             y = tf.matmul(flat, kernel)
             if bias is not None:
-                y = _ops.add_bias(y, bias, "matmul_bias_relu")
+                y = _ops.bias_add(y, bias, "matmul_bias_relu")
             if len(set(head_dims)) == 1:
                 # (b*t, n*h*d) -> (b, n*h, t, d) -> n x (b, h, t, d)
                 parts = tf.split(_split_heads(y, dims, len(denses) * self._num_heads, head_dims[0]),
@@ -360,7 +360,7 @@ class FusedMultiHeadAttention(_STOCK):
             bias = tf.cast(dense.bias, self.compute_dtype)
             if bias.shape.rank != 1:
                 bias = tf.reshape(bias, [-1])
-            y = _ops.add_bias(y, bias, "matmul_bias_relu")
+            y = _ops.bias_add(y, bias, "matmul_bias_relu")
         if dense.activation is not None and dense.activation is not keras.activations.linear:
             y = tf.sigmoid(y) if dense.activation is keras.activations.sigmoid else dense.activation(y)
         if dense.activity_regularizer is not None:

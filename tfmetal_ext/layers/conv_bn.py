@@ -441,10 +441,10 @@ def _conv_bn_act_rule(layer, ctx):
     act_op = catalog.ACTIVATION_OPS.get(layer.activation)  # None for linear
     dtype = layer.compute_dtype
     if ctx.mode == "predict":
-        pattern, ideal_op = "conv2d_batchnorm_act", "_FusedConv2D"
+        pattern, ideal_op = "conv2d_batchnorm_act", fusion.FUSED_CONV2D
         ideal = ("FusedBatchNorm",) + ((act_op,) if act_op else ())
     else:
-        pattern, ideal_op, ideal = "batchnorm_act", "_FusedBatchNormEx", ()
+        pattern, ideal_op, ideal = "batchnorm_act", fusion.FUSED_BATCH_NORM_EX, ()
 
     def exp(op, fused_ops, reason=None):
         return catalog.Expectation(pattern, op, fused_ops, ideal, reason=reason, ideal_op=ideal_op)
@@ -453,7 +453,7 @@ def _conv_bn_act_rule(layer, ctx):
     if blocked:
         return exp(None, None, blocked)
     if ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype):
-        return exp("_FusedConv2D", ideal)
+        return exp(fusion.FUSED_CONV2D, ideal)
     bn = catalog.fusion_for(ctx, "batchnorm_act")
     if not bn.fuses:
         return exp(None, None, f"{catalog.where(ctx)}: {dtype} conv + batch norm is not fused in {ctx.mode}")
@@ -470,7 +470,7 @@ def _conv_bn_act_rule(layer, ctx):
     blocked = catalog.batch_norm_ex_block(ctx, dtype, layer.filters)
     if blocked:
         return exp(None, None, blocked)
-    return exp("_FusedBatchNormEx", (), why)
+    return exp(fusion.FUSED_BATCH_NORM_EX, (), why)
 
 
 catalog.register_rule(ConvBNAct, catalog.unless_avoided("fused_batch_norm", _conv_bn_act_rule))

@@ -180,7 +180,7 @@ class FusedDense(keras.layers.Dense):
                 constraint=self.kernel_constraint,
                 trainable=True,
             )
-        C.add_bias(self, self.units)
+        C.add_bias_weight(self, self.units)
         self.built = True
         if self.lora_rank:
             self.enable_lora(self.lora_rank, lora_alpha=self.lora_alpha)
@@ -368,7 +368,7 @@ class FusedDense(keras.layers.Dense):
             flat = tf.reshape(inputs, [-1, kernel.shape[0]])
         outputs = tf.matmul(flat, kernel)
         if self.use_bias:
-            outputs = _ops.add_bias(outputs, self.bias, "matmul_bias_relu")
+            outputs = _ops.bias_add(outputs, self.bias, "matmul_bias_relu")
         outputs = C.apply_activation(outputs, self.activation, self._activation_name)
         if rank > 2:
             # Back to (batch, ..., units); the activation already ran on the 2-D

@@ -40,6 +40,7 @@ import keras
 import tensorflow as tf
 from keras import constraints, initializers, regularizers
 
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
 from tfmetal_ext.layers._ops import MIN_FUSED_EPSILON, batch_norm
@@ -681,7 +682,7 @@ def _fused_batch_norm_rule(layer, ctx):
     conv_fuses = ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype)
     if conv_fuses and _bias_free_conv_before(layer) is not None:
         ops = ("FusedBatchNorm", "Relu") if relu else ("FusedBatchNorm",)
-        return Expectation("conv2d_batchnorm_act", "_FusedConv2D", ops, ops)
+        return Expectation("conv2d_batchnorm_act", fusion.FUSED_CONV2D, ops, ops)
     training = ctx.mode == "train" and layer.trainable
     channels = layer.moving_mean.shape[0] if layer.moving_mean is not None else 0
     blocked = catalog.dtype_block(ctx, dtype, "batchnorm_act") or catalog.batch_norm_ex_block(
@@ -690,9 +691,9 @@ def _fused_batch_norm_rule(layer, ctx):
     if unseen and not relu:
         # What fuses depends on the parent's code: a bias-free conv before it (inference), a
         # ReLU after it. Either is right when present; neither can be required.
-        may = (("_FusedConv2D", ("FusedBatchNorm",)),) if conv_fuses else ()
+        may = ((fusion.FUSED_CONV2D, ("FusedBatchNorm",)),) if conv_fuses else ()
         if not blocked and rank in (None, 4):
-            may += (("_FusedBatchNormEx", ()),)
+            may += ((fusion.FUSED_BATCH_NORM_EX, ()),)
         return Expectation("batchnorm_act", None, None, None, reason=REASON_UNSEEN, may_fuse=may)
     if not relu:
         return Expectation("batchnorm_act", None, None, None, reason=REASON_NO_RELU)
@@ -700,7 +701,7 @@ def _fused_batch_norm_rule(layer, ctx):
         return Expectation("batchnorm_act", None, None, None, reason=REASON_FLAT.format(rank=rank))
     if blocked:
         return Expectation("batchnorm_act", None, None, (), reason=blocked)
-    return Expectation("batchnorm_act", "_FusedBatchNormEx", (), ())
+    return Expectation("batchnorm_act", fusion.FUSED_BATCH_NORM_EX, (), ())
 
 
 def _fused_layer_norm_rule(layer, ctx):

@@ -3,8 +3,8 @@
 Both take the common Keras configuration (tanh / sigmoid, no recurrent
 dropout, GRU with ``reset_after=True``) and have the Keras weights (same names,
 shapes and order), so weights copy both ways with `get_weights` /
-`set_weights`. What runs is chosen per backend (`tfmetal_ext.layers._rnn`
-documents the choice and the measurements behind it):
+`set_weights`. What runs is chosen per backend (`tfmetal_ext.ops._recurrence`
+documents the forms and the measurements behind them):
 
 | backend | what runs |
 |---|---|
@@ -13,7 +13,7 @@ documents the choice and the measurements behind it):
 | CUDA | one `CudnnRNNV3` (cuDNN) |
 | CPU | input projection of all steps as one MatMul + BiasAdd, then a custom-gradient loop (unrolled for static lengths up to 100) with one fused `LSTMBlockCellGrad` per LSTM step |
 
-The backend table decides (`_rnn.implementation`: the ``cudnn_rnn`` row and
+The backend table decides (`Backend.rnn_implementation`: the ``cudnn_rnn`` row and
 `Backend.has_kernel`), not the plugin's name.
 
 Under mixed precision the CPU loop keeps its states and gate math in float32
@@ -24,7 +24,7 @@ outputs and returned states are in the compute dtype as in Keras.
 For ``unroll=True``, recurrent dropout, and on a CPU for the static batch
 sizes where the backend table says the fused loop was measured slower
 (``rnn_stock_from``), the layers run the stock form: Keras' own loop over
-Keras' cell math (`_rnn.stock_lstm` / `stock_gru`). ``layer.form`` says which
+Keras' cell math (`_recurrence.stock_lstm` / `stock_gru`). ``layer.form`` says which
 form the last trace ran, `stock_form_reason` and the fusion report why.
 
 Masked steps behave as in Keras' generic RNN on every backend: they carry the
@@ -39,22 +39,24 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmetal_ext import devices
+from tfmetal_ext import backends, devices
+from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation
 from tfmetal_ext.layers import _contraction as C
-from tfmetal_ext.layers import _rnn
+from tfmetal_ext.ops import _recurrence
 
-_TANH = {keras.activations.tanh, keras.ops.tanh, tf.tanh, tf.nn.tanh, tf.math.tanh}
-_SIGMOID = {keras.activations.sigmoid, keras.ops.sigmoid, tf.sigmoid, tf.nn.sigmoid, tf.math.sigmoid}
+# The activation callables the layers accept: the Keras activation, its keras.ops function and
+# the TensorFlow functions of the same op (tf.tanh is tf.math.tanh).
+_ACTIVATION_SOURCES = (fusion.KERAS, fusion.TF_FUNCTIONS, fusion.KERAS_OPS)
 
 
-def _fixed_activation(value, name, allowed, expected, layer):
+def _fixed_activation(value, name, expected, layer):
     try:
         fn = keras.activations.get(value)
     except (ValueError, TypeError):
         fn = None
-    if fn not in allowed:
+    if fn is None or fusion.activation_name(fn, sources=_ACTIVATION_SOURCES) != expected:
         raise ValueError(
             f"{layer} supports only `{name}='{expected}'` (what the fused kernels compute); "
             f"use keras.layers.{layer[5:]} for others. Received: {name}={value!r}"
@@ -66,6 +68,29 @@ def _rate(value, name):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
         raise ValueError(f"`{name}` must be a number in [0, 1). Received: {name}={value!r}")
     return float(value)
+
+
+def _rnn_table(backend):
+    """The backend table the layers read for `backend` (a `tfmetal_ext.devices.backend` value).
+
+    On Metal, the table of the plugin this process has (or is assuming, see
+    `tfmetal_ext.devices.assume_backend`); Apple's tensorflow-metal when no
+    plugin is known.
+    """
+    caps = devices.capabilities()
+    plugin = caps.metal_plugin if backend == "metal" else None
+    return backends.table(backends.support_key(backend, caps.onednn, plugin))
+
+
+def _implementation(backend, dtype=None, table=None):
+    """``"cudnn"`` or ``"loop"`` on `backend` in the compute `dtype` (`Backend.rnn_implementation`).
+
+    Only Metal's choice reads the probed table (which plugin); the CPU's and
+    CUDA's do not depend on oneDNN, so no capability is probed for them.
+    """
+    if table is None:
+        table = _rnn_table(backend) if backend == "metal" else backends.table(backends.support_key(backend, False))
+    return table.rnn_implementation(dtype, cuda_build=table.device == "cuda" and devices._built_with_cuda())
 
 
 class _UnitForgetBias:
@@ -122,9 +147,9 @@ class _FusedRNN(keras.layers.Layer):
         activity_regularizer = C.keras_object(keras.regularizers.get, activity_regularizer, "activity_regularizer")
         super().__init__(activity_regularizer=activity_regularizer, **kwargs)
         self.units = C.positive_int(units, "units")
-        self.activation = _fixed_activation(activation, "activation", _TANH, "tanh", layer)
+        self.activation = _fixed_activation(activation, "activation", "tanh", layer)
         self.recurrent_activation = _fixed_activation(
-            recurrent_activation, "recurrent_activation", _SIGMOID, "sigmoid", layer
+            recurrent_activation, "recurrent_activation", "sigmoid", layer
         )
         if use_cudnn not in ("auto", True, False):
             raise ValueError(f"`use_cudnn` must be 'auto', True or False. Received: use_cudnn={use_cudnn!r}")
@@ -164,7 +189,7 @@ class _FusedRNN(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=3)
         self.states = None
         self.form = None  # "fused" or "stock": what the last trace ran
-        if _rnn.implementation(devices.backend(), self.compute_dtype) == "cudnn" and use_cudnn:
+        if _implementation(devices.backend(), self.compute_dtype) == "cudnn" and use_cudnn:
             self.supports_jit = False  # CudnnRNNV3 has no XLA kernel
 
     # ------------------------------------------------------------------ weights
@@ -264,10 +289,10 @@ class _FusedRNN(keras.layers.Layer):
             keep = keras.random.dropout(tf.ones_like(x[:, 0, :]), self.dropout, seed=self.seed_generator)
             x = x * keep[:, None, :]
         backend = devices.backend()
-        if self.use_cudnn is True and _rnn.implementation(backend, self.compute_dtype) != "cudnn":
+        if self.use_cudnn is True and _implementation(backend, self.compute_dtype) != "cudnn":
             raise ValueError(
                 f"`use_cudnn=True` needs a backend with a CudnnRNNV3 kernel for {self.compute_dtype} (CUDA, "
-                f"Apple's tensorflow-metal); this one is {_rnn.table_for(backend).label}. "
+                f"Apple's tensorflow-metal); this one is {_rnn_table(backend).label}. "
                 f"Received: use_cudnn={self.use_cudnn!r}"
             )
         if self.unroll and x.shape[1] is None:
@@ -302,22 +327,28 @@ class _FusedRNN(keras.layers.Layer):
         The stock form runs for ``unroll=True`` and recurrent dropout (the
         fused loop has neither), and on a CPU for the static batch sizes where
         the backend table's `rnn_stock_from` says the fused loop was
-        measured slower (`tfmetal_ext.layers._rnn.cpu_form`).
+        measured slower (`tfmetal_ext.backends.Backend.rnn_cpu_form`).
         """
         if self.unroll:
             return "unroll=True: Keras' unrolled loop"
         if self.recurrent_dropout > 0:
             return f"recurrent_dropout={self.recurrent_dropout}: no fused kernel masks the recurrent state"
         backend = backend or devices.backend()
-        cudnn = _rnn.implementation(backend, self.compute_dtype) == "cudnn" and self.use_cudnn is not False
+        cudnn = _implementation(backend, self.compute_dtype) == "cudnn" and self.use_cudnn is not False
         if backend == "cpu" and not cudnn:
             cell = type(self).__name__[5:].lower()
-            if _rnn.cpu_form(cell, batch, steps, self.units) == "stock":
+            if backends.current().rnn_cpu_form(cell, batch, steps, self.units) == "stock":
                 return (
                     f"batch {batch}, {steps} steps: the stock {type(self).__name__[5:]} train step was "
                     f"measured faster on this CPU from this shape (backend table rnn_stock_from)"
                 )
         return None
+
+    def _fused_forms(self, backend, dtype, use_cudnn):
+        """The engine's arguments for the fused forms on `backend` in `dtype`: form, device, list form."""
+        table = _rnn_table(backend)
+        cudnn = use_cudnn and _implementation(backend, dtype, table) == "cudnn"
+        return {"form": "cudnn" if cudnn else "loop", "device": backend, "lists": table.rnn_list_form(dtype)}
 
     def compute_output_shape(self, sequences_shape, initial_state_shape=None):
         batch, steps = sequences_shape[0], sequences_shape[1]
@@ -473,16 +504,16 @@ class FusedLSTM(_FusedRNN):
 
     def _run(self, x, states, mask, backend, use_cudnn):
         kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
-        return _rnn.lstm(
+        return _recurrence.lstm(
             x, states[0], states[1], kernel, recurrent_kernel, bias, mask=mask,
             go_backwards=self.go_backwards, return_sequences=self.return_sequences,
-            zero_output_for_mask=self.zero_output_for_mask, backend=backend, use_cudnn=use_cudnn,
+            zero_output_for_mask=self.zero_output_for_mask, **self._fused_forms(backend, x.dtype.name, use_cudnn),
         )
 
     def _run_stock(self, x, states, mask, recurrent_mask):
         kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
-        return _rnn.stock_lstm(
-            x, states[0], states[1], kernel, recurrent_kernel, bias, mask=mask,
+        return _recurrence.lstm(
+            x, states[0], states[1], kernel, recurrent_kernel, bias, form="stock", mask=mask,
             go_backwards=self.go_backwards, return_sequences=self.return_sequences,
             zero_output_for_mask=self.zero_output_for_mask, unroll=self.unroll, recurrent_mask=recurrent_mask,
         )
@@ -568,16 +599,16 @@ class FusedGRU(_FusedRNN):
 
     def _run(self, x, states, mask, backend, use_cudnn):
         kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
-        return _rnn.gru(
+        return _recurrence.gru(
             x, states[0], kernel, recurrent_kernel, bias, mask=mask,
             go_backwards=self.go_backwards, return_sequences=self.return_sequences,
-            zero_output_for_mask=self.zero_output_for_mask, backend=backend, use_cudnn=use_cudnn,
+            zero_output_for_mask=self.zero_output_for_mask, **self._fused_forms(backend, x.dtype.name, use_cudnn),
         )
 
     def _run_stock(self, x, states, mask, recurrent_mask):
         kernel, recurrent_kernel, bias = self._weights_in(x.dtype)
-        return _rnn.stock_gru(
-            x, states[0], kernel, recurrent_kernel, bias, mask=mask,
+        return _recurrence.gru(
+            x, states[0], kernel, recurrent_kernel, bias, form="stock", mask=mask,
             go_backwards=self.go_backwards, return_sequences=self.return_sequences,
             zero_output_for_mask=self.zero_output_for_mask, unroll=self.unroll, recurrent_mask=recurrent_mask,
             reset_after=self.reset_after,
@@ -613,7 +644,7 @@ def _static_batch_and_steps(layer):
 
 def loop_form(steps):
     """How the loop runs for a static sequence length `steps` (None: unknown), in words."""
-    if steps is not None and steps <= _rnn.MAX_UNROLL:
+    if steps is not None and steps <= _recurrence.MAX_UNROLL:
         return f"unrolled over its {steps} steps (per step MatMul + gate ops; no loop control, no TensorLists)"
     return "a tf.while_loop with TensorLists (length unknown or over MAX_UNROLL)"
 
@@ -636,9 +667,9 @@ def _fused_rnn_rule(layer, ctx):
     if ctx.xla:
         return Expectation("cudnn_rnn", None, None, None, reason=catalog.REASON_XLA)
     table = catalog.table(ctx)
-    cudnn = _rnn.implementation(ctx.backend, layer.compute_dtype, table) == "cudnn"
+    cudnn = _implementation(ctx.backend, layer.compute_dtype, table) == "cudnn"
     if cudnn and layer.use_cudnn is not False:
-        return Expectation("cudnn_rnn", "CudnnRNNV3", (), ())
+        return Expectation("cudnn_rnn", fusion.CUDNN_RNN, (), ())
     if ctx.backend == "cpu":
         reason = REASON_CPU_RNN.format(name=name)
     elif layer.use_cudnn is False:
@@ -649,15 +680,15 @@ def _fused_rnn_rule(layer, ctx):
         row = table.fusion("matmul_bias_act")
         may = ()
         if layer.use_bias and not blocked and layer.compute_dtype in row.dtypes_in(ctx.mode):
-            may = (("_FusedMatMul", ("BiasAdd",)),)
-        return Expectation("cudnn_rnn", None, None, (), reason=reason, ideal_op="CudnnRNNV3", may_fuse=may)
+            may = ((fusion.FUSED_MATMUL, ("BiasAdd",)),)
+        return Expectation("cudnn_rnn", None, None, (), reason=reason, ideal_op=fusion.CUDNN_RNN, may_fuse=may)
     else:
         reason = f"{ctx.backend} without a CUDA build: the generic loop runs"
     blocked = catalog.dtype_block(ctx, layer.compute_dtype, "matmul_bias_act")
     if not layer.use_bias or blocked or ctx.backend != "cpu":
         why = "use_bias=False" if not layer.use_bias else blocked
-        return Expectation("cudnn_rnn", None, None, (), reason=reason + (f"; {why}" if why else ""), ideal_op="CudnnRNNV3")
-    return Expectation("cudnn_rnn", "_FusedMatMul", ("BiasAdd",), (), reason=reason, ideal_op="CudnnRNNV3")
+        return Expectation("cudnn_rnn", None, None, (), reason=reason + (f"; {why}" if why else ""), ideal_op=fusion.CUDNN_RNN)
+    return Expectation("cudnn_rnn", fusion.FUSED_MATMUL, ("BiasAdd",), (), reason=reason, ideal_op=fusion.CUDNN_RNN)
 
 
 catalog.register_rule(FusedLSTM, _fused_rnn_rule)

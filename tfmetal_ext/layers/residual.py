@@ -314,7 +314,7 @@ def _tail_rule(layer, ctx):
     act_op = catalog.ACTIVATION_OPS[layer._residual_activation]
     pattern = "batchnorm_act"
     ideal = ()  # _FusedBatchNormEx (num_side_inputs=1) has no fused_ops attribute
-    ideal_op = "_FusedBatchNormEx"
+    ideal_op = fusion.FUSED_BATCH_NORM_EX
 
     def exp(op, fused_ops, reason=None):
         return catalog.Expectation(pattern, op, fused_ops, ideal, reason=reason, ideal_op=ideal_op)
@@ -332,12 +332,12 @@ def _tail_rule(layer, ctx):
             "_FusedConv2D[BiasAdd, Add, Relu]"
         )
         if ctx.mode == "predict" and catalog.conv_batch_norm_fuses(ctx, dtype):
-            return exp("_FusedConv2D", ("FusedBatchNorm",), why + "; conv + batch norm fuse, add + relu stay separate")
+            return exp(fusion.FUSED_CONV2D, ("FusedBatchNorm",), why + "; conv + batch norm fuse, add + relu stay separate")
         return exp(None, None, why)
     blocked = catalog.batch_norm_ex_block(ctx, dtype, layer.filters)
     if blocked:
         return exp(None, None, blocked)
-    return exp("_FusedBatchNormEx", ())
+    return exp(fusion.FUSED_BATCH_NORM_EX, ())
 
 
 def _folded_tail_rule(layer, ctx):

@@ -1,17 +1,22 @@
-"""The recurrences behind `FusedLSTM` and `FusedGRU`, one implementation per backend.
+"""The recurrence engine behind `FusedLSTM` and `FusedGRU`: each form, run as its caller chooses.
+
+`lstm` and `gru` take the form as an argument (``"cudnn"``, ``"loop"``,
+``"stock"``). Which form runs where is the backend table's choice
+(`tfmetal_ext.backends.Backend.rnn_implementation`, `rnn_list_form`,
+`rnn_cpu_form`), made by the layers (`tfmetal_ext.layers.recurrent`).
 
 CUDA and Apple's tensorflow-metal: one `CudnnRNNV3` op for the whole sequence
 (tensorflow-metal implements it for float32, float16 and bfloat16), called the way Keras calls it
 there (batch-major input, ``sequence_lengths`` always given, ``is_training``),
-with the weights packed into cuDNN's canonical flat layout by `lstm_cudnn_params`
-/ `gru_cudnn_params`. A mask that is not right-padded (or has an empty row)
+with the weights packed into cuDNN's canonical flat layout by
+`tfmetal_ext.ops._cudnn_params`. A mask that is not right-padded (or has an empty row)
 switches, at run time through a `tf.cond`, to the generic loop below.
 
 The open tensorflow-metal-plugin has no `CudnnRNNV3` kernel (and TF has no CPU
 kernel): the loop below runs there, chosen from the backend table
-(`implementation`), in its GPU form: the composite cell gradient (no
+(`Backend.rnn_implementation`), in its GPU form: the composite cell gradient (no
 `LSTMBlockCellGrad` there), per-step tensors cut with one `Split` and stacked
-with one `ConcatV2` (`list_form`: the plugin registers no `Pack`/`Unpack`,
+with one `ConcatV2` (`Backend.rnn_list_form`: the plugin registers no `Pack`/`Unpack`,
 which would run on the host), masks as 0/1 floats (its `Split`, `Transpose`
 and `ReverseV2`, and TF's any-device TensorList kernels, take no bool), and
 only full slice specs (its
@@ -85,25 +90,22 @@ The stock form (`stock_lstm`, `stock_gru`): Keras' own generic loop
 Keras' cell math with autodiff gradients, on the layer's own weights. It runs
 for ``unroll=True`` and recurrent dropout (the fused loop has neither), and
 on a CPU where the fused loop was measured slower than the stock layer:
-`cpu_form` reads the backend table's `rnn_stock_from` (LSTM from a static
+`Backend.rnn_cpu_form` reads the backend table's `rnn_stock_from` (LSTM from a static
 batch of 256 and 50 steps on the CPU tables; `benchmarks/bench_rnn.py
 --grid`). A batch or length unknown when the step is traced runs the fused form.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import tensorflow as tf
 
-from tfmetal_ext import devices
+from tfmetal_ext.ops import _cudnn_params
 
 # Static sequence lengths up to this are unrolled on the CPU path.
 MAX_UNROLL = 100
 
-
-# ----------------------------------------------------------------------------
-# Implementation choice.
+# What `lstm` / `gru` run: one CudnnRNNV3, the custom-gradient loop, or Keras' own loop.
+FORMS = ("cudnn", "loop", "stock")
 
 
 def _in_xla_context():
@@ -114,170 +116,6 @@ def _in_xla_context():
         return False
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
-
-def table_for(backend):
-    """The backend table `backend` (a `tfmetal_ext.devices.backend` value) reads here.
-
-    On Metal, the table of the plugin this process has (or is assuming, see
-    `tfmetal_ext.devices.assume_backend`); Apple's tensorflow-metal when no
-    plugin is known.
-    """
-    from tfmetal_ext import backends
-
-    caps = devices.capabilities()
-    plugin = caps.metal_plugin if backend == "metal" else None
-    return backends.table(backends.support_key(backend, caps.onednn, plugin))
-
-
-def cudnn_kernels(table, dtype=None):
-    """True / False / None: whether `table`'s backend runs `CudnnRNNV3` (and its backprop) in `dtype`.
-
-    Data only: the table's ``cudnn_rnn`` row must list `dtype` and neither op
-    may be known to lack a kernel there (`Backend.has_kernel`). None: the row
-    fuses but the table does not know the kernels (taken as present).
-    """
-    from tfmetal_ext.backends import fusion
-
-    row = table.fusion("cudnn_rnn")
-    if not row.fuses or (dtype is not None and dtype not in row.dtypes):
-        return False
-    known = [table.has_kernel(op, dtype) for op in (fusion.CUDNN_RNN, fusion.CUDNN_RNN_GRAD)]
-    if False in known:
-        return False
-    return True if all(known) else None
-
-
-def implementation(backend, dtype=None, table=None):
-    """``"cudnn"`` or ``"loop"``: what runs the recurrence on `backend` in the compute `dtype`.
-
-    CUDA means a CUDA build of TensorFlow with a GPU; other GPU platforms that
-    `tfmetal_ext.devices.backend` reports as ``"cuda"`` (ROCm, unknown
-    PluggableDevices) get the loop, since their RNN kernels' weight layouts differ.
-    On Metal the backend table decides (`cudnn_kernels`): Apple's
-    tensorflow-metal has `CudnnRNNV3`; the open tensorflow-metal-plugin has no
-    kernel for it (and TF none on the CPU), so the loop runs there.
-    """
-    if backend == "cuda":
-        return "cudnn" if devices._built_with_cuda() else "loop"
-    if backend != "metal":
-        return "loop"
-    table = table_for(backend) if table is None else table
-    return "loop" if cudnn_kernels(table, dtype) is False else "cudnn"
-
-
-def list_form(table, dtype):
-    """``"pack"`` or ``"split"``: how the unrolled loop cuts its per-step tensors and stacks them again.
-
-    ``"pack"``: `Unpack` / `Pack` (one op each way; the CPU form). ``"split"``:
-    one `Split` and a `Squeeze` per step, `ExpandDims` per step and one
-    `ConcatV2`: the same number of device kernels (the reshapes are
-    metadata-only kernels TensorFlow registers for every device), for a GPU
-    whose table does not know `Pack` / `Unpack` to have kernels (the open
-    tensorflow-metal-plugin registers neither: they would run on the host,
-    a round trip per use). Masks then travel as float32 and are cast back per
-    step, since such a backend's `Split` and TensorLists need not take bool.
-    """
-    if table.device == "cpu":
-        return "pack"
-    if table.has_kernel("Pack", dtype) is True and table.has_kernel("Unpack", dtype) is True:
-        return "pack"
-    return "split"
-
-
-_FORCED_FORM = []
-
-
-def cpu_form(cell, batch, steps, units, table=None):
-    """``"fused"`` or ``"stock"``: which form a CPU `FusedLSTM` / `FusedGRU` runs for a shape.
-
-    The rule is data: the backend table's `rnn_stock_from` (cell -> the static
-    batch and sequence length from which the stock form was measured faster,
-    see `tfmetal_ext.backends.cpu`). An unknown (None) batch or length runs the
-    fused form (a traced `fit` step usually has no static batch; a run-time
-    switch cost more than it saved). `units` is part of the signature so a
-    rule can use it; the measured rule does not.
-    """
-    if _FORCED_FORM:
-        return _FORCED_FORM[-1]
-    if table is None:
-        from tfmetal_ext import backends
-
-        table = backends.current()
-    rule = (table.rnn_stock_from or {}).get(cell)
-    if rule is not None and batch is not None and steps is not None and batch >= rule[0] and steps >= rule[1]:
-        return "stock"
-    return "fused"
-
-
-@contextlib.contextmanager
-def force_cpu_form(form):
-    """Layers built (and traced) inside run `form` regardless of the threshold (benchmarks, tests)."""
-    _FORCED_FORM.append(form)
-    try:
-        yield
-    finally:
-        _FORCED_FORM.pop()
-
-
-# ----------------------------------------------------------------------------
-# cuDNN canonical parameter packing.
-
-
-def _gate_blocks_transposed(w, gates, order):
-    """(in, gates*H) Keras kernel -> flat concatenation of the per-gate (H, in) blocks in `order`."""
-    rows = tf.shape(w)[0]
-    blocks = tf.reshape(w, tf.stack([rows, gates, -1]))  # (in, gate, H)
-    if order is not None:
-        blocks = tf.gather(blocks, order, axis=1)
-    return tf.reshape(tf.transpose(blocks, [1, 2, 0]), [-1])  # (gate, H, in) row-major
-
-
-def lstm_cudnn_params(kernel, recurrent_kernel, bias, units):
-    """The flat `CudnnRNNV3` params of an LSTM with Keras weights.
-
-    cuDNN's canonical layout: the 4 input-weight matrices, then the 4 recurrent
-    ones, each ``(units, in)`` row-major (a Keras kernel block transposed), then
-    the 4 input biases and the 4 recurrent biases. Gate order i, f, c, o is the
-    same in Keras and cuDNN. Keras has one bias, so the input biases are zero.
-    """
-    dtype = kernel.dtype
-    if bias is None:
-        bias = tf.zeros([4 * units], dtype)
-    return tf.concat(
-        [
-            _gate_blocks_transposed(kernel, 4, None),
-            _gate_blocks_transposed(recurrent_kernel, 4, None),
-            tf.zeros([4 * units], dtype),
-            tf.reshape(bias, [-1]),
-        ],
-        axis=0,
-    )
-
-
-def gru_cudnn_params(kernel, recurrent_kernel, bias, units, swap_gates):
-    """The flat `CudnnRNNV3` params of a ``reset_after=True`` GRU with Keras weights.
-
-    Keras orders the gates z (update), r (reset), h; cuDNN r, z, h. With
-    `swap_gates` the blocks are reordered for cuDNN (CUDA). Without it they stay
-    in Keras order, which is what Keras itself sends to `CudnnRNNV3` on a
-    non-CUDA build of TensorFlow such as the macOS one tensorflow-metal runs
-    under. Bias row 0 (input) then row 1 (recurrent).
-    """
-    order = [1, 0, 2] if swap_gates else None
-    dtype = kernel.dtype
-    if bias is None:
-        bias = tf.zeros([2, 3 * units], dtype)
-    biases = tf.reshape(bias, [2, 3, units])
-    if order is not None:
-        biases = tf.gather(biases, order, axis=1)
-    return tf.concat(
-        [
-            _gate_blocks_transposed(kernel, 3, order),
-            _gate_blocks_transposed(recurrent_kernel, 3, order),
-            tf.reshape(biases, [-1]),
-        ],
-        axis=0,
-    )
 
 
 # ----------------------------------------------------------------------------
@@ -338,7 +176,7 @@ class _Recurrence:
     (batch, 1) mask or None.
     """
 
-    # `list_form`: "pack" (Unpack/Pack) or "split" (Split + Reshape, ExpandDims + ConcatV2).
+    # `Backend.rnn_list_form`: "pack" (Unpack/Pack) or "split" (Split + Reshape, ExpandDims + ConcatV2).
     lists = "pack"
 
     def __init__(self, steps, go_backwards, mask_tm):
@@ -661,7 +499,7 @@ def _icfo(t, units):
 
 
 def _mask_time_major(mask, lists):
-    """(time, batch): bool for the "pack" form, 0/1 float32 for "split" (see `list_form`)."""
+    """(time, batch): bool for the "pack" form, 0/1 float32 for "split" (see `Backend.rnn_list_form`)."""
     if mask is None:
         return None
     return tf.transpose(mask if lists == "pack" else tf.cast(mask, tf.float32))
@@ -779,7 +617,7 @@ def _with_mask_fallback(mask, cudnn_fn, loop_fn):
 # The stock form: Keras' own generic loop (`keras.src.backend.rnn`, what
 # keras.layers.LSTM / GRU run on a CPU) over Keras' cell math, autodiff
 # gradients. Taken where the fused loop cannot honour an argument (unroll=True,
-# recurrent dropout) and for the shapes where it was measured slower (`cpu_form`).
+# recurrent dropout) and for the shapes where it was measured slower (`Backend.rnn_cpu_form`).
 
 
 def _keras_rnn(step, x, states, mask, go_backwards, return_sequences, zero_output_for_mask, unroll):
@@ -851,52 +689,79 @@ def stock_gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, retu
 
 
 # ----------------------------------------------------------------------------
-# Entry points.
+# Entry points: the form is the caller's choice (`tfmetal_ext.backends.Backend.rnn_implementation`,
+# `rnn_list_form` and `rnn_cpu_form`).
 
 
-def lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_sequences,
-         zero_output_for_mask, backend, use_cudnn=True):
-    """Runs an LSTM over batch-major `x` (all tensors in the compute dtype).
+def _check_form(form, unroll, recurrent_mask):
+    if form not in FORMS:
+        raise ValueError(f"`form` must be one of {', '.join(FORMS)}. Received: form={form!r}")
+    if form != "stock" and (unroll or recurrent_mask is not None):
+        raise ValueError(f"`unroll` and `recurrent_mask` need the stock form. Received: form={form!r}")
+
+
+def lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, form, mask, go_backwards, return_sequences,
+         zero_output_for_mask, device="cpu", lists="pack", unroll=False, recurrent_mask=None):
+    """Runs an LSTM over batch-major `x` (all tensors in the compute dtype) in `form`.
+
+    `form`: ``"cudnn"`` (one `CudnnRNNV3`; a mask that is not right-padded
+    switches to the loop at run time), ``"loop"`` (the custom-gradient loop)
+    or ``"stock"`` (`stock_lstm`, the only form taking `unroll` and
+    `recurrent_mask`). `device`: the `tfmetal_ext.devices.backend` value it
+    runs on (on ``"cpu"`` the loop's cell gradient is `LSTMBlockCellGrad`).
+    `lists`: how the unrolled loop cuts and stacks its per-step tensors
+    (`tfmetal_ext.backends.Backend.rnn_list_form`).
 
     Returns ``(output, [h, c])``; `output` is the sequence (batch, time, units)
     in processing order or the last output (batch, units), as Keras' LSTM.
     """
+    _check_form(form, unroll, recurrent_mask)
+    if form == "stock":
+        return stock_lstm(x, h0, c0, kernel, recurrent_kernel, bias, mask=mask, go_backwards=go_backwards,
+                          return_sequences=return_sequences, zero_output_for_mask=zero_output_for_mask,
+                          unroll=unroll, recurrent_mask=recurrent_mask)
     units = recurrent_kernel.shape[0]
-    table = table_for(backend)
-    cpu = implementation(backend, x.dtype.name, table) == "loop" or not use_cudnn
-    lists = list_form(table, x.dtype.name)
 
     def loop():
         return _lstm_loop(x, h0, c0, kernel, recurrent_kernel, bias, mask, go_backwards,
-                          return_sequences, zero_output_for_mask, cpu=backend == "cpu", lists=lists)
+                          return_sequences, zero_output_for_mask, cpu=device == "cpu", lists=lists)
 
-    if cpu:
+    if form == "loop":
         return loop()
 
     def cudnn():
-        params = lstm_cudnn_params(kernel, recurrent_kernel, bias, units)
+        params = _cudnn_params.lstm_cudnn_params(kernel, recurrent_kernel, bias, units)
         return _cudnn("lstm", x, [h0, c0], params, mask, go_backwards, return_sequences, zero_output_for_mask)
 
     return _with_mask_fallback(mask, cudnn, loop)
 
 
-def gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, return_sequences,
-        zero_output_for_mask, backend, use_cudnn=True):
-    """Runs a reset_after=True GRU over batch-major `x`; returns ``(output, [h])``."""
+def gru(x, h0, kernel, recurrent_kernel, bias, *, form, mask, go_backwards, return_sequences,
+        zero_output_for_mask, device="cpu", lists="pack", unroll=False, recurrent_mask=None,
+        reset_after=True):
+    """Runs a GRU over batch-major `x` in `form` (as `lstm`); returns ``(output, [h])``.
+
+    The ``"cudnn"`` and ``"loop"`` forms compute ``reset_after=True``; on
+    `device` ``"cuda"`` cuDNN takes the gates in its own order (r, z, h).
+    """
+    _check_form(form, unroll, recurrent_mask)
+    if form == "stock":
+        return stock_gru(x, h0, kernel, recurrent_kernel, bias, mask=mask, go_backwards=go_backwards,
+                         return_sequences=return_sequences, zero_output_for_mask=zero_output_for_mask,
+                         unroll=unroll, recurrent_mask=recurrent_mask, reset_after=reset_after)
+    if not reset_after:
+        raise ValueError(f"reset_after=False needs the stock form. Received: form={form!r}")
     units = recurrent_kernel.shape[0]
-    table = table_for(backend)
-    cpu = implementation(backend, x.dtype.name, table) == "loop" or not use_cudnn
-    lists = list_form(table, x.dtype.name)
 
     def loop():
         return _gru_loop(x, h0, kernel, recurrent_kernel, bias, mask, go_backwards,
                          return_sequences, zero_output_for_mask, lists=lists)
 
-    if cpu:
+    if form == "loop":
         return loop()
 
     def cudnn():
-        params = gru_cudnn_params(kernel, recurrent_kernel, bias, units, swap_gates=backend == "cuda")
+        params = _cudnn_params.gru_cudnn_params(kernel, recurrent_kernel, bias, units, swap_gates=device == "cuda")
         return _cudnn("gru", x, [h0], params, mask, go_backwards, return_sequences, zero_output_for_mask)
 
     return _with_mask_fallback(mask, cudnn, loop)
