@@ -29,6 +29,8 @@ import os
 import platform
 import subprocess
 
+from tfmetal_ext import _env
+
 logger = logging.getLogger("tfmetal_ext")
 
 BACKENDS = ("metal", "cuda", "cpu")
@@ -173,6 +175,8 @@ class Capabilities:
             ``IsBF16SupportedByOneDNNOnThisCPU`` (AVX512F or AVX_NE_CONVERT).
             Off on an AVX2-only CPU with ``TF_ENABLE_ONEDNN_OPTS=1``: there
             the remapper leaves bfloat16 nodes unfused.
+        cublaslt: ``TF_USE_CUBLASLT=1`` in the environment when probed (TF's
+            remapper fuses MatMul on a GPU only through cuBLASLt).
     """
 
     backend: str
@@ -193,6 +197,7 @@ class Capabilities:
     python: str = ""
     macos: str | None = None
     onednn_bf16: bool = False
+    cublaslt: bool = False
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -276,10 +281,6 @@ def _metal_plugin_version():
     return next((found[n] for n in METAL_PLUGINS if n in found), None)
 
 
-# `assume_backend` stack: the Metal plugin distribution being assumed.
-_ASSUMED = []
-
-
 @contextlib.contextmanager
 def assume_backend(metal_plugin="tensorflow-metal-plugin"):
     """Within this context, this process describes itself as a Mac with `metal_plugin`.
@@ -291,6 +292,8 @@ def assume_backend(metal_plugin="tensorflow-metal-plugin"):
     changes what this package decides, not where TensorFlow runs anything:
     `tfmetal_ext.inspect.placement_report(..., predict_for=...)` traces the
     step inside it, and tests use it to reach the Metal code paths on any host.
+    It sets the environment's assumed plugin (`tfmetal_ext._env`) for the
+    block, in this context only.
 
     Args:
         metal_plugin: ``"tensorflow-metal"`` or ``"tensorflow-metal-plugin"``.
@@ -302,16 +305,14 @@ def assume_backend(metal_plugin="tensorflow-metal-plugin"):
         raise ValueError(
             f"metal_plugin must be one of {', '.join(METAL_PLUGINS)}. Received: metal_plugin={metal_plugin!r}"
         )
-    _ASSUMED.append(metal_plugin)
-    try:
+    _env.current()._cache.pop(metal_plugin, None)  # described afresh on entry, as before the cache
+    with _env.scope(assumed_plugin=metal_plugin):
         yield
-    finally:
-        _ASSUMED.pop()
 
 
 def assumed_backend():
     """The Metal plugin `assume_backend` is assuming, or None outside it."""
-    return _ASSUMED[-1] if _ASSUMED else None
+    return _env.current().assumed_plugin
 
 
 def _assumed_capabilities(metal_plugin):
@@ -342,6 +343,7 @@ def _assumed_capabilities(metal_plugin):
         pairing_fixes=check.fixes,
         python=python,
         macos=macos,
+        cublaslt=_cublaslt(),
     )
 
 
@@ -376,6 +378,10 @@ def _cpu_flags():
     return frozenset(flags)
 
 
+def _cublaslt():
+    return os.environ.get("TF_USE_CUBLASLT", "0") == "1"
+
+
 def _onednn_enabled():
     try:
         from tensorflow.python.util import _pywrap_util_port
@@ -395,11 +401,16 @@ def backend():
     Metal means a GPU on Darwin/arm64 with the tensorflow-metal plugin; CUDA a
     GPU in a CUDA build of TensorFlow; anything else is CPU.
 
+    Read from the environment (`capabilities()`' snapshot, probed once).
+
     >>> tfmetal_ext.devices.backend() in ("metal", "cuda", "cpu")
     True
     """
-    if _ASSUMED:
-        return "metal"
+    return _env.current().backend
+
+
+def _probe_backend():
+    """`backend()`, probed now."""
     gpus = _gpu_devices()
     if not gpus:
         return "cpu"
@@ -738,11 +749,27 @@ ONEDNN_BF16_FLAGS = frozenset({"avx512f", "avx_ne_convert"})
 def capabilities():
     """Collects backend, versions, CPU features and the Metal plugin pairing verdict.
 
+    Probed once and cached in the environment (`tfmetal_ext._env`) until
+    `invalidate_capabilities()`; under `assume_backend`, the assumed Mac's.
+
     Returns:
         A `Capabilities` instance.
     """
-    if _ASSUMED:
-        return _assumed_capabilities(_ASSUMED[-1])
+    return _env.current().capabilities
+
+
+def invalidate_capabilities():
+    """Forgets the cached `capabilities()`: the next call probes the host again.
+
+    `configure()` calls it; so do tests that replace a probe.
+    """
+    _env.invalidate_capabilities()
+
+
+def probe_capabilities(assumed_plugin=None):
+    """`capabilities()` probed now (uncached): this host, or the Mac `assume_backend(assumed_plugin)` describes."""
+    if assumed_plugin is not None:
+        return _assumed_capabilities(assumed_plugin)
     import keras
     import tensorflow as tf
 
@@ -754,7 +781,7 @@ def capabilities():
     plugin, check = check_installed(found, tf.__version__, python_version=python, macos_version=macos,
                                     library_owner=owner)
     return Capabilities(
-        backend=backend(),
+        backend=_probe_backend(),
         tf_version=tf.__version__,
         keras_version=keras.__version__,
         metal_plugin_version=found.get(plugin),
@@ -772,4 +799,5 @@ def capabilities():
         python=python,
         macos=macos,
         onednn_bf16=_onednn_enabled() and bool(flags & ONEDNN_BF16_FLAGS),
+        cublaslt=_cublaslt(),
     )

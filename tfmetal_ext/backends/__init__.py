@@ -99,11 +99,11 @@ def support_key(backend, onednn, metal_plugin=None):
 
 
 def current(caps=None):
-    """The table of the backend this process runs on (`devices.capabilities()` unless given)."""
+    """The table of the backend this process runs on (the environment's capabilities unless given)."""
     if caps is None:
-        from tfmetal_ext import devices
+        from tfmetal_ext import _env
 
-        caps = devices.capabilities()
+        caps = _env.current().capabilities
     return table(support_key(caps.backend, caps.onednn, getattr(caps, "metal_plugin", None)))
 
 

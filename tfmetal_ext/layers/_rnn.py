@@ -96,7 +96,7 @@ import contextlib
 
 import tensorflow as tf
 
-from tfmetal_ext import devices
+from tfmetal_ext import _env, devices
 
 # Static sequence lengths up to this are unrolled on the CPU path.
 MAX_UNROLL = 100
@@ -124,7 +124,7 @@ def table_for(backend):
     """
     from tfmetal_ext import backends
 
-    caps = devices.capabilities()
+    caps = _env.current().capabilities
     plugin = caps.metal_plugin if backend == "metal" else None
     return backends.table(backends.support_key(backend, caps.onednn, plugin))
 
@@ -184,9 +184,6 @@ def list_form(table, dtype):
     return "split"
 
 
-_FORCED_FORM = []
-
-
 def cpu_form(cell, batch, steps, units, table=None):
     """``"fused"`` or ``"stock"``: which form a CPU `FusedLSTM` / `FusedGRU` runs for a shape.
 
@@ -197,12 +194,13 @@ def cpu_form(cell, batch, steps, units, table=None):
     switch cost more than it saved). `units` is part of the signature so a
     rule can use it; the measured rule does not.
     """
-    if _FORCED_FORM:
-        return _FORCED_FORM[-1]
+    env = _env.current()
+    if env.rnn_form is not None:
+        return env.rnn_form
     if table is None:
         from tfmetal_ext import backends
 
-        table = backends.current()
+        table = backends.current(env.capabilities)
     rule = (table.rnn_stock_from or {}).get(cell)
     if rule is not None and batch is not None and steps is not None and batch >= rule[0] and steps >= rule[1]:
         return "stock"
@@ -211,12 +209,12 @@ def cpu_form(cell, batch, steps, units, table=None):
 
 @contextlib.contextmanager
 def force_cpu_form(form):
-    """Layers built (and traced) inside run `form` regardless of the threshold (benchmarks, tests)."""
-    _FORCED_FORM.append(form)
-    try:
+    """Layers built (and traced) inside run `form` regardless of the threshold (benchmarks, tests).
+
+    Sets the environment's `rnn_form` (`tfmetal_ext._env`) for the block.
+    """
+    with _env.scope(rnn_form=form):
         yield
-    finally:
-        _FORCED_FORM.pop()
 
 
 # ----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmetal_ext import devices
+from tfmetal_ext import _env
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation
 from tfmetal_ext.layers import _contraction as C
@@ -164,7 +164,7 @@ class _FusedRNN(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=3)
         self.states = None
         self.form = None  # "fused" or "stock": what the last trace ran
-        if _rnn.implementation(devices.backend(), self.compute_dtype) == "cudnn" and use_cudnn:
+        if _rnn.implementation(_env.current().backend, self.compute_dtype) == "cudnn" and use_cudnn:
             self.supports_jit = False  # CudnnRNNV3 has no XLA kernel
 
     # ------------------------------------------------------------------ weights
@@ -263,7 +263,7 @@ class _FusedRNN(keras.layers.Layer):
             # One mask per sequence, the same for every timestep (as Keras' LSTM/GRU).
             keep = keras.random.dropout(tf.ones_like(x[:, 0, :]), self.dropout, seed=self.seed_generator)
             x = x * keep[:, None, :]
-        backend = devices.backend()
+        backend = _env.current().backend
         if self.use_cudnn is True and _rnn.implementation(backend, self.compute_dtype) != "cudnn":
             raise ValueError(
                 f"`use_cudnn=True` needs a backend with a CudnnRNNV3 kernel for {self.compute_dtype} (CUDA, "
@@ -308,7 +308,7 @@ class _FusedRNN(keras.layers.Layer):
             return "unroll=True: Keras' unrolled loop"
         if self.recurrent_dropout > 0:
             return f"recurrent_dropout={self.recurrent_dropout}: no fused kernel masks the recurrent state"
-        backend = backend or devices.backend()
+        backend = backend or _env.current().backend
         cudnn = _rnn.implementation(backend, self.compute_dtype) == "cudnn" and self.use_cudnn is not False
         if backend == "cpu" and not cudnn:
             cell = type(self).__name__[5:].lower()
