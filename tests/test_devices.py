@@ -64,7 +64,7 @@ def test_backend_on_this_host_matches_tensorflow():
 
 # ----------------------------------------------------------------------------
 # Apple's tensorflow-metal: every row of the table, as users reported them (tensorflow-metal 1.1/1.2
-# threads; REFERENCE.md section 4), written out independently of `_PAIRINGS`, on Python 3.11 (1.1 has
+# threads; REFERENCE.md section 4), written out independently of `backends.pairings.APPLE_PAIRINGS`, on Python 3.11 (1.1 has
 # wheels up to cp311, 1.2 up to cp312) and macOS 15.
 # Each row: (TF, tensorflow-metal, verdict, the fix routes' commands in order).
 APPLE_ROWS = [
