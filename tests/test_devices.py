@@ -479,3 +479,28 @@ def test_assume_backend_is_environment_scoped_and_keeps_configure_inside():
         assert precision.avoided_fusions() == _env.current().avoided == {"softshrink"}
     finally:
         tfmetal_ext.configure("float32", avoid_fusions=())
+
+
+def test_configure_is_process_wide_and_scopes_are_context_local():
+    # TensorFlow runs a tf.distribute replica function in a thread of its own: configure()'s avoided
+    # fusions must reach it; assume_backend (a scope) belongs to the context that entered it.
+    import threading
+
+    import tfmetal_ext
+    from tfmetal_ext import _env
+
+    seen = {}
+
+    def look():
+        seen["avoided"], seen["assumed"] = _env.current().avoided, devices.assumed_backend()
+
+    try:
+        tfmetal_ext.configure("float32", avoid_fusions=["softshrink"])
+        with devices.assume_backend(PLUGIN):
+            t = threading.Thread(target=look)
+            t.start()
+            t.join()
+            assert devices.assumed_backend() == PLUGIN
+        assert seen == {"avoided": {"softshrink"}, "assumed": None}
+    finally:
+        tfmetal_ext.configure("float32", avoid_fusions=())

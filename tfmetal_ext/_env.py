@@ -12,12 +12,19 @@ beyond a layer's own arguments:
 * `capabilities`: the host's `tfmetal_ext.devices.Capabilities` (or the
   assumed Mac's), probed once and cached until `invalidate_capabilities()`.
 
-It lives in a `contextvars.ContextVar`: `current()` reads it; `configure()`
-changes it with `update()`; `assume_backend()`, forced forms and tests change
-it for a block with `scope()`, which restores only the fields it set (a
-`configure()` inside the block stays). Nothing else in the package keeps
-this state, so what a layer emits at trace time depends on the environment
-and its own arguments only.
+Two layers make up the one in force (`current()`):
+
+* the process-wide environment, which `configure()` changes with
+  `update()`: its avoided fusions apply to every thread, as its dtype policy
+  does (TensorFlow traces a `tf.distribute` replica function in a thread of
+  its own, which starts with an empty `contextvars` context);
+* overrides held in a `contextvars.ContextVar`, set for a block with
+  `scope()` by `assume_backend()`, a forced RNN form and tests: they apply to
+  this context only (two threads may assume different backends) and are
+  undone at the block's end; a `configure()` inside the block outlives it.
+
+Nothing else in the package keeps this state, so what a layer emits at trace
+time depends on the environment and its own arguments only.
 """
 
 from __future__ import annotations
@@ -66,42 +73,52 @@ class Environment:
         return self.capabilities.backend
 
 
-_DEFAULT = Environment()
-_CURRENT = contextvars.ContextVar("tfmetal_ext_environment")
+class _Process:
+    """The process-wide environment (what `configure()` sets); read only through `current()`."""
+
+    __slots__ = ("env",)
+
+    def __init__(self):
+        self.env = Environment()
+
+
+_PROCESS = _Process()
+# This context's overrides: ((field, value), ...), set by `scope()`.
+_OVERRIDES = contextvars.ContextVar("tfmetal_ext_environment_overrides", default=())
 
 
 def current() -> Environment:
-    """The environment in force in this context."""
-    return _CURRENT.get(_DEFAULT)
+    """The environment in force in this context: the process-wide one with this context's overrides."""
+    overrides = _OVERRIDES.get()
+    env = _PROCESS.env
+    return dataclasses.replace(env, **dict(overrides)) if overrides else env
 
 
 def update(**changes) -> Environment:
-    """Replaces fields of the environment of this context (``configure()``); returns the new one."""
-    env = dataclasses.replace(current(), **changes)
-    _CURRENT.set(env)
-    return env
+    """Changes fields of the process-wide environment (``configure()``); returns the one now in force here."""
+    _PROCESS.env = dataclasses.replace(_PROCESS.env, **changes)
+    return current()
 
 
 @contextlib.contextmanager
 def scope(**changes):
-    """Within the block, the environment has `changes`; afterwards those fields are as before.
+    """Within the block, in this context only, the environment has `changes`; then they are undone.
 
-    Only the fields named are restored, so a `configure()` inside the block
-    (another field) outlives it, as it would outside.
+    Only the fields named are overridden, so a `configure()` inside the
+    block (the process-wide avoided set) outlives it.
     """
-    env = current()
-    before = {name: getattr(env, name) for name in changes}
-    update(**changes)
+    token = _OVERRIDES.set(tuple({**dict(_OVERRIDES.get()), **changes}.items()))
     try:
         yield current()
     finally:
-        update(**before)
+        _OVERRIDES.reset(token)
 
 
 def invalidate_capabilities():
     """Forgets the cached capabilities: the next read probes the host again.
 
-    For whatever legitimately changes what the probes see (tests that replace
-    a probe, `assume_backend`'s capabilities are cached per plugin).
+    For whatever legitimately changes what the probes see: `configure()`
+    (a script's first call decides on the host as it is then), tests that
+    replace a probe. `assume_backend` re-describes its Mac on entry.
     """
     current()._cache.clear()
