@@ -21,8 +21,9 @@ REINSTALL_APPLE = 'pip install --force-reinstall --no-deps "tensorflow-metal==1.
 
 
 @pytest.fixture
-def fake_host(monkeypatch):
-    """Replaces the hardware probes; returns a setter."""
+def fake_host(monkeypatch, request):
+    """Replaces the hardware probes; returns a setter. The cached capabilities are forgotten on each change."""
+    request.addfinalizer(devices.invalidate_capabilities)
 
     def set_host(system="Linux", machine="x86_64", gpus=(), cuda=False, metal=None, flags=(),
                  plugin=APPLE, plugins=None, python="3.11.9", macos=None, library_owner=None):
@@ -35,6 +36,7 @@ def fake_host(monkeypatch):
         monkeypatch.setattr(devices, "_python_version", lambda: python)
         monkeypatch.setattr(devices, "_macos_version", lambda: macos)
         monkeypatch.setattr(devices, "_metal_library_owner", lambda: library_owner)
+        devices.invalidate_capabilities()
 
     return set_host
 
@@ -62,7 +64,7 @@ def test_backend_on_this_host_matches_tensorflow():
 
 # ----------------------------------------------------------------------------
 # Apple's tensorflow-metal: every row of the table, as users reported them (tensorflow-metal 1.1/1.2
-# threads; REFERENCE.md section 4), written out independently of `_PAIRINGS`, on Python 3.11 (1.1 has
+# threads; REFERENCE.md section 4), written out independently of `backends.pairings.APPLE_PAIRINGS`, on Python 3.11 (1.1 has
 # wheels up to cp311, 1.2 up to cp312) and macOS 15.
 # Each row: (TF, tensorflow-metal, verdict, the fix routes' commands in order).
 APPLE_ROWS = [
@@ -448,3 +450,57 @@ def test_both_installed_capabilities_describe_the_library_on_disk(fake_host, mon
     # Apple's file is the one TF loads (and it fails on 2.21); the fix keeps the open plugin.
     assert (caps.metal_plugin, caps.metal_plugin_version) == (APPLE, "1.2.0")
     assert caps.pairing == "both-installed" and caps.pairing_fixes[0].commands == (UNINSTALL_APPLE, REBUILD_PLUGIN)
+
+
+# ----------------------------------------------------------------------------
+# The environment: capabilities cached until invalidated; scopes restore only their own fields.
+
+
+def test_capabilities_are_cached_until_invalidated(fake_host, monkeypatch):
+    fake_host(python="3.11.9")
+    first = devices.capabilities()
+    assert devices.capabilities() is first and devices.backend() == first.backend == "cpu"
+    monkeypatch.setattr(devices, "_python_version", lambda: "3.12.1")
+    assert devices.capabilities() is first  # no re-probe at each call site
+    devices.invalidate_capabilities()
+    assert devices.capabilities().python == "3.12.1"
+
+
+def test_assume_backend_is_environment_scoped_and_keeps_configure_inside():
+    import tfmetal_ext
+    from tfmetal_ext import _env, precision
+
+    try:
+        with devices.assume_backend(PLUGIN):
+            assert _env.current().assumed_plugin == devices.assumed_backend() == PLUGIN
+            assert devices.capabilities().metal_plugin == PLUGIN and devices.backend() == "metal"
+            tfmetal_ext.configure("float32", avoid_fusions=["softshrink"])
+        assert devices.assumed_backend() is None and devices.capabilities().metal_plugin != PLUGIN
+        assert precision.avoided_fusions() == _env.current().avoided == {"softshrink"}
+    finally:
+        tfmetal_ext.configure("float32", avoid_fusions=())
+
+
+def test_configure_is_process_wide_and_scopes_are_context_local():
+    # TensorFlow runs a tf.distribute replica function in a thread of its own: configure()'s avoided
+    # fusions must reach it; assume_backend (a scope) belongs to the context that entered it.
+    import threading
+
+    import tfmetal_ext
+    from tfmetal_ext import _env
+
+    seen = {}
+
+    def look():
+        seen["avoided"], seen["assumed"] = _env.current().avoided, devices.assumed_backend()
+
+    try:
+        tfmetal_ext.configure("float32", avoid_fusions=["softshrink"])
+        with devices.assume_backend(PLUGIN):
+            t = threading.Thread(target=look)
+            t.start()
+            t.join()
+            assert devices.assumed_backend() == PLUGIN
+        assert seen == {"avoided": {"softshrink"}, "assumed": None}
+    finally:
+        tfmetal_ext.configure("float32", avoid_fusions=())

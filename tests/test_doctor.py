@@ -369,7 +369,7 @@ _HOST_OPS = {"ResourceApplyAdam": "not registered on TF 2.21 (kernel C API missi
 
 
 @pytest.fixture
-def mac(monkeypatch):
+def mac(monkeypatch, request):
     """A Mac with the given Metal plugins installed: probes replaced, op library state fixed."""
     from tfmetal_ext import backends
     from tfmetal_ext.doctor import report
@@ -399,6 +399,8 @@ def mac(monkeypatch):
         monkeypatch.setattr(devices, "_metal_library_owner", lambda: None)
         monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset())
         monkeypatch.setattr(tf, "__version__", tf_version)
+        devices.invalidate_capabilities()
+        request.addfinalizer(devices.invalidate_capabilities)
 
     return set_mac
 

@@ -17,7 +17,7 @@ import logging
 import types
 import warnings
 
-from tfmetal_ext import backends, devices
+from tfmetal_ext import _env, backends, devices
 from tfmetal_ext.backends import fusion as _fusion
 
 logger = logging.getLogger("tfmetal_ext")
@@ -38,9 +38,6 @@ _last_config = None
 # Fusion patterns -> what our layers and ops emit instead while the pattern is
 # avoided (a read-only view of tfmetal_ext.backends.fusion.SAFE_FORMS).
 SAFE_FORMS = types.MappingProxyType({name: form.description for name, form in _fusion.SAFE_FORMS.items()})
-
-# The patterns avoided now; layers and op wrappers read it when traced.
-_avoided = frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,16 +202,19 @@ def _layers_built_under_other_policy(policy_name):
 def avoided_fusions():
     """The fusion patterns whose safe unfused form is in use (names from `SAFE_FORMS`).
 
+    The environment's set (`tfmetal_ext._env`), which layers and op wrappers
+    read when traced.
+
     >>> tfmetal_ext.precision.avoided_fusions()
     frozenset()
     """
-    return _avoided
+    return _env.current().avoided
 
 
 def _resolve_avoid(avoid_fusions):
     """`avoid_fusions` as a frozenset of `SAFE_FORMS` names (None: the current set)."""
     if avoid_fusions is None:
-        return _avoided
+        return _env.current().avoided
     failed = getattr(avoid_fusions, "failed_patterns", None)
     if failed is not None and hasattr(avoid_fusions, "checks"):  # a doctor.SelfTestResult
         names = tuple(failed)
@@ -333,9 +333,10 @@ def configure(policy="auto", jit_compile="auto", avoid_fusions=None):
     >>> result = tfmetal_ext.doctor.selftest()
     >>> tfmetal_ext.configure(avoid_fusions=result)  # the failed patterns, if any
     """
-    global _last_config, _avoided
+    global _last_config
     import keras
 
+    devices.invalidate_capabilities()  # the one call a script makes first: decide on the host as it is now
     config = _decide(policy, jit_compile, avoid_fusions, warn=True)
     chosen = config.policy
     current = keras.mixed_precision.global_policy().name
@@ -350,14 +351,14 @@ def configure(policy="auto", jit_compile="auto", avoid_fusions=None):
             )
         keras.mixed_precision.set_global_policy(chosen)
         logger.info("global dtype policy: %s -> %s", current, chosen)
-    avoided = frozenset(config.avoided_fusions)
-    if avoided != _avoided:
+    avoided, before = frozenset(config.avoided_fusions), _env.current().avoided
+    if avoided != before:
         logger.warning(
             "tfmetal_ext: avoided fusions %s -> %s (for layers and ops traced from now on)%s",
-            sorted(_avoided), sorted(avoided),
+            sorted(before), sorted(avoided),
             "".join(f"\n  {n}: {SAFE_FORMS[n]}" for n in sorted(avoided)),
         )
-        _avoided = avoided
+        _env.update(avoided=avoided)
     _last_config = config
     return _last_config
 

@@ -119,5 +119,9 @@ def test_onednn_bf16_capability_follows_tf_rule(monkeypatch, flags, onednn_on, w
 
     monkeypatch.setattr(devices, "_cpu_flags", lambda: frozenset(flags))
     monkeypatch.setattr(devices, "_onednn_enabled", lambda: onednn_on)
-    caps = devices.capabilities()
+    devices.invalidate_capabilities()  # the probes changed
+    try:
+        caps = devices.capabilities()
+    finally:
+        devices.invalidate_capabilities()
     assert (caps.onednn, caps.onednn_bf16) == (onednn_on, want)

@@ -153,10 +153,12 @@ def test_fused_attention_under_xla(attention_runs):
 def test_fused_attention_avoided(attention_runs, monkeypatch):
     if "attention" not in fusion.SAFE_FORMS:
         pytest.skip("no 'attention' safe form in this tree (the op has not joined CUSTOM_OPS)")
-    from tfmetal_ext import precision
+    import dataclasses
 
-    monkeypatch.setattr(precision, "avoided_fusions", lambda: frozenset({"attention"}))
-    exp = catalog.expectation(_mha(fl.FusedMultiHeadAttention), ctx())
+    from tfmetal_ext import _env
+
+    env = dataclasses.replace(_env.current(), avoided=frozenset({"attention"}))  # the context carries it
+    exp = catalog.expectation(_mha(fl.FusedMultiHeadAttention), ctx(env=env))
     assert exp.op == fusion.FUSED_MATMUL and exp.reason.startswith("avoided by configure(avoid_fusions=['attention'])")
 
 

@@ -349,11 +349,19 @@ def test_fit_matches_keras(jit_compile):
 
 @pytest.fixture
 def force_backend(monkeypatch):
-    def force(name):
-        monkeypatch.setattr(devices, "backend", lambda: name)
-        monkeypatch.setattr(devices, "_built_with_cuda", lambda: name == "cuda")
+    """Sets the environment's backend (its capabilities pinned) for the test."""
+    import contextlib
+    import dataclasses
 
-    return force
+    from tfmetal_ext import _env
+
+    with contextlib.ExitStack() as stack:
+        def force(name):
+            caps = dataclasses.replace(devices.capabilities(), backend=name)
+            stack.enter_context(_env.scope(pinned_capabilities=caps))
+            monkeypatch.setattr(devices, "_built_with_cuda", lambda: name == "cuda")
+
+        yield force
 
 
 def _keras_cudnn_params(kind, kernel, recurrent_kernel, bias, monkeypatch, cuda_build):

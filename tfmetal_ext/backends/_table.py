@@ -6,6 +6,8 @@ import contextlib
 import dataclasses
 import types
 
+from tfmetal_ext import _env
+
 TRAIN, PREDICT = "train", "predict"
 
 
@@ -268,23 +270,19 @@ class Backend:
         return "fused"
 
 
-# The CPU recurrent form `force_cpu_form` forces (innermost last).
-_FORCED_FORM = []
-
-
 def forced_rnn_form():
-    """The form `force_cpu_form` forces, or None: the one reader of `_FORCED_FORM`."""
-    return _FORCED_FORM[-1] if _FORCED_FORM else None
+    """The form `force_cpu_form` forces, or None: the environment's `rnn_form` (`tfmetal_ext._env`)."""
+    return _env.current().rnn_form
 
 
 @contextlib.contextmanager
 def force_cpu_form(form):
-    """Layers built (and traced) inside run `form` regardless of the threshold (benchmarks, tests)."""
-    _FORCED_FORM.append(form)
-    try:
+    """Layers built (and traced) inside run `form` regardless of the threshold (benchmarks, tests).
+
+    Sets the environment's `rnn_form` for the block.
+    """
+    with _env.scope(rnn_form=form):
         yield
-    finally:
-        _FORCED_FORM.pop()
 
 
 def backend(key, device, label, fusions, **kw):

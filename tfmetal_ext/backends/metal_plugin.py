@@ -76,22 +76,23 @@ empty, which the plugin's device makes it. The plugin has no kernel for it
 and TF no CPU kernel, so the step fails.
 """
 
-# The release this package's tables were generated from and tested against. When the pin moves,
-# rerun `python scripts/gen_metal_plugin_kernels.py` and update SDIST_SHA256.
-PIN = "0.4.1"
-# Its TF_SUPPORTED_VERSION: the one TensorFlow release it loads into (checked at load).
-TF_VERSION = "2.21.0"
-# sha256 of tensorflow_metal_plugin-0.4.1.tar.gz as PyPI serves it.
-SDIST_SHA256 = "7ce3f583d679fc4fda2f0aec1ab497681c0faf986e12912028b5159ecfcf2bd7"
-# The oldest macOS it runs on (it calls APIs that arrived in macOS 15).
-MIN_MACOS = (15, 0)
-
 import types
 
 from tfmetal_ext.backends import _metal_plugin_kernels as _generated
 from tfmetal_ext.backends import fusion
+from tfmetal_ext.backends import pairings as _pairings
 from tfmetal_ext.backends._table import PREDICT, Fusion, backend, never
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS
+
+# The release this package's tables were generated from and tested against (the pairing data's pin).
+# When the pin moves, rerun `python scripts/gen_metal_plugin_kernels.py` and update SDIST_SHA256.
+PIN = _pairings.PLUGIN_PIN
+# Its TF_SUPPORTED_VERSION: the one TensorFlow release it loads into (checked at load).
+TF_VERSION = _pairings.PLUGIN_TF_VERSION
+# sha256 of the pin's sdist (tensorflow_metal_plugin-<PIN>.tar.gz) as PyPI serves it.
+SDIST_SHA256 = "7ce3f583d679fc4fda2f0aec1ab497681c0faf986e12912028b5159ecfcf2bd7"
+# The oldest macOS it runs on (it calls APIs that arrived in macOS 15).
+MIN_MACOS = _pairings.PLUGIN_MIN_MACOS
 
 F32_F16 = ("float32", "float16")
 

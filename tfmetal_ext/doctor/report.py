@@ -6,6 +6,7 @@ import dataclasses
 import platform
 
 from tfmetal_ext import devices, precision
+from tfmetal_ext.backends import pairings
 
 BUILD_OPS = "tfmetal-ext build-ops"
 
@@ -123,7 +124,7 @@ def _metal_rows(info):
         plugin = [f"{n} {v}" for n, v in plugins.items()] + ["both installed: an error"]
     elif plugins:
         name, version = next(iter(plugins.items()))
-        plugin = f"{name} {version}" + (" (Apple's)" if name == devices.APPLE else " (the open plugin)")
+        plugin = f"{name} {version}" + (" (Apple's)" if name == pairings.APPLE else " (the open plugin)")
     else:
         plugin = "none installed (no Metal GPU: runs on the CPU)"
     rows = [("plugin", plugin), ("pairing", info.pairing + (f": {info.pairing_reason}" if info.pairing_reason else ""))]
@@ -226,7 +227,7 @@ def collect():
     cfg = precision.recommend()
     physical = [{"name": d.name, "device_type": d.device_type} for d in tf.config.list_physical_devices()]
     errors = []
-    if caps.pairing in (devices.KNOWN_BROKEN, devices.BOTH_INSTALLED):
+    if caps.pairing in (pairings.KNOWN_BROKEN, pairings.BOTH_INSTALLED):
         errors.append(f"{caps.pairing}: {caps.pairing_reason}" + (f"; fix: {caps.pairing_fix}" if caps.pairing_fix else ""))
     return DoctorInfo(
         tfmetal_ext=__version__,

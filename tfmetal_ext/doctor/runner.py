@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from tfmetal_ext import devices
-from tfmetal_ext.backends import fusion
+from tfmetal_ext.backends import fusion, pairings
 from tfmetal_ext.doctor import checks as registry
 from tfmetal_ext.doctor.report import BUILD_OPS
 
@@ -287,9 +287,9 @@ def _run_environment(check, dtypes, device, faulty):
     tail = _INJECTED if faulty else ""
     plugins = ", ".join(f"{n} {v}" for n, v in caps.metal_plugins) or "no Metal plugin"
     detail = f"{plugins} with TensorFlow {caps.tf_version}, Python {caps.python or '?'}: {caps.pairing}"
-    if caps.pairing_reason and caps.pairing != devices.NOT_APPLICABLE:
+    if caps.pairing_reason and caps.pairing != pairings.NOT_APPLICABLE:
         detail += f" ({caps.pairing_reason})"
-    broken = caps.pairing in (devices.KNOWN_BROKEN, devices.BOTH_INSTALLED)
+    broken = caps.pairing in (pairings.KNOWN_BROKEN, pairings.BOTH_INSTALLED)
     if broken or faulty:
         fixes = [f.command for f in caps.pairing_fixes]
         fix = " ; or: ".join(fixes) if fixes else check.fix

@@ -14,9 +14,8 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 
-from tfmetal_ext import backends
+from tfmetal_ext import _env, backends
 from tfmetal_ext.backends import fusion as _fusion
 
 PATTERNS = backends.PATTERNS
@@ -56,12 +55,15 @@ class FusionContext:
         xla: the step is XLA compiled.
         cpu_fp16: the CPU computes float16 natively (then half fuses on CPU).
         onednn_bf16: oneDNN fuses bfloat16 on this CPU (AVX512F or AVX_NE_CONVERT).
-        cublaslt: ``TF_USE_CUBLASLT=1`` (CUDA MatMul fusions).
+        cublaslt: ``TF_USE_CUBLASLT=1`` (CUDA MatMul fusions); by default the
+            environment's capabilities say.
         metal_plugin: on Metal, which plugin (``devices.METAL_PLUGINS``);
             None reads as Apple's tensorflow-metal.
         logits_read: ``id()`` of the layers whose activation's input the
             compiled loss reads as logits (see `read_as_logits`); in a train
             step their activation cannot fuse.
+        env: the `tfmetal_ext._env.Environment` the rules read (its avoided
+            fusions); None: the one in force when a rule reads it.
     """
 
     backend: str = "cpu"
@@ -70,11 +72,20 @@ class FusionContext:
     xla: bool = False
     cpu_fp16: bool = False
     onednn_bf16: bool = True
-    cublaslt: bool = dataclasses.field(
-        default_factory=lambda: os.environ.get("TF_USE_CUBLASLT", "0") == "1"
-    )
+    cublaslt: bool = dataclasses.field(default_factory=lambda: _env.current().capabilities.cublaslt)
     logits_read: frozenset = frozenset()  # ids of layers whose pre-activation the loss reads (`read_as_logits`)
     metal_plugin: str | None = None  # with backend "metal": "tensorflow-metal" or "tensorflow-metal-plugin"
+    env: _env.Environment | None = None
+
+    @property
+    def environment(self):
+        """The environment the rules read: `env`, else the one in force now."""
+        return self.env if self.env is not None else _env.current()
+
+    @property
+    def avoided(self):
+        """The fusion patterns avoided (``configure(avoid_fusions=...)``): their layers emit the safe form."""
+        return self.environment.avoided
 
     @property
     def support_key(self):
@@ -166,11 +177,9 @@ def unless_avoided(name, rule):
     backend table has ``addv2_bias``: CPU with oneDNN), where the expectation
     stays and a note says so.
     """
-    from tfmetal_ext import precision
-
     def wrapped(layer, ctx):
         exp = rule(layer, ctx)
-        if exp is None or name not in precision.avoided_fusions():
+        if exp is None or name not in ctx.avoided:
             return exp
         if _fusion.SAFE_FORMS[name].bias_as_addv2 and table(ctx).addv2_bias:
             note = (
@@ -632,11 +641,9 @@ def _is_fusion_first(layer):
 
 def _custom_op_block(ctx, layer, pattern, op, uses_kernel, safe_form):
     """Why custom op `op` of `pattern` does not run for `layer` under `ctx`, or None (it runs, and is reported)."""
-    from tfmetal_ext import precision
-
     if ctx.xla:
         return REASON_XLA
-    if safe_form in _fusion.SAFE_FORMS and safe_form in precision.avoided_fusions():
+    if safe_form in _fusion.SAFE_FORMS and safe_form in ctx.avoided:
         return avoided_reason(safe_form)
     f = fusion_for(ctx, pattern)
     if not f.fuses:

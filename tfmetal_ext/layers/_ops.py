@@ -6,7 +6,7 @@ import math
 
 import tensorflow as tf
 
-from tfmetal_ext import precision
+from tfmetal_ext import _env
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops._common import check_float32_representable
 
@@ -22,13 +22,14 @@ _EMITTERS = {
 FUSABLE_ACTIVATIONS = {name: _EMITTERS[name] for name in fusion.CONTRACTION_ACTIVATIONS}
 
 
-def avoided(pattern):
+def pattern_avoided(pattern):
     """`pattern` (a `tfmetal_ext.precision.SAFE_FORMS` name) is avoided: emit its safe form.
 
-    Read when a layer is traced, so ``configure(avoid_fusions=...)`` applies to
-    every graph traced after it.
+    Reads the environment's avoided set (`tfmetal_ext._env`) when a layer is
+    traced, so ``configure(avoid_fusions=...)`` applies to every graph traced
+    after it. For a custom op's name see `tfmetal_ext.ops._common.op_avoided`.
     """
-    return pattern in precision.avoided_fusions()
+    return pattern in _env.current().avoided
 
 
 def bias_add(x, bias, pattern):
@@ -38,7 +39,7 @@ def bias_add(x, bias, pattern):
     a real BiasAdd, so the AddV2 keeps the fused kernel out; on CPU with oneDNN
     a broadcast AddV2 still counts as a BiasAdd and fuses.
     """
-    if avoided(pattern):
+    if pattern_avoided(pattern):
         return tf.add(x, bias)
     return tf.nn.bias_add(x, bias)
 
@@ -149,7 +150,7 @@ def unfused_batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon,
 
 def batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):
     """`fused_batch_norm`, or `unfused_batch_norm` while ``"fused_batch_norm"`` is avoided."""
-    fn = unfused_batch_norm if avoided("fused_batch_norm") else fused_batch_norm
+    fn = unfused_batch_norm if pattern_avoided("fused_batch_norm") else fused_batch_norm
     return fn(
         x, gamma, beta, moving_mean, moving_variance, epsilon=epsilon, momentum=momentum, training=training
     )

@@ -39,7 +39,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmetal_ext import backends, devices
+from tfmetal_ext import _env, backends, devices
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation
@@ -77,7 +77,7 @@ def _rnn_table(backend):
     `tfmetal_ext.devices.assume_backend`); Apple's tensorflow-metal when no
     plugin is known.
     """
-    caps = devices.capabilities()
+    caps = _env.current().capabilities
     plugin = caps.metal_plugin if backend == "metal" else None
     return backends.table(backends.support_key(backend, caps.onednn, plugin))
 
@@ -189,7 +189,7 @@ class _FusedRNN(keras.layers.Layer):
         self.input_spec = keras.layers.InputSpec(ndim=3)
         self.states = None
         self.form = None  # "fused" or "stock": what the last trace ran
-        if _implementation(devices.backend(), self.compute_dtype) == "cudnn" and use_cudnn:
+        if _implementation(_env.current().backend, self.compute_dtype) == "cudnn" and use_cudnn:
             self.supports_jit = False  # CudnnRNNV3 has no XLA kernel
 
     # ------------------------------------------------------------------ weights
@@ -288,7 +288,7 @@ class _FusedRNN(keras.layers.Layer):
             # One mask per sequence, the same for every timestep (as Keras' LSTM/GRU).
             keep = keras.random.dropout(tf.ones_like(x[:, 0, :]), self.dropout, seed=self.seed_generator)
             x = x * keep[:, None, :]
-        backend = devices.backend()
+        backend = _env.current().backend
         if self.use_cudnn is True and _implementation(backend, self.compute_dtype) != "cudnn":
             raise ValueError(
                 f"`use_cudnn=True` needs a backend with a CudnnRNNV3 kernel for {self.compute_dtype} (CUDA, "
@@ -333,7 +333,7 @@ class _FusedRNN(keras.layers.Layer):
             return "unroll=True: Keras' unrolled loop"
         if self.recurrent_dropout > 0:
             return f"recurrent_dropout={self.recurrent_dropout}: no fused kernel masks the recurrent state"
-        backend = backend or devices.backend()
+        backend = backend or _env.current().backend
         cudnn = _implementation(backend, self.compute_dtype) == "cudnn" and self.use_cudnn is not False
         if backend == "cpu" and not cudnn:
             cell = type(self).__name__[5:].lower()

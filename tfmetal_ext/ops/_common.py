@@ -91,13 +91,18 @@ def kernel_for_visible_devices(op_name, device_type="GPU"):
 SAFE_FORM_OF_OP = types.MappingProxyType({op.name: op.safe_form for op in fusion.CUSTOM_OPS.values()})
 
 
-def avoided(op_name) -> bool:
-    """``configure(avoid_fusions=[...])`` names the op: its pure-TF reference runs instead."""
-    from tfmetal_ext import precision
+def op_avoided(op_name) -> bool:
+    """Custom op `op_name` is avoided: ``configure(avoid_fusions=[...])`` names its safe form.
 
-    return SAFE_FORM_OF_OP.get(op_name) in precision.avoided_fusions()
+    Its pure-TF reference runs instead. Reads the environment's avoided set
+    (`tfmetal_ext._env`) when the op is traced. For a pattern name see
+    `tfmetal_ext.layers._ops.pattern_avoided`.
+    """
+    from tfmetal_ext import _env
+
+    return SAFE_FORM_OF_OP.get(op_name) in _env.current().avoided
 
 
 def uses_kernel(op_name) -> bool:
     """`op_name` runs as the custom op here (else its pure-TF reference)."""
-    return not avoided(op_name) and library() is not None and kernel_for_visible_devices(op_name)
+    return not op_avoided(op_name) and library() is not None and kernel_for_visible_devices(op_name)

@@ -102,7 +102,7 @@ def multi_tensor_adam(
     call = _mt.prepare(lists)
     scalars = [call.scalar(x) for x in (lr, beta_1, beta_2, epsilon, beta_1_power, beta_2_power)]
     decay = [] if weight_decay_rate is None else [call.scalar(weight_decay_rate)]
-    lib = None if _common.avoided(_OP_NAME) else _common.library()
+    lib = None if _common.op_avoided(_OP_NAME) else _common.library()
     if lib is None or not _mt.has_kernel(call.device, _OP_NAME):
         # Per-variable ops, all-or-nothing (`_multi_tensor.fallback_guards`).
         with tf.control_dependencies(_mt.fallback_guards(call, op="multi_tensor_adam")):

@@ -80,7 +80,7 @@ def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rat
     scalars = [call.scalar(x) for x in (lr, beta_1, beta_2)]
     decay = [] if weight_decay_rate is None else [call.scalar(weight_decay_rate)]
     args = (call.handle_list("variables"), call.handle_list("ms"), call.grads)
-    lib = None if _common.avoided(_OP_NAME) else _common.library()
+    lib = None if _common.op_avoided(_OP_NAME) else _common.library()
     if lib is None or not _mt.has_kernel(call.device, _OP_NAME):
         # Per-variable ops, all-or-nothing (`_multi_tensor.fallback_guards`).
         with tf.control_dependencies(_mt.fallback_guards(call, op="multi_tensor_lion")):

@@ -107,7 +107,7 @@ def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilo
     scalars = [call.scalar(x) for x in (lr, rho, one_minus_rho, momentum, epsilon)]
     decay = [] if weight_decay_rate is None else [call.scalar(weight_decay_rate)]
     args = [call.handle_list(key) for key in ("variables", "velocities", "momentums", "average_gradients")]
-    lib = None if _common.avoided(_OP_NAME) else _common.library()
+    lib = None if _common.op_avoided(_OP_NAME) else _common.library()
     if lib is None or not _mt.has_kernel(call.device, _OP_NAME):
         # Per-variable ops, all-or-nothing (`_multi_tensor.fallback_guards`).
         with tf.control_dependencies(_mt.fallback_guards(call, op="multi_tensor_rmsprop")):
