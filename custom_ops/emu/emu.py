@@ -21,22 +21,22 @@ constants, then threadgroup memory; the builtins come from the runner):
 
 Standard library + numpy only (no TensorFlow). Libraries are cached in
 ``$TFMETAL_EXT_CACHE/emu`` (default ``~/.cache/tfmetal_ext/emu``) keyed by a
-hash of the flattened source, the emulator sources, flags and compiler.
+hash of the flattened source, the emulator sources, flags and compiler. The
+cache is the op loader's kind (``tfmetal_ext/ops/_toolchain.py``): private
+directories, file locks, atomic installs, and a library or object that is a
+symlink, owned by another user, or in a group/other-writable directory is
+refused (`EmuCacheError`), never loaded.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
-import fcntl
-import hashlib
 import importlib.util
 import json
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,20 +61,36 @@ _KERNEL_FLAGS = (_CXX_STD, "-O1", "-DTFM_EMU=1", "-fPIC", "-shared", "-pthread",
 _DEFAULT_TIMEOUT = 120.0
 
 
-def _load_embed():
-    name = "tfmetal_ext_metal_embed"
+def _load_by_path(name: str, path: Path):
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, METAL_DIR / "embed.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-embed = _load_embed()
+def _load_toolchain():
+    """The op loader's toolchain (compiler, trusted cache, locks), without importing the package.
+
+    The package's own module when it is imported (tests), else its file: beside
+    the package in the source tree, or in it when installed (``custom_ops`` ships
+    as ``tfmetal_ext/_custom_ops``).
+    """
+    if "tfmetal_ext.ops._toolchain" in sys.modules:
+        return sys.modules["tfmetal_ext.ops._toolchain"]
+    for path in (CUSTOM_OPS_DIR.parent / "tfmetal_ext" / "ops" / "_toolchain.py",
+                 CUSTOM_OPS_DIR.parent / "ops" / "_toolchain.py"):
+        if path.is_file():
+            return _load_by_path("tfmetal_ext_toolchain", path)
+    raise ImportError(f"the op loader's toolchain module (tfmetal_ext/ops/_toolchain.py) is missing beside {CUSTOM_OPS_DIR}")
+
+
+embed = _load_by_path("tfmetal_ext_metal_embed", METAL_DIR / "embed.py")
 flatten = embed.flatten
 FlattenError = embed.FlattenError
+_toolchain = _load_toolchain()
 
 
 class EmuError(RuntimeError):
@@ -83,6 +99,12 @@ class EmuError(RuntimeError):
 
 class EmuCompileError(EmuError):
     """The kernel did not compile under the emulator; the message holds the compiler output."""
+
+
+class EmuCacheError(EmuError, _toolchain.UntrustedCacheError):
+    """The emulator cache is not trusted: a directory, library or object file is
+    a symlink, not owned by the current user or root, or group/other-writable.
+    Nothing from it is loaded. Also a PermissionError."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,46 +177,37 @@ def emulator_source(flat_source: str) -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("TFMETAL_EXT_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "tfmetal_ext") / "emu"
+    return _toolchain.cache_root() / "emu"
+
+
+# The emulator cache's trust checks (the op loader's, raising EmuCacheError).
+_CACHE = {"what": "Metal emulator cache", "error": EmuCacheError}
+
+
+def _verify_cache(create: bool) -> Path:
+    """The cache directory, checked with its parent (created with mode 0o700 when ``create``)."""
+    directory = cache_dir()
+    _toolchain.verify_dirs((_toolchain.cache_root(), directory), create, **_CACHE)
+    return directory
 
 
 def find_compiler() -> str:
-    env = os.environ.get("CXX")
-    if env:
-        return env
-    for name in ("g++", "c++", "clang++"):
-        if shutil.which(name):
-            return name
-    raise EmuCompileError("no C++ compiler found (install g++ or set CXX)")
-
-
-_compiler_ids: dict = {}
+    compiler = _toolchain.find_compiler(("g++", "c++", "clang++"))
+    if not compiler:
+        cxx = os.environ.get("CXX")
+        raise EmuCompileError(f"C++ compiler CXX={cxx!r} not found" if cxx else
+                              "no C++ compiler found (install g++ or set CXX)")
+    return compiler
 
 
 def _compiler_id(compiler: str) -> str:
-    if compiler not in _compiler_ids:
-        try:
-            out = subprocess.run(shlex.split(compiler) + ["--version"], capture_output=True, text=True, timeout=60)
-            _compiler_ids[compiler] = (out.stdout or compiler).splitlines()[0]
-        except (OSError, subprocess.SubprocessError) as e:
-            raise EmuCompileError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
-    return _compiler_ids[compiler]
+    try:
+        return _toolchain.compiler_identity(compiler)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise EmuCompileError(f"cannot run the C++ compiler {compiler!r}: {e}") from e
 
 
-_flag_support: dict = {}
-
-
-def _supports_flags(compiler: str, flags: tuple) -> bool:
-    key = (compiler, flags)
-    if key not in _flag_support:
-        try:
-            result = subprocess.run(shlex.split(compiler) + list(flags) + ["-Werror", "-x", "c++", "-fsyntax-only", "-"],
-                                    input="", capture_output=True, text=True, timeout=60)
-            _flag_support[key] = result.returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            _flag_support[key] = False
-    return _flag_support[key]
+_supports_flags = _toolchain.supports_flags
 
 
 def _half_flags(compiler: str) -> list:
@@ -213,17 +226,6 @@ def _half_flags(compiler: str) -> list:
     return []
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _run_compiler(cmd: list, what: str) -> None:
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
@@ -232,12 +234,7 @@ def _run_compiler(cmd: list, what: str) -> None:
                               + " ".join(shlex.quote(c) for c in cmd))
 
 
-def _digest(*parts) -> str:
-    h = hashlib.sha256()
-    for p in parts:
-        h.update(p if isinstance(p, bytes) else str(p).encode())
-        h.update(b"\0")
-    return h.hexdigest()[:20]
+_digest = _toolchain.digest
 
 
 # Counts actual compiler runs (tests check that the cache is used).
@@ -250,13 +247,15 @@ def _runtime_object(compiler: str, directory: Path) -> Path:
     sources = [EMU_DIR / "runtime.cc", EMU_DIR / "emu_runtime.h"]
     key = _digest(ABI_VERSION, _compiler_id(compiler), " ".join(_RUNTIME_FLAGS), *(p.read_bytes() for p in sources))
     obj = directory / f"runtime-{key}.o"
-    with _file_lock(directory / f"runtime-{key}.lock"):
-        if not obj.is_file():
-            tmp = directory / f".runtime-{key}.{os.getpid()}.o"
-            _run_compiler(shlex.split(compiler) + list(_RUNTIME_FLAGS) + ["-c", str(sources[0]), "-o", str(tmp)],
-                          "the emulator runtime")
-            os.replace(tmp, obj)
+    with _toolchain.file_lock(directory / f"runtime-{key}.lock"):
+        if not os.path.lexists(obj):
+            with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
+                out = Path(tmp) / obj.name
+                _run_compiler(shlex.split(compiler) + list(_RUNTIME_FLAGS) + ["-c", str(sources[0]), "-o", str(out)],
+                              "the emulator runtime")
+                _toolchain.install(out, obj)
             stats["runtime_compiles"] += 1
+    _toolchain.verify_file(obj, **_CACHE)  # linked into every kernel library
     return obj
 
 
@@ -294,11 +293,10 @@ def build(metal_path, *, include_dirs=None, defines=None, extra_flags=(), compil
     with _lock:
         if key in _loaded:
             return _loaded[key]
-        directory = cache_dir()
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = _verify_cache(create=True)
         library = directory / f"{metal_path.stem}-{key}.so"
-        with _file_lock(directory / f"{metal_path.stem}-{key}.lock"):
-            if not library.is_file():
+        with _toolchain.file_lock(directory / f"{metal_path.stem}-{key}.lock"):
+            if not os.path.lexists(library):
                 runtime = _runtime_object(compiler, directory)
                 with tempfile.TemporaryDirectory(dir=directory, prefix=".build-") as tmp:
                     src = Path(tmp) / f"{metal_path.stem}.emu.cc"
@@ -306,8 +304,9 @@ def build(metal_path, *, include_dirs=None, defines=None, extra_flags=(), compil
                     out = Path(tmp) / library.name
                     _run_compiler(shlex.split(compiler) + flags + [str(src), str(runtime), "-o", str(out)],
                                   str(metal_path))
-                    os.replace(out, library)
+                    _toolchain.install(out, library)
                 stats["kernel_compiles"] += 1
+        _toolchain.verify_file(library, **_CACHE)  # loading it runs it
         lib = EmuLibrary(library, metal_path, flat.files)
         _loaded[key] = lib
         return lib

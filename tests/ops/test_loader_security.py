@@ -126,23 +126,32 @@ def shared_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-@needs_root
-def test_library_planted_by_another_user_never_runs(shared_dir, monkeypatch):
-    """A `.so` with a constructor, planted with a matching build.json by uid
-    65534 in a shared TFMETAL_EXT_CACHE: root's loader refuses it, naming the
-    path and the fix, and the constructor never runs (the reference ops run)."""
+def planted_library(directory: Path, marker: Path) -> Path:
+    """``directory/evil.so`` (mode 0o755), whose constructor writes "ran" to `marker` when it is loaded.
+
+    Built with gcc (the test skips without it). Planted in a cache, it shows whether the cache loads it.
+    """
     if shutil.which("gcc") is None:
         pytest.skip("needs gcc to build the planted library")
-    marker = shared_dir / "constructor-ran"
-    src = shared_dir / "evil.c"
+    src = directory / "evil.c"
     src.write_text(
         "#include <stdio.h>\n"
         f'__attribute__((constructor)) static void planted(void) {{ FILE *f = fopen("{marker}", "w"); '
         'if (f) { fputs("ran", f); fclose(f); } }\n'
     )
-    evil = shared_dir / "evil.so"
+    evil = directory / "evil.so"
     subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(evil), str(src)], check=True, timeout=60)
     os.chmod(evil, 0o755)
+    return evil
+
+
+@needs_root
+def test_library_planted_by_another_user_never_runs(shared_dir, monkeypatch):
+    """A `.so` with a constructor, planted with a matching build.json by uid
+    65534 in a shared TFMETAL_EXT_CACHE: root's loader refuses it, naming the
+    path and the fix, and the constructor never runs (the reference ops run)."""
+    marker = shared_dir / "constructor-ran"
+    evil = planted_library(shared_dir, marker)
     cache_root = shared_dir / "cache"
     directory, library, metadata = _plan_paths(cache_root, monkeypatch)
     plant = (

@@ -8,7 +8,9 @@ sources, so a library is only ever loaded into the TensorFlow it was built for
 (a library built for TF 2.19 does not load into 2.21). A file lock makes
 concurrent processes build once; the build goes to a temporary name and is
 renamed into place, and a checksum written beside it lets a corrupted or
-truncated entry be detected and rebuilt.
+truncated entry be detected and rebuilt. The compiler lookup, the cache's
+trust checks, the lock and the atomic install are the toolchain's
+(``_toolchain``), which the Metal emulator (``custom_ops/emu``) builds through too.
 
 Cache root: ``$TFMETAL_EXT_CACHE`` if set, else ``~/.cache/tfmetal_ext``.
 """
@@ -17,15 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
-import hashlib
 import importlib.util
 import json
 import logging
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,9 @@ import threading
 import time
 import warnings
 from pathlib import Path
+
+from tfmetal_ext.ops import _toolchain
+from tfmetal_ext.ops._toolchain import cache_root, find_compiler  # noqa: F401  (the loader's own names)
 
 logger = logging.getLogger("tfmetal_ext")
 
@@ -64,7 +66,7 @@ class BuildError(RuntimeError):
     """The op library failed to compile; the message holds the compiler's output."""
 
 
-class OpCacheError(PermissionError):
+class OpCacheError(_toolchain.UntrustedCacheError):
     """The op cache is not trusted: a directory or the library is not owned by
     the current user or root, is group/other-writable, or is a symlink.
 
@@ -73,52 +75,19 @@ class OpCacheError(PermissionError):
     """
 
 
-def _trusted_owner(uid: int) -> bool:
-    return uid in (os.geteuid(), 0)
-
-
-def _check_trusted(path: Path, kind: str) -> None:
-    """Refuses ``path`` unless it is a real (not symlinked) ``kind`` ("dir" or
-    "file") owned by the current euid or root and not group/other-writable."""
-    import stat
-
-    st = os.lstat(path)
-    is_kind = stat.S_ISDIR(st.st_mode) if kind == "dir" else stat.S_ISREG(st.st_mode)
-    problem = None
-    if stat.S_ISLNK(st.st_mode):
-        problem, fix = "is a symlink", f"remove it (rm {shlex.quote(str(path))}) or use a private TFMETAL_EXT_CACHE"
-    elif not is_kind:
-        problem, fix = f"is not a {'directory' if kind == 'dir' else 'regular file'}", "remove it"
-    elif not _trusted_owner(st.st_uid):
-        problem = f"is owned by uid {st.st_uid}, not the current user ({os.geteuid()}) or root"
-        fix = "remove it, or use a private TFMETAL_EXT_CACHE"
-    elif st.st_mode & 0o022:
-        problem = f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-        fix = f"chmod go-w {shlex.quote(str(path))}"
-    if problem:
-        raise OpCacheError(f"tfmetal_ext: refusing the op cache: {path} {problem}; fix: {fix}")
-
-
-def _ensure_dir(path: Path) -> None:
-    """Creates ``path`` (mode 0o700) and its missing parents, then checks it."""
-    if not os.path.lexists(path):
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+# The op cache's trust checks (the toolchain's, raising OpCacheError).
+_CACHE = {"what": "op cache", "error": OpCacheError}
 
 
 def verify_dirs(dirs, create: bool) -> None:
     """Checks each of `dirs` (outermost first), creating the missing ones
     with mode 0o700 when ``create``."""
-    for d in dirs:
-        if create:
-            _ensure_dir(d)
-        if os.path.lexists(d):
-            _check_trusted(d, "dir")
+    _toolchain.verify_dirs(dirs, create, **_CACHE)
 
 
 def verify_library(path: Path) -> None:
     """Checks a native library in the cache before it is loaded (when it exists)."""
-    if os.path.lexists(path):
-        _check_trusted(path, "file")
+    _toolchain.verify_file(path, **_CACHE)
 
 
 def verify_cache(p: "BuildPlan", create: bool) -> None:
@@ -126,20 +95,6 @@ def verify_cache(p: "BuildPlan", create: bool) -> None:
     with mode 0o700 when ``create``), and the library when it exists."""
     verify_dirs((cache_root(), cache_root() / "ops", p.directory), create)
     verify_library(p.library)
-
-
-def _write_private(directory: Path, final: Path, data: bytes) -> None:
-    """Writes ``data`` to a mkstemp file in ``directory``, then renames it to ``final``."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{final.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def sources_dir() -> Path:
@@ -155,26 +110,8 @@ def sources_dir() -> Path:
     raise FileNotFoundError("tfmetal_ext: the custom op sources (custom_ops/) are missing from this installation")
 
 
-def cache_root() -> Path:
-    root = os.environ.get("TFMETAL_EXT_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "tfmetal_ext"
-
-
 def is_macos_arm() -> bool:
     return sys.platform == "darwin" and platform.machine() == "arm64"
-
-
-def find_compiler() -> str | None:
-    """The C++ compiler: ``$CXX``, else clang++ on macOS, else c++ / g++ / clang++."""
-    env = os.environ.get("CXX")
-    if env:
-        return shutil.which(env.split()[0]) and env
-    order = ("clang++", "c++") if sys.platform == "darwin" else ("c++", "g++", "clang++")
-    for name in order:
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
 
 
 def _source_files(src: Path) -> list[Path]:
@@ -221,8 +158,7 @@ class BuildPlan:
 
 def _compiler_identity(compiler: str) -> str:
     try:
-        out = subprocess.run(shlex.split(compiler) + ["--version"], capture_output=True, text=True, timeout=30)
-        return out.stdout.splitlines()[0] if out.stdout else compiler
+        return _toolchain.compiler_identity(compiler)
     except (OSError, subprocess.SubprocessError):
         return compiler
 
@@ -237,46 +173,28 @@ def plan(compiler: str | None = None) -> BuildPlan:
     compile_flags = tuple(tf.sysconfig.get_compile_flags())
     link_flags = tuple(tf.sysconfig.get_link_flags())
     files = _source_files(src)
-    digest = hashlib.sha256()
-    for part in (tf.__version__, _compiler_identity(compiler), platform.machine(), sys.platform,
-                 " ".join(compile_flags), " ".join(link_flags), " ".join(_BUILD_FLAGS)):
-        digest.update(part.encode() + b"\0")
+    parts = [tf.__version__, _compiler_identity(compiler), platform.machine(), sys.platform,
+             " ".join(compile_flags), " ".join(link_flags), " ".join(_BUILD_FLAGS)]
     if is_macos_arm():
-        digest.update(" ".join(metal_defines()).encode() + b"\0")
+        parts.append(" ".join(metal_defines()))
     for f in files:
-        digest.update(str(f.relative_to(src)).encode() + b"\0" + f.read_bytes() + b"\0")
-    key = digest.hexdigest()[:20]
+        parts += [str(f.relative_to(src)), f.read_bytes()]
+    key = _toolchain.digest(*parts)
     directory = cache_root() / "ops" / f"tf{tf.__version__}-{key}"
     return BuildPlan(compiler, tf.__version__, compile_flags, link_flags, tuple(files),
                      tuple(_translation_units(src)), key, directory)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def entry_is_valid(p: BuildPlan) -> bool:
     """The cached library exists and matches the checksum recorded when it was built."""
     try:
         meta = json.loads(p.metadata.read_text())
-        return p.library.is_file() and meta.get("sha256") == _sha256(p.library)
+        return p.library.is_file() and meta.get("sha256") == _toolchain.sha256_file(p.library)
     except (OSError, ValueError):
         return False
 
 
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "r+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+_file_lock = _toolchain.file_lock  # also the signpost library's lock (callbacks/_signpost.py)
 
 
 def _compile(p: BuildPlan) -> None:
@@ -313,7 +231,7 @@ def _compile(p: BuildPlan) -> None:
                 "building the tfmetal_ext custom-op library failed.\ncommand: "
                 + " ".join(shlex.quote(c) for c in cmd) + "\n" + (result.stderr or result.stdout)[-20000:]
             )
-        _write_private(p.directory, p.library, out.read_bytes())
+        _toolchain.install(out, p.library)
     meta = {
         "tf_version": p.tf_version,
         "compiler": _compiler_identity(p.compiler),
@@ -321,9 +239,9 @@ def _compile(p: BuildPlan) -> None:
         "metal_kernels": p.with_metal,
         "sources": [str(s.relative_to(src)) for s in p.sources],
         "seconds": round(time.monotonic() - start, 1),
-        "sha256": _sha256(p.library),
+        "sha256": _toolchain.sha256_file(p.library),
     }
-    _write_private(p.directory, p.metadata, json.dumps(meta, indent=2).encode())
+    _toolchain.write_private(p.directory, p.metadata, json.dumps(meta, indent=2).encode())
     logger.warning("tfmetal_ext: built %s in %.1f s", p.library, meta["seconds"])
 
 
