@@ -13,6 +13,7 @@ import pathlib
 import re
 
 from tfmetal_ext.backends import fusion
+from tests._source_scan import docstring_ids
 
 PACKAGE = pathlib.Path(fusion.__file__).resolve().parents[1]
 HOME = PACKAGE / "backends" / "fusion.py"
@@ -46,20 +47,10 @@ def _is_op_name(text):
     return bool(_PREFIXES.match(text)) or text in NAMES
 
 
-def _docstrings(tree):
-    ids = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                ids.add(id(first.value))
-    return ids
-
-
 def op_name_literals(source):
     """(line, text) of each string literal in `source` (not a docstring) that is a fused-op name."""
     tree = ast.parse(source)
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     return sorted(
         (node.lineno, node.value)
         for node in ast.walk(tree)

@@ -20,6 +20,7 @@ import re
 import pytest
 
 import tfmetal_ext
+from tests._source_scan import docstring_ids
 
 PACKAGE = pathlib.Path(tfmetal_ext.__file__).parent
 
@@ -36,16 +37,6 @@ _VERSION = re.compile(r"^[0-3]\.\d+(?:\.\d+)?(?:\.\*)?(?:rc\d+)?$")
 _REQUIREMENT = re.compile(r"tensorflow(?:-metal(?:-plugin)?)?\s*(?:==|>=|<=|~=|!=|<|>)\s*\d")
 
 
-def _docstrings(tree):
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                found.add(id(first.value))
-    return found
-
-
 def _version_tuple(node):
     if not isinstance(node, ast.Tuple) or not 2 <= len(node.elts) <= 3:
         return None
@@ -60,7 +51,7 @@ def _version_tuple(node):
 def version_literals(source):
     """``(line, literal)`` of every version literal in `source` (docstrings skipped)."""
     tree = ast.parse(source)
-    docs = _docstrings(tree)
+    docs = docstring_ids(tree)
     hits = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
