@@ -61,16 +61,29 @@ def _build_elsewhere(cache_root, source, processes=1):
     return results
 
 
-@pytest.fixture
-def cache(tmp_path, monkeypatch):
-    """A fresh cache with tiny.metal built in it (by another process); its source and library."""
-    root = tmp_path / "cache"
-    source = tmp_path / "tiny.metal"
+@pytest.fixture(scope="module")
+def built_once(tmp_path_factory):
+    """tiny.metal built once for the module (by another process): (cache root, source, library path).
+
+    Each test works on a copy of this cache, so one compile serves them all.
+    """
+    where = tmp_path_factory.mktemp("emu-template")
+    source = where / "tiny.metal"
     source.write_text(TINY)
-    [built] = _build_elsewhere(root, source)
+    [built] = _build_elsewhere(where / "cache", source)
+    return where / "cache", source, built["path"]
+
+
+@pytest.fixture
+def cache(built_once, tmp_path, monkeypatch):
+    """A fresh private copy of the built cache (modes kept; a new path and inode, so never an image
+    this process has loaded); its root, the source and the library in it."""
+    template, source, library = built_once
+    root = tmp_path / "cache"
+    shutil.copytree(template, root, symlinks=True)
     monkeypatch.setenv("TFMETAL_EXT_CACHE", str(root))
     emu.clear_loaded()
-    yield root, source, built["path"]
+    yield root, source, str(root / os.path.relpath(library, template))
     emu.clear_loaded()
 
 
@@ -148,12 +161,11 @@ def test_library_owned_by_another_user_is_refused(cache, evil):
 
 
 @needs_root
-def test_cache_planted_by_another_user_is_refused(shared_dir, tmp_path, evil, monkeypatch):
+def test_cache_planted_by_another_user_is_refused(shared_dir, built_once, evil, monkeypatch):
     """Another uid creates the emulator cache in a shared place and plants a library at the
     name this kernel builds to: the build refuses the cache and loads nothing."""
-    source = tmp_path / "tiny.metal"
-    source.write_text(TINY)
-    [built] = _build_elsewhere(tmp_path / "private", source)  # where its library goes: the name
+    _, source, library = built_once  # where its library goes: the name
+    built = {"path": library}
     root = shared_dir / "cache"
     evil_copy = shared_dir / "evil.so"
     shutil.copyfile(evil[0], evil_copy)
