@@ -131,6 +131,18 @@ class Backend:
             on the host).
         unsupported_layers: Keras class name -> reason (with the fix) for
             stock layers that fail on this backend.
+        host_memory: op -> {dtype name, or "" for a registration without a
+            type constraint: the names of the op's arguments (inputs or
+            outputs, as in its OpDef) the backend's kernel keeps in host
+            memory}; None: not recorded (the table's kernels then say nothing
+            about memory; TensorFlow's own rules still apply: resource,
+            string and variant tensors live on the host, and so do int32
+            tensors of GPU kernels).
+        gated_kernels: op -> dtypes registered only when `gate` holds on the
+            user's machine (Apple's tensorflow-metal: ten stateless-random ops
+            need macOS 13's MPSGraph). They are part of `kernels` as well.
+        gate: ``(label, minimum macOS as a tuple)`` naming the condition of
+            `gated_kernels`; None when nothing is gated.
         source: where the facts come from.
     """
 
@@ -153,14 +165,45 @@ class Backend:
     unsupported_layers: types.MappingProxyType = dataclasses.field(
         default_factory=lambda: types.MappingProxyType({})
     )
+    host_memory: types.MappingProxyType | None = None
+    gated_kernels: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    gate: tuple | None = None
     source: str = ""
 
-    def has_kernel(self, op, dtype=None):
+    def host_memory_args(self, op, dtype=None):
+        """frozenset of the argument names this backend's own kernel of `op` keeps in host memory, or None.
+
+        None: the table does not record memory, or has no own kernel of `op`
+        for `dtype` (a shared TensorFlow kernel or the CPU runs it; ask
+        TensorFlow's registry). `dtype` as in `has_kernel`; with None, the
+        arguments every registration of `op` keeps on the host.
+        """
+        if self.host_memory is None or op not in (self.kernels or {}):
+            return None
+        registered = self.kernels[op]
+        by_dtype = self.host_memory.get(op, {})
+        if not registered:
+            return frozenset(by_dtype.get("", ()))
+        if dtype is None:
+            return frozenset.intersection(*(frozenset(by_dtype.get(d, ())) for d in registered))
+        if dtype not in registered:
+            return None
+        return frozenset(by_dtype.get(dtype, ()))
+
+    def gate_met(self, macos=None):
+        """Whether `gated_kernels` are registered on `macos` (a version tuple); None: the gate is assumed met."""
+        if self.gate is None or macos is None:
+            return True
+        return tuple(macos) >= tuple(self.gate[1])
+
+    def has_kernel(self, op, dtype=None, macos=None):
         """True / False / None: whether `op` has a kernel on this backend's device for `dtype`.
 
         `dtype` is a dtype name (``"float32"``) of the op's type attribute
         (``T``, or the attr the table names, e.g. ``SrcT`` for Cast); None
-        asks about any dtype. In order:
+        asks about any dtype. `macos`: the user's macOS as a version tuple,
+        for a table with `gated_kernels` (None: the gate is assumed met; see
+        `gate_met`). In order:
 
         * False for an op in `host_ops` (the backend does not register it on
           this TensorFlow: it runs on the host) or in `missing_kernels`.
@@ -181,10 +224,15 @@ class Backend:
         if self.kernels is None:
             return None
         listed = False
+        gated = () if self.gate_met(macos) else self.gated_kernels.get(op, ())
         for registered in (self.kernels, self.shared_kernels or {}):
             if op in registered:
-                listed = True
                 dtypes = registered[op]
+                if registered is self.kernels and gated:
+                    dtypes = tuple(d for d in dtypes if d not in gated)
+                    if not dtypes:
+                        continue
+                listed = True
                 if dtype is None or not dtypes or dtype in dtypes:
                     return True
         if listed:
