@@ -12,8 +12,11 @@ TF ?= 2.21.0
 DEFAULT_TF := 2.21.0
 ifeq ($(TF),$(DEFAULT_TF))
 VENV ?= .venv
+# keras-hub's tensorflow-text follows TensorFlow's minor: only beside the default TensorFlow.
+EXTRAS ?= test,examples,gen,hub
 else
 VENV ?= .venv-tf$(TF)
+EXTRAS ?= test,examples,gen
 endif
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
@@ -28,7 +31,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 $(VENV)/.installed-$(TF): setup.py pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "tensorflow==$(TF)" -e ".[test,examples]"
+	$(PY) -m pip install --quiet "tensorflow==$(TF)" -e ".[$(EXTRAS)]"
 	touch $@
 
 venv: $(VENV)/.installed-$(TF)

@@ -60,6 +60,12 @@ setup(
             f"tensorflow-metal-plugin>=0.4.1,<0.5 ; {_MAC_ARM}",
         ],
         "test": ["pytest>=7", "pytest-xdist>=3.5,<4", "hypothesis>=6"],
+        # scripts/gen_metal_kernels.py: Apple's tensorflow-metal kernel table, read by running its
+        # TF_InitKernel on an arm64 emulator (unicorn) over the Mach-O as lief parses it.
+        "gen": ["unicorn>=2.1,<3", "lief>=1.0,<2"],
+        # keras-hub's models (keras-hub pulls tensorflow-text, which pins the TensorFlow minor it was
+        # built for: install it beside the TensorFlow it matches).
+        "hub": ["keras-hub>=0.32,<0.33"],
         "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["tfmetal-ext=tfmetal_ext.cli:main"]},

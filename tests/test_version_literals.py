@@ -29,6 +29,8 @@ EXEMPT = {
     "backends/pairings.py": "the pairing data",
     # Written by scripts/gen_metal_plugin_kernels.py from the sdist (it records which release and TF it read).
     "backends/_metal_plugin_kernels.py": "generated",
+    # Written by scripts/gen_metal_kernels.py from Apple's wheel (the release, its TF and the macOS gate it read).
+    "backends/_metal_kernels.py": "generated",
     # tfmetal-ext's own version (pyproject reads it), not a TensorFlow or plugin version.
     "_version.py": "the package's own version",
 }
