@@ -254,20 +254,51 @@ def test_has_kernel_on_the_open_plugin(op, dtype, expected):
     "op, dtype, expected",
     [
         ("_FusedConv2D", "float16", True),
-        ("_FusedConv2D", "bfloat16", False),  # REFERENCE.md 4: float, half; no bf16
+        ("_FusedConv2D", "bfloat16", False),  # REFERENCE.md 10: float, half; no bf16
+        ("Conv2D", "bfloat16", True),  # ...while plain Conv2D has a bfloat16 kernel
         ("CudnnRNNV3", "bfloat16", True),
         ("ResourceApplyAdam", "float32", True),
+        ("ResourceApplyAdam", "float16", False),  # the optimizer kernels are float only
         ("BlockLSTM", "float32", False),
         ("LSTMBlockCell", None, False),
-        ("RngReadAndSkip", None, False),
-        ("Einsum", "float32", None),  # not among the known facts: unknown
-        ("MatMul", "float32", None),
+        # Registered by 1.2.0 with every argument in host memory (the user reports of it falling back to
+        # the CPU predate this release's table; REFERENCE.md 10).
+        ("RngReadAndSkip", None, True),
+        ("Einsum", "float32", False),  # complete now: not registered means no kernel
+        ("IsFinite", "float16", False),
+        ("StatelessRandomGetKeyCounter", None, False),
+        ("Sigmoid", "float16", False),  # float32 only
+        ("DivNoNan", "bfloat16", True),
+        ("MatMul", "float32", True),
+        ("ReadVariableOp", "float32", True),  # TensorFlow's own DEVICE_DEFAULT kernel
+        ("NoSuchOp", None, False),
     ],
 )
 def test_has_kernel_on_apples_plugin(op, dtype, expected):
-    assert APPLE.kernels_complete is False
+    assert APPLE.kernels_complete is True
     assert not APPLE.host_ops
     assert APPLE.has_kernel(op, dtype) is expected
+
+
+@pytest.mark.parametrize(
+    "macos, expected", [(None, True), ((13, 0), True), ((15, 2), True), ((12, 7), False)]
+)
+def test_apples_stateless_random_kernels_need_macos_13(macos, expected):
+    # REFERENCE.md 10: ten stateless-random ops register only when MPSGraph answers for its GRU API.
+    assert APPLE.gate[1] == (13, 0)
+    assert APPLE.has_kernel("StatelessRandomUniformV2", "float32", macos=macos) is expected
+    assert APPLE.has_kernel("StatelessRandomUniformV2", "bfloat16", macos=macos) is False
+    # An ungated kernel does not depend on the macOS.
+    assert APPLE.has_kernel("Softmax", "float16", macos=(12, 0)) is True
+
+
+def test_host_memory_arguments_on_apples_plugin():
+    assert APPLE.host_memory_args("BroadcastTo", "float16") == {"shape"}
+    assert APPLE.host_memory_args("Sum", "float32") == {"reduction_indices"}
+    assert APPLE.host_memory_args("Softmax", "float32") == frozenset()
+    assert APPLE.host_memory_args("Softmax", "int32") is None  # no such registration
+    assert APPLE.host_memory_args("ReadVariableOp") is None  # TensorFlow's kernel, not the plugin's
+    assert PLUGIN.host_memory_args("Conv2D", "float32") is None  # the open plugin's table records no memory
 
 
 def test_has_kernel_without_a_kernel_record_is_unknown():
@@ -385,4 +416,4 @@ def test_plugin_module_cites_its_sources():
     for source in ("metal_graph.mm", "metal_kernels.mm", "metal_kernel_util.mm", "remapper.cc",
                    "tensorflow/tensorflow#126374", "#126377", "keras/src/backend/tensorflow/rnn.py"):
         assert source in doc, source
-    assert metal.__doc__ and "RngReadAndSkip" in metal.__doc__
+    assert metal.__doc__ and "scripts/gen_metal_kernels.py" in metal.__doc__

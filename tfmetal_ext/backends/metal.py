@@ -1,18 +1,34 @@
 """Apple's tensorflow-metal PluggableDevice (1.2, TF <= 2.19).
 
-Sources: the plugin's own grappler optimizer ("Plugin optimizer for
+Kernels (`KERNELS`, `GATED_KERNELS`, `HOST_MEMORY`, `TF_DEFAULT_KERNELS`):
+generated from the plugin's own wheel by ``scripts/gen_metal_kernels.py``
+into `tfmetal_ext.backends._metal_kernels`, which runs the plugin's
+``TF_InitKernel`` on an arm64 emulator against recording stand-ins of TF's
+kernel-builder C API. 1.2.0: 561 registrations of 184 ops on its ``GPU``
+device with macOS 13 or later; ten stateless-random ops register only there
+(they ask MPSGraph for its GRU API), so macOS 12 has 174 ops. The table is
+complete: an op it does not list, and that TensorFlow's own
+``DEVICE_DEFAULT`` kernels (of TF 2.19.1, which serve every pluggable
+device) do not cover, has no kernel on that GPU. Among what it lacks:
+``Einsum``, ``IsFinite``, ``StatelessRandomGetKeyCounter``, ``Pack`` /
+``Unpack``, ``Elu``, ``LSTMBlockCell`` / ``BlockLSTM``; ``Sigmoid``,
+``ZerosLike``, ``Fill`` and every ``ResourceApply*`` optimizer kernel are
+float32 only; ``_FusedConv2D`` / ``_FusedMatMul`` are float32/half only,
+though 93 ops have bfloat16 kernels.
+
+Fusions: the plugin's own grappler optimizer ("Plugin optimizer for
 device_type GPU is enabled"; patterns for contraction + bias (+ Relu, Relu6,
 Elu, LeakyRelu) and for the optimizers Adam, AdamAMSGrad, SGD, KerasMomentum,
 KerasNesterovMomentum, Adagrad and RMSprop), the kernel symbols of
 tensorflow-metal 1.2.0 (macOS arm64 wheel, 2025-01-31), and user reports
 (Apple Developer Forums, tensorflow/tensorflow issues) for the pairings and
-the graph-mode ``relu(bias_add(matmul))`` miscompute and for the silent CPU
-fallback of ops without a GPU kernel (``RngReadAndSkip``). Not measured here:
-no Mac on the project's machines.
+the graph-mode ``relu(bias_add(matmul))`` miscompute. Not measured here: no
+Mac on the project's machines.
 """
 
 import types
 
+from tfmetal_ext.backends import _metal_kernels as _generated
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends._table import Fusion, backend, never
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
@@ -25,47 +41,39 @@ MATMUL_RELU_NOTE = (
     "mode; check with `tfmetal-ext doctor --selftest`"
 )
 
-# Kernels found in the binary's symbols (REGISTER names), with the dtypes registered. Only the
-# facts known: the table is not complete (`kernels_complete=False`), so an op not listed here
-# is unknown (`Backend.has_kernel` -> None), not missing.
-KERNELS = types.MappingProxyType(
-    {
-        fusion.FUSED_CONV2D: F32_F16,
-        fusion.FUSED_MATMUL: F32_F16,
-        fusion.FUSED_BATCH_NORM_EX: F32_F16,
-        fusion.FUSED_BATCH_MATMUL: F32_F16,
-        "ResourceApplyAdam": F32_F16,
-        "ResourceApplyAdamWithAmsgrad": F32_F16,
-        "ResourceApplyKerasMomentum": F32_F16,
-        "ResourceApplyMomentum": F32_F16,
-        "ResourceApplyRMSProp": F32_F16,
-        "ResourceApplyAdagrad": F32_F16,
-        "ResourceApplyAdagradV2": F32_F16,
-        "ResourceApplyGradientDescent": F32_F16,
-        "CudnnRNN": _ALL_FLOAT,
-        "CudnnRNNV2": _ALL_FLOAT,
-        fusion.CUDNN_RNN: _ALL_FLOAT,
-        "CudnnRNNBackprop": _ALL_FLOAT,
-        "CudnnRNNBackpropV2": _ALL_FLOAT,
-        fusion.CUDNN_RNN_GRAD: _ALL_FLOAT,
-    }
-)
+# Generated from the wheel: see the module docstring.
+KERNELS = types.MappingProxyType(_generated.KERNELS)
+DTYPE_ATTR = types.MappingProxyType(_generated.DTYPE_ATTR)
+GATED_KERNELS = types.MappingProxyType(_generated.GATED_KERNELS)
+HOST_MEMORY = types.MappingProxyType({op: types.MappingProxyType(by) for op, by in _generated.HOST_MEMORY.items()})
+TF_DEFAULT_KERNELS = types.MappingProxyType(_generated.TF_DEFAULT_KERNELS)
+# (what the gated kernels need, the oldest macOS that has it).
+GATE = (_generated.GATE, _generated.GATE_MIN_MACOS)
 
-# Ops known to have no kernel in tensorflow-metal 1.2 (any dtype): no fused LSTM cell kernels
-# in its symbols, and the stateless-RNG counter op users see silently fall back to the CPU.
-MISSING_KERNELS = frozenset({"BlockLSTM", "LSTMBlockCell", "RngReadAndSkip"})
+
+def _registered(op):
+    """The float dtypes `KERNELS` registers for `op`, in the order rows list them."""
+    return tuple(d for d in _ALL_FLOAT if d in KERNELS.get(op, ()))
+
+
+_BF16_FUSED = (
+    "bfloat16 on Metal: tensorflow-metal has bfloat16 {op} and BiasAdd kernels but registers {fused} for "
+    "float32/half only, so a bfloat16 chain runs unfused"
+)
 
 METAL = backend(
     "metal", "metal", "Metal",
     {
         "conv2d_bias_act": Fusion(
             "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32/half (tensorflow-metal plugin remapper); no bfloat16",
-            dtypes=F32_F16, acts=ACTS,
+            dtypes=_registered(fusion.FUSED_CONV2D), acts=ACTS,
+            dtype_notes={"bfloat16": _BF16_FUSED.format(op="Conv2D", fused=fusion.FUSED_CONV2D)},
         ),
         "matmul_bias_act": Fusion(
             "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32/half; relu(bias_add(matmul)) reported to miscompute "
             "in graph mode",
-            dtypes=F32_F16, acts=ACTS, note=MATMUL_RELU_NOTE,
+            dtypes=_registered(fusion.FUSED_MATMUL), acts=ACTS, note=MATMUL_RELU_NOTE,
+            dtype_notes={"bfloat16": _BF16_FUSED.format(op="MatMul", fused=fusion.FUSED_MATMUL)},
         ),
         "matmul_bias_gelu": never("not fused"),
         "depthwise_bias_act": never("not fused", why_not="no fused depthwise kernel"),
@@ -116,8 +124,12 @@ METAL = backend(
         ),
     },
     kernels=KERNELS,
-    kernels_complete=False,
-    missing_kernels=MISSING_KERNELS,
+    kernels_complete=True,
+    shared_kernels=TF_DEFAULT_KERNELS,
+    dtype_attrs=DTYPE_ATTR,
+    host_memory=HOST_MEMORY,
+    gated_kernels=GATED_KERNELS,
+    gate=GATE,
     source=__doc__,
 )
 

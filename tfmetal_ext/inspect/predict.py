@@ -26,10 +26,14 @@ What the prediction assumes (the report's header and notes say so):
 * int32 ops without a device kernel are listed apart (`INT32_HOST`): TensorFlow
   keeps int32 tensors in host memory on every GPU, so running them on the
   CPU costs nothing a GPU kernel would have saved.
-* "unknown": the table does not know the op. Apple's tensorflow-metal table
-  holds only the facts known from its binary (`Backend.kernels_complete` is
-  False), so most of its ops are unknown; the open plugin's is generated
-  from its source and complete.
+* "unknown": the table does not know the op. Both Metal tables are complete
+  (`Backend.kernels_complete`): the open plugin's is generated from its
+  source, Apple's from its wheel (``scripts/gen_metal_kernels.py``), so an op
+  is unknown only for a table that records facts alone.
+* The user's macOS: Apple's tensorflow-metal registers ten stateless-random
+  ops only on macOS 13 or later (`Backend.gate`). The prediction uses the
+  `macos` it is given, else this Mac's version, else (not on a Mac) the
+  assumed Mac of `tfmetal_ext.devices.assume_backend`, and says which in a note.
 * Ops that compute nothing a kernel table speaks of are skipped
   (`PLUMBING_OPS`: arguments, constants, identities, variable handles and
   reads, functional control flow and its v1 loop ops, the input iterator).
@@ -216,7 +220,7 @@ class PredictedPlacementReport(PlacementReport):
     def __str__(self):
         label = backends.table(self.table).label if self.table in backends.TABLES else self.table
         head = f"Predicted placement ({self.mode}) on {self.predicted_for}, traced here, not run (kernel table "
-        head += f"{label!r}: complete, generated from its source)" if self.table_complete else (
+        head += f"{label!r}: complete, generated from the backend's own registrations)" if self.table_complete else (
             f"{label!r}: known facts only, so an op it does not list is unknown, not missing)")
         lines = [head]
         if not self.missing:
@@ -323,14 +327,18 @@ def _custom_op_kernel(table, op, dtype):
     return None
 
 
-def judge(table, op, attrs):
-    """``(outcome, dtype, reason)`` of one op on `table`, or None when it runs on the device."""
+def judge(table, op, attrs, macos=None):
+    """``(outcome, dtype, reason)`` of one op on `table`, or None when it runs on the device.
+
+    `macos`: the user's macOS as a version tuple, for a table whose kernels
+    depend on it (`Backend.gate`); None: the gate is taken as met.
+    """
     if op in table.host_ops:
         dtypes = _judged_dtypes(table, op, attrs)
         return HOST, dtypes[0], table.host_ops[op]
     verdicts = []
     for dtype in _judged_dtypes(table, op, attrs):
-        has = table.has_kernel(op, dtype)
+        has = table.has_kernel(op, dtype, macos=macos)
         if op.startswith(fusion.CUSTOM_OP_PREFIX):
             has = _custom_op_kernel(table, op, dtype)
         verdicts.append((has, dtype))
@@ -343,6 +351,8 @@ def judge(table, op, attrs):
     if has is None:
         return UNKNOWN, dtype, "not in the backend table"
     what = f"no {table.label} kernel" + (f" for {dtype}" if dtype else "")
+    if table.has_kernel(op, dtype) and not table.gate_met(macos):
+        what += f" on macOS {'.'.join(map(str, macos))}: it needs {table.gate[0]}"
     if dtype in _HOST_DTYPES:
         return INT32_HOST, dtype, what + "; TensorFlow computes int32 on the host on GPUs anyway"
     if tf_has_kernel(op, attrs, "CPU"):
@@ -422,10 +432,41 @@ def _layer_of(index, node_name, optimizer_names):
     return None
 
 
-def build_predicted_report(capture, index, predict_for, model=None, notes=()):
+def macos_version(macos, table=None):
+    """``(version tuple, note)``: the macOS a prediction is made for, and a note naming where it came from.
+
+    `macos`: ``"12.7"``, ``(13, 0)`` or None (this Mac's version; off a Mac,
+    the assumed Mac of `tfmetal_ext.devices.assume_backend`). The note is
+    None when `table` has no kernels that depend on the macOS.
+    """
+    from tfmetal_ext.backends import pairings
+
+    if macos is not None:
+        text = ".".join(map(str, macos)) if isinstance(macos, (tuple, list)) else macos
+        if not isinstance(text, str) or not re.fullmatch(r"\d{1,2}(\.\d+){0,2}", text):
+            raise ValueError(f"`macos` must be a macOS version such as '13.6' or (13, 6). Received: macos={macos!r}")
+        version, source = tuple(int(p) for p in text.split(".")), "as asked"
+    elif devices._macos_version():
+        version, source = tuple(int(p) for p in devices._macos_version().split(".")), "this Mac's"
+    else:
+        version = pairings.PLUGIN_MIN_MACOS
+        source = "assumed: this is not a Mac; pass macos=... to predict for another"
+    if table is None or table.gate is None:
+        return version, None
+    label, minimum = table.gate
+    shown = ".".join(map(str, version))
+    if table.gate_met(version):
+        lost = ", ".join(sorted(table.gated_kernels))
+        return version, (f"predicted for macOS {shown} ({source}): {label} holds, so its kernels for {lost} count "
+                         f"as present; before macOS {'.'.join(map(str, minimum))} they are not registered")
+    return version, f"predicted for macOS {shown} ({source}): {label} does not hold, so its gated kernels are missing"
+
+
+def build_predicted_report(capture, index, predict_for, model=None, notes=(), macos=None):
     """The `PredictedPlacementReport` of a traced `capture` for `predict_for` (a plugin distribution)."""
     with devices.assume_backend(predict_for):
         table = backends.current()
+    macos, macos_note = macos_version(macos, table)
     optimizer_names = _optimizer_scope(model)
     grouped = {}
     for nodes in _functions(capture):
@@ -437,7 +478,7 @@ def build_predicted_report(capture, index, predict_for, model=None, notes=()):
             op, attrs = node.op, _type_attrs(node)
             if node.name in heads:
                 op = _CHAINS[op][1]  # judged as the fused op it becomes
-            verdict = judge(table, op, attrs)
+            verdict = judge(table, op, attrs, macos)
             if verdict is None:
                 continue
             outcome, dtype, reason = verdict
@@ -450,7 +491,7 @@ def build_predicted_report(capture, index, predict_for, model=None, notes=()):
             else:
                 grouped[key] = PredictedOp(op, dtype, layer, outcome, reason, 1, node.name)
     entries = list(grouped.values())
-    notes = list(notes)
+    notes = list(notes) + ([macos_note] if macos_note else [])
     if capture.jit_compile:
         notes.append("the step is XLA compiled: neither Metal backend has XLA, so jit_compile=True fails there")
     missing = [e for e in entries if e.outcome in (FAILS, FALLBACK, HOST)]

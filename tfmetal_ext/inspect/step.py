@@ -540,7 +540,7 @@ def report_from_capture(cap, model=None, notes=()):
     return build_fusion_report(cap, index, ctx, policy=policy, notes=notes)
 
 
-def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None, **kw):
+def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None, macos=None, **kw):
     """Runs one step and reports ops that ran on CPU while a GPU was present; or predicts them for a Metal backend.
 
     Arguments as for `fusion_report`. With `predict_for`
@@ -550,7 +550,10 @@ def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None,
     as its cuDNN LSTM taken; see `tfmetal_ext.inspect.predict`), and every
     compute op with no kernel there for its dtype is listed with its layer
     and whether it would fall back to the CPU, fail (no CPU kernel either),
-    or run on the host. Works on any machine.
+    or run on the host. Works on any machine. `macos` (``"12.7"``): the
+    macOS to predict for where the backend's kernels depend on it (Apple's
+    tensorflow-metal registers its stateless-random kernels from macOS 13);
+    None: this Mac's, or off a Mac an assumed one, named in the report's notes.
 
     Returns:
         A `PlacementReport`; with `predict_for`, a `PredictedPlacementReport`.
@@ -559,13 +562,16 @@ def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None,
         ValueError: on a bad `predict_for` (or mode, batch size, ...).
     """
     if predict_for is None:
+        if macos is not None:
+            raise ValueError(f"`macos` applies to a prediction only: pass predict_for=... too. Received: macos={macos!r}")
         cap, model, _ = capture_step(model_or_fn, inputs, mode, **kw)
         return placement_from_capture(cap, model)
     predict.validate_predict_for(predict_for)
+    predict.macos_version(macos)  # a bad `macos` fails before the trace
     with predict.tracing_as(predict_for):
         cap, model, notes = _step(model_or_fn, inputs, mode, True, **kw)
         index = LayerIndex(model, cap.layer_scopes)
-    return predict.build_predicted_report(cap, index, predict_for, model=model, notes=notes)
+    return predict.build_predicted_report(cap, index, predict_for, model=model, notes=notes, macos=macos)
 
 
 def placement_from_capture(cap, model=None):
