@@ -38,6 +38,10 @@ arm64 CPU emulator (unicorn):
    with ``-[MPSGraph instancesRespondToSelector:]`` answering YES and once
    NO. Registrations that appear only in the first run are the ones gated on
    that MPSGraph API (macOS 13 and later).
+4. Completeness: every ``bl`` / ``b`` in ``__text`` to the stub of a
+   kernel-builder function (`BUILDER_CALLS`) is found by decoding the
+   branches, and the run fails unless each of those call sites executed in
+   one of the two runs (tail calls included).
 
 Nothing of Apple's code is copied into this repository: the table records op
 names, devices, kernel names, type constraints and host-memory argument
@@ -105,6 +109,12 @@ EXPECTED_INIT_FAULTS = {
     "GLOBAL__sub_I_mtl_ops_common.cc": "constructs a global std::ofstream (a debug log) through libc++'s "
     "VTT, which the stand-ins leave empty; no kernel registration reads it",
 }
+
+
+# The kernel-builder functions of TF's C API whose every call site must execute.
+BUILDER_CALLS = (
+    "TF_NewKernelBuilder", "TF_KernelBuilder_TypeConstraint", "TF_KernelBuilder_HostMemory", "TF_RegisterKernelBuilder",
+)
 
 
 class GenerationError(RuntimeError):
@@ -327,6 +337,47 @@ class Machine:
         result = handler(self)
         if result is not None:
             self.set_reg(0, result)
+
+    # -- the builder call sites ----------------------------------------------------------------------
+
+    def builder_call_sites(self):
+        """{address: kernel-builder function} of every ``bl`` / ``b`` in __text to one of `BUILDER_CALLS`' stubs.
+
+        A stub is ``adrp x16, page; ldr x16, [x16, #off]; br x16``: the slot it
+        loads is bound to the import it calls. A ``b`` is a tail call.
+        """
+        bound = {b.address: b.symbol.name.lstrip("_") for b in self.image.bindings if b.has_symbol}
+        section = self.image.get_section("__stubs")
+        code, base = bytes(section.content), section.virtual_address
+        stubs = {}
+        for i in range(0, len(code) - 11, 12):
+            adrp, ldr = struct.unpack_from("<II", code, i)
+            page = ((adrp >> 29) & 3 | ((adrp >> 5) & 0x7FFFF) << 2) << 12
+            page -= (page & (1 << 32)) << 1  # sign of the 33-bit page offset
+            slot = ((base + i) & ~0xFFF) + page + ((ldr >> 10) & 0xFFF) * 8
+            if bound.get(slot) in BUILDER_CALLS:
+                stubs[base + i] = bound[slot]
+        text = self.image.get_section("__text")
+        code, base = bytes(text.content), text.virtual_address
+        sites = {}
+        for off in range(0, len(code), 4):
+            word = struct.unpack_from("<I", code, off)[0]
+            if word & 0x7C000000 == 0x14000000:  # b / bl imm26
+                imm = word & 0x3FFFFFF
+                dest = base + off + (imm - ((imm & (1 << 25)) << 1)) * 4
+                if dest in stubs:
+                    sites[base + off] = stubs[dest]
+        return sites
+
+    def watch(self, sites):
+        """Records in `self.reached` each of `sites` (image offsets) that executes."""
+        self.reached = set()
+
+        def hit(uc, address, size, _):
+            self.reached.add(address - IMAGE_BASE)
+
+        for site in sites:
+            self.uc.hook_add(self.unicorn.UC_HOOK_CODE, hit, begin=IMAGE_BASE + site, end=IMAGE_BASE + site)
 
     def run_initializers(self):
         """Runs the static initializers; the names of those that faulted (see `EXPECTED_INIT_FAULTS`)."""
@@ -739,9 +790,11 @@ for _suffix, _fn in {
 # Running it.
 
 
-def run(binary, responds_to_selector):
+def run(binary, responds_to_selector, sites=None):
     m = Machine(binary, responds_to_selector=responds_to_selector)
     m.gate_asked = None
+    if sites is not None:
+        m.watch(sites)
     failed_inits = m.run_initializers()
     m.init_kernels()
     if m.builders:
@@ -766,9 +819,11 @@ def registrations(binary):
     return on, gated, with_gate.gate_asked, failed
 
 
-def run(binary, responds_to_selector):
+def run(binary, responds_to_selector, sites=None):
     m = Machine(binary, responds_to_selector=responds_to_selector)
     m.gate_asked = None
+    if sites is not None:
+        m.watch(sites)
     faulted = m.run_initializers()
     m.init_kernels()
     if m.builders:
@@ -784,8 +839,15 @@ def run(binary, responds_to_selector):
 
 def read_wheel(binary):
     """Runs the registration with and without the gate: a dict of everything the table records."""
-    on, faulted = run(binary, True)
-    off, _ = run(binary, False)
+    sites = Machine(binary).builder_call_sites()
+    if not sites:
+        raise GenerationError("no call site of the kernel-builder API was found: not the binary this script reads")
+    on, faulted = run(binary, True, sites)
+    off, _ = run(binary, False, sites)
+    unreached = sorted(set(sites) - on.reached - off.reached)
+    if unreached:
+        raise GenerationError(f"{len(unreached)} of {len(sites)} kernel-builder call sites never ran, e.g. "
+                              + ", ".join(f"{sites[a]} at {a:#x}" for a in unreached[:5]))
     if on.gate_asked is None:
         raise GenerationError("the MPSGraph selector check never ran: the gate this script models is gone")
     only_off = collections.Counter(off.registrations) - collections.Counter(on.registrations)
@@ -798,8 +860,9 @@ def read_wheel(binary):
         if needs_gate:
             left[r] -= 1
         rows.append((r.op, r.kernel, r.constraints, r.host_memory, needs_gate))
+    per_call = collections.Counter(sites.values())
     return {
-        "registrations": rows, "gate_selector": on.gate_asked, "op_defs": dict(sorted(on.op_defs.items())),
+        "registrations": rows, "gate_selector": on.gate_asked, "call_sites": dict(sorted(per_call.items())), "op_defs": dict(sorted(on.op_defs.items())),
         "faulted": faulted, "unhandled": dict(on.unhandled),
     }
 
@@ -895,6 +958,8 @@ def render(read, defaults):
         f"GATE_MIN_MACOS = {GATE_MIN_MACOS!r}",
         f"# {len(rows)} registrations of {len(kernels)} ops with GATE met; without it "
         f"{len(rows) - n_gated} of {len(macos12_ops)} ops.",
+        "# Call sites of the kernel-builder API in the binary, every one of which ran: "
+        + ", ".join(f"{n} {name}" for name, n in read["call_sites"].items()) + ".",
         "",
         "OP_DEFINITIONS = " + pprint.pformat(read["op_defs"], width=110),
         "",

@@ -71,6 +71,7 @@ def test_generated_module_is_current(binary):
     assert "is current" in proc.stdout
 
 
+@pytest.mark.full  # the quick tier runs --check on the committed module
 def test_check_fails_on_a_stale_module(binary, tmp_path):
     # One registration edited by hand (Einsum given a kernel it does not have): --check must say so.
     source = pathlib.Path(generated.__file__).read_text()
@@ -99,6 +100,30 @@ def test_an_import_without_a_stand_in_fails_the_run(gen, binary, monkeypatch):
     # (here memmove, which copies every op name into its std::string) fails the run and is named.
     monkeypatch.delitem(gen.IMPORTS, "memmove")
     with pytest.raises(gen.GenerationError, match="memmove"):
+        gen.read_wheel(binary)
+
+
+def test_the_call_sites_are_the_ones_reference_counted(gen, binary):
+    # REFERENCE.md 10: 493 / 782 / 361 / 493 call sites, 169 and 159 of the middle two tail calls.
+    machine = gen.Machine(binary)
+    sites = machine.builder_call_sites()
+    counts = collections.Counter(sites.values())
+    assert [counts[c] for c in gen.BUILDER_CALLS] == [493, 782, 361, 493]
+    code = machine.uc.mem_read
+    tail = collections.Counter(
+        sites[a] for a in sites if int.from_bytes(code(gen.IMAGE_BASE + a, 4), "little") >> 26 == 0b000101
+    )
+    assert (tail["TF_KernelBuilder_TypeConstraint"], tail["TF_KernelBuilder_HostMemory"]) == (169, 159)
+
+
+@pytest.mark.full  # the quick tier's --check runs the same emulation end to end
+def test_a_call_site_that_never_runs_fails_the_run(gen, binary, monkeypatch):
+    # A registration the emulation misses (a call site it never reaches) must stop the generator: here
+    # one planted at the entry of TF_InitGraph, the graph-optimizer hook the generator never calls.
+    found = gen.Machine.builder_call_sites
+    monkeypatch.setattr(gen.Machine, "builder_call_sites",
+                        lambda self: {**found(self), self.exported["_TF_InitGraph"]: "TF_NewKernelBuilder"})
+    with pytest.raises(gen.GenerationError, match="1 of 2130 kernel-builder call sites never ran"):
         gen.read_wheel(binary)
 
 
