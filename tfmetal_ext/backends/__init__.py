@@ -8,9 +8,12 @@
   `support_key`, `current` to pick one.
 * `pairings`: the TensorFlow / Metal plugin pairings and every version the
   package decides on.
+* `gaps`: the ops of an ordinary train step a backend has no kernel for
+  (`gaps.summary(table)`, the one line README, the doctor and ``configure()``
+  print).
 * One table per backend: `cpu` (``ONEDNN`` and ``EIGEN``, the CPU without
-  oneDNN), `cuda`, `metal` (Apple's tensorflow-metal: its kernels are the
-  facts known from its binary) and `metal_plugin` (the open
+  oneDNN), `cuda`, `metal` (Apple's tensorflow-metal: its kernels generated
+  from its wheel by ``scripts/gen_metal_kernels.py``, complete) and `metal_plugin` (the open
   tensorflow-metal-plugin: its kernels generated from its sdist by
   ``scripts/gen_metal_plugin_kernels.py``, complete, with the ops it leaves
   to the host on this TensorFlow and the stock layers that fail there).
@@ -27,7 +30,7 @@ one module with a table and a `precision(caps)` function, registered in
 
 from __future__ import annotations
 
-from tfmetal_ext.backends import cpu, cuda, fusion, metal, metal_plugin, pairings
+from tfmetal_ext.backends import cpu, cuda, fusion, gaps, metal, metal_plugin, pairings
 from tfmetal_ext.backends._table import PREDICT, TRAIN, Backend, Fusion
 from tfmetal_ext.backends.fusion import (
     ACTIVATION_OPS,
@@ -58,6 +61,7 @@ __all__ = [
     "Fusion",
     "Pattern",
     "fusion",
+    "gaps",
     "pairings",
     "precision",
     "table",

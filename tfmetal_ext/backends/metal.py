@@ -29,7 +29,7 @@ Mac on the project's machines.
 import types
 
 from tfmetal_ext.backends import _metal_kernels as _generated
-from tfmetal_ext.backends import fusion
+from tfmetal_ext.backends import fusion, gaps
 from tfmetal_ext.backends._table import Fusion, backend, never
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
 
@@ -62,7 +62,7 @@ _BF16_FUSED = (
 )
 
 METAL = backend(
-    "metal", "metal", "Metal",
+    "metal", "metal", "tensorflow-metal",
     {
         "conv2d_bias_act": Fusion(
             "[BiasAdd(, Relu|Relu6|Elu|LeakyRelu)] float32/half (tensorflow-metal plugin remapper); no bfloat16",
@@ -120,7 +120,7 @@ METAL = backend(
         "cudnn_rnn": Fusion(
             "tensorflow-metal kernel: float32, float16, bfloat16; emitted as Keras emits it "
             "(batch-major, sequence_lengths)",
-            dtypes=_ALL_FLOAT,
+            dtypes=_registered(fusion.CUDNN_RNN),
         ),
     },
     kernels=KERNELS,
@@ -135,4 +135,12 @@ METAL = backend(
 
 
 def precision(caps):
-    return "mixed_float16", "Metal GPU: mixed_float16 (half kernels, fused conv/matmul in half)"
+    """mixed_float16 on either Metal backend; the reason names the train-step ops without a half kernel there."""
+    from tfmetal_ext.backends import registry  # registry imports this module
+
+    table = registry.table(registry.support_key("metal", False, getattr(caps, "metal_plugin", None)))
+    reason = "Metal GPU: mixed_float16 (half kernels, fused conv/matmul in half)"
+    half_gaps = sorted(gaps.kernel_gaps(table, dtypes=("float16",)))
+    if half_gaps:
+        reason += f"; {table.label} has no half kernel for {', '.join(half_gaps)}: those ops fall back to the CPU"
+    return "mixed_float16", reason

@@ -140,9 +140,10 @@ def backend_notes(caps=None):
     """What fails, or runs on the host, on the Metal backend of `caps` (`devices.capabilities()` unless given).
 
     Read from the backend table: its ``unsupported_layers`` (stock Keras
-    layers that fail there, with the fix) and ``host_ops`` (ops its source
-    has but does not register on this TensorFlow), grouped by reason. Empty
-    off Metal.
+    layers that fail there, with the fix), ``host_ops`` (ops its source
+    has but does not register on this TensorFlow), grouped by reason, and the
+    ops of an ordinary train step it has no kernel for
+    (`tfmetal_ext.backends.gaps.summary`, on this Mac's macOS). Empty off Metal.
     """
     from tfmetal_ext import backends
 
@@ -156,6 +157,10 @@ def backend_notes(caps=None):
         by_reason.setdefault(why, []).append(op)
     for why, ops in by_reason.items():
         notes.append(f"on the host, not the GPU (TensorFlow {caps.tf_version}): {', '.join(ops)}: {why}")
+    if table.kernels_complete:
+        macos = tuple(int(p) for p in caps.macos.split(".")) if getattr(caps, "macos", None) else None
+        notes.append(f"CPU fallbacks in an ordinary train step ({table.label}): "
+                     + backends.gaps.summary(table, macos=macos).replace("`", ""))
     return notes
 
 

@@ -209,7 +209,7 @@ class PredictedPlacementReport(PlacementReport):
 
     @property
     def unknown(self):
-        """Ops the table does not know (Apple's table holds only known facts)."""
+        """Ops the table does not know (only a table that records known facts alone has them)."""
         return self._with(UNKNOWN)
 
     def to_dict(self):
