@@ -355,6 +355,8 @@ def judge(table, op, attrs, macos=None):
         what += f" on macOS {'.'.join(map(str, macos))}: it needs {table.gate[0]}"
     if dtype in _HOST_DTYPES:
         return INT32_HOST, dtype, what + "; TensorFlow computes int32 on the host on GPUs anyway"
+    if dtype is None and attrs:  # an op without T/dtype: name its type attributes (``Tseed=int64``)
+        dtype = ",".join(f"{k}={v}" for k, v in sorted(attrs.items()))
     if tf_has_kernel(op, attrs, "CPU"):
         return FALLBACK, dtype, what
     return FAILS, dtype, what + " and no CPU kernel either"
