@@ -252,7 +252,11 @@ class PredictedPlacementReport(PlacementReport):
 
 @functools.lru_cache(maxsize=None)
 def _registered(op, device_type):
-    """This TensorFlow's kernels of `op` on `device_type`: a tuple of {type attr: allowed dtype names}."""
+    """This TensorFlow's kernels of `op` on `device_type`.
+
+    A tuple of ``({type attr: allowed dtype names}, frozenset of the
+    argument names the kernel keeps in host memory)``, one per kernel.
+    """
     import tensorflow as tf
     from tensorflow.python.framework import kernels
 
@@ -273,7 +277,7 @@ def _registered(op, device_type):
                 except TypeError:
                     pass
             constraints[c.name] = frozenset(names)
-        out.append(constraints)
+        out.append((constraints, frozenset(k.host_memory_arg)))
     return tuple(out)
 
 
@@ -290,12 +294,18 @@ def _type_attrs(node):
     return out
 
 
+def tf_kernel_host_memory(op, type_attrs, device_type):
+    """The host-memory arguments of this TensorFlow's `device_type` kernel of `op` for the node's type
+    attributes (a frozenset of OpDef argument names), or None when it registers no such kernel."""
+    for constraints, host_args in _registered(op, device_type):
+        if all(name not in type_attrs or type_attrs[name] in allowed for name, allowed in constraints.items()):
+            return host_args
+    return None
+
+
 def tf_has_kernel(op, type_attrs, device_type):
     """This TensorFlow registers a `device_type` kernel of `op` accepting the node's type attributes."""
-    for constraints in _registered(op, device_type):
-        if all(name not in type_attrs or type_attrs[name] in allowed for name, allowed in constraints.items()):
-            return True
-    return False
+    return tf_kernel_host_memory(op, type_attrs, device_type) is not None
 
 
 def _judged_dtypes(table, op, attrs):
