@@ -23,6 +23,7 @@ from tfmetal_ext.inspect.capture import (
 )
 from tfmetal_ext.inspect.catalog import PATTERNS, Expectation, FusionContext, register_rule
 from tfmetal_ext.inspect.predict import PredictedOp, PredictedPlacementReport
+from tfmetal_ext.inspect.transfers import PredictedTransfer
 from tfmetal_ext.inspect.report import (
     FallbackNode,
     FusedNode,
@@ -47,8 +48,8 @@ from tfmetal_ext.inspect.step import (
     synthetic_targets,
 )
 
-# Also importable here, outside __all__: the modules `capture`, `catalog`, `predict`, `report` and
-# `step`, the step's parts (`capture_call`, `trace_*`, `synthetic_inputs`, ...) and `devices`.
+# Also importable here, outside __all__: the modules `capture`, `catalog`, `predict`, `report`,
+# `step` and `transfers`, the step's parts (`capture_call`, `trace_*`, `synthetic_inputs`, ...) and `devices`.
 __all__ = [
     "PATTERNS",
     "Capture",
@@ -62,6 +63,7 @@ __all__ = [
     "PlacementReport",
     "PredictedOp",
     "PredictedPlacementReport",
+    "PredictedTransfer",
     "assert_fused",
     "assert_no_cpu_fallback",
     "capture_step",

@@ -37,6 +37,21 @@ What the prediction assumes (the report's header and notes say so):
 * Ops that compute nothing a kernel table speaks of are skipped
   (`PLUMBING_OPS`: arguments, constants, identities, variable handles and
   reads, functional control flow and its v1 loop ops, the input iterator).
+* Memory and transfers (`tfmetal_ext.inspect.transfers`, which has the
+  rules): an op that reads host memory on the device is not a fallback. A
+  data edge between an op writing host memory and one reading device memory
+  (or the reverse) is a transfer, and the report counts them per step
+  (`PredictedPlacementReport.transfers`). Nodes without a device kernel run
+  on the CPU (`FALLBACK`, `INT32_HOST`, and `HOST` unless TensorFlow's
+  ``DEFAULT`` kernel runs it on the device), where every tensor is in host
+  memory. On the device, a kernel's host-memory arguments come from the
+  table's own kernel where it records them (`Backend.host_memory_args`),
+  else from this TensorFlow's ``DEFAULT`` kernel. Where neither declares
+  anything, int32 is taken to live on the host. Resource and string
+  tensors always do. The edges of ops that fail or that the table does not
+  know are not judged (a note counts them). So are edges to or from
+  arguments, constants and function calls, so the input batch's copy is not
+  counted. A node in a loop body counts once.
 
 Thread safety: the trace patches Keras' GPU probes (see `keras_gpu_branches`)
 and `tfmetal_ext.devices.assume_backend` changes what this package sees, both
@@ -56,6 +71,7 @@ import threading
 
 from tfmetal_ext import backends, devices
 from tfmetal_ext.backends import PREDICT, TRAIN, fusion
+from tfmetal_ext.inspect import transfers
 from tfmetal_ext.inspect.report import EXPECTED_HOST_OPS, NON_COMPUTE_OPS, FallbackNode, PlacementReport
 
 # What each listed op would do.
@@ -132,6 +148,8 @@ def keras_gpu_branches():
 # How a row without a layer, optimizer or loss scope reads: Keras' own step (loss scaling,
 # metrics, the loss gradient's broadcast).
 _NO_LAYER = "(step)"
+# How many kinds of transfer the printed report lists.
+_TOP_TRANSFERS = 8
 
 
 @dataclasses.dataclass
@@ -171,6 +189,14 @@ class PredictedPlacementReport(PlacementReport):
         table: the backend table's key.
         table_complete: the table lists every kernel (else "unknown" rows).
         entries: one `PredictedOp` per kind of op without a known kernel.
+        transfers: one `PredictedTransfer` per kind of data edge between
+            host and device memory (`tfmetal_ext.inspect.transfers`), most
+            frequent first.
+        transfer_count: the step's transfers: data edges whose producer
+            writes one memory and whose consumer reads the other (a node in
+            a loop body counted once).
+        transfer_copies: the copies TensorFlow makes for them (one per tensor
+            and destination, however many ops read it).
         notes (inherited): what the prediction assumed or noticed.
     """
 
@@ -178,6 +204,9 @@ class PredictedPlacementReport(PlacementReport):
     table: str = ""
     table_complete: bool = False
     entries: list = dataclasses.field(default_factory=list)
+    transfers: list = dataclasses.field(default_factory=list)
+    transfer_count: int = 0
+    transfer_copies: int = 0
 
     def _with(self, *outcomes):
         return [e for e in self.entries if e.outcome in outcomes]
@@ -217,6 +246,21 @@ class PredictedPlacementReport(PlacementReport):
         out["missing"] = [dataclasses.asdict(e) for e in self.missing]
         return out
 
+    def _transfer_lines(self, top=_TOP_TRANSFERS):
+        n = self.transfer_count
+        head = f"  {n} transfer{'' if n == 1 else 's'} per step between host and device memory"
+        if not n:
+            return [head]
+        lines = [head + f" ({self.transfer_copies} tensor cop{'y' if self.transfer_copies == 1 else 'ies'}):"]
+        rows = [(f"{t.producer} -> {t.consumer}", t.direction, t.layer or _NO_LAYER, f"x{t.count}")
+                for t in self.transfers[:top]]
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines += ["    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        if len(self.transfers) > top:
+            rest = self.transfers[top:]
+            lines.append(f"    ... and {len(rest)} more kind(s), {sum(t.count for t in rest)} transfer(s)")
+        return lines
+
     def __str__(self):
         label = backends.table(self.table).label if self.table in backends.TABLES else self.table
         head = f"Predicted placement ({self.mode}) on {self.predicted_for}, traced here, not run (kernel table "
@@ -245,6 +289,7 @@ class PredictedPlacementReport(PlacementReport):
                     counts[e.op + (f"({e.dtype})" if e.dtype and e.outcome == UNKNOWN else "")] += e.count
                 shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(counts.items()))
                 lines.append(f"  {what}: {shown}")
+        lines += self._transfer_lines()
         for n in self.notes:
             lines.append(f"  note: {n}")
         return "\n".join(lines)
@@ -256,7 +301,11 @@ class PredictedPlacementReport(PlacementReport):
 
 @functools.lru_cache(maxsize=None)
 def _registered(op, device_type):
-    """This TensorFlow's kernels of `op` on `device_type`: a tuple of {type attr: allowed dtype names}."""
+    """This TensorFlow's kernels of `op` on `device_type`.
+
+    A tuple of ``({type attr: allowed dtype names}, frozenset of the
+    argument names the kernel keeps in host memory)``, one per kernel.
+    """
     import tensorflow as tf
     from tensorflow.python.framework import kernels
 
@@ -277,7 +326,7 @@ def _registered(op, device_type):
                 except TypeError:
                     pass
             constraints[c.name] = frozenset(names)
-        out.append(constraints)
+        out.append((constraints, frozenset(k.host_memory_arg)))
     return tuple(out)
 
 
@@ -294,12 +343,18 @@ def _type_attrs(node):
     return out
 
 
+def tf_kernel_host_memory(op, type_attrs, device_type):
+    """The host-memory arguments of this TensorFlow's `device_type` kernel of `op` for the node's type
+    attributes (a frozenset of OpDef argument names), or None when it registers no such kernel."""
+    for constraints, host_args in _registered(op, device_type):
+        if all(name not in type_attrs or type_attrs[name] in allowed for name, allowed in constraints.items()):
+            return host_args
+    return None
+
+
 def tf_has_kernel(op, type_attrs, device_type):
     """This TensorFlow registers a `device_type` kernel of `op` accepting the node's type attributes."""
-    for constraints in _registered(op, device_type):
-        if all(name not in type_attrs or type_attrs[name] in allowed for name, allowed in constraints.items()):
-            return True
-    return False
+    return tf_kernel_host_memory(op, type_attrs, device_type) is not None
 
 
 def _judged_dtypes(table, op, attrs):
@@ -360,6 +415,55 @@ def judge(table, op, attrs, macos=None):
     if tf_has_kernel(op, attrs, "CPU"):
         return FALLBACK, dtype, what
     return FAILS, dtype, what + " and no CPU kernel either"
+
+
+# ----------------------------------------------------------------------------
+# Where each node runs, for the memory of its tensors (`tfmetal_ext.inspect.transfers`).
+
+# Outcomes whose nodes run on the CPU (HOST: unless TensorFlow's DEFAULT kernel runs it, see `placement`).
+# FAILS runs nowhere; UNKNOWN is not guessed: the edges of both are left unjudged (and counted in a note).
+_ON_CPU = (FALLBACK, HOST, INT32_HOST)
+
+
+def device_host_memory(table, op, attrs):
+    """The arguments of `op` that the device kernel running it keeps in host memory; None when not known.
+
+    The backend table's own kernel for the judged dtype where the table
+    records memory (`Backend.host_memory_args`), else TensorFlow's
+    ``DEFAULT`` kernel for the node's type attributes (it serves the Metal
+    device too), else None: nothing is declared, and the int32 rule of
+    `tfmetal_ext.inspect.transfers` applies.
+    """
+    found = table.host_memory_args(op, _judged_dtypes(table, op, attrs)[0])
+    return found if found is not None else tf_kernel_host_memory(op, attrs, "DEFAULT")
+
+
+def placement(table, op, attrs, verdict):
+    """The `transfers.Placement` of a node judged as `op` (`judge`'s `verdict`), or None: nowhere known.
+
+    An op the backend leaves to the host (`HOST`) that TensorFlow's
+    ``DEFAULT`` kernels cover is placed on the device through that kernel,
+    which works on the tensors where they are: the open plugin's variable
+    assignments on TF 2.21 (`Backend.host_ops`). The rest of `HOST`, with
+    `FALLBACK` and `INT32_HOST`, runs on the CPU.
+    """
+    if verdict is None:
+        return transfers.Placement(op, True, device_host_memory(table, op, attrs))
+    shared = tf_kernel_host_memory(op, attrs, "DEFAULT") if verdict[0] == HOST else None
+    if shared is not None:
+        return transfers.Placement(op, True, shared)
+    if verdict[0] in _ON_CPU:
+        return transfers.Placement(op, False)
+    return None
+
+
+def _plumbing_placement(node):
+    # Not judged (`PLUMBING_OPS`): the input pipeline's ops run on the host, the rest on the device through
+    # TensorFlow's DEFAULT kernels (a variable read keeps its resource on the host). Arguments, constants,
+    # identities and calls have no memory of their own in `transfers`, whatever this says.
+    if node.op in EXPECTED_HOST_OPS:
+        return transfers.Placement(node.op, False)
+    return transfers.Placement(node.op, True, tf_kernel_host_memory(node.op, _type_attrs(node), "DEFAULT"))
 
 
 def _functions(capture):
@@ -464,23 +568,34 @@ def macos_version(macos, table=None):
     return version, f"predicted for macOS {shown} ({source}): {label} does not hold, so its gated kernels are missing"
 
 
-def build_predicted_report(capture, index, predict_for, model=None, notes=(), macos=None):
-    """The `PredictedPlacementReport` of a traced `capture` for `predict_for` (a plugin distribution)."""
-    with devices.assume_backend(predict_for):
-        table = backends.current()
+def build_predicted_report(capture, index, predict_for, model=None, notes=(), macos=None, table=None):
+    """The `PredictedPlacementReport` of a traced `capture` for `predict_for` (a plugin distribution).
+
+    `macos`: see `macos_version`. `table`: the `Backend` to judge against;
+    None: `predict_for`'s.
+    """
+    if table is None:
+        with devices.assume_backend(predict_for):
+            table = backends.current()
     macos, macos_note = macos_version(macos, table)
     optimizer_names = _optimizer_scope(model)
     grouped = {}
+    edges_by_graph, unjudged = [], 0
     for nodes in _functions(capture):
         absorbed = _fused_chains(nodes, table, capture.mode)
         heads = {head.name for head in absorbed.values()}
+        placed = {}  # node name -> transfers.Placement, or None where it runs nowhere known
         for node in nodes:
-            if node.op in PLUMBING_OPS or node.name in absorbed:
+            if node.op in PLUMBING_OPS:
+                placed[node.name] = _plumbing_placement(node)
                 continue
+            if node.name in absorbed:
+                continue  # placed with its head, below
             op, attrs = node.op, _type_attrs(node)
             if node.name in heads:
                 op = _CHAINS[op][1]  # judged as the fused op it becomes
             verdict = judge(table, op, attrs, macos)
+            placed[node.name] = placement(table, op, attrs, verdict)
             if verdict is None:
                 continue
             outcome, dtype, reason = verdict
@@ -492,16 +607,25 @@ def build_predicted_report(capture, index, predict_for, model=None, notes=(), ma
                 grouped[key].count += 1
             else:
                 grouped[key] = PredictedOp(op, dtype, layer, outcome, reason, 1, node.name)
+        for name, head in absorbed.items():
+            placed[name] = placed[head.name]  # the fused kernel computes it
+        found, skipped = transfers.find(nodes, placed, lambda name: _layer_of(index, name, optimizer_names))
+        edges_by_graph.append(found)
+        unjudged += skipped
     entries = list(grouped.values())
     notes = list(notes) + ([macos_note] if macos_note else [])
     if capture.jit_compile:
         notes.append("the step is XLA compiled: neither Metal backend has XLA, so jit_compile=True fails there")
+    if unjudged:
+        notes.append(f"{unjudged} data edge(s) not judged for transfers: an end is an op the table does not know, "
+                     "one with no kernel anywhere, or one without an OpDef")
     missing = [e for e in entries if e.outcome in (FAILS, FALLBACK, HOST)]
     fallbacks = [FallbackNode(op=e.op, name=e.name, layer=e.layer, device="CPU:0") for e in missing]
     return PredictedPlacementReport(
         mode=capture.mode, gpu_present=True, ops_by_device={}, fallbacks=fallbacks,
         predicted_for=predict_for, table=table.key, table_complete=bool(table.kernels_complete),
-        entries=entries, notes=notes,
+        entries=entries, notes=notes, transfers=transfers.group(edges_by_graph),
+        transfer_count=sum(map(len, edges_by_graph)), transfer_copies=transfers.copies(edges_by_graph),
     )
 
 

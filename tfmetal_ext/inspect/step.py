@@ -556,7 +556,11 @@ def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None,
     None: this Mac's, or off a Mac an assumed one, named in the report's notes.
 
     Returns:
-        A `PlacementReport`; with `predict_for`, a `PredictedPlacementReport`.
+        A `PlacementReport`; with `predict_for`, a `PredictedPlacementReport`:
+        its `entries` are the ops without a device kernel there, its
+        `transfers` / `transfer_count` the data edges per step between host
+        and device memory, each a copy TensorFlow makes (see
+        `tfmetal_ext.inspect.transfers`).
 
     Raises:
         ValueError: on a bad `predict_for` (or mode, batch size, ...).
