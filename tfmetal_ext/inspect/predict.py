@@ -561,9 +561,10 @@ def macos_version(macos, table=None):
         return version, None
     label, minimum = table.gate
     shown = ".".join(map(str, version))
+    gated = sorted(table.gated_kernels)
+    named = ", ".join(gated[:3]) + (f" and {len(gated) - 3} more" if len(gated) > 3 else "")
     if table.gate_met(version):
-        lost = ", ".join(sorted(table.gated_kernels))
-        return version, (f"predicted for macOS {shown} ({source}): {label} holds, so its kernels for {lost} count "
+        return version, (f"predicted for macOS {shown} ({source}): {label} holds, so the kernels of {named} count "
                          f"as present; before macOS {'.'.join(map(str, minimum))} they are not registered")
     return version, f"predicted for macOS {shown} ({source}): {label} does not hold, so its gated kernels are missing"
 
