@@ -226,3 +226,33 @@ def test_the_table_is_complete_and_reads_the_generated_module():
     # The fused contraction rows list exactly the dtypes the fused kernels are registered for.
     for pattern, op in (("conv2d_bias_act", "_FusedConv2D"), ("matmul_bias_act", "_FusedMatMul")):
         assert set(APPLE.fusion(pattern).dtypes) == set(generated.KERNELS[op]), pattern
+
+
+def test_every_constraint_and_host_memory_argument_is_in_the_op_def():
+    # Each registration's type constraints and host-memory arguments, read against TensorFlow's OpDefs
+    # (the plugin's own _FusedBatchMatMulV2 against the OpDef it registers). A constraint outside what
+    # the OpDef allows can never match a node: REFERENCE.md 10 found one, InTopK's T=float (T is the
+    # targets' integer type), so InTopK has no usable kernel there.
+    import tensorflow as tf
+    from tensorflow.python.framework import op_def_registry
+
+    impossible, unknown_args = set(), set()
+    for op, _kernel, constraints, host_memory, _gated in generated.REGISTRATIONS:
+        if op in generated.OP_DEFINITIONS:
+            specs = generated.OP_DEFINITIONS[op]
+            args = {s.split(":")[0] for s in specs if not s.split(":")[1].strip().startswith(("{", "bool", "int", "list"))}
+            assert set(host_memory) <= args and all(a in {s.split(":")[0] for s in specs} for a, _ in constraints)
+            continue
+        op_def = op_def_registry.get(op)
+        assert op_def is not None, f"{op}: not a TensorFlow op"
+        attrs = {a.name: a for a in op_def.attr}
+        for attr, dtype in constraints:
+            assert attr in attrs, (op, attr)
+            allowed = {tf.dtypes.as_dtype(t).name for t in attrs[attr].allowed_values.list.type}
+            if allowed and dtype not in allowed:
+                impossible.add((op, attr, dtype))
+        names = {a.name for a in op_def.input_arg} | {a.name for a in op_def.output_arg}
+        unknown_args |= {(op, a) for a in host_memory if a not in names}
+    assert impossible == {("InTopK", "T", "float32")}
+    assert not unknown_args, unknown_args
+    assert APPLE.has_kernel("InTopK", "int32") is False
