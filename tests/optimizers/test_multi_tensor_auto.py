@@ -252,3 +252,22 @@ def test_float64_variables_take_the_per_variable_form(make, stock, mt):
     # ResourceApplyAdam and Keras' Adam round differently (test_optimizers.py compares at 1e-5); Lion is exact.
     np.testing.assert_allclose(results[1], results[0], rtol=0, atol=1e-6 if stock is keras.optimizers.Adam else 0)
     assert opt.update_form == "per_variable" and "float64" in opt.update_form_reason
+
+
+@pytest.mark.parametrize("multi_tensor", [False, True])
+def test_half_variables_on_apples_table_take_the_composite_or_multi_tensor_form(multi_tensor):
+    # Apple's tensorflow-metal registers ResourceApplyAdam for float32 only (REFERENCE.md 10): a float16
+    # variable's per-variable update is the composite form; the multi-tensor op, which takes half, gets
+    # its own scalars (the composite scalars have no "lr": this step used to fail with KeyError there).
+    import keras
+    import numpy as np
+
+    from tfmetal_ext import inspect
+    from tfmetal_ext.optimizers import FusedAdam
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, dtype="float16")])
+    model.compile(FusedAdam(1e-3, multi_tensor=multi_tensor), "mse")
+    report = inspect.placement_report(model, np.ones((2, 4), "float16"), targets=np.ones((2, 3), "float16"),
+                                      mode="train", predict_for="tensorflow-metal")
+    assert model.optimizer.update_form == ("multi_tensor" if multi_tensor else "composite"), model.optimizer.update_form
+    assert not [e for e in report.missing if e.op.startswith("ResourceApply")], str(report)

@@ -39,7 +39,7 @@ backend table, not from a plugin name):
 
 | backend | per-variable form (FusedAdam / FusedAdamW / FusedSGD / FusedRMSprop / FusedAdagrad; FusedLion: Keras' math everywhere) | ``multi_tensor="auto"`` (default) / ``True`` |
 |---|---|---|
-| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form) | one ``TfmetalExt>MultiTensorAdam`` / ``MultiTensorLion`` / ``MultiTensorRMSprop`` per group (CPU; Metal where TF exports the resource-variable C API; CUDA: no kernel, so "auto" keeps the per-variable form) |
+| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form; on tensorflow-metal, whose ``ResourceApply*`` kernels are float32 only, a float16 or bfloat16 variable takes the composite form too) | one ``TfmetalExt>MultiTensorAdam`` / ``MultiTensorLion`` / ``MultiTensorRMSprop`` per group (CPU; Metal where TF exports the resource-variable C API; CUDA: no kernel, so "auto" keeps the per-variable form) |
 | the open tensorflow-metal-plugin on TF 2.21 | the composite form: Keras' update math as elementwise ops into ``AssignAddVariableOp`` / ``AssignSubVariableOp`` / ``AssignVariableOp``, scalars once per step (Adam: about 10 ops per variable, Keras 27) | the same composite form, with one log line |
 
 Why the composite form on the open plugin (TF 2.21): TF 2.20/2.21 export none

@@ -63,8 +63,10 @@ def composite_reason(op, dtype):
     Adam variable instead of Keras' 27). It is emitted on a GPU backend whose
     table says `op` has no kernel there (`Backend.has_kernel` is False): the
     open tensorflow-metal-plugin on TF 2.21, where every ``ResourceApply*``
-    is in the table's `host_ops` (see `tfmetal_ext.optimizers`). A CPU, CUDA
-    or Apple's tensorflow-metal keeps the one fused op per variable.
+    is in the table's `host_ops` (see `tfmetal_ext.optimizers`), and Apple's
+    tensorflow-metal for a variable that is not float32 (its ``ResourceApply*``
+    kernels are float32 only). A CPU or CUDA keeps the one fused op per
+    variable, and so does tensorflow-metal for float32 variables.
     """
     from tfmetal_ext import backends
 
@@ -92,9 +94,11 @@ class FusedUpdateMixin:
 
     Subclasses implement:
 
-    - ``_step_scalars(learning_rate, dtype) -> dict[str, tf.Tensor]``: the
-      step-dependent scalars of one dtype, built once per step. Only tensors
-      (they travel through `tf.distribute` merge calls).
+    - ``_step_scalars(learning_rate, dtype, composite=None) -> dict[str, tf.Tensor]``:
+      the step-dependent scalars of one dtype, built once per step, for the
+      composite form when `composite` is True (None: when `composite_reason`
+      gives one for `dtype`). Only tensors (they travel through
+      `tf.distribute` merge calls).
     - ``_fused_apply(grad, variable, scalars)``: emit the one training op
       updating `variable` (a `tf.Variable`, or the local component of a
       distributed one) from the dense `grad` of the variable's dtype.
@@ -116,7 +120,7 @@ class FusedUpdateMixin:
         """Why this optimizer emits its composite update here (variables of `dtype`), or None (the fused op)."""
         return composite_reason(self._fused_op(), dtype)
 
-    def _step_scalars(self, learning_rate, dtype):
+    def _step_scalars(self, learning_rate, dtype, composite=None):
         raise NotImplementedError
 
     def _fused_apply(self, grad, variable, scalars):
@@ -129,10 +133,12 @@ class FusedUpdateMixin:
         """Resource handle of `variable`'s slot in the list `slots`."""
         return _tf_variable(slots[self._get_variable_index(variable)]).handle
 
-    def _scalars_by_dtype(self, learning_rate, variables):
+    def _scalars_by_dtype(self, learning_rate, variables, composite=None):
+        """{dtype: `_step_scalars`}; `composite` False: the fused or multi-tensor op's scalars whatever
+        `composite_reason` says for the dtype (None: as it says)."""
         dtypes = sorted({_dtype_key(v) for v in variables})
         with tf.name_scope("step_scalars"):
-            return {d: self._step_scalars(learning_rate, tf.as_dtype(d)) for d in dtypes}
+            return {d: self._step_scalars(learning_rate, tf.as_dtype(d), composite) for d in dtypes}
 
     def _apply_one(self, variable, grad, scalars_by_dtype):
         scalars = scalars_by_dtype[_dtype_key(variable)]
@@ -387,7 +393,9 @@ class MultiTensorMixin:
             decayed = frozenset(self._var_key(v) for v in trainable_variables if self._use_weight_decay(v))
         variables = [_tf_variable(v) for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
-        scalars = self._scalars_by_dtype(learning_rate, variables)
+        # The multi-tensor op's scalars, also for a dtype whose per-variable op has no kernel here (Apple's
+        # tensorflow-metal registers ResourceApplyAdam for float32 only; the multi-tensor op takes half too).
+        scalars = self._scalars_by_dtype(learning_rate, variables, composite=False)
         decay_rates = {}
         if decayed:
             with tf.name_scope("weight_decay"):

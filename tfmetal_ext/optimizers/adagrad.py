@@ -144,7 +144,7 @@ class FusedAdagrad(FusedUpdateMixin, keras.optimizers.Adagrad):
             )
         return None
 
-    def _step_scalars(self, learning_rate, dtype):
+    def _step_scalars(self, learning_rate, dtype, composite=None):
         return {"lr": tf.cast(learning_rate, dtype), "epsilon": tf.constant(self.epsilon, dtype)}
 
     def _fused_op(self):

@@ -29,7 +29,7 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
     `keras.optimizers.Adam`, so results match it to float rounding and saved
     optimizer state loads into either. Each variable is updated by one
     ``ResourceApplyAdam`` (``ResourceApplyAdamWithAmsgrad`` with ``amsgrad``),
-    ops with CPU, CUDA and tensorflow-metal kernels; the bias-correction
+    ops with CPU, CUDA and tensorflow-metal (float32) kernels; the bias-correction
     powers ``beta_1**t`` and ``beta_2**t`` are computed once per step (Keras
     recomputes them for every variable). Keras' Adam costs about 27 ops per
     variable and step, this one 1. On a backend without those kernels (the
@@ -163,12 +163,14 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
             return 1.0
         return keras_1 / kernel_1 * math.sqrt(kernel_2 / keras_2)
 
-    def _step_scalars(self, learning_rate, dtype):
+    def _step_scalars(self, learning_rate, dtype, composite=None):
         step = tf.cast(self.iterations + 1, dtype)
         beta_1 = tf.constant(self.beta_1, dtype)
         beta_2 = tf.constant(self.beta_2, dtype)
         lr = tf.cast(learning_rate, dtype)
-        if self.composite_reason(dtype.name) is not None:
+        if composite is None:
+            composite = self.composite_reason(dtype.name) is not None
+        if composite:
             # Keras' update math, its scalars once per step: alpha = lr * sqrt(1 - b2^t) / (1 - b1^t).
             one = tf.constant(1.0, dtype)
             return {

@@ -120,7 +120,7 @@ class FusedLion(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Lion):
     def _fused_op(self):
         return None
 
-    def _step_scalars(self, learning_rate, dtype):
+    def _step_scalars(self, learning_rate, dtype, composite=None):
         beta_1 = tf.constant(self.beta_1, dtype)
         beta_2 = tf.constant(self.beta_2, dtype)
         one = tf.constant(1.0, dtype)

@@ -228,7 +228,7 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
 
     # -- the update --------------------------------------------------------------
 
-    def _step_scalars(self, learning_rate, dtype):
+    def _step_scalars(self, learning_rate, dtype, composite=None):
         return {
             "lr": tf.cast(learning_rate, dtype),
             "rho": tf.constant(self.rho, dtype),

@@ -81,7 +81,7 @@ class FusedSGD(FusedUpdateMixin, keras.optimizers.SGD):
             **kwargs,
         )
 
-    def _step_scalars(self, learning_rate, dtype):
+    def _step_scalars(self, learning_rate, dtype, composite=None):
         scalars = {"lr": tf.cast(learning_rate, dtype)}
         if self.momentum != 0:
             scalars["momentum"] = tf.constant(self.momentum, dtype)
