@@ -135,9 +135,10 @@ class Backend:
             type constraint: the names of the op's arguments (inputs or
             outputs, as in its OpDef) the backend's kernel keeps in host
             memory}; None: not recorded (the table's kernels then say nothing
-            about memory; TensorFlow's own rules still apply: resource,
-            string and variant tensors live on the host, and so do int32
-            tensors of GPU kernels).
+            about memory; TensorFlow's own rules still apply: resource and
+            string tensors live on the host, and an int32 argument no kernel
+            declares is taken to live there too; see
+            `tfmetal_ext.inspect.transfers`).
         gated_kernels: op -> dtypes registered only when `gate` holds on the
             user's machine (Apple's tensorflow-metal: ten stateless-random ops
             need macOS 13's MPSGraph). They are part of `kernels` as well.
