@@ -795,35 +795,6 @@ def run(binary, responds_to_selector, sites=None):
     m.gate_asked = None
     if sites is not None:
         m.watch(sites)
-    failed_inits = m.run_initializers()
-    m.init_kernels()
-    if m.builders:
-        raise GenerationError(f"{len(m.builders)} kernel builder(s) were made and never registered")
-    bad = sorted(k for k in m.unhandled if not k.startswith(HARMLESS))
-    if bad:
-        raise GenerationError("imports without a stand-in ran during registration: " + ", ".join(bad))
-    return m, failed_inits
-
-
-def registrations(binary):
-    """(registrations with the gate met, the ones that need it, the selector asked, notes)."""
-    with_gate, failed = run(binary, True)
-    without_gate, _ = run(binary, False)
-    on, off = with_gate.registrations, without_gate.registrations
-    if with_gate.gate_asked is None:
-        raise GenerationError("the MPSGraph selector check never ran: the gate this script models is gone")
-    missing = collections.Counter(off) - collections.Counter(on)
-    if missing:
-        raise GenerationError(f"registrations made only without the gate: {sorted(missing)[:5]}")
-    gated = list((collections.Counter(on) - collections.Counter(off)).elements())
-    return on, gated, with_gate.gate_asked, failed
-
-
-def run(binary, responds_to_selector, sites=None):
-    m = Machine(binary, responds_to_selector=responds_to_selector)
-    m.gate_asked = None
-    if sites is not None:
-        m.watch(sites)
     faulted = m.run_initializers()
     m.init_kernels()
     if m.builders:
