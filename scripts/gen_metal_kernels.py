@@ -26,14 +26,14 @@ arm64 CPU emulator (unicorn):
    A weak binding to a symbol the image defines itself binds to the image's
    own copy, as dyld does.
 2. Each imported function that registration reaches has a small Python
-   stand-in (`Machine.IMPORTS`): the allocator, the libc string and memory
-   functions, libc++'s ``std::string`` members (the arm64 "alternate" layout:
-   a short string keeps its length in byte 23, a long one sets that byte's
-   top bit), ``dispatch_once`` / ``std::call_once`` / static guards, a few
-   Objective-C calls, and the four kernel-builder calls, which record. Any
-   other import that runs is counted and returns 0, and the run fails when
-   one of them is not in `HARMLESS` (a dispatch queue, an exit-time
-   destructor, a thread count).
+   stand-in (`IMPORTS`): the allocator, the libc memory and string functions
+   it uses, ``dispatch_once`` / ``std::call_once`` / static guards, the
+   Objective-C calls, the kernel-builder calls, which record, and the
+   op-definition calls of the one op the plugin defines. The op names are
+   ``std::string`` objects built by inlined libc++ code, so no libc++ member
+   needs a stand-in. Any other import that runs is counted and returns 0,
+   and the run fails when one of them is not in `HARMLESS` (a dispatch
+   queue, an exit-time destructor, a thread count).
 3. The image's static initializers run, then ``TF_InitKernel``, twice: once
    with ``-[MPSGraph instancesRespondToSelector:]`` answering YES and once
    NO. Registrations that appear only in the first run are the ones gated on
@@ -292,24 +292,6 @@ class Machine:
         self.sizes[addr] = size
         return addr
 
-    # libc++ std::string, arm64 alternate layout (24 bytes).
-    def str_get(self, p):
-        raw = bytes(self.uc.mem_read(p, 24))
-        if raw[23] & 0x80:
-            data, size = struct.unpack("<QQ", raw[:16])
-            return bytes(self.uc.mem_read(data, size)) if size else b""
-        return raw[: raw[23] & 0x7F]
-
-    def str_set(self, p, value):
-        value = bytes(value)
-        if len(value) <= 22:
-            self.uc.mem_write(p, value + b"\0" * (23 - len(value)) + bytes([len(value)]))
-            return
-        cap = (len(value) + 16) & ~15
-        data = self.malloc(cap)
-        self.uc.mem_write(data, value + b"\0")
-        self.uc.mem_write(p, struct.pack("<QQQ", data, len(value), cap | (1 << 63)))
-
     # -- calls ------------------------------------------------------------------------------------
 
     def call(self, addr, *args):
@@ -414,10 +396,6 @@ def stand_in(*names):
     return register
 
 
-def _sret(m):
-    return m.uc.reg_read(m.A.UC_ARM64_REG_X8)
-
-
 @stand_in("_Znwm", "_Znam", "malloc")
 def _new(m):
     return m.malloc(m.reg(0))
@@ -464,19 +442,6 @@ def _bzero(m):
         m.uc.mem_write(m.reg(0), b"\0" * m.reg(1))
 
 
-@stand_in("memcmp")
-def _memcmp(m):
-    a, b = bytes(m.uc.mem_read(m.reg(0), m.reg(2))), bytes(m.uc.mem_read(m.reg(1), m.reg(2)))
-    return (a > b) - (a < b)
-
-
-@stand_in("memchr")
-def _memchr(m):
-    data = bytes(m.uc.mem_read(m.reg(0), m.reg(2)))
-    i = data.find(bytes([m.reg(1) & 0xFF]))
-    return 0 if i < 0 else m.reg(0) + i
-
-
 @stand_in("strlen")
 def _strlen(m):
     return len(m.cstr(m.reg(0)))
@@ -486,34 +451,6 @@ def _strlen(m):
 def _strcmp(m):
     a, b = m.cstr(m.reg(0)), m.cstr(m.reg(1))
     return (a > b) - (a < b)
-
-
-@stand_in("strncmp")
-def _strncmp(m):
-    n = m.reg(2)
-    a, b = m.cstr(m.reg(0))[:n], m.cstr(m.reg(1))[:n]
-    return (a > b) - (a < b)
-
-
-@stand_in("strchr")
-def _strchr(m):
-    s = m.cstr(m.reg(0))
-    i = s.find(chr(m.reg(1) & 0xFF))
-    return 0 if i < 0 else m.reg(0) + i
-
-
-@stand_in("strdup")
-def _strdup(m):
-    s = m.cstr(m.reg(0)).encode("latin-1") + b"\0"
-    p = m.malloc(len(s))
-    m.uc.mem_write(p, s)
-    return p
-
-
-@stand_in("strcpy")
-def _strcpy(m):
-    m.uc.mem_write(m.reg(0), m.cstr(m.reg(1)).encode("latin-1") + b"\0")
-    return m.reg(0)
 
 
 @stand_in("__cxa_guard_acquire")
@@ -628,162 +565,6 @@ def _op_spec(m):
 def _register_op(m):
     name, specs = m.op_builders.pop(m.reg(0))
     m.op_defs[name] = tuple(specs)
-
-
-# libc++ std::string members (this = x0) and the functions that return one (into x8).
-_S = "_ZNSt3__112basic_stringIcNS_11char_traitsIcEENS_9allocatorIcEEE"
-
-
-def _edit(m, fn):
-    this = m.reg(0)
-    m.str_set(this, fn(m.str_get(this)))
-    return this
-
-
-@stand_in(_S + "6appendEPKc")
-def _append_c(m):
-    return _edit(m, lambda s: s + m.cstr(m.reg(1)).encode("latin-1"))
-
-
-@stand_in(_S + "6appendEPKcm")
-def _append_cn(m):
-    return _edit(m, lambda s: s + bytes(m.uc.mem_read(m.reg(1), m.reg(2))))
-
-
-@stand_in(_S + "6appendERKS5_mm")
-def _append_sub(m):
-    other, pos, n = m.str_get(m.reg(1)), m.reg(2), m.reg(3)
-    return _edit(m, lambda s: s + other[pos:pos + n])
-
-
-@stand_in(_S + "6appendEmc")
-def _append_fill(m):
-    return _edit(m, lambda s: s + bytes([m.reg(2) & 0xFF]) * m.reg(1))
-
-
-@stand_in(_S + "6assignEPKc")
-def _assign_c(m):
-    return _edit(m, lambda s: m.cstr(m.reg(1)).encode("latin-1"))
-
-
-@stand_in(_S + "6assignEPKcm")
-def _assign_cn(m):
-    return _edit(m, lambda s: bytes(m.uc.mem_read(m.reg(1), m.reg(2))))
-
-
-@stand_in(_S + "aSERKS5_")
-def _assign_copy(m):
-    other = m.str_get(m.reg(1))
-    return _edit(m, lambda s: other)
-
-
-@stand_in(_S + "6insertEmPKc")
-def _insert_c(m):
-    pos, text = m.reg(1), m.cstr(m.reg(2)).encode("latin-1")
-    return _edit(m, lambda s: s[:pos] + text + s[pos:])
-
-
-@stand_in(_S + "6insertEmmc")
-def _insert_fill(m):
-    pos, n, c = m.reg(1), m.reg(2), bytes([m.reg(3) & 0xFF])
-    return _edit(m, lambda s: s[:pos] + c * n + s[pos:])
-
-
-@stand_in(_S + "6resizeEmc")
-def _resize(m):
-    n, c = m.reg(1), bytes([m.reg(2) & 0xFF])
-    return _edit(m, lambda s: s[:n] + c * max(0, n - len(s)))
-
-
-@stand_in(_S + "7replaceEmmPKcm")
-def _replace(m):
-    pos, n1, text = m.reg(1), m.reg(2), bytes(m.uc.mem_read(m.reg(3), m.reg(4)))
-    return _edit(m, lambda s: s[:pos] + text + s[pos + n1:])
-
-
-@stand_in(_S + "5eraseEmm")
-def _erase(m):
-    pos, n = m.reg(1), m.reg(2)
-    return _edit(m, lambda s: s[:pos] + (b"" if n >= len(s) else s[pos + n:]))
-
-
-@stand_in(_S + "9push_backEc")
-def _push_back(m):
-    _edit(m, lambda s: s + bytes([m.reg(1) & 0xFF]))
-
-
-@stand_in(_S + "7reserveEm")
-def _reserve(m):
-    this, want = m.reg(0), m.reg(1)
-    value = m.str_get(this)
-    if want > 22:  # make it long with room for `want`, as the inline code then writes into the buffer
-        data = m.malloc(want + 1)
-        m.uc.mem_write(data, value + b"\0")
-        m.uc.mem_write(this, struct.pack("<QQQ", data, len(value), ((want + 16) & ~15) | (1 << 63)))
-
-
-@stand_in(_S + "9__grow_byEmmmmmm")
-def _grow_by(m):
-    # __grow_by(old_cap, delta_cap, old_size, n_copy, n_del, n_add): a longer buffer keeping the
-    # first n_copy characters and the tail after n_del more, with n_add left for the caller.
-    this = m.reg(0)
-    old_cap, delta, old_size, n_copy, n_del, n_add = (m.reg(i) for i in range(1, 7))
-    old = m.str_get(this)[:old_size] if old_size else b""
-    if len(old) < old_size:
-        old = old + b"\0" * (old_size - len(old))
-    cap = max(old_cap + delta, 2 * old_cap, 23) + 16
-    data = m.malloc(cap)
-    body = old[:n_copy] + b"\0" * n_add + old[n_copy + n_del:]
-    m.uc.mem_write(data, body + b"\0")
-    m.uc.mem_write(this, struct.pack("<QQQ", data, old_size, (cap & ~15) | (1 << 63)))
-
-
-@stand_in(_S + "D1Ev")
-def _destroy(m):
-    return None
-
-
-@stand_in("_ZNKSt3__112basic_stringIcNS_11char_traitsIcEENS_9allocatorIcEEE7compareEmmPKc")
-def _compare(m):
-    s = m.str_get(m.reg(0))[m.reg(1):m.reg(1) + m.reg(2)]
-    t = m.cstr(m.reg(3)).encode("latin-1")
-    return ((s > t) - (s < t)) & 0xFFFFFFFF
-
-
-@stand_in("_ZNKSt3__112basic_stringIcNS_11char_traitsIcEENS_9allocatorIcEEE4findEPKcmm")
-def _find(m):
-    s, t = m.str_get(m.reg(0)), bytes(m.uc.mem_read(m.reg(1), m.reg(3)))
-    i = s.find(t, m.reg(2))
-    return 0xFFFFFFFFFFFFFFFF if i < 0 else i
-
-
-@stand_in("_ZNSt3__1plIcNS_11char_traitsIcEENS_9allocatorIcEEEENS_12basic_stringIT_T0_T1_EEPKS6_RKS9_")
-def _plus_cstr_str(m):
-    m.str_set(_sret(m), m.cstr(m.reg(0)).encode("latin-1") + m.str_get(m.reg(1)))
-
-
-def _to_string(fmt, signed_bits=None, unsigned=False, floating=False):
-    def fn(m):
-        raw = m.reg(0)
-        if floating:
-            value = struct.unpack("<d", struct.pack("<Q", m.uc.reg_read(m.A.UC_ARM64_REG_D0)))[0]
-            text = "%f" % value
-        elif unsigned:
-            text = str(raw & ((1 << signed_bits) - 1))
-        else:
-            value = raw & ((1 << signed_bits) - 1)
-            text = str(value - (1 << signed_bits) if value >> (signed_bits - 1) else value)
-        m.str_set(_sret(m), text.encode())
-
-    return fn
-
-
-for _suffix, _fn in {
-    "i": _to_string("d", 32), "j": _to_string("u", 32, unsigned=True), "l": _to_string("d", 64),
-    "m": _to_string("u", 64, unsigned=True), "x": _to_string("d", 64), "y": _to_string("u", 64, unsigned=True),
-    "d": _to_string("f", floating=True),
-}.items():
-    IMPORTS["_ZNSt3__19to_stringE" + _suffix] = _fn
 
 
 # ----------------------------------------------------------------------------
