@@ -89,6 +89,23 @@ def test_report_predict_for_json_and_apple(saved_lstm_attention, capsys):
     assert "CudnnRNNV3" not in {e["op"] for e in data["entries"]}  # Apple's plugin has its kernel
 
 
+def test_report_predict_for_apple_on_macos_12(saved_lstm_attention, capsys):
+    argv = ["report", str(saved_lstm_attention), "--json", "--predict-for", "tensorflow-metal", "--macos", "12.7"]
+    assert cli.main(argv) == 0
+    data = json.loads(capsys.readouterr().out)["predicted_placement"]
+    assert any("predicted for macOS 12.7 (as asked)" in n for n in data["notes"]), data["notes"]
+    assert "Einsum" in {m["op"] for m in data["missing"]}  # no Einsum kernel in Apple's table either
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--macos", "12.7"], "--macos applies to a prediction only"),
+    (["--predict-for", "tensorflow-metal", "--macos", "twelve"], "Received: macos='twelve'"),
+])
+def test_report_bad_macos(saved_model, capsys, argv, message):
+    assert cli.main(["report", str(saved_model)] + argv) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_report_predict_for_bad_name(saved_model, capsys):
     assert cli.main(["report", str(saved_model), "--predict-for", "cuda"]) == 2
     assert "Received: predict_for='cuda'" in capsys.readouterr().err

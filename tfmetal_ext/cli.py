@@ -2,7 +2,7 @@
 
 `doctor [--selftest] [--json]`: environment, configure() choice, custom-op status
 and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL).
-`report MODEL.keras [--predict-for NAME]`: fusion and placement of the model's step here, or its
+`report MODEL.keras [--predict-for NAME [--macos VERSION]]`: fusion and placement of the model's step here, or its
 predicted placement on a Metal backend (tensorflow-metal-plugin, tensorflow-metal).
 `convert IN.keras OUT.keras [--inference [--quantize int8]]`: a fusion-first, verified copy of a saved
 model (with --quantize int8: int8 weights, checked against the float inference form).
@@ -66,11 +66,15 @@ def _load_model(path, command):
 def _cmd_report(args):
     from tfmetal_ext import inspect
 
+    if args.macos is not None and args.predict_for is None:
+        print("tfmetal-ext report: --macos applies to a prediction only: pass --predict-for too", file=sys.stderr)
+        return 2
     if args.predict_for is not None:
         from tfmetal_ext.inspect import predict
 
         try:
             predict.validate_predict_for(args.predict_for)
+            predict.macos_version(args.macos)
         except ValueError as e:
             print(f"tfmetal-ext report: {e}", file=sys.stderr)
             return 2
@@ -82,7 +86,8 @@ def _cmd_report(args):
         kw.update(optimizer=args.optimizer, loss=args.loss)
     if args.predict_for:
         # Traced as on that backend, not run: this host's fusion report says nothing about it.
-        predicted = inspect.placement_report(model, mode=args.mode, predict_for=args.predict_for, **kw)
+        predicted = inspect.placement_report(model, mode=args.mode, predict_for=args.predict_for, macos=args.macos,
+                                             **kw)
         print(json.dumps({"predicted_placement": predicted.to_dict()}, indent=2) if args.json else predicted)
         return 0
     fusion = inspect.fusion_report(model, mode=args.mode, **kw)
@@ -221,6 +226,11 @@ def build_parser():
         "--predict-for", default=None, metavar="NAME",
         help="predict the placement on a Metal backend instead (tensorflow-metal-plugin or tensorflow-metal): "
              "the step is traced as there, not run, on any machine",
+    )
+    p.add_argument(
+        "--macos", default=None, metavar="VERSION",
+        help="with --predict-for: the macOS to predict for (e.g. 12.7; tensorflow-metal's stateless-random "
+             "kernels need 13); default: this Mac's, or an assumed one named in the report",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_report)
