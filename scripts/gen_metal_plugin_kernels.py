@@ -28,9 +28,9 @@ with patterns this script *runs* them:
    stand-in of the kernel-builder C API written here, and runs the result
    twice: once with the plugin's ``ResourceVariableApiAvailable()`` false (what
    TF 2.20/2.21 give it: no binary exports those symbols) and once true.
-3. Every ``TF_RegisterKernelBuilder`` call prints its op, device and type
-   constraints; the two runs give `KERNELS` and, as their difference,
-   `NEEDS_RESOURCE_VARIABLE_API`.
+3. Every ``TF_RegisterKernelBuilder`` call prints its op, device, type
+   constraints and host-memory arguments; the two runs give `KERNELS` and
+   `HOST_MEMORY` and, as their difference, `NEEDS_RESOURCE_VARIABLE_API`.
 
 Nothing of the plugin is copied into this repository: the cut-out source
 lives only in the temporary build directory. The script fails loudly (exit
@@ -461,10 +461,12 @@ def run_registrations(program):
 
 
 def table(registrations):
-    """op -> (dtypes of its first type constraint), op -> that attr's name when it is not T."""
+    """op -> (dtypes of its first type constraint), op -> that attr's name when it is not T, the number of
+    kernels, and op -> {that dtype ("" without a constraint): the arguments its kernel keeps in host memory}."""
     dtypes = collections.defaultdict(set)
     attrs = {}
     names = set()
+    host = collections.defaultdict(dict)
     for reg in registrations:
         if reg["device"] != "GPU":
             raise ParseError(f"kernel {reg['name']} registers for device {reg['device']!r}, not GPU")
@@ -481,8 +483,14 @@ def table(registrations):
             if attrs.setdefault(op, attr) != attr:
                 raise ParseError(f"op {op} is registered with different first type attrs: {attrs[op]} and {attr}")
             dtypes[op].add(dtype)
+        key = reg["types"][0][1] if reg["types"] else ""
+        kept = tuple(sorted(set(reg["host"])))
+        if host[op].setdefault(key, kept) != kept:
+            raise ParseError(f"op {op} ({key or 'no constraint'}) keeps different arguments in host memory across "
+                             f"its kernels: {host[op][key]} and {kept}")
     kernels = {op: tuple(sorted(d)) for op, d in sorted(dtypes.items())}
-    return kernels, {op: a for op, a in sorted(attrs.items()) if a != "T"}, len(names)
+    host_memory = {op: {d: a for d, a in sorted(by.items()) if a} for op, by in sorted(host.items()) if any(by.values())}
+    return kernels, {op: a for op, a in sorted(attrs.items()) if a != "T"}, len(names), host_memory
 
 
 def tf_default_kernels(tf_version):
@@ -524,6 +532,8 @@ no type constraint (e.g. the bool-only LogicalAnd).
 NEEDS_RESOURCE_VARIABLE_API: op -> dtypes the plugin registers only when
 ``{gate}()`` ({gate_file}) finds every symbol of
 RESOURCE_VARIABLE_API_SYMBOLS with dlsym; on TF {tf} it finds none.
+HOST_MEMORY: op -> {{dtype of KERNELS ("" without a type constraint): the
+arguments its kernel keeps in host memory}}, for the kernels registered on TF {tf}.
 TF_DEFAULT_KERNELS: TensorFlow {tf}'s own DEVICE_DEFAULT kernels (any device,
 the plugin's included): op -> dtypes of their T/dtype constraint.
 """
@@ -531,7 +541,7 @@ the plugin's included): op -> dtypes of their T/dtype constraint.
 '''
 
 
-def render(pin, sha, tf_version, gate_file, symbols, kernels, attrs, gated, defaults, counts):
+def render(pin, sha, tf_version, gate_file, symbols, kernels, attrs, gated, defaults, counts, host_memory):
     body = [
         HEADER.format(pin=pin, sha=sha, tf=tf_version, gate=GATE_FUNCTION, gate_file=gate_file),
         f"PIN = {pin!r}",
@@ -547,6 +557,8 @@ def render(pin, sha, tf_version, gate_file, symbols, kernels, attrs, gated, defa
         "DTYPE_ATTR = " + pprint.pformat(attrs, width=110, sort_dicts=True),
         "",
         "NEEDS_RESOURCE_VARIABLE_API = " + pprint.pformat(gated, width=110, sort_dicts=True),
+        "",
+        "HOST_MEMORY = " + pprint.pformat(host_memory, width=110, sort_dicts=True),
         "",
         "TF_DEFAULT_KERNELS = " + pprint.pformat(defaults, width=110, sort_dicts=True),
         "",
@@ -576,8 +588,8 @@ def generate(root=None):
                 raise ParseError(f"{file}: {fn.name} is defined but not reached from {ROOT_FUNCTION}")
     gate_file, symbols = resource_api_symbols(sources)
     runs = run_registrations(build_program(sources, graph))
-    kernels, attrs, n_without = table(runs[False])
-    with_api, attrs_api, n_with = table(runs[True])
+    kernels, attrs, n_without, host_memory = table(runs[False])
+    with_api, attrs_api, n_with, _ = table(runs[True])
     gated = {}
     for op, dtypes in with_api.items():
         extra = tuple(d for d in dtypes if d not in kernels.get(op, ()))
@@ -587,7 +599,7 @@ def generate(root=None):
     defaults = tf_default_kernels(tf_version)
     return render(
         metal_plugin.PIN, metal_plugin.SDIST_SHA256, tf_version, gate_file, symbols, kernels,
-        dict(sorted(attrs.items())), gated, defaults, (n_without, n_with),
+        dict(sorted(attrs.items())), gated, defaults, (n_without, n_with), host_memory,
     )
 
 

@@ -298,7 +298,7 @@ def test_host_memory_arguments_on_apples_plugin():
     assert APPLE.host_memory_args("Softmax", "float32") == frozenset()
     assert APPLE.host_memory_args("Softmax", "int32") is None  # no such registration
     assert APPLE.host_memory_args("ReadVariableOp") is None  # TensorFlow's kernel, not the plugin's
-    assert PLUGIN.host_memory_args("Conv2D", "float32") is None  # the open plugin's table records no memory
+    assert PLUGIN.host_memory_args("Conv2D", "float32") == frozenset()  # recorded: nothing on the host
 
 
 def test_has_kernel_without_a_kernel_record_is_unknown():
@@ -306,6 +306,25 @@ def test_has_kernel_without_a_kernel_record_is_unknown():
     assert bare.has_kernel("MatMul", "float32") is None
     hosted = _table.backend("x", "cpu", "X", {}, host_ops=types.MappingProxyType({"MatMul": "why"}))
     assert hosted.has_kernel("MatMul") is False
+
+
+def test_open_plugin_host_memory_agrees_with_its_source():
+    # Read another way: the literal argument names the sdist's kernel files pass to
+    # TF_KernelBuilder_HostMemory each appear in the generated table, and the reduction helper's
+    # "reduction_indices" (metal_reduction_ops.mm) is kept on the host for every Sum / Mean kernel.
+    from tfmetal_ext.backends import _metal_plugin_kernels as generated
+
+    kernels_dir = _sdist() / "src/tensorflow/core/common_runtime/metal/kernels"
+    literal = set()
+    for path in kernels_dir.glob("*.mm"):
+        literal |= set(re.findall(r'TF_KernelBuilder_HostMemory\(\s*\w+\s*,\s*"(\w+)"\s*\)', path.read_text()))
+    recorded = {a for by in generated.HOST_MEMORY.values() for args in by.values() for a in args}
+    # "resource" and "var" are the variable handles of the resource-variable kernels, which register only
+    # with the resource-variable C API that TF 2.21 lacks (NEEDS_RESOURCE_VARIABLE_API): not in the table.
+    assert "reduction_indices" in literal and literal - recorded == {"resource", "var"}, sorted(literal - recorded)
+    for op in ("Sum", "Mean"):
+        for dtype in PLUGIN.kernels[op]:
+            assert "reduction_indices" in PLUGIN.host_memory_args(op, dtype), (op, dtype)
 
 
 # ----------------------------------------------------------------------------------------------

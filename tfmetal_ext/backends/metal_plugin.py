@@ -7,7 +7,7 @@ project; the tests and scripts that need its source fetch the sdist at run
 time (`tfmetal_ext.testing.metal_plugin_source`). Not measured here: no Mac on
 the project's machines.
 
-Kernels (`KERNELS`, `TF_DEFAULT_KERNELS`, `UNREGISTERED_HOST_OPS`): generated from the
+Kernels (`KERNELS`, `HOST_MEMORY`, `TF_DEFAULT_KERNELS`, `UNREGISTERED_HOST_OPS`): generated from the
 sdist by ``scripts/gen_metal_plugin_kernels.py`` into
 `tfmetal_ext.backends._metal_plugin_kernels`, which runs the plugin's own
 registration functions (``kernels/metal_kernels.mm``
@@ -109,6 +109,8 @@ KERNELS = types.MappingProxyType(_generated.KERNELS)
 DTYPE_ATTR = types.MappingProxyType(_generated.DTYPE_ATTR)
 # TensorFlow's own DEVICE_DEFAULT kernels, which serve the plugin's device too.
 TF_DEFAULT_KERNELS = types.MappingProxyType(_generated.TF_DEFAULT_KERNELS)
+# op -> {dtype: the arguments its kernel keeps in host memory} (generated, as KERNELS).
+HOST_MEMORY = types.MappingProxyType({op: types.MappingProxyType(by) for op, by in _generated.HOST_MEMORY.items()})
 RESOURCE_VARIABLE_API_SYMBOLS = _generated.RESOURCE_VARIABLE_API_SYMBOLS
 RESOURCE_VARIABLE_API_GATE = _generated.RESOURCE_VARIABLE_API_GATE
 
@@ -229,6 +231,7 @@ METAL_PLUGIN = backend(
     kernels_complete=True,
     shared_kernels=TF_DEFAULT_KERNELS,
     dtype_attrs=DTYPE_ATTR,
+    host_memory=HOST_MEMORY,
     host_ops=UNREGISTERED_HOST_OPS,
     unsupported_layers=UNSUPPORTED_LAYERS,
     source=__doc__,
