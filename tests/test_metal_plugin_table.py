@@ -327,6 +327,40 @@ def test_open_plugin_host_memory_agrees_with_its_source():
             assert "reduction_indices" in PLUGIN.host_memory_args(op, dtype), (op, dtype)
 
 
+def _registration(name, host, op="Transpose", constraints=(("T", "float32"), ("Tperm", "int32"))):
+    """One line of the stand-in's output, as the generator reads it."""
+    return {"name": name, "op": op, "device": "GPU", "types": [list(c) for c in constraints], "host": list(host)}
+
+
+def test_generator_records_host_memory_per_op_and_dtype():
+    regs = [
+        _registration("A", ["perm"]),
+        _registration("B", ["perm", "perm"], constraints=[("T", "float32"), ("Tperm", "int64")]),  # one argument
+        _registration("C", [], op="Relu", constraints=[("T", "float32")]),
+        _registration("D", ["sequence_length", "labels_values"], op="CTCLoss", constraints=()),
+    ]
+    kernels, _, count, host_memory = _generator().table(regs)
+    assert count == 4 and kernels["Relu"] == ("float32",)
+    assert host_memory == {"CTCLoss": {"": ("labels_values", "sequence_length")}, "Transpose": {"float32": ("perm",)}}
+
+
+def test_generator_fails_loudly_on_host_memory_that_differs_within_a_dtype():
+    regs = [_registration("A", ["perm"]), _registration("B", [], constraints=[("T", "float32"), ("Tperm", "int64")])]
+    with pytest.raises(SystemExit, match=r"Transpose \(float32\) keeps different arguments in host memory"):
+        _generator().table(regs)
+
+
+def test_generator_fails_loudly_on_a_host_memory_name_the_op_lacks():
+    # TensorFlow rejects such a kernel when it places a node ("HostMemory args ... not found in OpDef");
+    # a comment in the plugin's metal_sparse_segment_ops.mm tells of kernels lost to it.
+    import tensorflow as tf
+
+    generator = _generator()
+    generator.check_host_memory_names([_registration("A", ["perm"])], tf.__version__)
+    with pytest.raises(SystemExit, match=r"kernel A keeps \['permutation'\] in host memory, but Transpose"):
+        generator.check_host_memory_names([_registration("A", ["permutation"])], tf.__version__)
+
+
 # ----------------------------------------------------------------------------------------------
 # Fusion rows.
 

@@ -16,7 +16,10 @@ NEEDS_RESOURCE_VARIABLE_API: op -> dtypes the plugin registers only when
 ``ResourceVariableApiAvailable()`` (src/tensorflow/core/common_runtime/metal/kernels/metal_kernel_util.mm) finds every symbol of
 RESOURCE_VARIABLE_API_SYMBOLS with dlsym; on TF 2.21.0 it finds none.
 HOST_MEMORY: op -> {dtype of KERNELS ("" without a type constraint): the
-arguments its kernel keeps in host memory}, for the kernels registered on TF 2.21.0.
+arguments (OpDef input/output names) its kernel keeps in host memory, as its
+TF_KernelBuilder_HostMemory calls declare}, for the kernels registered on
+TF 2.21.0. An op of KERNELS that is not here declares none. The
+NEEDS_RESOURCE_VARIABLE_API kernels' host memory is not recorded.
 TF_DEFAULT_KERNELS: TensorFlow 2.21.0's own DEVICE_DEFAULT kernels (any device,
 the plugin's included): op -> dtypes of their T/dtype constraint.
 """
