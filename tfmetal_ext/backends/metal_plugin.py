@@ -16,7 +16,12 @@ against a recording stand-in of TF's kernel-builder C API. 0.4.1: 268 ops on
 TF 2.21, the count its README claims ("268, listed in docs/kernels.md"),
 float32/float16 almost everywhere, bfloat16 only as a ``Cast`` end. No
 ``Einsum``, no ``CudnnRNN*``, no ``BlockLSTM``/``GRUBlockCell`` (its README:
-those subsystems were removed), no ``Pack``/``Unpack``.
+those subsystems were removed), no ``Pack``/``Unpack``. `HOST_MEMORY` holds
+the arguments each kernel declares with ``TF_KernelBuilder_HostMemory`` (the
+axes, shapes and sizes it reads on the host: ``ConcatV2``'s ``axis``, the
+reductions' ``reduction_indices``), in the shape of Apple's table;
+`Backend.host_memory_args` answers from it, so predicted transfers on this
+backend follow the plugin's own declarations.
 
 Host ops: ``RegisterAllMetalKernels`` registers the ref- and resource-variable
 kernels, the optimizers' ``ResourceApply*`` and ``ParallelConcat`` only when
