@@ -327,6 +327,41 @@ def test_open_plugin_host_memory_agrees_with_its_source():
             assert "reduction_indices" in PLUGIN.host_memory_args(op, dtype), (op, dtype)
 
 
+# Read in the sdist's kernel files: the one Register call of each op, with the argument names it passes
+# for host memory (each file's helper hands them to TF_KernelBuilder_HostMemory).
+REGISTERED_HOST_MEMORY = [
+    ("metal_conv_ops.mm", "Conv2DBackpropInput", {"input_sizes"}),
+    ("metal_array_ops.mm", "ConcatV2", {"axis"}),
+    ("metal_fill_ops.mm", "Fill", {"dims"}),
+    ("metal_strided_ops.mm", "Roll", {"shift", "axis"}),
+    ("metal_strided_ops.mm", "StridedSliceGrad", {"shape", "begin", "end", "strides"}),
+    ("metal_crop_resize_ops.mm", "CropAndResize", {"crop_size"}),
+]
+
+
+def _register_call(file, op):
+    """The text of the one statement in kernel file `file` that registers `op`."""
+    text = (_sdist() / "src/tensorflow/core/common_runtime/metal/kernels" / file).read_text()
+    calls = [s for s in text.split(";") if re.search(rf'\bRegister\w*\(\s*"{op}"', s)]
+    assert len(calls) == 1, (file, op, calls)
+    return calls[0]
+
+
+def test_open_plugin_host_memory_of_single_registrations():
+    for file, op, args in REGISTERED_HOST_MEMORY:
+        assert args <= set(re.findall(r'"(\w+)"', _register_call(file, op))), (file, op)
+        for dtype in PLUGIN.kernels[op]:
+            assert PLUGIN.host_memory_args(op, dtype) == args, (op, dtype)
+        assert PLUGIN.host_memory_args(op) == args
+    # Conv2D's call passes /*host_memory_arg=*/nullptr: recorded as nothing on the host, not as unknown.
+    assert re.search(r"/\*host_memory_arg=\*/\s*nullptr", _register_call("metal_conv_ops.mm", "Conv2D"))
+    assert "Conv2D" not in metal_plugin.HOST_MEMORY and PLUGIN.host_memory_args("Conv2D") == frozenset()
+    # int32 ConcatV2 is TensorFlow's DEFAULT kernel, not the plugin's: the table does not answer for it.
+    assert PLUGIN.has_kernel("ConcatV2", "int32") is True and PLUGIN.host_memory_args("ConcatV2", "int32") is None
+    assert isinstance(PLUGIN.host_memory, types.MappingProxyType)
+    assert all(isinstance(by, types.MappingProxyType) for by in PLUGIN.host_memory.values())
+
+
 def _registration(name, host, op="Transpose", constraints=(("T", "float32"), ("Tperm", "int32"))):
     """One line of the stand-in's output, as the generator reads it."""
     return {"name": name, "op": op, "device": "GPU", "types": [list(c) for c in constraints], "host": list(host)}
