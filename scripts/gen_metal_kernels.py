@@ -211,8 +211,6 @@ class Machine:
         self.registrations = []
         self.op_builders, self.op_defs = {}, {}
         self.unhandled = collections.Counter()
-        self.objects = 0
-        self.statuses = {}
         uc.hook_add(unicorn.UC_HOOK_CODE, self._on_import, begin=IMPORT_BASE, end=IMPORT_BASE + 16 * len(self.slots))
 
     # -- loading ----------------------------------------------------------------------------------
@@ -487,7 +485,6 @@ def _call_once(m):
 # Objective-C: classes are opaque handles; the only question that matters is the gate.
 @stand_in("NSClassFromString", "objc_alloc", "objc_opt_new")
 def _objc_object(m):
-    m.objects += 1
     return m.malloc(64)
 
 
