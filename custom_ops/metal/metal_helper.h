@@ -94,6 +94,7 @@
 #include <vector>
 
 #include "metal/dispatch_geometry.h"  // the sizes below, shared with the emulator tests
+#include "metal/gap_plan.h"
 #include "metal/metal_binding.h"
 #include "metal/metal_plugin_stream.h"
 #include "tensorflow/c/kernels.h"
@@ -282,6 +283,24 @@ void RecordNotRegistered(const char* op, const std::string& reason);
 template <class Kernel, void (*Run)(const Kernel&, TF_OpKernelContext*, TF_Status*)>
 void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstruction*)) {
   RegisterFloatKernels(op, create, &ComputeTrampoline<Kernel, Run>, &DeleteKernel<Kernel>);
+}
+
+// Gap kernels: a GPU kernel for a *standard* TensorFlow op ("DivNoNan"),
+// registered only as the plan in $TFMETAL_EXT_GAP_KERNELS lists it
+// (gap_plan.h; written by tfmetal_ext.backends.gap_kernels from the loaded
+// backend's kernel table, so a kernel the backend has is never registered
+// twice). Every combination of the planned type constraints is registered,
+// with the plan's host-memory arguments. Nothing is registered when the host
+// code does not bind to this process's Metal backend, when the plan is unset
+// (library loaded by hand), malformed, or made for another backend, or when
+// it does not list `op`. Each planned (op, dtype) is recorded for status()
+// as "<op>[<dtype>]".
+void RegisterGapKernels(const char* op, void* (*create)(TF_OpKernelConstruction*),
+                        void (*compute)(void*, TF_OpKernelContext*), void (*destroy)(void*));
+
+template <class Kernel, void (*Run)(const Kernel&, TF_OpKernelContext*, TF_Status*)>
+void RegisterGapKernels(const char* op, void* (*create)(TF_OpKernelConstruction*)) {
+  RegisterGapKernels(op, create, &ComputeTrampoline<Kernel, Run>, &DeleteKernel<Kernel>);
 }
 
 // Runs `register_kernels` when tf.load_op_library loads the op library: one

@@ -292,6 +292,70 @@ void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstructio
 
 void RecordNotRegistered(const char* op, const std::string& reason) { Record(op, false, reason); }
 
+namespace {
+
+const gap::Plan& GapPlan() {
+  static const gap::Plan* plan = new gap::Plan(gap::ParsePlan(std::getenv(gap::kPlanEnv)));  // never destroyed
+  return *plan;
+}
+
+}  // namespace
+
+void RegisterGapKernels(const char* op, void* (*create)(TF_OpKernelConstruction*),
+                        void (*compute)(void*, TF_OpKernelContext*), void (*destroy)(void*)) {
+  const gap::Plan& plan = GapPlan();
+  const gap::KernelDef* def = gap::Find(plan, op);
+  if (def == nullptr) return;  // not planned here: Python's rows say why
+  const binding::Decision& decision = Binding();
+  std::string refused;
+  if (!plan.error.empty()) {
+    refused = std::string("malformed ") + gap::kPlanEnv + ": " + plan.error;
+  } else if (!decision.gpu) {
+    refused = decision.reason;
+  } else if (plan.backend != decision.backend) {
+    refused = "the plan was made for " + plan.backend + " but this process runs " + decision.backend;
+  }
+  const gap::Constraint& planned = def->constraints.front();
+  if (!refused.empty()) {
+    for (const std::string& dtype : planned.dtypes) Record(gap::RecordName(op, dtype).c_str(), false, refused);
+    return;
+  }
+  StatusPtr status(TF_NewStatus());
+  for (const std::string& dtype : planned.dtypes) {
+    std::string failed;
+    int registered = 0;
+    for (const auto& combo : gap::Combinations(*def)) {
+      if (combo.front().second != dtype) continue;
+      TF_SetStatus(status.get(), TF_OK, "");
+      TF_KernelBuilder* builder = TF_NewKernelBuilder(op, "GPU", create, compute, destroy);
+      std::string name = std::string(op) + "_GPU_tfmetal_ext";
+      for (const auto& [attr, value] : combo) {
+        if (Ok(status.get())) {
+          TF_KernelBuilder_TypeConstraint(builder, attr.c_str(), static_cast<TF_DataType>(gap::DtypeValue(value)),
+                                          status.get());
+        }
+        name += "_" + value;
+      }
+      for (const std::string& arg : def->host_memory) {
+        if (Ok(status.get())) TF_KernelBuilder_HostMemory(builder, arg.c_str());
+      }
+      if (!Ok(status.get())) {
+        TF_DeleteKernelBuilder(builder);  // not registered: still ours
+        failed += std::string(failed.empty() ? "" : "; ") + name + ": " + TF_Message(status.get());
+        continue;
+      }
+      TF_RegisterKernelBuilder(name.c_str(), builder, status.get());
+      if (Ok(status.get())) {
+        ++registered;
+      } else {
+        failed += std::string(failed.empty() ? "" : "; ") + name + ": " + TF_Message(status.get());
+      }
+    }
+    Record(gap::RecordName(op, dtype).c_str(), registered > 0 && failed.empty(),
+           failed.empty() ? std::string() : "GPU kernel registration failed: " + failed);
+  }
+}
+
 id<MTLDevice> MetalStream::Device() const {
   return open != nullptr ? ((__bridge id<MTLCommandQueue>)open->queue).device : nil;
 }

@@ -131,7 +131,7 @@ def test_metal_host_code_compiles_against_stubs(clang, embedded, source, sdk):
 # plain C++ ones (no Objective-C, no TF: the emulator compiles
 # dispatch_geometry.h, the CPU kernels include host_checks.h) as C++ too.
 OBJC_HOST_HEADERS = [METAL_DIR / n for n in ("metal_helper.h", "multi_tensor_metal.h", "norm_metal.h")]
-CXX_HOST_HEADERS = [METAL_DIR / "dispatch_geometry.h", ROOT / "custom_ops" / "include" / "tfmetal" / "host_checks.h"]
+CXX_HOST_HEADERS = [METAL_DIR / "dispatch_geometry.h", METAL_DIR / "gap_plan.h", ROOT / "custom_ops" / "include" / "tfmetal" / "host_checks.h"]
 
 
 @pytest.mark.parametrize("header", OBJC_HOST_HEADERS + CXX_HOST_HEADERS, ids=lambda p: p.name)
@@ -374,10 +374,35 @@ DRIVER_CC = r"""
 #include <thread>
 #include <vector>
 
+#include "metal/gap_plan.h"
 #include "metal/metal_binding.h"
 #include "metal/metal_plugin_stream.h"
 
 using namespace tfmetal_ext;
+
+// Parses the plan text in argv[2] and prints what registration would do:
+// "backend <name>" / "error <text>", then per op its host-memory arguments
+// and one line per combination of type constraints.
+int PlanCommand(char** argv) {
+  const gap::Plan plan = gap::ParsePlan(std::strcmp(argv[2], "-") == 0 ? nullptr : argv[2]);
+  std::printf("present %d\n", plan.present ? 1 : 0);
+  if (!plan.error.empty()) {
+    std::printf("error %s\n", plan.error.c_str());
+    return 0;
+  }
+  std::printf("backend %s\n", plan.backend.c_str());
+  for (const gap::KernelDef& def : plan.kernels) {
+    std::string host;
+    for (const std::string& h : def.host_memory) host += h + ",";
+    std::printf("op %s host=%s\n", def.op.c_str(), host.c_str());
+    for (const auto& combo : gap::Combinations(def)) {
+      std::string line = gap::RecordName(def.op, combo.front().second);
+      for (const auto& [attr, dtype] : combo) line += " " + attr + "=" + dtype + ":" + std::to_string(gap::DtypeValue(dtype));
+      std::printf("combo %s\n", line.c_str());
+    }
+  }
+  return 0;
+}
 
 // A stream laid out as the plugin's (the layout test checks ours is its).
 struct FakeStream {
@@ -464,6 +489,7 @@ int Sequence(char** argv) {
 int main(int argc, char** argv) {
   if (argc >= 7 && std::strcmp(argv[1], "decide") == 0) return Decide(argc, argv);
   if (argc >= 2 && std::strcmp(argv[1], "format") == 0) return Format();
+  if (argc >= 3 && std::strcmp(argv[1], "plan") == 0) return PlanCommand(argv);
   if (argc >= 4 && std::strcmp(argv[1], "sync") == 0) return Sync(argv);
   if (argc >= 4 && std::strcmp(argv[1], "sequence") == 0) return Sequence(argv);
   return 2;
@@ -593,3 +619,60 @@ def test_custom_ops_keep_stream_order_with_the_backends_own_kernels():
         got = [v.numpy() for v in step([tf.constant(x) for x in xs])]
     want = [np.sum(np_softshrink(x * 2.0 + 1.0, 0.5) * 3.0) for x in xs]
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------
+# The gap-kernel plan: Python writes it (tfmetal_ext.backends.gap_kernels),
+# gap_plan.h parses it, and registration follows the parse.
+
+
+def _plan_lines(driver, text):
+    return _drive(driver, "plan", text).splitlines()
+
+
+@pytest.mark.parametrize("key", ["metal", "metal_plugin"])
+def test_the_host_code_registers_exactly_the_planned_rows(driver, key):
+    from tfmetal_ext.backends import gap_kernels, registry
+
+    table = registry.table(key)
+    rows = gap_kernels.plan(table, macos="12.7", enabled=True)
+    dist = gap_kernels.TABLE_RELEASES[key][0]
+    lines = _plan_lines(driver, gap_kernels.plan_text(dist, rows))
+    assert lines[:2] == ["present 1", f"backend {dist}"]
+    planned = {line.split()[1] for line in lines if line.startswith("combo ")}
+    assert planned == {r.key for r in rows if r.registered}
+    # TF_DataType numbers of the dtypes: TensorFlow's DataType enum.
+    numbers = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16, "bool": tf.bool,
+               "int32": tf.int32, "int64": tf.int64}
+    for line in lines:
+        if line.startswith("combo "):
+            for field in line.split()[2:]:
+                name, value = field.split("=")[1].split(":")
+                assert int(value) == numbers[name].as_datatype_enum
+    # Each op's combinations are the cross product of its attrs' dtypes.
+    for op, dtypes in gap_kernels.registered(rows).items():
+        kernel = gap_kernels.GAP_KERNELS[op]
+        n = len(dtypes)
+        for ds in kernel.other_attrs.values():
+            n *= len(ds)
+        assert sum(1 for line in lines if line.startswith(f"combo {op}[")) == n
+        assert f"op {op} host={''.join(h + ',' for h in kernel.host_memory)}" in lines
+
+
+@pytest.mark.parametrize("text, error", [
+    ("", "names no backend"),
+    ("tensorflow-metal\nDiv NoNan|T=float32\n", "bad op name"),
+    ("tensorflow-metal\nDivNoNan|T=float64\n", "unknown dtype 'float64'"),
+    ("tensorflow-metal\nDivNoNan\n", "has no type constraint"),
+    ("tensorflow-metal\nDivNoNan|T\n", "has no '='"),
+    ("tensorflow-metal\nDivNoNan|T=float32\nDivNoNan|T=float16\n", "DivNoNan twice"),
+    ("tensorflow-metal\nFill|T=float32|host=di;ms\n", "bad value"),
+])
+def test_a_malformed_plan_registers_nothing(driver, text, error):
+    lines = _plan_lines(driver, text)
+    assert lines[0] == "present 1" and lines[1].startswith("error ") and error in lines[1]
+    assert len(lines) == 2
+
+
+def test_an_unset_plan_registers_nothing(driver):
+    assert _plan_lines(driver, "-") == ["present 0", "backend "]
