@@ -169,4 +169,21 @@ TFM_INLINE uint32_t tfm_min(uint32_t a, uint32_t b) { return a < b ? a : b; }
 TFM_INLINE int32_t tfm_select(bool c, int32_t a, int32_t b) { return c ? a : b; }
 TFM_INLINE uint32_t tfm_select(bool c, uint32_t a, uint32_t b) { return c ? a : b; }
 
+// The float whose IEEE-754 bits are `x` (and back).
+#if TFM_METAL
+TFM_INLINE float tfm_bits_to_float(uint32_t x) { return as_type<float>(x); }
+TFM_INLINE uint32_t tfm_float_to_bits(float x) { return as_type<uint32_t>(x); }
+#else
+TFM_INLINE float tfm_bits_to_float(uint32_t x) {
+  float f;
+  __builtin_memcpy(&f, &x, sizeof(f));
+  return f;
+}
+TFM_INLINE uint32_t tfm_float_to_bits(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof(u));
+  return u;
+}
+#endif
+
 #endif  // TFMETAL_PORTABLE_H_
