@@ -4,6 +4,11 @@ Public API: `configure`, `Config`, `convert` (returns a converted model whose
 `conversion_report` is a `ConversionReport`), and the submodules `callbacks`, `devices`,
 `backends` (what each backend has and fuses, as data), `conversion`, `distribute`
 (multi-worker `fit_compat`), `doctor`, `precision`, `inspect`, `layers`, `ops` and `optimizers`.
+
+Importing it on macOS arm64 with a Metal plugin installed loads the op library, which registers
+GPU kernels for the standard ops that backend has none for ("gap kernels", see
+`tfmetal_ext.backends.gap_kernels`; ``TFMETAL_EXT_GAP_KERNELS_ENABLE=0`` turns that off). Elsewhere
+the import loads nothing.
 """
 
 from tfmetal_ext import backends, callbacks, devices, inspect, layers, ops, optimizers, precision
@@ -12,6 +17,10 @@ from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
 from tfmetal_ext import conversion
 from tfmetal_ext.conversion import ConversionReport, convert
+
+# On a Mac, the import registers the GPU kernels our op library has for standard ops the
+# Metal backend lacks (tfmetal_ext.backends.gap_kernels): stock Keras models get them too.
+ops._loader.load_for_gap_kernels()
 
 __all__ = [
     "Config",

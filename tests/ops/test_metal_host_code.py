@@ -674,5 +674,12 @@ def test_a_malformed_plan_registers_nothing(driver, text, error):
     assert len(lines) == 2
 
 
+def test_the_plan_variable_is_the_one_python_sets():
+    from tfmetal_ext.backends import gap_kernels
+
+    text = (METAL_DIR / "gap_plan.h").read_text()
+    assert f'kPlanEnv[] = "{gap_kernels.PLAN_ENV}"' in text
+
+
 def test_an_unset_plan_registers_nothing(driver):
     assert _plan_lines(driver, "-") == ["present 0", "backend "]

@@ -19,7 +19,7 @@ This module is the one home of that decision:
   code as text (`plan_text`, environment variable `PLAN_ENV`) before the
   library loads; the host code registers what the text lists and nothing
   else. `placement_report(..., predict_for=...)` reads the same rows
-  (`covered`), and `tfmetal_ext.ops.status()` reports them.
+  (`covers`), and `tfmetal_ext.ops.status()` reports them.
 
 A backend table vouches for one release of its plugin (`TABLE_RELEASES`).
 With any other release installed nothing is registered: a kernel it gained
@@ -201,15 +201,6 @@ def registered(rows):
     return {op: tuple(d) for op, d in out.items()}
 
 
-def covered(table, op, dtype, macos=None, installed=None):
-    """Whether our gap kernel gives `op` a GPU kernel for `dtype` on `table` (False for anything we do not implement)."""
-    kernel = GAP_KERNELS.get(op)
-    if kernel is None or dtype not in kernel.dtypes:
-        return False
-    return _row(table, kernel, dtype, parse_macos(macos), installed, TABLE_RELEASES.get(table.key),
-                os.environ.get(ENABLE_ENV, "1") != "0").registered
-
-
 def plan_text(backend, rows):
     """The text the Metal host code reads (custom_ops/metal/gap_plan.h).
 
@@ -227,3 +218,41 @@ def plan_text(backend, rows):
             fields.append("host=" + ",".join(kernel.host_memory))
         lines.append("|".join(fields))
     return "\n".join(lines) + "\n"
+
+
+def covers(table, op, attrs, macos=None, enabled=None):
+    """Whether our gap kernel runs a node of `op` with type attributes `attrs` (``{"T": "float16", ...}``) on `table`.
+
+    The plan's row for the node's `GapKernel.dtype_attr` dtype must be
+    registered, and each of its other type attributes within the kernel's.
+    """
+    kernel = GAP_KERNELS.get(op)
+    if kernel is None or kernel.dtype_attr not in attrs:
+        return False
+    if any(attrs.get(attr) not in dtypes for attr, dtypes in kernel.other_attrs.items() if attr in attrs):
+        return False
+    dtype = attrs[kernel.dtype_attr]
+    if dtype not in kernel.dtypes:
+        return False
+    if enabled is None:
+        enabled = os.environ.get(ENABLE_ENV, "1") != "0"
+    return _row(table, kernel, dtype, parse_macos(macos), None, TABLE_RELEASES.get(table.key), enabled).registered
+
+
+def for_this_process():
+    """``(table key, distribution, rows)`` for the Metal backend installed here, or None without exactly one.
+
+    Reads package metadata and the macOS version only (nothing is imported
+    or loaded): the plan the op loader hands to the Metal host code.
+    """
+    from tfmetal_ext import devices
+
+    installed = devices._metal_plugins()
+    if len(installed) != 1:
+        return None
+    (dist, version), = installed.items()
+    key = next((k for k, (d, _) in TABLE_RELEASES.items() if d == dist), None)
+    if key is None:
+        return None
+    rows = plan(key, macos=devices._macos_version(), installed=version)
+    return key, dist, rows

@@ -34,6 +34,12 @@ What the prediction assumes (the report's header and notes say so):
   ops only on macOS 13 or later (`Backend.gate`). The prediction uses the
   `macos` it is given, else this Mac's version, else (not on a Mac) the
   assumed Mac of `tfmetal_ext.devices.assume_backend`, and says which in a note.
+* Our gap kernels (`tfmetal_ext.backends.gap_kernels`): where the backend
+  has no kernel for an op and dtype that our op library registers one for
+  (the same plan the library follows when it loads), the op runs on the
+  device ("tfmetal_ext gap kernel", `GAP`), with the host-memory arguments
+  our kernel declares. ``gap_kernels=False`` predicts the backend alone (a
+  process that never imported tfmetal_ext).
 * Ops that compute nothing a kernel table speaks of are skipped
   (`PLUMBING_OPS`: arguments, constants, identities, variable handles and
   reads, functional control flow and its v1 loop ops, the input iterator).
@@ -70,7 +76,7 @@ import re
 import threading
 
 from tfmetal_ext import backends, devices
-from tfmetal_ext.backends import PREDICT, TRAIN, fusion
+from tfmetal_ext.backends import PREDICT, TRAIN, fusion, gap_kernels
 from tfmetal_ext.inspect import transfers
 from tfmetal_ext.inspect.report import EXPECTED_HOST_OPS, NON_COMPUTE_OPS, FallbackNode, PlacementReport
 
@@ -80,7 +86,8 @@ FAILS = "fails"
 HOST = "runs on the host"
 INT32_HOST = "int32 on the host"
 UNKNOWN = "unknown"
-OUTCOMES = (FAILS, FALLBACK, HOST, INT32_HOST, UNKNOWN)
+GAP = "tfmetal_ext gap kernel"
+OUTCOMES = (FAILS, FALLBACK, HOST, INT32_HOST, UNKNOWN, GAP)
 # An int32 op the backend has no kernel for runs on the CPU, but TensorFlow computes int32 (shape
 # arithmetic) on the host on every GPU: its own GPU kernels for int32 keep it in host memory. Such ops
 # are listed apart (`int32_host`), not as missing kernels.
@@ -237,6 +244,11 @@ class PredictedPlacementReport(PlacementReport):
         return self._with(INT32_HOST)
 
     @property
+    def gap_kernels(self):
+        """Ops the backend has no kernel for that run on the device through tfmetal_ext's gap kernels."""
+        return self._with(GAP)
+
+    @property
     def unknown(self):
         """Ops the table does not know (only a table that records known facts alone has them)."""
         return self._with(UNKNOWN)
@@ -281,12 +293,13 @@ class PredictedPlacementReport(PlacementReport):
             for r in rows:
                 lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
             lines += [f"  [{i}] {why}" for i, why in enumerate(reasons, 1)]
-        for rows_of, what in ((self.int32_host, "int32 ops on the host, as on any GPU"),
+        for rows_of, what in ((self.gap_kernels, "on the GPU through tfmetal_ext gap kernels"),
+                              (self.int32_host, "int32 ops on the host, as on any GPU"),
                               (self.unknown, "not in the table (unknown)")):
             if rows_of:
                 counts = collections.Counter()
                 for e in rows_of:
-                    counts[e.op + (f"({e.dtype})" if e.dtype and e.outcome == UNKNOWN else "")] += e.count
+                    counts[e.op + (f"({e.dtype})" if e.dtype and e.outcome in (UNKNOWN, GAP) else "")] += e.count
                 shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in sorted(counts.items()))
                 lines.append(f"  {what}: {shown}")
         lines += self._transfer_lines()
@@ -382,11 +395,12 @@ def _custom_op_kernel(table, op, dtype):
     return None
 
 
-def judge(table, op, attrs, macos=None):
+def judge(table, op, attrs, macos=None, gap=True):
     """``(outcome, dtype, reason)`` of one op on `table`, or None when it runs on the device.
 
     `macos`: the user's macOS as a version tuple, for a table whose kernels
-    depend on it (`Backend.gate`); None: the gate is taken as met.
+    depend on it (`Backend.gate`); None: the gate is taken as met. `gap`:
+    count our gap kernels (`GAP`: it runs on the device through ours).
     """
     if op in table.host_ops:
         dtypes = _judged_dtypes(table, op, attrs)
@@ -403,6 +417,8 @@ def judge(table, op, attrs, macos=None):
         return None  # TensorFlow's device-independent kernel runs there (a table that records them says so itself)
     missing = [(has, d) for has, d in verdicts if has is False]
     has, dtype = (missing or [v for v in verdicts if not v[0]])[0]
+    if has is False and gap and gap_kernels.covers(table, op, attrs, macos):
+        return GAP, dtype, f"no {table.label} kernel: {GAP}"
     if has is None:
         return UNKNOWN, dtype, "not in the backend table"
     what = f"no {table.label} kernel" + (f" for {dtype}" if dtype else "")
@@ -449,6 +465,8 @@ def placement(table, op, attrs, verdict):
     """
     if verdict is None:
         return transfers.Placement(op, True, device_host_memory(table, op, attrs))
+    if verdict[0] == GAP:
+        return transfers.Placement(op, True, frozenset(gap_kernels.GAP_KERNELS[op].host_memory))
     shared = tf_kernel_host_memory(op, attrs, "DEFAULT") if verdict[0] == HOST else None
     if shared is not None:
         return transfers.Placement(op, True, shared)
@@ -569,11 +587,11 @@ def macos_version(macos, table=None):
     return version, f"predicted for macOS {shown} ({source}): {label} does not hold, so its gated kernels are missing"
 
 
-def build_predicted_report(capture, index, predict_for, model=None, notes=(), macos=None, table=None):
+def build_predicted_report(capture, index, predict_for, model=None, notes=(), macos=None, table=None, gap=True):
     """The `PredictedPlacementReport` of a traced `capture` for `predict_for` (a plugin distribution).
 
     `macos`: see `macos_version`. `table`: the `Backend` to judge against;
-    None: `predict_for`'s.
+    None: `predict_for`'s. `gap`: count our gap kernels (see `judge`).
     """
     if table is None:
         with devices.assume_backend(predict_for):
@@ -595,7 +613,7 @@ def build_predicted_report(capture, index, predict_for, model=None, notes=(), ma
             op, attrs = node.op, _type_attrs(node)
             if node.name in heads:
                 op = _CHAINS[op][1]  # judged as the fused op it becomes
-            verdict = judge(table, op, attrs, macos)
+            verdict = judge(table, op, attrs, macos, gap)
             placed[node.name] = placement(table, op, attrs, verdict)
             if verdict is None:
                 continue

@@ -540,7 +540,8 @@ def report_from_capture(cap, model=None, notes=()):
     return build_fusion_report(cap, index, ctx, policy=policy, notes=notes)
 
 
-def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None, macos=None, **kw):
+def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None, macos=None, gap_kernels=True,
+                     **kw):
     """Runs one step and reports ops that ran on CPU while a GPU was present; or predicts them for a Metal backend.
 
     Arguments as for `fusion_report`. With `predict_for`
@@ -554,6 +555,11 @@ def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None,
     macOS to predict for where the backend's kernels depend on it (Apple's
     tensorflow-metal registers its stateless-random kernels from macOS 13);
     None: this Mac's, or off a Mac an assumed one, named in the report's notes.
+    `gap_kernels`: count the GPU kernels tfmetal_ext's op library registers
+    for standard ops the backend lacks (`tfmetal_ext.backends.gap_kernels`;
+    they are registered when tfmetal_ext is imported on a Mac): such ops are
+    reported as on the device, "tfmetal_ext gap kernel". False predicts the
+    backend alone, as for a process that never imports tfmetal_ext.
 
     Returns:
         A `PlacementReport`; with `predict_for`, a `PredictedPlacementReport`:
@@ -568,6 +574,9 @@ def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None,
     if predict_for is None:
         if macos is not None:
             raise ValueError(f"`macos` applies to a prediction only: pass predict_for=... too. Received: macos={macos!r}")
+        if gap_kernels is not True:
+            raise ValueError("`gap_kernels` applies to a prediction only: a real report shows what ran. "
+                             f"Received: gap_kernels={gap_kernels!r}")
         cap, model, _ = capture_step(model_or_fn, inputs, mode, **kw)
         return placement_from_capture(cap, model)
     predict.validate_predict_for(predict_for)
@@ -575,7 +584,8 @@ def placement_report(model_or_fn, inputs=None, mode="predict", predict_for=None,
     with predict.tracing_as(predict_for):
         cap, model, notes = _step(model_or_fn, inputs, mode, True, **kw)
         index = LayerIndex(model, cap.layer_scopes)
-    return predict.build_predicted_report(cap, index, predict_for, model=model, notes=notes, macos=macos)
+    return predict.build_predicted_report(cap, index, predict_for, model=model, notes=notes, macos=macos,
+                                          gap=gap_kernels)
 
 
 def placement_from_capture(cap, model=None):

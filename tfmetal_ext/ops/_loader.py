@@ -60,6 +60,8 @@ def metal_defines() -> tuple:
 # Metal plugin distributions are installed ("name==version", comma-separated),
 # set before the library loads (custom_ops/metal/metal_binding.h).
 METAL_PLUGINS_ENV = "TFMETAL_EXT_METAL_PLUGINS"
+# The gap-kernel plan, read by custom_ops/metal/gap_plan.h.
+from tfmetal_ext.backends.gap_kernels import PLAN_ENV as GAP_PLAN_ENV  # noqa: E402
 
 
 class BuildError(RuntimeError):
@@ -317,6 +319,42 @@ def load():
     return _state.module
 
 
+def load_for_gap_kernels() -> bool:
+    """Loads the op library at ``import tfmetal_ext`` where that registers gap kernels; True if it did.
+
+    Only on macOS arm64 with exactly one Metal plugin installed whose table
+    plans at least one gap kernel (`tfmetal_ext.backends.gap_kernels`), so a
+    stock Keras model gets them with nothing but the import. The first import
+    builds the library (once per TensorFlow version; cached). Nothing happens
+    elsewhere, with ``TFMETAL_EXT_GAP_KERNELS_ENABLE=0``, or with
+    ``TFMETAL_EXT_REFERENCE_OPS=1``.
+    """
+    from tfmetal_ext.backends import gap_kernels
+    from tfmetal_ext.ops import _common
+
+    if not is_macos_arm() or _common.use_reference():
+        return False
+    found = gap_kernels.for_this_process()
+    if found is None or not gap_kernels.registered(found[2]):
+        return False
+    load()
+    return True
+
+
+def gap_plan_text() -> str:
+    """The gap-kernel plan for this process's Metal backend (`tfmetal_ext.backends.gap_kernels`), as text.
+
+    Empty (nothing registered) without exactly one installed Metal plugin.
+    """
+    from tfmetal_ext.backends import gap_kernels
+
+    found = gap_kernels.for_this_process()
+    if found is None:
+        return ""
+    _, dist, rows = found
+    return gap_kernels.plan_text(dist, rows)
+
+
 def installed_metal_plugins() -> str:
     """``"name==version"`` of each installed Metal plugin distribution, comma-separated."""
     from tfmetal_ext import devices
@@ -330,8 +368,10 @@ def _load_or_rebuild():
     p = build()
     if p.with_metal:
         # Read by the Metal host code's static initializers while the library
-        # loads: which backend's stream it may bind to (metal_binding.h).
+        # loads: which backend's stream it may bind to (metal_binding.h), and
+        # which gap kernels to register (gap_plan.h).
         os.environ[METAL_PLUGINS_ENV] = installed_metal_plugins()
+        os.environ[GAP_PLAN_ENV] = gap_plan_text()
     verify_cache(p, create=False)
     try:
         return tf.load_op_library(str(p.library)), p

@@ -36,6 +36,12 @@ class OpsStatus:
             plugin at a release whose layout was not checked, its buffer
             registry not exported), the reason says so; TF then places the op
             on the CPU.
+        gap_kernels: one dict per standard op and dtype our library has a
+            gap kernel for (`tfmetal_ext.backends.gap_kernels`), ``{"op",
+            "dtype", "registered": bool, "reason": str}``: registered on this
+            Metal backend because it has no kernel of its own, or why not
+            (the backend has one, no Metal backend here, the library not
+            loaded or built without Metal, the host code's refusal).
     """
 
     loaded: bool
@@ -46,6 +52,7 @@ class OpsStatus:
     error: str | None
     metal_backend: str | None = None
     kernels: dict = dataclasses.field(default_factory=dict)
+    gap_kernels: tuple = ()
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -54,7 +61,7 @@ class OpsStatus:
         if self.reference_forced:
             return "custom ops: pure-TF references (TFMETAL_EXT_REFERENCE_OPS=1)"
         if not self.loaded:
-            return f"custom ops: not loaded ({self.error or 'not used yet'})"
+            return "\n".join([f"custom ops: not loaded ({self.error or 'not used yet'})"] + gap_lines(self.gap_kernels))
         metal = "with Metal kernels" if self.metal_kernels else "CPU kernels only"
         if self.metal_backend:
             metal += f" for {self.metal_backend}"
@@ -63,7 +70,26 @@ class OpsStatus:
             for name, k in sorted(self.kernels.items()):
                 if not k.get("gpu"):
                     lines.append(f"  {name}: no GPU kernel ({k.get('gpu_reason') or 'unknown reason'})")
+        lines += gap_lines(self.gap_kernels)
         return "\n".join(lines)
+
+
+def gap_lines(rows):
+    """The status lines of the gap-kernel rows: what is registered, then what is not, grouped by reason."""
+    if not rows:
+        return []
+    registered = [f"{r['op']}[{r['dtype']}]" for r in rows if r["registered"]]
+    reasons = {r["reason"] for r in rows}
+    if not registered and len(reasons) == 1:
+        return [f"  gap kernels: none registered ({reasons.pop()})"]
+    lines = [f"  gap kernels registered ({len(registered)}): {', '.join(registered) if registered else 'none'}"]
+    by_reason = {}
+    for r in rows:
+        if not r["registered"]:
+            by_reason.setdefault(r["reason"], []).append(f"{r['op']}[{r['dtype']}]")
+    for reason, keys in by_reason.items():
+        lines.append(f"  not registered ({len(keys)}): {reason}: {', '.join(keys)}")
+    return lines
 
 
 def _kernels(loaded, forced, error, with_metal, registrations):
@@ -97,6 +123,34 @@ def _kernels(loaded, forced, error, with_metal, registrations):
     return out
 
 
+def _gap_rows(loaded, forced, error, with_metal, registrations):
+    """`OpsStatus.gap_kernels`: the plan for this process's Metal backend, checked against what the host code recorded."""
+    from tfmetal_ext.backends import gap_kernels
+
+    found = gap_kernels.for_this_process()
+    if found is None:
+        reason = "no single Metal backend is installed here: TensorFlow's own kernels serve these ops"
+        return tuple({"op": op, "dtype": d, "registered": False, "reason": reason}
+                     for op, k in gap_kernels.GAP_KERNELS.items() for d in k.dtypes)
+    out = []
+    for row in found[2]:
+        registered, reason = row.registered, row.reason
+        if registered:
+            record = (registrations or {}).get(row.key)
+            if forced:
+                registered, reason = False, "TFMETAL_EXT_REFERENCE_OPS=1: the op library is not loaded"
+            elif not loaded:
+                registered, reason = False, f"the op library is not loaded ({error or 'not used yet'})"
+            elif not with_metal:
+                registered, reason = False, "this build of the op library has no Metal kernels"
+            elif record is None:
+                registered, reason = False, "planned, but the loaded library recorded no registration for it"
+            elif not record.gpu:
+                registered, reason = False, record.reason or "the host code did not register it"
+        out.append({"op": row.op, "dtype": row.dtype, "registered": registered, "reason": reason})
+    return tuple(out)
+
+
 def status(load: bool = True) -> OpsStatus:
     """Loads the op library (building it if needed, unless ``load=False``) and describes it."""
     forced = _common.use_reference()
@@ -117,6 +171,7 @@ def status(load: bool = True) -> OpsStatus:
         error=st.error,
         metal_backend=next(iter(backends)) if len(backends) == 1 else None,
         kernels=_kernels(loaded, forced, st.error, with_metal, registrations),
+        gap_kernels=_gap_rows(loaded, forced, st.error, with_metal, registrations),
     )
 
 

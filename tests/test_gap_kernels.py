@@ -1,0 +1,218 @@
+"""The gap-kernel plan (tfmetal_ext.backends.gap_kernels): which standard ops our library registers GPU kernels for.
+
+The one rule that matters: never a kernel the backend already has (TensorFlow fails an op whose node
+matches two registrations). It is checked here against the backends' raw registration records (Apple's
+`REGISTRATIONS`, with every type constraint, and the open plugin's `KERNELS` / `TF_DEFAULT_KERNELS`), not
+against `Backend.has_kernel`, which the plan itself uses.
+"""
+
+import importlib
+import itertools
+
+import keras
+import numpy as np
+import pytest
+
+from tfmetal_ext import inspect
+from tfmetal_ext.backends import _metal_kernels as apple
+from tfmetal_ext.backends import _metal_plugin_kernels as open_plugin
+from tfmetal_ext.backends import gap_kernels, registry
+from tfmetal_ext.inspect import predict
+from tfmetal_ext.ops import _loader
+
+status_mod = importlib.import_module("tfmetal_ext.ops.status")  # the module (ops.status is its function)
+
+
+def _combinations(kernel, dtypes):
+    attrs = [(kernel.dtype_attr, dtypes)] + list(kernel.other_attrs.items())
+    for values in itertools.product(*(ds for _, ds in attrs)):
+        yield dict(zip((a for a, _ in attrs), values))
+
+
+def _apple_registration_matches(op, combo, macos):
+    for reg_op, _, constraints, _, gated in apple.REGISTRATIONS:
+        if reg_op != op or (gated and macos < apple.GATE_MIN_MACOS):
+            continue
+        if all(combo.get(attr, value) == value for attr, value in constraints):
+            return True
+    return any(op == o and (not ds or combo.get(apple.DTYPE_ATTR.get(op, "T")) in ds)
+               for o, ds in apple.TF_DEFAULT_KERNELS.items())
+
+
+@pytest.mark.parametrize("macos", [(12, 7), (15, 0)])
+def test_apple_plan_never_duplicates_a_registration(macos):
+    rows = gap_kernels.plan("metal", macos=macos, enabled=True)
+    planned = gap_kernels.registered(rows)
+    assert planned, "Apple's tensorflow-metal lacks IsFinite, Einsum, ...: something must be planned"
+    for op, dtypes in planned.items():
+        for combo in _combinations(gap_kernels.GAP_KERNELS[op], dtypes):
+            assert not _apple_registration_matches(op, combo, macos), (op, combo)
+    # REFERENCE.md section 10: no IsFinite or StatelessRandomGetKeyCounter at all, Sigmoid float only.
+    assert set(planned["IsFinite"]) == {"float32", "float16", "bfloat16"}
+    assert "StatelessRandomGetKeyCounter" in planned
+    assert set(planned["Sigmoid"]) == {"float16", "bfloat16"}
+    assert "DivNoNan" not in planned  # registered for float/half/bfloat16 there
+
+
+def test_apple_gate_decides_the_random_kernels():
+    old = gap_kernels.registered(gap_kernels.plan("metal", macos="12.7", enabled=True))
+    new = gap_kernels.registered(gap_kernels.plan("metal", macos="13.0", enabled=True))
+    # Before macOS 13 Apple registers no StatelessRandomUniformV2 at all; from 13 on, float and half.
+    assert set(old["StatelessRandomUniformV2"]) == {"float32", "float16", "bfloat16"}
+    assert set(new["StatelessRandomUniformV2"]) == {"bfloat16"}
+
+
+def test_open_plugin_plan_never_duplicates_a_registration():
+    rows = gap_kernels.plan("metal_plugin", enabled=True)
+    planned = gap_kernels.registered(rows)
+    for op, dtypes in planned.items():
+        dtype_attr = open_plugin.DTYPE_ATTR.get(op, "T")
+        assert dtype_attr == gap_kernels.GAP_KERNELS[op].dtype_attr or op not in open_plugin.KERNELS
+        for d in dtypes:
+            assert d not in open_plugin.KERNELS.get(op, ()), (op, d)
+            assert d not in open_plugin.TF_DEFAULT_KERNELS.get(op, ()), (op, d)
+    # REFERENCE.md section 7 / the issue: none of these has a kernel in the open plugin.
+    for op in ("DivNoNan", "BroadcastTo", "IsFinite", "Pack", "UnsortedSegmentSum", "StatelessRandomGetKeyCounter",
+               "StatelessRandomUniformV2"):
+        assert "float32" in planned.get(op, ()) or "int64" in planned.get(op, ()), op
+    # It registers float and half Sigmoid / Elu / Fill (no bfloat16 at all).
+    assert planned["Sigmoid"] == ("bfloat16",) and planned["Elu"] == ("bfloat16",)
+
+
+def test_every_row_has_a_reason_and_the_plan_covers_every_implemented_dtype():
+    for key in ("metal", "metal_plugin"):
+        rows = gap_kernels.plan(key, enabled=True)
+        assert {(r.op, r.dtype) for r in rows} == {
+            (op, d) for op, k in gap_kernels.GAP_KERNELS.items() for d in k.dtypes}
+        for r in rows:
+            assert r.reason
+            assert ("has its own kernel" in r.reason) == (not r.registered)
+
+
+@pytest.mark.parametrize("key", ["cpu", "cpu_onednn", "cuda"])
+def test_nothing_is_planned_off_metal(key):
+    assert not gap_kernels.registered(gap_kernels.plan(key, enabled=True))
+
+
+def test_another_release_or_turned_off_registers_nothing(monkeypatch):
+    rows = gap_kernels.plan("metal_plugin", installed="0.5.0", enabled=True)
+    assert not gap_kernels.registered(rows)
+    assert "0.5.0 is installed" in rows[0].reason and "registered twice" in rows[0].reason
+    assert not gap_kernels.registered(gap_kernels.plan("metal_plugin", enabled=False))
+    monkeypatch.setenv(gap_kernels.ENABLE_ENV, "0")
+    assert not gap_kernels.registered(gap_kernels.plan("metal_plugin"))
+
+
+def test_bad_macos():
+    with pytest.raises(ValueError, match="Received: macos='thirteen'"):
+        gap_kernels.plan("metal", macos="thirteen")
+
+
+def test_covers_checks_every_type_attribute():
+    table = registry.table("metal_plugin")
+    assert gap_kernels.covers(table, "UnsortedSegmentSum", {"T": "float32", "Tindices": "int64",
+                                                             "Tnumsegments": "int32"})
+    assert not gap_kernels.covers(table, "UnsortedSegmentSum", {"T": "float32", "Tindices": "int16"})
+    assert not gap_kernels.covers(table, "UnsortedSegmentSum", {"T": "float64", "Tindices": "int32"})
+    assert not gap_kernels.covers(table, "Sigmoid", {"T": "float16"})  # the plugin has its own
+    assert not gap_kernels.covers(table, "MatMul", {"T": "float32"})  # not ours
+
+
+# ----------------------------------------------------------------------------
+# The loader hands the plan over; status() reports it.
+
+
+def _as_mac(monkeypatch, dist, version, macos="15.1"):
+    from tfmetal_ext import devices
+
+    monkeypatch.setattr(devices, "_metal_plugins", lambda: {dist: version})
+    monkeypatch.setattr(devices, "_macos_version", lambda: macos)
+
+
+def test_the_loader_writes_the_plan_for_the_installed_backend(monkeypatch):
+    _as_mac(monkeypatch, "tensorflow-metal-plugin", open_plugin.PIN)
+    lines = _loader.gap_plan_text().splitlines()
+    assert lines[0] == "tensorflow-metal-plugin"
+    assert "IsFinite|T=float32,float16,bfloat16" in lines
+    assert "UnsortedSegmentSum|T=float32,float16,bfloat16|Tindices=int32,int64|Tnumsegments=int32,int64" \
+           "|host=num_segments" in lines
+    _as_mac(monkeypatch, "tensorflow-metal-plugin", "0.9.0")
+    assert _loader.gap_plan_text() == "tensorflow-metal-plugin\n"  # another release: nothing
+    from tfmetal_ext import devices
+
+    monkeypatch.setattr(devices, "_metal_plugins", lambda: {})
+    assert _loader.gap_plan_text() == ""
+
+
+def test_import_loads_the_library_only_on_a_mac_with_a_plan(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_loader, "load", lambda: calls.append(1))
+    monkeypatch.setattr(_loader, "is_macos_arm", lambda: False)
+    _as_mac(monkeypatch, "tensorflow-metal", apple.PIN)
+    assert not _loader.load_for_gap_kernels() and not calls
+    monkeypatch.setattr(_loader, "is_macos_arm", lambda: True)
+    assert _loader.load_for_gap_kernels() and calls == [1]
+    monkeypatch.setenv(gap_kernels.ENABLE_ENV, "0")
+    assert not _loader.load_for_gap_kernels() and calls == [1]
+
+
+def test_status_merges_the_plan_with_what_the_host_code_recorded(monkeypatch):
+    _as_mac(monkeypatch, "tensorflow-metal-plugin", open_plugin.PIN)
+    records = {
+        "IsFinite[float32]": _loader.GpuRegistration("IsFinite[float32]", True, "tensorflow-metal-plugin", None),
+        "IsFinite[float16]": _loader.GpuRegistration("IsFinite[float16]", False, "tensorflow-metal-plugin",
+                                                     "GPU kernel registration failed: boom"),
+    }
+    rows = {(r["op"], r["dtype"]): r for r in status_mod._gap_rows(True, False, None, True, records)}
+    assert rows[("IsFinite", "float32")]["registered"]
+    assert rows[("IsFinite", "float16")]["reason"] == "GPU kernel registration failed: boom"
+    assert "recorded no registration" in rows[("IsFinite", "bfloat16")]["reason"]
+    assert rows[("Sigmoid", "float32")]["reason"].endswith("has its own kernel")
+    not_loaded = status_mod._gap_rows(False, False, "no compiler", False, None)
+    assert all(not r["registered"] for r in not_loaded)
+    text = "\n".join(status_mod.gap_lines(tuple(rows.values())))
+    assert "gap kernels registered (1): IsFinite[float32]" in text and "boom" in text
+
+
+def test_status_off_a_mac_says_why_none_is_registered():
+    st = status_mod.status(load=False)
+    assert st.gap_kernels and not any(r["registered"] for r in st.gap_kernels)
+    assert "gap kernels: none registered" in str(st)
+
+
+# ----------------------------------------------------------------------------
+# Prediction counts an op our gap kernel covers as on the device.
+
+
+@pytest.fixture
+def dropout_model():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="sigmoid"),
+                              keras.layers.Dropout(0.2), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).random((4, 8), dtype=np.float32)
+    y = np.array([0, 1, 2, 0])
+    return model, x, y
+
+
+@pytest.mark.parametrize("predict_for", ["tensorflow-metal-plugin", "tensorflow-metal"])
+def test_prediction_counts_gap_kernels_on_the_device(dropout_model, predict_for):
+    model, x, y = dropout_model
+    alone = inspect.placement_report(model, x, targets=y, mode="train", predict_for=predict_for, gap_kernels=False)
+    ours = inspect.placement_report(model, x, targets=y, mode="train", predict_for=predict_for)
+    missing_alone = {e.op for e in alone.missing}
+    # Both backends lack IsFinite (loss scaling under mixed_float16) and StatelessRandomGetKeyCounter (Dropout).
+    assert {"IsFinite", "StatelessRandomGetKeyCounter"} <= missing_alone
+    covered = {e.op for e in ours.gap_kernels}
+    assert {"IsFinite", "StatelessRandomGetKeyCounter"} <= covered
+    assert not covered & {e.op for e in ours.missing}
+    assert all(e.outcome == predict.GAP and "tfmetal_ext gap kernel" in e.reason for e in ours.gap_kernels)
+    assert len(ours.missing) < len(alone.missing)
+    assert ours.transfer_count <= alone.transfer_count
+    assert "on the GPU through tfmetal_ext gap kernels" in str(ours)
+
+
+def test_gap_kernels_flag_is_for_predictions_only(dropout_model):
+    model, x, y = dropout_model
+    with pytest.raises(ValueError, match="Received: gap_kernels=False"):
+        inspect.placement_report(model, x, targets=y, mode="train", gap_kernels=False)
