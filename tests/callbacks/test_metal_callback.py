@@ -340,6 +340,7 @@ def test_cpu_fallback_is_listed_with_its_layer_and_replacement(lines):
     )
     problems = cb._report_first_step()
     assert "CPU fallback: 1 op(s)" in cb.summary
+    assert "1 CPU round trip per step: SomeCpuOnlyOp in bn" in cb.summary
     assert "SomeCpuOnlyOp in bn -> use tfmetal_ext.layers.FusedBatchNorm" in cb.summary
     assert problems == ["SomeCpuOnlyOp in bn fell back to the CPU"]
 
@@ -655,3 +656,15 @@ def test_steps_are_numbered_under_loss_scaling_with_skipped_steps():
     assert cb.nonfinite_step == last
     text = "\n".join(str(line) for line in lines)
     assert f"steps {first}-{last}" in text, text
+
+
+def test_round_trips_are_counted_and_named_most_frequent_first():
+    from tfmetal_ext.callbacks._capture import round_trip_line
+
+    fallbacks = [FallbackNode(op="IsFinite", name=f"s/f{i}", layer=None, device="CPU:0") for i in range(3)]
+    fallbacks.append(FallbackNode(op="DivNoNan", name="loss/d", layer="loss", device="CPU:0"))
+    pr = PlacementReport(mode="train", gpu_present=True, ops_by_device={}, fallbacks=fallbacks)
+    assert round_trip_line(pr) == "  4 CPU round trips per step: IsFinite in (step) x3, DivNoNan in loss"
+    many = [FallbackNode(op=f"Op{i}", name=f"n{i}", layer="l", device="CPU:0") for i in range(8)]
+    line = round_trip_line(PlacementReport(mode="train", gpu_present=True, ops_by_device={}, fallbacks=many))
+    assert line.startswith("  8 CPU round trips per step: Op0 in l, ") and line.endswith(", and 2 more")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 from tfmetal_ext.backends.fusion import STOCK_TO_FUSED
 from tfmetal_ext.callbacks._model import find_layer, is_stock
 
@@ -232,13 +234,26 @@ def _fusion_lines(model, fr, problems):
     return lines
 
 
+def round_trip_line(pr, top=6):
+    """``"  N CPU round trips per step: Op in layer, ..."``: each op that ran on the CPU while the GPU waited.
+
+    An op without a GPU kernel between GPU ops costs a copy out, a wait and a
+    copy back every step; the line names the ops (most frequent first).
+    """
+    counts = collections.Counter(f"{f.op} in {f.layer or '(step)'}" for f in pr.fallbacks)
+    n = len(pr.fallbacks)
+    shown = ", ".join(f"{k} x{v}" if v > 1 else k for k, v in counts.most_common(top))
+    more = f", and {len(counts) - top} more" if len(counts) > top else ""
+    return f"  {n} CPU round trip{'' if n == 1 else 's'} per step: {shown}{more}"
+
+
 def _placement_lines(model, pr, problems):
     notes = [f"  placement note: {n}" for n in pr.notes]
     if not pr.gpu_present:
         return ["  CPU fallback: none possible (no GPU present)"] + notes
     if not pr.fallbacks:
-        return ["  CPU fallback: none"] + notes
-    lines = [f"  CPU fallback: {len(pr.fallbacks)} op(s) ran on the CPU:"]
+        return ["  CPU fallback: none", "  0 CPU round trips per step"] + notes
+    lines = [round_trip_line(pr), f"  CPU fallback: {len(pr.fallbacks)} op(s) ran on the CPU:"]
     for f in pr.fallbacks:
         repl = _stock_advice(model, f.layer) if f.layer else None
         fix = f" -> use {repl}" if repl else " (no tfmetal_ext replacement; the op has no GPU kernel)"
