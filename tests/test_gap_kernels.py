@@ -216,3 +216,71 @@ def test_gap_kernels_flag_is_for_predictions_only(dropout_model):
     model, x, y = dropout_model
     with pytest.raises(ValueError, match="Received: gap_kernels=False"):
         inspect.placement_report(model, x, targets=y, mode="train", gap_kernels=False)
+
+
+# ----------------------------------------------------------------------------
+# The doctor's self-test of the registered gap kernels (GPU against TF's CPU kernel).
+
+
+def _gap_check():
+    from tfmetal_ext.doctor import checks
+
+    return checks.REGISTRY["gap_kernels"]
+
+
+def test_selftest_has_a_case_for_every_gap_kernel_and_each_runs_on_the_cpu():
+    import tensorflow as tf
+
+    cases = _gap_check().case()
+    assert set(cases) == set(gap_kernels.GAP_KERNELS)
+    for op, kernel in gap_kernels.GAP_KERNELS.items():
+        for dtype in kernel.dtypes:
+            fn, kwargs = cases[op](dtype)
+            out = fn(**kwargs)  # TF's own CPU kernel accepts the case
+            first = tf.nest.flatten(out)[0]
+            assert first.dtype != tf.resource, op
+
+
+def _all_registered(monkeypatch):
+    from tfmetal_ext import ops
+
+    rows = tuple({"op": op, "dtype": d, "registered": True, "reason": ""}
+                 for op, k in gap_kernels.GAP_KERNELS.items() for d in k.dtypes)
+    real = ops.status
+
+    def fake(load=True):
+        import dataclasses
+
+        return dataclasses.replace(real(load=False), gap_kernels=rows)
+
+    monkeypatch.setattr(ops, "status", fake)
+    return rows
+
+
+def test_selftest_passes_when_the_device_agrees_and_fails_when_it_does_not(monkeypatch):
+    from tfmetal_ext.doctor import runner
+
+    rows = _all_registered(monkeypatch)
+    # A "GPU" device string: off a Mac TensorFlow places it on the CPU (soft placement), so GPU == CPU here.
+    ok = runner._run_gap(_gap_check(), ("float32",), "/GPU:0", faulty=False)
+    assert ok.status == runner.PASS and f"{len(rows)} gap kernels agree" in ok.detail
+    bad = runner._run_gap(_gap_check(), ("float32",), "/GPU:0", faulty=True)
+    assert bad.status == runner.FAIL and "TFMETAL_EXT_GAP_KERNELS_ENABLE=0" in bad.fix
+
+
+def test_selftest_skips_without_a_gpu():
+    from tfmetal_ext.doctor import runner
+
+    result = runner._run_gap(_gap_check(), ("float32",), "/device:CPU:0", faulty=False)
+    assert result.status == runner.SKIP
+
+
+def test_gap_compare_tolerates_only_rounding():
+    from tfmetal_ext.doctor import runner
+
+    want = np.array([1.0, np.nan, np.inf, -2.0], np.float32)
+    assert runner._gap_compare(want.copy(), want, "float32") is None
+    assert runner._gap_compare(want * (1 + 2e-6), want, "float32") is None  # a few ulps
+    assert runner._gap_compare(want * 1.01, want, "float32")
+    assert "NaN" in runner._gap_compare(np.array([1.0, 0.0, np.inf, -2.0], np.float32), want, "float32")
+    assert runner._gap_compare(np.array([True, False]), np.array([True, True]), "bool") == "values differ"

@@ -19,6 +19,10 @@ Three kinds:
 * `ENVIRONMENT`: ``case() -> devices.Capabilities``; fails on a Metal plugin
   install that cannot work: a known-broken pairing, or both plugins
   installed (the fix: the pairing's commands).
+* `GAP`: ``case() -> {op: builder}``, ``builder(dtype) -> (raw op, kwargs)``;
+  `selftest()` runs each gap kernel this process registered (`ops.status()`)
+  on the GPU and TensorFlow's own kernel of the same op on the CPU, and fails
+  on any that differ.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import numpy as np
 from tfmetal_ext import testing
 from tfmetal_ext.backends import fusion
 
-NUMERIC, PLACEMENT, ENVIRONMENT = "numeric", "placement", "environment"
+NUMERIC, PLACEMENT, ENVIRONMENT, GAP = "numeric", "placement", "environment", "gap"
 
 REPORT_IT = "and report it (attach `tfmetal-ext doctor --selftest --json`)"
 
@@ -77,9 +81,9 @@ def register(name, *, kind=NUMERIC, op=None, fix=None):
     """
     if name in REGISTRY:
         raise ValueError(f"A check named {name!r} is registered already. Received: name={name!r}")
-    if kind not in (NUMERIC, PLACEMENT, ENVIRONMENT):
+    if kind not in (NUMERIC, PLACEMENT, ENVIRONMENT, GAP):
         raise ValueError(
-            f"`kind` must be {NUMERIC!r}, {PLACEMENT!r} or {ENVIRONMENT!r}. Received: kind={kind!r}"
+            f"`kind` must be {NUMERIC!r}, {PLACEMENT!r}, {ENVIRONMENT!r} or {GAP!r}. Received: kind={kind!r}"
         )
     if fix is None:
         form = op.safe_form if op is not None else name
@@ -489,6 +493,59 @@ def cpu_fallback():
     return model
 
 
+@register("gap_kernels", kind=GAP,
+          fix="turn the gap kernels off (TFMETAL_EXT_GAP_KERNELS_ENABLE=0: those ops then run on the CPU) "
+              f"{REPORT_IT}")
+def gap_kernels():
+    """Inputs for every standard op tfmetal_ext has a gap kernel for: op -> builder(dtype) -> (raw op, kwargs).
+
+    Each case covers the op's awkward corners where a kernel can go wrong:
+    broadcasting, zeros, NaN and infinities, sizes off any tile.
+    """
+    import tensorflow as tf
+
+    raw = tf.raw_ops
+    rng = _rng(11)
+
+    def t(values, dtype):
+        return tf.constant(np.asarray(values), dtype)
+
+    def special(n, dtype):
+        v = rng.standard_normal(n) * 3.0
+        v[:4] = [0.0, np.nan, np.inf, -np.inf]
+        return t(v, dtype)
+
+    seed = tf.constant([7, 12], tf.int64)
+    return {
+        "DivNoNan": lambda d: (raw.DivNoNan, dict(x=t(rng.standard_normal((5, 37)), d),
+                                                  y=t(np.where(rng.random(37) < 0.2, 0.0, rng.standard_normal(37)), d))),
+        "BroadcastTo": lambda d: (raw.BroadcastTo, dict(input=t(rng.standard_normal((3, 1, 5)) > 0, d)
+                                                        if d == "bool" else t(rng.standard_normal((3, 1, 5)), d),
+                                                        shape=tf.constant([2, 3, 4, 5]))),
+        "IsFinite": lambda d: (raw.IsFinite, dict(x=special(67, d))),
+        "Sigmoid": lambda d: (raw.Sigmoid, dict(x=special(67, d))),
+        "SigmoidGrad": lambda d: (raw.SigmoidGrad, dict(y=t(rng.random(67), d), dy=special(67, d))),
+        "Elu": lambda d: (raw.Elu, dict(features=special(67, d))),
+        "EluGrad": lambda d: (raw.EluGrad, dict(gradients=t(rng.standard_normal(67), d),
+                                                outputs=t(rng.standard_normal(67), d))),
+        "ZerosLike": lambda d: (raw.ZerosLike, dict(x=special(67, d))),
+        "OnesLike": lambda d: (raw.OnesLike, dict(x=special(67, d))),
+        "Fill": lambda d: (raw.Fill, dict(dims=tf.constant([3, 41]), value=t(-2.5, d))),
+        "Pack": lambda d: (raw.Pack, dict(values=[t(rng.standard_normal((4, 9)) > 0, d) if d == "bool"
+                                                  else t(rng.standard_normal((4, 9)), d) for _ in range(3)], axis=1)),
+        "Unpack": lambda d: (raw.Unpack, dict(value=t(rng.standard_normal((4, 3, 9)) > 0, d) if d == "bool"
+                                              else t(rng.standard_normal((4, 3, 9)), d), num=3, axis=1)),
+        "UnsortedSegmentSum": lambda d: (raw.UnsortedSegmentSum, dict(
+            data=t(rng.standard_normal((50, 17)), d), segment_ids=tf.constant(rng.integers(0, 9, 50), tf.int64),
+            num_segments=tf.constant(11))),
+        "StatelessRandomGetKeyCounter": lambda d: (raw.StatelessRandomGetKeyCounter,
+                                                   dict(seed=tf.cast(seed, d))),
+        "StatelessRandomUniformV2": lambda d: (raw.StatelessRandomUniformV2, dict(
+            shape=tf.constant([7, 19]), key=tf.constant([0x1234], tf.uint64),
+            counter=tf.constant([5, 0], tf.uint64), alg=tf.constant(1), dtype=d)),
+    }
+
+
 def fallback_fix(op, layer):
     """The fix for op `op` (in layer `layer`) falling back to the CPU."""
     form = fusion.safe_form_for_op(op)
@@ -502,4 +559,4 @@ def fallback_fix(op, layer):
 
 CHECKS = tuple(REGISTRY)
 
-__all__ = ["CHECKS", "ENVIRONMENT", "NUMERIC", "PLACEMENT", "REGISTRY", "Check", "custom_op_library", "fallback_fix", "register"]
+__all__ = ["CHECKS", "ENVIRONMENT", "GAP", "NUMERIC", "PLACEMENT", "REGISTRY", "Check", "custom_op_library", "fallback_fix", "register"]

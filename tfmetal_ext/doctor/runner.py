@@ -297,8 +297,72 @@ def _run_environment(check, dtypes, device, faulty):
     return CheckResult(check.name, PASS, detail=detail)
 
 
+# ----------------------------------------------------------------------------
+# GAP checks.
+
+# Relative tolerance of a gap kernel against TensorFlow's CPU kernel: the kernels compute in float and
+# round once, TF's CPU kernels use Eigen's own approximations (sigmoid, expm1): a few float32 ulps, one
+# ulp of half / bfloat16.
+_GAP_RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def _gap_compare(got, want, dtype):
+    """None when `got` (GPU) agrees with `want` (CPU), else what differs."""
+    import tensorflow as tf
+
+    for g, w in zip(tf.nest.flatten(got), tf.nest.flatten(want)):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape:
+            return f"shape {g.shape} != {w.shape}"
+        if g.dtype.kind in "biu" or dtype not in _GAP_RTOL:
+            if not np.array_equal(g, w):
+                return "values differ"
+            continue
+        g64, w64 = g.astype(np.float64), w.astype(np.float64)
+        if not np.array_equal(np.isnan(g64), np.isnan(w64)):
+            return "NaN positions differ"
+        ok = np.isnan(w64) | (g64 == w64) | (np.abs(g64 - w64) <= _GAP_RTOL[dtype] * np.maximum(1.0, np.abs(w64)))
+        if not ok.all():
+            return f"max abs error {float(np.nanmax(np.abs(g64 - w64))):.3g}"
+    return None
+
+
+def _run_gap(check, dtypes, device, faulty):
+    """Runs each registered gap kernel on the GPU against TensorFlow's own CPU kernel of the op."""
+    import tensorflow as tf
+
+    from tfmetal_ext import ops
+
+    if "GPU" not in device:
+        return CheckResult(check.name, SKIP, detail="no GPU here: TensorFlow's own kernels run these ops",
+                           fix="run `tfmetal-ext doctor --selftest` on a Mac with a Metal plugin to check them")
+    rows = [r for r in ops.status().gap_kernels if r["registered"]]
+    if not rows:
+        return CheckResult(check.name, SKIP, detail="no gap kernel is registered on this backend",
+                           fix="`python -c 'import tfmetal_ext; print(tfmetal_ext.ops.status())'` says why")
+    cases = check.case()
+    failed, passed = [], []
+    for r in rows:
+        op, dtype = r["op"], r["dtype"]
+        fn, kwargs = cases[op](dtype)
+        with tf.device(device):
+            got = fn(**kwargs)
+        with tf.device("/CPU:0"):
+            want = fn(**kwargs)
+        if faulty:
+            got = tf.nest.map_structure(lambda a: np.asarray(a).astype(np.float64) + 1.0, got)
+        why = _gap_compare(got, want, dtype)
+        (failed if why else passed).append(f"{op}[{dtype}]" + (f": {why}" if why else ""))
+    tail = _INJECTED if faulty else ""
+    if failed:
+        return CheckResult(check.name, FAIL, detail=f"{len(failed)} of {len(rows)} gap kernels differ from "
+                           f"TensorFlow's CPU kernel: {'; '.join(failed)}{tail}", fix=check.fix)
+    return CheckResult(check.name, PASS, detail=f"{len(passed)} gap kernels agree with TensorFlow's CPU kernels: "
+                       f"{', '.join(passed)}{tail}")
+
+
 _RUNNERS = {registry.NUMERIC: _run_numeric, registry.PLACEMENT: _run_placement,
-            registry.ENVIRONMENT: _run_environment}
+            registry.ENVIRONMENT: _run_environment, registry.GAP: _run_gap}
 
 
 def _names(argument, value, allowed):
@@ -341,6 +405,10 @@ def selftest(checks=None, *, faults=()):
     - ``metal_pairing``: the Metal plugin installed fits this TensorFlow and
       Python (FAIL on a known-broken pairing or both plugins installed, with
       the commands that fix it).
+    - ``gap_kernels``: each GPU kernel tfmetal_ext registered for a standard
+      op this Metal backend lacks (`tfmetal_ext.backends.gap_kernels`), run
+      on the GPU against TensorFlow's own CPU kernel of the op; SKIP where
+      none is registered.
     - ``cpu_fallback``: one train step of a small model of our layers
       (FusedConv2D, ConvBNAct, FusedBatchNorm, FusedDense, FusedLayerNorm,
       FusedAdam); FAIL listing each op that ran on the CPU while a GPU is
