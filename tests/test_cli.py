@@ -97,8 +97,27 @@ def test_report_predict_for_apple_on_macos_12(saved_lstm_attention, capsys):
     assert "Einsum" in {m["op"] for m in data["missing"]}  # no Einsum kernel in Apple's table either
 
 
+def test_report_predict_with_and_without_gap_kernels(tmp_path, capsys):
+    # REFERENCE.md section 10: Apple's tensorflow-metal has no Elu kernel (its EluGrad is what the train step
+    # keeps: the forward Elu fuses into _FusedMatMul); tfmetal_ext registers one.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="elu", name="fc")])
+    model.compile(optimizer="sgd", loss="mse")
+    path = tmp_path / "elu.keras"
+    model.save(path)
+    argv = ["report", str(path), "--predict-for", "tensorflow-metal"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on the GPU through tfmetal_ext gap kernels: EluGrad(float32)" in out
+    assert not any(line.split()[:1] == ["EluGrad"] for line in out.splitlines()), out
+    assert cli.main(argv + ["--no-gap-kernels"]) == 0
+    out = capsys.readouterr().out
+    assert any(line.split()[:1] == ["EluGrad"] and "falls" in line for line in out.splitlines()), out
+    assert "gap kernels" not in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--macos", "12.7"], "--macos applies to a prediction only"),
+    (["--no-gap-kernels"], "--no-gap-kernels applies to a prediction only"),
     (["--predict-for", "tensorflow-metal", "--macos", "twelve"], "Received: macos='twelve'"),
 ])
 def test_report_bad_macos(saved_model, capsys, argv, message):

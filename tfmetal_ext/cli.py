@@ -69,6 +69,10 @@ def _cmd_report(args):
     if args.macos is not None and args.predict_for is None:
         print("tfmetal-ext report: --macos applies to a prediction only: pass --predict-for too", file=sys.stderr)
         return 2
+    if args.no_gap_kernels and args.predict_for is None:
+        print("tfmetal-ext report: --no-gap-kernels applies to a prediction only: pass --predict-for too",
+              file=sys.stderr)
+        return 2
     if args.predict_for is not None:
         from tfmetal_ext.inspect import predict
 
@@ -87,7 +91,7 @@ def _cmd_report(args):
     if args.predict_for:
         # Traced as on that backend, not run: this host's fusion report says nothing about it.
         predicted = inspect.placement_report(model, mode=args.mode, predict_for=args.predict_for, macos=args.macos,
-                                             **kw)
+                                             gap_kernels=not args.no_gap_kernels, **kw)
         print(json.dumps({"predicted_placement": predicted.to_dict()}, indent=2) if args.json else predicted)
         return 0
     fusion = inspect.fusion_report(model, mode=args.mode, **kw)
@@ -231,6 +235,11 @@ def build_parser():
         "--macos", default=None, metavar="VERSION",
         help="with --predict-for: the macOS to predict for (e.g. 12.7; tensorflow-metal's stateless-random "
              "kernels need 13); default: this Mac's, or an assumed one named in the report",
+    )
+    p.add_argument(
+        "--no-gap-kernels", action="store_true",
+        help="with --predict-for: the backend alone, without the GPU kernels tfmetal_ext registers for the "
+             "standard ops it lacks (as in a process that never imports tfmetal_ext)",
     )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_report)
