@@ -64,3 +64,17 @@ def test_apples_figures_are_the_generated_tables():
     with_bf16 = int(re.search(r"(\d+) of its ops", _column(1)["does not"]).group(1))
     assert with_bf16 == sum("bfloat16" in d for d in generated.KERNELS.values())
     assert all(d == ("float32",) for op, d in generated.KERNELS.items() if op.startswith("ResourceApply"))
+
+
+GAP_SECTION = README[README.index("## What runs on the CPU on your Mac, and what we do about it"):]
+GAP_SECTION = GAP_SECTION[: GAP_SECTION.index("\n## ", 3)]
+
+
+@pytest.mark.parametrize("label, key", [
+    ("Apple's `tensorflow-metal` 1.2 (macOS 13 or later)", "metal"),
+    ("the open `tensorflow-metal-plugin` 0.4.1", "metal_plugin"),
+])
+def test_gap_kernel_lines_are_the_plan(label, key):
+    from tfmetal_ext.backends import gap_kernels
+
+    assert f"- {label}: {gap_kernels.summary(TABLES[key])}.\n" in GAP_SECTION

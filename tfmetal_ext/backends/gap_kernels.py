@@ -256,3 +256,21 @@ def for_this_process():
         return None
     rows = plan(key, macos=devices._macos_version(), installed=version)
     return key, dist, rows
+
+
+def summary(table, macos=None):
+    """One line: the ops our gap kernels give a GPU kernel on `table`, grouped by the dtypes registered.
+
+    README's "What runs on the CPU on your Mac" section prints this line per
+    Metal backend (tests/test_readme_backends.py keeps it equal).
+    """
+    if isinstance(table, str):
+        from tfmetal_ext.backends import registry
+
+        table = registry.table(table)
+    groups = {}
+    for op, dtypes in registered(plan(table, macos=macos, enabled=True)).items():
+        groups.setdefault(dtypes, []).append(op)
+    parts = [f"{', '.join(f'`{op}`' for op in sorted(ops))} {'/'.join(dtypes)}"
+             for dtypes, ops in sorted(groups.items(), key=lambda kv: (-len(kv[0]), kv[0]))]
+    return "; ".join(parts) if parts else "none: it has a kernel for each of them"
