@@ -300,10 +300,11 @@ def _run_environment(check, dtypes, device, faulty):
 # ----------------------------------------------------------------------------
 # GAP checks.
 
-# Relative tolerance of a gap kernel against TensorFlow's CPU kernel: the kernels compute in float and
-# round once, TF's CPU kernels use Eigen's own approximations (sigmoid, expm1): a few float32 ulps, one
-# ulp of half / bfloat16.
-_GAP_RTOL = {"float32": 1e-5, "float16": 1e-3, "bfloat16": 8e-3}
+# Relative tolerance (of max(1, |value|)) of a gap kernel against TensorFlow's CPU kernel. The kernels
+# compute in float and round once; TF's CPU kernels use Eigen's own exp and sigmoid and, for half and
+# bfloat16, round after every operation: up to 8 float32 ulps and 3 ulps of half / bfloat16 (derived in
+# custom_ops/include/tfmetal/gap_elementwise.h; tests/ops/test_gap_elementwise_metal_emu.py), with margin.
+_GAP_RTOL = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 3e-2}
 
 
 def _gap_compare(got, want, dtype):
