@@ -82,9 +82,6 @@ def _k(op, dtypes, family, **kw):
 GAP_KERNELS = types.MappingProxyType(
     dict(
         [
-            _k("DivNoNan", FLOATS, "gap_broadcast"),
-            _k("BroadcastTo", FLOATS + ("bool",), "gap_broadcast", other_attrs={"Tidx": INDICES},
-               host_memory=("shape",)),
             _k("IsFinite", FLOATS, "gap_elementwise"),
             _k("Sigmoid", FLOATS, "gap_elementwise"),
             _k("SigmoidGrad", FLOATS, "gap_elementwise"),
@@ -94,14 +91,6 @@ GAP_KERNELS = types.MappingProxyType(
             _k("OnesLike", FLOATS, "gap_elementwise"),
             _k("Fill", FLOATS, "gap_elementwise", other_attrs={"index_type": INDICES},
                host_memory=("dims", "value")),
-            _k("Pack", FLOATS + ("bool",), "gap_stack"),
-            _k("Unpack", FLOATS + ("bool",), "gap_stack"),
-            _k("UnsortedSegmentSum", FLOATS, "gap_segment",
-               other_attrs={"Tindices": INDICES, "Tnumsegments": INDICES}, host_memory=("num_segments",)),
-            _k("StatelessRandomGetKeyCounter", INDICES, "gap_random", dtype_attr="Tseed",
-               host_memory=("seed", "key", "counter")),
-            _k("StatelessRandomUniformV2", FLOATS, "gap_random", dtype_attr="dtype", other_attrs={"Tshape": INDICES},
-               host_memory=("shape", "key", "counter", "alg")),
         ]
     )
 )
