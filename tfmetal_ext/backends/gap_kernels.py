@@ -91,6 +91,11 @@ GAP_KERNELS = types.MappingProxyType(
             _k("OnesLike", FLOATS, "gap_elementwise"),
             _k("Fill", FLOATS, "gap_elementwise", other_attrs={"index_type": INDICES},
                host_memory=("dims", "value")),
+            _k("StatelessRandomGetKeyCounter", INDICES, "gap_random", dtype_attr="Tseed",
+               host_memory=("seed", "key", "counter")),
+            _k("StatelessRandomUniformV2", FLOATS, "gap_random", dtype_attr="dtype", other_attrs={"Tshape": INDICES},
+               host_memory=("shape", "key", "counter", "alg"),
+               note="Philox (alg 1, and auto-select 3) only, as TF's CPU kernel; a counter must have 2 words"),
         ]
     )
 )
