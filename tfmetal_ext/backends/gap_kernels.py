@@ -82,6 +82,9 @@ def _k(op, dtypes, family, **kw):
 GAP_KERNELS = types.MappingProxyType(
     dict(
         [
+            _k("DivNoNan", FLOATS, "gap_broadcast"),
+            _k("BroadcastTo", FLOATS + ("bool",), "gap_broadcast", other_attrs={"Tidx": INDICES},
+               host_memory=("shape",)),
             _k("IsFinite", FLOATS, "gap_elementwise"),
             _k("Sigmoid", FLOATS, "gap_elementwise"),
             _k("SigmoidGrad", FLOATS, "gap_elementwise"),
