@@ -85,6 +85,8 @@ GAP_KERNELS = types.MappingProxyType(
             _k("DivNoNan", FLOATS, "gap_broadcast"),
             _k("BroadcastTo", FLOATS + ("bool",), "gap_broadcast", other_attrs={"Tidx": INDICES},
                host_memory=("shape",)),
+            _k("Pack", FLOATS + ("bool",), "gap_stack"),
+            _k("Unpack", FLOATS + ("bool",), "gap_stack"),
             _k("IsFinite", FLOATS, "gap_elementwise"),
             _k("Sigmoid", FLOATS, "gap_elementwise"),
             _k("SigmoidGrad", FLOATS, "gap_elementwise"),
