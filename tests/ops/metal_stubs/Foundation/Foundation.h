@@ -14,6 +14,7 @@ typedef signed char BOOL;
 #define NO ((BOOL)0)
 #define NSUIntegerMax ((NSUInteger)~0UL)
 #define NS_ENUM(type, name) enum name : type name; enum name : type
+#define NS_OPTIONS(type, name) enum name : type name; enum name : type
 #ifndef nil
 #define nil nullptr
 #endif

@@ -18,6 +18,10 @@ typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus){
     MTLCommandBufferStatusNotEnqueued = 0, MTLCommandBufferStatusEnqueued = 1, MTLCommandBufferStatusCommitted = 2,
     MTLCommandBufferStatusScheduled = 3,   MTLCommandBufferStatusCompleted = 4, MTLCommandBufferStatusError = 5,
 };
+// MTLResourceOptions: the storage mode in bits 4-7 (MTLResourceStorageModeShared = 0 << 4).
+typedef NS_OPTIONS(NSUInteger, MTLResourceOptions){
+    MTLResourceStorageModeShared = 0UL << 4, MTLResourceStorageModeManaged = 1UL << 4,
+    MTLResourceStorageModePrivate = 2UL << 4};
 typedef NS_ENUM(NSInteger, MTLMathMode){MTLMathModeSafe = 0, MTLMathModeRelaxed = 1, MTLMathModeFast = 2};
 typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
     MTLMathFloatingPointFunctionsFast = 0, MTLMathFloatingPointFunctionsPrecise = 1};
@@ -61,6 +65,7 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
 - (id<MTLLibrary>)newLibraryWithURL:(NSURL*)url error:(NSError* __autoreleasing*)error;
 - (id<MTLComputePipelineState>)newComputePipelineStateWithFunction:(id<MTLFunction>)computeFunction
                                                              error:(NSError* __autoreleasing*)error;
+- (id<MTLBuffer>)newBufferWithBytes:(const void*)pointer length:(NSUInteger)length options:(MTLResourceOptions)options;
 @end
 
 @protocol MTLCommandEncoder <NSObject>
