@@ -538,6 +538,15 @@ def gap_kernels():
         "UnsortedSegmentSum": lambda d: (raw.UnsortedSegmentSum, dict(
             data=t(rng.standard_normal((50, 17)), d), segment_ids=tf.constant(rng.integers(0, 9, 50), tf.int64),
             num_segments=tf.constant(11))),
+        **{op: (lambda op: lambda d: (getattr(raw, op), dict(
+            x=tf.constant([[0, 1, -1, 7, -7, 2 ** 62, -(2 ** 63)]] * 2, tf.int64),
+            y=tf.constant([[3], [-5]], tf.int64))))(op)
+           for op in ("AddV2", "Sub", "Mul", "FloorMod", "Maximum", "Minimum", "Equal", "NotEqual", "Less",
+                      "LessEqual", "Greater", "GreaterEqual")},
+        "All": lambda d: (raw.All, dict(input=tf.constant(rng.random((4, 5, 6)) < 0.97),
+                                        axis=tf.constant([0, 2], d), keep_dims=False)),
+        "Any": lambda d: (raw.Any, dict(input=tf.constant(rng.random((4, 5, 6)) < 0.03),
+                                        axis=tf.constant([1], d), keep_dims=True)),
         "StatelessRandomGetKeyCounter": lambda d: (raw.StatelessRandomGetKeyCounter,
                                                    dict(seed=tf.cast(seed, d))),
         "StatelessRandomUniformV2": lambda d: (raw.StatelessRandomUniformV2, dict(
