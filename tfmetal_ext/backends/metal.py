@@ -140,7 +140,13 @@ def precision(caps):
 
     table = registry.table(registry.support_key("metal", False, getattr(caps, "metal_plugin", None)))
     reason = "Metal GPU: mixed_float16 (half kernels, fused conv/matmul in half)"
+    from tfmetal_ext.backends import gap_kernels
+
     half_gaps = sorted(gaps.kernel_gaps(table, dtypes=("float16",)))
-    if half_gaps:
-        reason += f"; {table.label} has no half kernel for {', '.join(half_gaps)}: those ops fall back to the CPU"
+    ours = set(gap_kernels.registered(gap_kernels.plan(table, enabled=True)))
+    covered, left = [op for op in half_gaps if op in ours], [op for op in half_gaps if op not in ours]
+    if covered:
+        reason += f"; {table.label} has no half kernel for {', '.join(covered)}: tfmetal_ext's gap kernels run them"
+    if left:
+        reason += f"; {table.label} has no half kernel for {', '.join(left)}: those ops fall back to the CPU"
     return "mixed_float16", reason

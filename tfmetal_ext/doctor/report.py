@@ -143,7 +143,9 @@ def backend_notes(caps=None):
     layers that fail there, with the fix), ``host_ops`` (ops its source
     has but does not register on this TensorFlow), grouped by reason, and the
     ops of an ordinary train step it has no kernel for
-    (`tfmetal_ext.backends.gaps.summary`, on this Mac's macOS). Empty off Metal.
+    (`tfmetal_ext.backends.gaps.summary`, on this Mac's macOS), with the
+    ones tfmetal_ext's gap kernels cover (`tfmetal_ext.backends.gap_kernels.summary`).
+    Empty off Metal.
     """
     from tfmetal_ext import backends
 
@@ -161,6 +163,10 @@ def backend_notes(caps=None):
         macos = tuple(int(p) for p in caps.macos.split(".")) if getattr(caps, "macos", None) else None
         notes.append(f"CPU fallbacks in an ordinary train step ({table.label}): "
                      + backends.gaps.summary(table, macos=macos).replace("`", ""))
+        from tfmetal_ext.backends import gap_kernels
+
+        notes.append("tfmetal_ext's gap kernels (registered at import) keep these on the GPU: "
+                     + gap_kernels.summary(table, macos=macos).replace("`", ""))
     return notes
 
 
