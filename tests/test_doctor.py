@@ -516,7 +516,9 @@ def test_selftest_names_apple_plugin(mac, monkeypatch):
     monkeypatch.setattr(runner, "_device", lambda: "/job:localhost/replica:0/task:0/device:GPU:0")
     result = doctor.selftest(checks=["metal_pairing"])
     assert result.tested == "tensorflow-metal 1.2.0"
-    assert len(result.notes) == 1 and result.notes[0].startswith("CPU fallbacks in an ordinary train step"), result.notes
+    assert len(result.notes) == 2 and result.notes[0].startswith("CPU fallbacks in an ordinary train step"), result.notes
+    assert result.notes[1].startswith("tfmetal_ext's gap kernels (registered at import) keep these on the GPU: ")
+    assert "IsFinite float32/float16/bfloat16" in result.notes[1]  # Apple's table has no IsFinite at all
     assert result.check("metal_pairing").status == "PASS"
 
 
