@@ -61,8 +61,9 @@ def test_apple_plan_never_duplicates_a_registration(macos):
             assert not _apple_registration_matches(op, combo, macos), (op, combo)
     # REFERENCE.md section 10: no IsFinite or Elu at all; Sigmoid, Fill, ZerosLike, OnesLike float only.
     assert set(planned["IsFinite"]) == set(planned["Elu"]) == {"float32", "float16", "bfloat16"}
-    for op in ("Sigmoid", "Fill", "ZerosLike", "OnesLike"):
+    for op in ("Sigmoid", "ZerosLike", "OnesLike"):
         assert set(planned[op]) == {"float16", "bfloat16"}, op
+    assert set(planned["Fill"]) == {"float16", "bfloat16", "bool"}
     if "DivNoNan" in gap_kernels.GAP_KERNELS:
         assert "DivNoNan" not in planned  # registered for float/half/bfloat16 there
 
@@ -150,7 +151,7 @@ def test_the_loader_writes_the_plan_for_the_installed_backend(monkeypatch):
     lines = _loader.gap_plan_text().splitlines()
     assert lines[0] == "tensorflow-metal-plugin"
     assert "IsFinite|T=float32,float16,bfloat16" in lines
-    assert "Fill|T=bfloat16|index_type=int32,int64|host=dims,value" in lines
+    assert "Fill|T=bfloat16,bool|index_type=int32,int64|host=dims,value" in lines
     _as_mac(monkeypatch, "tensorflow-metal-plugin", "0.9.0")
     assert _loader.gap_plan_text() == "tensorflow-metal-plugin\n"  # another release: nothing
     from tfmetal_ext import devices

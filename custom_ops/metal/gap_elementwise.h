@@ -22,7 +22,7 @@ static_assert(sizeof(tfm_gap_elementwise_params) == 4, "tfm_gap_elementwise_para
 // setBytes data of the fill kernels.
 struct tfm_gap_fill_params {
   uint32_t n;     // elements in this dispatch
-  uint32_t bits;  // the value's bit pattern in its low bytes (element size 2 or 4)
+  uint32_t bits;  // the value's bit pattern in its low bytes (element size 1, 2 or 4)
 };
 static_assert(sizeof(tfm_gap_fill_params) == 8, "tfm_gap_fill_params layout is shared with the host");
 

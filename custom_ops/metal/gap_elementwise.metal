@@ -18,6 +18,7 @@ TFM_INSTANTIATE_KERNEL(gap_elu_bfloat, gap_elu<bfloat>)
 TFM_INSTANTIATE_KERNEL(gap_elu_grad_bfloat, gap_elu_grad<bfloat>)
 #endif
 
-// By element size: half and bfloat16 are 2 bytes, float 4.
+// By element size: bool is 1 byte, half and bfloat16 are 2, float 4.
+TFM_INSTANTIATE_KERNEL(gap_fill_1, gap_fill<uchar>)
 TFM_INSTANTIATE_KERNEL(gap_fill_2, gap_fill<ushort>)
 TFM_INSTANTIATE_KERNEL(gap_fill_4, gap_fill<uint>)

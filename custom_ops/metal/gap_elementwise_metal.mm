@@ -109,13 +109,13 @@ void FillTensor(TF_OpKernelContext* ctx, TF_Tensor* y, TF_DataType dtype, uint32
   const int64_t n = TF_TensorElementCount(y);
   if (n == 0) return;
   const size_t size = TF_DataTypeSize(dtype);
-  if (size != 2 && size != 4) {
+  if (size != 1 && size != 2 && size != 4) {
     SetStatus(status, TF_INVALID_ARGUMENT, std::string("fill: unsupported dtype ") + DtypeName(dtype));
     return;
   }
   MetalSlice ys;
   if (!Resolve(y, "y", &ys, status)) return;
-  const char* name = size == 2 ? "gap_fill_2" : "gap_fill_4";
+  const char* name = size == 1 ? "gap_fill_1" : size == 2 ? "gap_fill_2" : "gap_fill_4";
   EncodeKernel(ctx, kLibrary, name, status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
                  DispatchChunked1D(encoder, pipeline, n, size, [&](NSUInteger offset, uint32_t count) {

@@ -3,7 +3,7 @@
 Every instantiation -- gap_is_finite_float, gap_is_finite_half, gap_is_finite_bfloat, gap_sigmoid_float,
 gap_sigmoid_half, gap_sigmoid_bfloat, gap_sigmoid_grad_float, gap_sigmoid_grad_half, gap_sigmoid_grad_bfloat,
 gap_elu_float, gap_elu_half, gap_elu_bfloat, gap_elu_grad_float, gap_elu_grad_half, gap_elu_grad_bfloat,
-gap_fill_2, gap_fill_4 -- is dispatched as gap_elementwise_metal.mm dispatches it (dispatchThreads with the
+gap_fill_1, gap_fill_2, gap_fill_4 -- is dispatched as gap_elementwise_metal.mm dispatches it (dispatchThreads with the
 helper's threadgroup size, chunks bound at buffer offsets) and compared with numpy in float64 and with
 TensorFlow's own CPU kernel of the op (the kernel it stands in for on a Metal backend that lacks one).
 
@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16),
           "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
 OPS = ("gap_is_finite", "gap_sigmoid", "gap_sigmoid_grad", "gap_elu", "gap_elu_grad")
-FILLS = {2: "gap_fill_2", 4: "gap_fill_4"}
+FILLS = {1: "gap_fill_1", 2: "gap_fill_2", 4: "gap_fill_4"}
 SIZES = [1, 31, 33, 1000, 4099]
 PARAMS = np.dtype([("n", "<u4")])  # tfm_gap_elementwise_params
 FILL_PARAMS = np.dtype([("n", "<u4"), ("bits", "<u4")])  # tfm_gap_fill_params
@@ -75,7 +75,7 @@ def metal_binary(lib, op, dtype, a, b):
 
 def metal_fill(lib, n, np_dtype, value, chunk=None):
     size = np.dtype(np_dtype).itemsize
-    y = np.full(n * size, 0x55, np.uint8).view(np.uint16 if size == 2 else np.uint32)  # garbage before the fill
+    y = np.full(n * size, 0x55, np.uint8).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size])  # garbage first
     bits = int(np.array(value, np_dtype).view(y.dtype))
     for start, count in dispatch_chunks(n, chunk):
         lib.run(FILLS[np.dtype(np_dtype).itemsize], [y[start:start + count], ("bytes", np.array((count, bits), FILL_PARAMS))],
@@ -225,6 +225,14 @@ def test_fill_zeros_ones_are_tfs_bit_for_bit(lib, dtype):
     assert_same_bits(metal_fill(lib, 77, np_dtype, 1.0), tf_cpu(tf.ones_like, x))
     nan = metal_fill(lib, 9, np_dtype, np.nan)
     assert np.isnan(nan.astype(np.float32)).all()
+
+
+def test_fill_bool_is_tfs(lib):
+    for value in (True, False):
+        got = metal_fill(lib, 1001, np.bool_, value)
+        with tf.device("/CPU:0"):
+            want = tf.fill([1001], tf.constant(np.array(value))).numpy()
+        np.testing.assert_array_equal(got, want)
 
 
 def test_chunks_at_buffer_offsets_cover_every_element_once(lib):

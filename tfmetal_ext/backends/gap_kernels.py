@@ -104,7 +104,7 @@ GAP_KERNELS = types.MappingProxyType(
             _k("EluGrad", FLOATS, "gap_elementwise"),
             _k("ZerosLike", FLOATS, "gap_elementwise"),
             _k("OnesLike", FLOATS, "gap_elementwise"),
-            _k("Fill", FLOATS, "gap_elementwise", other_attrs={"index_type": INDICES},
+            _k("Fill", FLOATS + ("bool",), "gap_elementwise", other_attrs={"index_type": INDICES},
                host_memory=("dims", "value")),
             _k("StatelessRandomGetKeyCounter", INDICES, "gap_random", dtype_attr="Tseed",
                host_memory=("seed", "key", "counter")),

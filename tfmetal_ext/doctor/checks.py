@@ -530,7 +530,7 @@ def gap_kernels():
                                                 outputs=t(rng.standard_normal(67), d))),
         "ZerosLike": lambda d: (raw.ZerosLike, dict(x=special(67, d))),
         "OnesLike": lambda d: (raw.OnesLike, dict(x=special(67, d))),
-        "Fill": lambda d: (raw.Fill, dict(dims=tf.constant([3, 41]), value=t(-2.5, d))),
+        "Fill": lambda d: (raw.Fill, dict(dims=tf.constant([3, 41]), value=t(True if d == "bool" else -2.5, d))),
         "Pack": lambda d: (raw.Pack, dict(values=[t(rng.standard_normal((4, 9)) > 0, d) if d == "bool"
                                                   else t(rng.standard_normal((4, 9)), d) for _ in range(3)], axis=1)),
         "Unpack": lambda d: (raw.Unpack, dict(value=t(rng.standard_normal((4, 3, 9)) > 0, d) if d == "bool"
