@@ -8,6 +8,7 @@
 // tfmetal/gap_broadcast.h (GapBroadcastPlan), one thread per output element.
 // BroadcastTo's shape arrives in host memory (the plan registers it so).
 #include "metal/metal_helper.h"
+#include "metal/gap_host.h"
 
 #include <cstdint>
 #include <string>
@@ -32,33 +33,6 @@ void* Create(TF_OpKernelConstruction* ctx) {
   return NewKernelOrFail(ctx, status.get(), BroadcastKernel{});
 }
 
-bool Plan(const std::vector<int64_t>& out, const std::vector<int64_t>& in0, const std::vector<int64_t>* in1,
-          tfm_gap_bcast_params* params, TF_Status* status) {
-  if (!GapBroadcastPlan(out.data(), static_cast<int>(out.size()), in0.data(), static_cast<int>(in0.size()),
-                        in1 != nullptr ? in1->data() : nullptr, in1 != nullptr ? static_cast<int>(in1->size()) : 0,
-                        params)) {
-    SetStatus(status, TF_UNIMPLEMENTED, "broadcast to " + ShapeString(out) + " needs more than " +
-                                            std::to_string(TFM_GAP_BCAST_MAX_DIMS) +
-                                            " dimensions after collapsing, or an input of more than 2^32 elements");
-    return false;
-  }
-  return true;
-}
-
-// One thread per output element, in chunks: `bind(byte offset of the chunk's output, params)`.
-template <class Bind>
-void DispatchBroadcast(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline, int64_t n,
-                       tfm_gap_bcast_params params, Bind&& bind) {
-  for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
-    const int64_t count = geometry::ChunkElements(n, start, kMaxElementsPerDispatch);
-    params.n = static_cast<uint32_t>(count);
-    params.start_lo = static_cast<uint32_t>(start);
-    params.start_hi = static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32);
-    bind(start, params);
-    DispatchThreads1D(encoder, pipeline, static_cast<NSUInteger>(count));
-  }
-}
-
 void DivNoNanCompute(const BroadcastKernel&, TF_OpKernelContext* ctx, TF_Status* status) {
   TensorPtr x = Input(ctx, 0, status);
   if (!Ok(status)) return;
@@ -80,7 +54,7 @@ void DivNoNanCompute(const BroadcastKernel&, TF_OpKernelContext* ctx, TF_Status*
   const int64_t n = TF_TensorElementCount(z.get());
   if (n == 0) return;
   tfm_gap_bcast_params params{};
-  if (!Plan(out, xd, &yd, &params, status)) return;
+  if (!GapPlan(out, xd, &yd, &params, status)) return;
   MetalSlice xs, ys, zs;
   if (!Resolve(x.get(), "x", &xs, status) || !Resolve(y.get(), "y", &ys, status) ||
       !Resolve(z.get(), "z", &zs, status)) {
@@ -89,7 +63,7 @@ void DivNoNanCompute(const BroadcastKernel&, TF_OpKernelContext* ctx, TF_Status*
   const size_t size = TF_DataTypeSize(dtype);
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 DispatchBroadcast(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_bcast_params& p) {
+                 DispatchGapSpace(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_bcast_params& p) {
                    [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const T* x [[buffer(0)]]
                    [encoder setBuffer:ys.buffer offset:ys.offset atIndex:1];  // device const T* y [[buffer(1)]]
                    [encoder setBuffer:zs.buffer offset:zs.offset + static_cast<NSUInteger>(start) * size atIndex:2];  // device T* z [[buffer(2)]]
@@ -145,12 +119,12 @@ void BroadcastToCompute(const BroadcastKernel&, TF_OpKernelContext* ctx, TF_Stat
   const int64_t n = TF_TensorElementCount(y.get());
   if (n == 0) return;
   tfm_gap_bcast_params params{};
-  if (!Plan(out, in, nullptr, &params, status)) return;
+  if (!GapPlan(out, in, nullptr, &params, status)) return;
   MetalSlice is, ys;
   if (!Resolve(input.get(), "input", &is, status) || !Resolve(y.get(), "output", &ys, status)) return;
   EncodeKernel(ctx, kLibrary, name, status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 DispatchBroadcast(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_bcast_params& p) {
+                 DispatchGapSpace(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_bcast_params& p) {
                    [encoder setBuffer:is.buffer offset:is.offset atIndex:0];  // device const U* input [[buffer(0)]]
                    [encoder setBuffer:ys.buffer offset:ys.offset + static_cast<NSUInteger>(start) * size atIndex:1];  // device U* out [[buffer(1)]]
                    SetBytes(encoder, p, 2);  // constant tfm_gap_bcast_params& p [[buffer(2)]]

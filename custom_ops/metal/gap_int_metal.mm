@@ -10,6 +10,7 @@
 // All / Any's axes arrive in host memory (the plan registers them so), so a
 // zero divisor and a bad axis are TF's errors before anything runs.
 #include "metal/metal_helper.h"
+#include "metal/gap_host.h"
 
 #include <cstdint>
 #include <cstring>
@@ -57,32 +58,6 @@ void* CreateReduce(TF_OpKernelConstruction* ctx) {
   return NewKernelOrFail(ctx, status.get(), kernel);
 }
 
-bool Plan(const std::vector<int64_t>& out, const std::vector<int64_t>& in0, const std::vector<int64_t>* in1,
-          tfm_gap_bcast_params* params, TF_Status* status) {
-  if (!GapBroadcastPlan(out.data(), static_cast<int>(out.size()), in0.data(), static_cast<int>(in0.size()),
-                        in1 != nullptr ? in1->data() : nullptr, in1 != nullptr ? static_cast<int>(in1->size()) : 0,
-                        params)) {
-    SetStatus(status, TF_UNIMPLEMENTED, "shape " + ShapeString(out) + " needs more than " +
-                                            std::to_string(TFM_GAP_BCAST_MAX_DIMS) + " dimensions after collapsing");
-    return false;
-  }
-  return true;
-}
-
-// One thread per element of the n-element iteration space, in chunks: `bind(start, params)`.
-template <class Bind>
-void DispatchSpace(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline, int64_t n,
-                   tfm_gap_int_params params, Bind&& bind) {
-  for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
-    const int64_t count = geometry::ChunkElements(n, start, kMaxElementsPerDispatch);
-    params.b.n = static_cast<uint32_t>(count);
-    params.b.start_lo = static_cast<uint32_t>(start);
-    params.b.start_hi = static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32);
-    bind(start, params);
-    DispatchThreads1D(encoder, pipeline, static_cast<NSUInteger>(count));
-  }
-}
-
 void BinaryCompute(const IntKernel& kernel, TF_OpKernelContext* ctx, TF_Status* status) {
   TensorPtr x = Input(ctx, 0, status);
   if (!Ok(status)) return;
@@ -104,7 +79,7 @@ void BinaryCompute(const IntKernel& kernel, TF_OpKernelContext* ctx, TF_Status* 
       params.op = kernel.op == TFM_GAP_INT_NE ? 1 : 0;
       EncodeKernel(ctx, kLibrary, "gap_bool_fill", status,
                    [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                     DispatchSpace(encoder, pipeline, 1, params, [&](int64_t, const tfm_gap_int_params& p) {
+                     DispatchGapSpace(encoder, pipeline, 1, params, [&](int64_t, const tfm_gap_int_params& p) {
                        [encoder setBuffer:zs.buffer offset:zs.offset atIndex:0];  // device uint8_t* out [[buffer(0)]]
                        SetBytes(encoder, p, 1);  // constant tfm_gap_int_params& p [[buffer(1)]]
                      });
@@ -130,7 +105,7 @@ void BinaryCompute(const IntKernel& kernel, TF_OpKernelContext* ctx, TF_Status* 
   if (n == 0) return;
   tfm_gap_int_params params{};
   params.op = kernel.op;
-  if (!Plan(out, xd, &yd, &params.b, status)) return;
+  if (!GapPlan(out, xd, &yd, &params.b, status)) return;
   MetalSlice xs, ys, zs;
   if (!Resolve(x.get(), "x", &xs, status) || !Resolve(y.get(), "y", &ys, status) ||
       !Resolve(z.get(), "z", &zs, status)) {
@@ -139,7 +114,7 @@ void BinaryCompute(const IntKernel& kernel, TF_OpKernelContext* ctx, TF_Status* 
   const size_t size = TF_DataTypeSize(out_type);
   EncodeKernel(ctx, kLibrary, kernel.compare ? "gap_int64_compare" : "gap_int64_binary", status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 DispatchSpace(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_int_params& p) {
+                 DispatchGapSpace(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_int_params& p) {
                    [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const int64_t* x [[buffer(0)]]
                    [encoder setBuffer:ys.buffer offset:ys.offset atIndex:1];  // device const int64_t* y [[buffer(1)]]
                    [encoder setBuffer:zs.buffer offset:zs.offset + static_cast<NSUInteger>(start) * size atIndex:2];  // device int64_t* z [[buffer(2)]]
@@ -190,7 +165,7 @@ void ReduceCompute(const IntKernel& kernel, TF_OpKernelContext* ctx, TF_Status* 
   if (!Resolve(y.get(), "output", &ys, status)) return;
   EncodeKernel(ctx, kLibrary, "gap_bool_fill", status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 DispatchSpace(encoder, pipeline, n_out, fill, [&](int64_t start, const tfm_gap_int_params& p) {
+                 DispatchGapSpace(encoder, pipeline, n_out, fill, [&](int64_t start, const tfm_gap_int_params& p) {
                    [encoder setBuffer:ys.buffer offset:ys.offset + static_cast<NSUInteger>(start) atIndex:0];  // device uint8_t* out [[buffer(0)]]
                    SetBytes(encoder, p, 1);  // constant tfm_gap_int_params& p [[buffer(1)]]
                  });
@@ -199,12 +174,12 @@ void ReduceCompute(const IntKernel& kernel, TF_OpKernelContext* ctx, TF_Status* 
   tfm_gap_int_params params{};
   params.op = kernel.op;
   // The input's index space mapped to the output (keep_dims shape): stride 0 along the reduced axes.
-  if (!Plan(in, kept, nullptr, &params.b, status)) return;
+  if (!GapPlan(in, kept, nullptr, &params.b, status)) return;
   MetalSlice is;
   if (!Resolve(input.get(), "input", &is, status)) return;
   EncodeKernel(ctx, kLibrary, "gap_bool_reduce", status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 DispatchSpace(encoder, pipeline, n_in, params, [&](int64_t start, const tfm_gap_int_params& p) {
+                 DispatchGapSpace(encoder, pipeline, n_in, params, [&](int64_t start, const tfm_gap_int_params& p) {
                    [encoder setBuffer:is.buffer offset:is.offset + static_cast<NSUInteger>(start) atIndex:0];  // device const uint8_t* input [[buffer(0)]]
                    [encoder setBuffer:ys.buffer offset:ys.offset atIndex:1];  // device uint8_t* out [[buffer(1)]]
                    SetBytes(encoder, p, 2);  // constant tfm_gap_int_params& p [[buffer(2)]]

@@ -46,6 +46,17 @@ void* CreateUnpack(TF_OpKernelConstruction* ctx) {
   return NewKernelOrFail(ctx, status.get(), StackKernel{axis, num});
 }
 
+// `axis` in [-rank, rank), made non-negative; TF's error otherwise.
+bool NormalizeAxis(int64_t* axis, int64_t rank, TF_Status* status) {
+  if (*axis < -rank || *axis >= rank) {
+    SetStatus(status, TF_INVALID_ARGUMENT, "axis = " + std::to_string(*axis) + " not in [" + std::to_string(-rank) +
+                                               ", " + std::to_string(rank) + ")");
+    return false;
+  }
+  if (*axis < 0) *axis += rank;
+  return true;
+}
+
 const char* CopyKernel(TF_DataType dtype, TF_Status* status) {
   switch (TF_DataTypeSize(dtype)) {
     case 1: return "gap_stack_copy_1";
@@ -95,14 +106,8 @@ void PackCompute(const StackKernel& kernel, TF_OpKernelContext* ctx, TF_Status* 
       return;
     }
   }
-  const int64_t rank = static_cast<int64_t>(shape.size()) + 1;
   int64_t axis = kernel.axis;
-  if (axis < -rank || axis >= rank) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "axis = " + std::to_string(axis) + " not in [" + std::to_string(-rank) +
-                                               ", " + std::to_string(rank) + ")");
-    return;
-  }
-  if (axis < 0) axis += rank;
+  if (!NormalizeAxis(&axis, static_cast<int64_t>(shape.size()) + 1, status)) return;
   std::vector<int64_t> out = shape;
   out.insert(out.begin() + axis, n);
   int64_t inner = 1;
@@ -127,14 +132,8 @@ void UnpackCompute(const StackKernel& kernel, TF_OpKernelContext* ctx, TF_Status
   TensorPtr value = Input(ctx, 0, status);
   if (!Ok(status)) return;
   const std::vector<int64_t> shape = Dims(value.get());
-  const int64_t rank = static_cast<int64_t>(shape.size());
   int64_t axis = kernel.axis;
-  if (axis < -rank || axis >= rank) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "axis = " + std::to_string(axis) + " not in [" + std::to_string(-rank) +
-                                               ", " + std::to_string(rank) + ")");
-    return;
-  }
-  if (axis < 0) axis += rank;
+  if (!NormalizeAxis(&axis, static_cast<int64_t>(shape.size()), status)) return;
   if (shape[axis] != kernel.num) {
     SetStatus(status, TF_INVALID_ARGUMENT, "Input shape axis " + std::to_string(axis) + " must equal " +
                                                std::to_string(kernel.num) + ", got shape " + ShapeString(shape));

@@ -7,7 +7,6 @@ compared bit for bit with TensorFlow's own CPU kernels (DivNoNan computes half a
 rounds once, as the kernel does) and with numpy.
 """
 
-import ctypes
 from pathlib import Path
 
 import ml_dtypes
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.ops._gap_plan import BCAST, plan_function
 from tfmetal_ext.testing import load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,9 +22,7 @@ DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16),
           "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
 DIV = {"float": "gap_div_no_nan_float", "half": "gap_div_no_nan_half", "bfloat": "gap_div_no_nan_bfloat"}
 COPY = {1: "gap_broadcast_to_1", 2: "gap_broadcast_to_2", 4: "gap_broadcast_to_4"}
-MAX_DIMS = 8
-PARAMS = np.dtype([("n", "<u4"), ("rank", "<u4"), ("start_lo", "<u4"), ("start_hi", "<u4"),
-                   ("dims", "<u4", MAX_DIMS), ("strides0", "<u4", MAX_DIMS), ("strides1", "<u4", MAX_DIMS)])
+PARAMS = BCAST  # tfm_gap_bcast_params
 
 emu = load_emu()
 pytestmark = pytest.mark.no_keras
@@ -37,18 +35,7 @@ def lib():
 
 @pytest.fixture(scope="module")
 def plan(lib):
-    fn = ctypes.CDLL(str(lib.path)).tfm_gap_broadcast_plan
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int] * 3 + [ctypes.c_void_p]
-
-    def call(out, in0, in1=None):
-        arrays = [np.ascontiguousarray(s, np.int64) for s in (out, in0, in1 if in1 is not None else ())]
-        params = np.zeros((), PARAMS)
-        ok = fn(arrays[0].ctypes.data, len(out), arrays[1].ctypes.data, len(in0),
-                arrays[2].ctypes.data if in1 is not None else None, len(in1) if in1 is not None else 0,
-                params.ctypes.data)
-        return params if ok else None
-    return call
+    return plan_function(lib, "tfm_gap_broadcast_plan", PARAMS)
 
 
 def dispatch(lib, name, inputs, out, params, chunk=None):

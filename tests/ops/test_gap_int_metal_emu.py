@@ -7,20 +7,17 @@ and numpy, exactly: wrap-around, the divisor's sign in FloorMod, INT64_MIN mod -
 over any set of axes with and without keep_dims, empty inputs.
 """
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.ops._gap_plan import BCAST, plan_function
 from tfmetal_ext.testing import load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
-MAX_DIMS = 8
-BCAST = [("n", "<u4"), ("rank", "<u4"), ("start_lo", "<u4"), ("start_hi", "<u4"), ("dims", "<u4", MAX_DIMS),
-         ("strides0", "<u4", MAX_DIMS), ("strides1", "<u4", MAX_DIMS)]
-PARAMS = np.dtype([("b", np.dtype(BCAST)), ("op", "<u4"), ("pad", "<u4", 3)])  # tfm_gap_int_params
+PARAMS = np.dtype([("b", BCAST), ("op", "<u4"), ("pad", "<u4", 3)])  # tfm_gap_int_params
 BINARY = {"AddV2": 0, "Sub": 1, "Mul": 2, "FloorMod": 3, "Maximum": 4, "Minimum": 5}
 COMPARE = {"Equal": 10, "NotEqual": 11, "Less": 12, "LessEqual": 13, "Greater": 14, "GreaterEqual": 15}
 I64 = np.iinfo(np.int64)
@@ -36,17 +33,11 @@ def lib():
 
 @pytest.fixture(scope="module")
 def plan(lib):
-    fn = ctypes.CDLL(str(lib.path)).tfm_gap_int_plan
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int] * 3 + [ctypes.c_void_p]
+    plan_b = plan_function(lib, "tfm_gap_int_plan", PARAMS, field="b")
 
-    def call(out, in0, in1=None):
-        arrays = [np.ascontiguousarray(s, np.int64) for s in (out, in0, in1 if in1 is not None else ())]
-        params = np.zeros((), PARAMS)
-        ok = fn(arrays[0].ctypes.data, len(out), arrays[1].ctypes.data, len(in0),
-                arrays[2].ctypes.data if in1 is not None else None, len(in1) if in1 is not None else 0,
-                params["b"].ctypes.data)
-        assert ok
+    def call(*shapes):
+        params = plan_b(*shapes)
+        assert params is not None
         return params
     return call
 
