@@ -90,7 +90,9 @@ GAP_KERNELS = types.MappingProxyType(
             _k("UnsortedSegmentSum", FLOATS, "gap_segment",
                other_attrs={"Tindices": INDICES, "Tnumsegments": INDICES},
                host_memory=("segment_ids", "num_segments"),
-               note="the ids are checked and sorted on the host (in host memory, as int32 tensors are on any GPU)"),
+               note="segment_ids in host memory: checked with TF's errors and sorted on the host (an Embedding's "
+                    "int32 ids are there already; custom_ops/include/tfmetal/gap_segment.h); fewer than 2^32 rows, "
+                    "segments and columns"),
             *(_k(op, ("int64",), "gap_int") for op in ("AddV2", "Sub", "Mul", "Maximum", "Minimum", "Equal",
                                                         "NotEqual", "Less", "LessEqual", "Greater", "GreaterEqual")),
             _k("FloorMod", ("int64",), "gap_int", host_memory=("y",),
