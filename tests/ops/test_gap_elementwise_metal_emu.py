@@ -6,7 +6,8 @@ gap_elu_float, gap_elu_half, gap_elu_bfloat, gap_elu_grad_float, gap_elu_grad_ha
 gap_fill_1, gap_fill_2, gap_fill_4 -- is dispatched as gap_elementwise_metal.mm dispatches it (dispatchThreads with the
 helper's threadgroup size, chunks bound at buffer offsets) and compared with numpy in float64 and with
 TensorFlow's own CPU kernel of the op (the kernel it stands in for on a Metal backend that lacks one), in the
-quick tier for every dtype.
+quick tier for every dtype. Fill's shape checks (gap_shape_from_dims, which the host code calls) run here
+too, against TF's errors.
 
 Agreement with TF's CPU kernels (`AGREEMENT`; derived, and measured over 2.4M inputs, in
 custom_ops/include/tfmetal/gap_elementwise.h):
@@ -21,6 +22,7 @@ custom_ops/include/tfmetal/gap_elementwise.h):
   (2^-126) as an absolute tolerance.
 """
 
+import ctypes
 import re
 from pathlib import Path
 
@@ -328,6 +330,103 @@ def test_fill_bool_is_tfs(lib):
         with tf.device("/CPU:0"):
             want = tf.fill([1001], tf.constant(np.array(value))).numpy()
         np.testing.assert_array_equal(got, want)
+
+
+# ----------------------------------------------------------------------------
+# Fill's shape: gap_shape_from_dims (metal/gap_elementwise.h) is what FillCompute calls, with
+# C linkage in the emulator's build. TF's allocation aborts the process on a shape that fails these
+# checks, so they must refuse everything TF's CPU kernel refuses, with its text.
+
+SHAPE_CODES = {0: None, 1: "Too many dimensions", 2: "Dimension {d} must be >= 0",
+               3: "Shape {shape} would have more than 2**63 - 1 elements"}
+
+
+def shape_from_dims(lib, dims):
+    fn = ctypes.CDLL(str(lib.path)).tfm_gap_shape_from_dims
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    arr = np.ascontiguousarray(dims, np.int64)
+    detail = ctypes.c_int64(-12345)
+    code = fn(arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), arr.size, ctypes.byref(detail))
+    return code, detail.value
+
+
+@pytest.mark.parametrize("dims", [
+    [], [0], [3, 41], [0, 5], [2, 0, 7], [1] * 254, [1] * 255, [2, -3], [-1], [-5, 2 ** 62],
+    [2 ** 40, 2 ** 40], [2 ** 40, 2 ** 40, 0], [2 ** 40, 2 ** 40, -1], [2 ** 62, 4], [2 ** 31, 2 ** 31, 2],
+    [0, 2 ** 62, 2 ** 62],
+], ids=lambda d: str(d) if len(d) < 8 else f"rank{len(d)}")
+def test_fill_shape_checks_are_tfs(lib, dims):
+    code, detail = shape_from_dims(lib, dims)
+    with tf.device("/CPU:0"):
+        try:
+            # Shape only: TF allocates a succeeding shape, so those are kept small.
+            want = tf.raw_ops.Fill(dims=tf.constant(dims, tf.int64), value=tf.constant(1.0)).shape
+            error = None
+        except tf.errors.InvalidArgumentError as e:
+            want, error = None, e.message
+    if error is None:
+        assert code == 0 and detail == int(np.prod(dims, dtype=np.int64)) == want.num_elements()
+        return
+    assert code != 0, error
+    # TF prints a dimension of -1 as "?" (an unknown dimension); FillCompute does too.
+    shape = "[" + ",".join("?" if d == -1 else str(d) for d in dims) + "]"
+    assert SHAPE_CODES[code].format(d=detail, shape=shape) in error
+    host = HOST.read_text()
+    for part in re.split(r"\{\w+\}", SHAPE_CODES[code]):
+        assert part.strip(" ]") in host
+    assert 'dims[i] == -1 ? std::string("?")' in host
+
+
+def test_fill_shape_limit_is_int64():
+    # At the limit itself (TF would try to allocate these, so without TF): 2**63 - 1 elements pass, one
+    # more overflows, whatever the order of the factors.
+    biggest = (2 ** 63 - 1) // 7
+    assert shape_from_dims(lib_for_shapes(), [7, biggest]) == (0, 7 * biggest)
+    assert shape_from_dims(lib_for_shapes(), [biggest, 7]) == (0, 7 * biggest)
+    assert shape_from_dims(lib_for_shapes(), [7, biggest + 1])[0] == 3
+    assert shape_from_dims(lib_for_shapes(), [2 ** 62, 1]) == (0, 2 ** 62)
+    assert shape_from_dims(lib_for_shapes(), [2 ** 62, 2])[0] == 3
+
+
+def lib_for_shapes():
+    return emu.build(ROOT / "custom_ops" / "metal" / "gap_elementwise.metal")  # cached: the module's library
+
+
+def test_fill_accepts_tfs_legacy_forms():
+    # TF's CPU kernel takes a scalar `dims` as a vector of one and a `value` of shape [1] as a scalar (in
+    # graphs of unknown rank too): FillCompute accepts both, and refuses the rest with TF's text.
+    with tf.device("/CPU:0"):
+        assert tf.raw_ops.Fill(dims=tf.constant(3), value=tf.constant(2.0)).shape == [3]
+        assert tf.raw_ops.Fill(dims=tf.constant([2, 3]), value=tf.constant([2.0])).shape == [2, 3]
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"dims must represent a vector, got shape \[1,2\]"):
+            tf.raw_ops.Fill(dims=tf.constant([[1, 2]]), value=tf.constant(2.0))
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"value must represent a scalar, got shape \[2\]"):
+            tf.raw_ops.Fill(dims=tf.constant([2]), value=tf.constant([1.0, 2.0]))
+    host = HOST.read_text()
+    fill = host[host.index("void FillCompute"):]
+    assert "TF_NumDims(dims_t.get()) > 1" in fill and "TF_TensorElementCount(dims_t.get())" in fill
+    assert "value_rank > 1 || (value_rank == 1 && TF_Dim(value.get(), 0) != 1)" in fill
+    assert '"dims must represent a vector, got shape "' in fill and '"value must represent a scalar, got shape "' in fill
+
+
+def test_gradient_shape_rules_and_texts_are_tfs():
+    # SigmoidGrad (TF's cwise gradient kernel) needs equal element counts only; EluGrad (a
+    # BinaryElementWiseOp) equal shapes. The host code checks the same and writes the same text.
+    host = HOST.read_text()
+    with tf.device("/CPU:0"):
+        assert tf.raw_ops.SigmoidGrad(y=tf.ones([2, 3]), dy=tf.ones([6])).shape == [2, 3]
+        with pytest.raises(tf.errors.InvalidArgumentError) as e:
+            tf.raw_ops.SigmoidGrad(y=tf.ones([2, 3]), dy=tf.ones([5]))
+        assert "The two arguments to a cwise op must have same number of elements, got 6 and 5" in e.value.message
+        assert '"The two arguments to a cwise op must have same number of elements, got "' in host
+        with pytest.raises(tf.errors.InvalidArgumentError) as e:
+            tf.raw_ops.EluGrad(gradients=tf.ones([2, 3]), outputs=tf.ones([6]), name="g")
+    ours = re.search(r'"Inputs to operation " \+ .*?\+\s*"( of type EluGrad must have the same size and shape\.  '
+                     r'Input 0: )" \+\s*ShapeString\(g\) \+ "( != input 1: )"', host, re.S)
+    assert ours is not None
+    assert re.search(r"Inputs to operation \S+" + re.escape(ours[1]) + r"\[2,3\]" + re.escape(ours[2]) + r"\[6\]",
+                     e.value.message)
 
 
 @pytest.mark.parametrize("op", ["IsFinite", "Sigmoid", "Elu", "SigmoidGrad", "EluGrad", "ZerosLike", "OnesLike",
