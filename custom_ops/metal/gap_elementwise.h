@@ -6,7 +6,8 @@
 // threadgroups smaller, chunks at buffer offsets: `gid.x < p.n` is the only
 // guard). Fill writes a bit pattern of the element's size: ZerosLike and
 // OnesLike are fills with 0 and 1 in the output's dtype, so every dtype of a
-// size shares one kernel and the value is stored exactly.
+// size shares one kernel and the value is stored exactly. At the end, for the
+// host code only: Fill's shape checks (gap_shape_from_dims).
 #ifndef TFMETAL_METAL_GAP_ELEMENTWISE_KERNELS_H_
 #define TFMETAL_METAL_GAP_ELEMENTWISE_KERNELS_H_
 
@@ -95,5 +96,51 @@ template <typename U>
 }
 
 #endif  // TFM_METAL
+
+#if !defined(__METAL_VERSION__)
+// Host C++ only (gap_elementwise_metal.mm and the emulator tests; never compiled by Metal).
+
+// Fill's output shape from its `dims` values, with the checks of TF's
+// TensorShapeUtils::MakeShape (which its CPU kernel calls): at most
+// TFM_GAP_MAX_DIMS dimensions, each >= 0, and the running product of the
+// dimensions, in order, within int64. TF's allocation aborts the process on a
+// shape that fails them, so the host code must refuse it first.
+#define TFM_GAP_MAX_DIMS 254
+
+enum {
+  TFM_GAP_SHAPE_OK = 0,
+  TFM_GAP_SHAPE_TOO_MANY_DIMS = 1,  // "Too many dimensions"
+  TFM_GAP_SHAPE_NEGATIVE = 2,       // "Dimension <d> must be >= 0" (*detail = d)
+  TFM_GAP_SHAPE_OVERFLOW = 3,       // "Shape [..] would have more than 2**63 - 1 elements"
+};
+
+// One of the codes above; on success *detail is the number of elements. Reads
+// none of `dims` when `rank` is above the limit.
+TFM_INLINE int gap_shape_from_dims(const int64_t* dims, int64_t rank, int64_t* detail) {
+  if (rank > TFM_GAP_MAX_DIMS) return TFM_GAP_SHAPE_TOO_MANY_DIMS;
+  const int64_t kMax = 0x7fffffffffffffffLL;
+  int64_t n = 1;
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t d = dims[i];
+    if (d < 0) {
+      *detail = d;
+      return TFM_GAP_SHAPE_NEGATIVE;
+    }
+    // TF checks the product as it goes: [2^40, 2^40, 0] overflows before the 0.
+    if (n != 0 && d > kMax / n) return TFM_GAP_SHAPE_OVERFLOW;
+    n *= d;
+  }
+  *detail = n;
+  return TFM_GAP_SHAPE_OK;
+}
+
+#if defined(TFM_EMU)
+// For the emulator tests (ctypes), with C linkage.
+extern "C" __attribute__((visibility("default"))) int tfm_gap_shape_from_dims(const int64_t* dims, int64_t rank,
+                                                                               int64_t* detail) {
+  return gap_shape_from_dims(dims, rank, detail);
+}
+#endif  // TFM_EMU
+#endif  // !__METAL_VERSION__
 
 #endif  // TFMETAL_METAL_GAP_ELEMENTWISE_KERNELS_H_

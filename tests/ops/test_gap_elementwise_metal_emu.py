@@ -5,22 +5,25 @@ gap_sigmoid_half, gap_sigmoid_bfloat, gap_sigmoid_grad_float, gap_sigmoid_grad_h
 gap_elu_float, gap_elu_half, gap_elu_bfloat, gap_elu_grad_float, gap_elu_grad_half, gap_elu_grad_bfloat,
 gap_fill_1, gap_fill_2, gap_fill_4 -- is dispatched as gap_elementwise_metal.mm dispatches it (dispatchThreads with the
 helper's threadgroup size, chunks bound at buffer offsets) and compared with numpy in float64 and with
-TensorFlow's own CPU kernel of the op (the kernel it stands in for on a Metal backend that lacks one).
+TensorFlow's own CPU kernel of the op (the kernel it stands in for on a Metal backend that lacks one), in the
+quick tier for every dtype. Fill's shape checks (gap_shape_from_dims, which the host code calls) run here
+too, against TF's errors.
 
-Agreement with TF's CPU kernels (derived in tfmetal/gap_elementwise.h):
-- IsFinite, Fill, ZerosLike, OnesLike: bit for bit.
-- EluGrad and SigmoidGrad: TF's operations in the association of its vectorised path; its scalar tail
-  associates SigmoidGrad differently (dy * y first), so in float the two can differ by 1 ulp. In
-  half/bfloat16 TF rounds after each of its two or three operations and the kernel once: at most 2 ulps of
-  the output type.
-- TF's CPU kernels flush subnormal results to zero, the kernels keep them: compared with float's smallest
-  normal as an absolute tolerance.
-- Sigmoid and Elu: TF evaluates exp (and, for sigmoid, a rational approximation) with Eigen's own float
-  code, the kernel with the platform's expf. Each is within 2 float ulps of the exact value, so the two
-  differ by at most ~4 float ulps in float32; after rounding to half/bfloat16 at most 1 ulp of that type.
-  Tested as 8 float32 ulps (a margin of 2) and 1 ulp of half / bfloat16.
+Agreement with TF's CPU kernels (`AGREEMENT`; derived, and measured over 2.4M inputs, in
+custom_ops/include/tfmetal/gap_elementwise.h):
+- IsFinite, Fill, ZerosLike, OnesLike: bit for bit (NaN payloads included).
+- EluGrad: bit for bit in float; 2 ulps in half/bfloat16 (TF rounds outputs + 1 as well).
+- SigmoidGrad: 3 ulps (TF's scalar path associates dy * y first; in half/bfloat16 TF rounds every step).
+- Sigmoid: 8 float ulps (TF's float sigmoid is Eigen's approximation, measured within 6.2 ulps of exact,
+  ours within 2.35), 3 ulps of half/bfloat16 (TF rounds exp, 1 + e and the quotient, we round once).
+- Elu: exp(x) - 1 on both sides, so an absolute difference: 2^-23 in float, one ulp of the type just
+  below 1 in half/bfloat16 (TF rounds exp before subtracting).
+- Everywhere: TF's CPU flushes subnormal results to zero, the kernels keep them: float's smallest normal
+  (2^-126) as an absolute tolerance.
 """
 
+import ctypes
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -31,15 +34,40 @@ import tensorflow as tf
 from tfmetal_ext.testing import dispatch_chunks, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
+HOST = ROOT / "custom_ops" / "metal" / "gap_elementwise_metal.mm"
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16),
           "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
 OPS = ("gap_is_finite", "gap_sigmoid", "gap_sigmoid_grad", "gap_elu", "gap_elu_grad")
 FILLS = {1: "gap_fill_1", 2: "gap_fill_2", 4: "gap_fill_4"}
-SIZES = [1, 31, 33, 1000, 4099]
+SIZES = [4099, 1, 31, 33, 1000]  # 4099 (the quick tier's): several threadgroups and a partial one
 PARAMS = np.dtype([("n", "<u4")])  # tfm_gap_elementwise_params
 FILL_PARAMS = np.dtype([("n", "<u4"), ("bits", "<u4")])  # tfm_gap_fill_params
-# Units in the last place of each type (as float64 spacing at 1.0): the tolerances above.
+# Units in the last place of each type (as float64 spacing at 1.0), and just below 1.
 ULP = {"float": 2.0 ** -23, "half": 2.0 ** -10, "bfloat": 2.0 ** -7}
+BELOW_ONE = {d: u / 2 for d, u in ULP.items()}
+FTZ = 2.0 ** -126  # float's smallest normal: TF's CPU flushes results below it to zero
+
+# (ulps, absolute) of the kernels against TF's CPU kernel and against the exact value (numpy, float64),
+# per op, for float and for half/bfloat16 ("low"). Derived in tfmetal/gap_elementwise.h:
+AGREEMENT = {
+    # ours within 2.35 ulps of exact, TF's Eigen approximation within 6.2: 8 apart (7 measured).
+    # Low: TF rounds three times (< 2.5 ulps), we once (0.5): 3 (2 measured).
+    "gap_sigmoid": {"tf": {"float": (8, FTZ), "low": (3, FTZ)},
+                    "numpy": {"float": (3, FTZ), "low": (1, FTZ)}},  # 2.35 / 0.5 measured
+    # exp(x) - 1: the subtraction is exact or rounds to the grid of (-1, -0.5], so exp's error is absolute.
+    # Float: our expf within half an ulp, TF's vectorised exp about one ulp, of e < 1: 2^-23 (2^-24 measured).
+    # Low: TF rounds exp(x) to the type first: one ulp just below 1 (measured equal to it).
+    "gap_elu": {"tf": {"float": (0, 2 * BELOW_ONE["float"]), "low": (0, None)},
+                "numpy": {"float": (0, BELOW_ONE["float"]), "low": (1, BELOW_ONE["float"])}},
+    # TF's scalar path rounds dy * y, ours y * (1 - y): 3 float ulps (2 measured). Low: TF rounds each of
+    # three steps, we once: 3 (2 measured). Three float roundings from exact: < 2.5 ulps (2.02 measured).
+    "gap_sigmoid_grad": {"tf": {"float": (3, FTZ), "low": (3, FTZ)},
+                         "numpy": {"float": (2.5, FTZ), "low": (1, FTZ)}},
+    # Float: TF's two roundings, bit for bit. Low: TF rounds outputs + 1 too: 2 ulps (1 measured).
+    # Two float roundings from exact: < 1.5 ulps (1.46 measured).
+    "gap_elu_grad": {"tf": {"float": (0, FTZ), "low": (2, FTZ)},
+                     "numpy": {"float": (1.5, FTZ), "low": (1, FTZ)}},
+}
 
 emu = load_emu()
 pytestmark = pytest.mark.no_keras
@@ -48,6 +76,11 @@ pytestmark = pytest.mark.no_keras
 @pytest.fixture(scope="module")
 def lib():
     return emu.build(ROOT / "custom_ops" / "metal" / "gap_elementwise.metal")
+
+
+def tolerance(op, ref, dtype):
+    ulps, atol = AGREEMENT[op][ref]["float" if dtype == "float" else "low"]
+    return ulps, BELOW_ONE[dtype] if atol is None else atol
 
 
 def dispatch(lib, name, buffers, chunk=None):
@@ -73,29 +106,58 @@ def metal_binary(lib, op, dtype, a, b):
     return z
 
 
+def value_bits(value, np_dtype):
+    """The host's ValueBits: the value's bit pattern in the low bytes of a uint32."""
+    v = np.array(value, np_dtype)
+    return int(v.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[v.itemsize]))
+
+
 def metal_fill(lib, n, np_dtype, value, chunk=None):
     size = np.dtype(np_dtype).itemsize
     y = np.full(n * size, 0x55, np.uint8).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[size])  # garbage first
-    bits = int(np.array(value, np_dtype).view(y.dtype))
+    bits = value_bits(value, np_dtype)
     for start, count in dispatch_chunks(n, chunk):
-        lib.run(FILLS[np.dtype(np_dtype).itemsize], [y[start:start + count], ("bytes", np.array((count, bits), FILL_PARAMS))],
+        lib.run(FILLS[size], [y[start:start + count], ("bytes", np.array((count, bits), FILL_PARAMS))],
                 grid=count, threadgroup=threadgroup_size_1d(count))
     return y.view(np_dtype)
 
 
+SPECIALS = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 80.0, -80.0, 1e-30, -1e-30, 1e-40, -1e-40, -20.0, 20.0,
+                     -88.0, -100.0, 3e38, -3e38], np.float32)
+
+
 def inputs(dtype, n, seed, scale=4.0):
-    """Normal values with the specials (0, -0, NaN, +-inf, huge, tiny, subnormal) mixed in."""
+    """Normal values with the specials (+-0, NaN, +-inf, huge, tiny, subnormal, sigmoid's underflow) mixed in."""
     rng = np.random.default_rng(seed)
     x = (rng.standard_normal(n) * scale).astype(np.float32)
-    special = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 80.0, -80.0, 1e-30, -1e-30, 1e-40, -20.0, 20.0], np.float32)
-    k = min(n, special.size)
-    x[rng.choice(n, k, replace=False)] = special[:k]
-    return x.astype(DTYPES[dtype][0])
+    k = min(n, SPECIALS.size)
+    x[rng.choice(n, k, replace=False)] = SPECIALS[:k]
+    with np.errstate(over="ignore"):  # +-3e38 is +-inf in half
+        return x.astype(DTYPES[dtype][0])
+
+
+def sweep(dtype):
+    """Where the ops change behaviour: [-100, 100] evenly (sigmoid's saturation, float's underflow below
+    -87.3, elu's approach to -1) and magnitudes 1e-45..100 of both signs (subnormals, elu's cancellation
+    near 0), with the specials."""
+    lin = np.linspace(-100, 100, 20001, dtype=np.float32)
+    mag = (10.0 ** np.linspace(-45, 2, 4001)).astype(np.float32)
+    with np.errstate(over="ignore"):  # half: above 65504 is inf
+        return np.concatenate([lin, mag, -mag, SPECIALS]).astype(DTYPES[dtype][0])
 
 
 def tf_cpu(fn, *args):
     with tf.device("/CPU:0"):
         return fn(*[tf.constant(a) for a in args]).numpy()
+
+
+def tf_cpu_scalar_path(fn, *args, width=7, count=160):
+    """TF's CPU kernel on `width`-element slices: below one AVX packet, Eigen evaluates them with its scalar
+    code, which differs from the vectorised one (SigmoidGrad's association, exp). The first count slices."""
+    m = min(args[0].size // width, count) * width
+    with tf.device("/CPU:0"):
+        parts = [fn(*[tf.constant(a[i:i + width]) for a in args]).numpy() for i in range(0, m, width)]
+    return np.concatenate(parts), [a[:m] for a in args]
 
 
 def ulp_of(w, dtype):
@@ -117,16 +179,17 @@ def assert_close_ulps(got, want, dtype, ulps, atol=0.0):
     assert bad.size == 0, f"{bad.size} beyond {ulps} ulps + {atol:g}, first {g[ok][bad[:4]]} vs {w[ok][bad[:4]]}"
 
 
+def assert_agrees(op, dtype, got, want_tf, want_exact):
+    assert_close_ulps(got, want_tf, dtype, *tolerance(op, "tf", dtype))
+    assert_close_ulps(got, want_exact, dtype, *tolerance(op, "numpy", dtype))
+
+
 def assert_same_bits(got, want):
+    """Equal bit patterns, NaN payloads included (Fill copies the value's bits; so does TF)."""
     got, want = np.asarray(got), np.asarray(want)
-    assert got.shape == want.shape
-    if got.dtype.kind == "f" or got.dtype == ml_dtypes.bfloat16:
-        nan = np.isnan(want.astype(np.float32))
-        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
-        view = np.uint32 if got.dtype.itemsize == 4 else np.uint16
-        np.testing.assert_array_equal(got[~nan].view(view), want[~nan].view(view))
-    else:
-        np.testing.assert_array_equal(got, want)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+    np.testing.assert_array_equal(got.view(view), want.view(view))
 
 
 # numpy references (float64).
@@ -143,12 +206,36 @@ def np_elu(x):
 
 def np_sigmoid_grad(y, dy):
     y, dy = y.astype(np.float64), dy.astype(np.float64)
-    return dy * y * (1 - y)
+    with np.errstate(invalid="ignore"):
+        return dy * y * (1 - y)
 
 
 def np_elu_grad(dy, y):
     y, dy = y.astype(np.float64), dy.astype(np.float64)
-    return np.where(y < 0, dy * (y + 1), dy)
+    with np.errstate(invalid="ignore"):
+        return np.where(y < 0, dy * (y + 1), dy)
+
+
+NP_UNARY = {"gap_sigmoid": np_sigmoid, "gap_elu": np_elu}
+TF_UNARY = {"gap_sigmoid": tf.sigmoid, "gap_elu": tf.nn.elu}
+NP_BINARY = {"gap_sigmoid_grad": np_sigmoid_grad, "gap_elu_grad": np_elu_grad}
+TF_BINARY = {"gap_sigmoid_grad": lambda a, b: tf.raw_ops.SigmoidGrad(y=a, dy=b),
+             "gap_elu_grad": lambda a, b: tf.raw_ops.EluGrad(gradients=a, outputs=b)}
+
+
+def sigmoid_outputs(dtype, n, seed):
+    """y for SigmoidGrad: a sigmoid's outputs, with 0 and 1 (TF flushes subnormal ones: none here)."""
+    y = np.random.default_rng(seed).random(n).astype(np.float32)
+    y[: min(n, 2)] = [0.0, 1.0][: min(n, 2)]
+    return y.astype(DTYPES[dtype][0])
+
+
+def elu_outputs(dtype, n, seed):
+    """outputs for EluGrad: an elu's outputs, > -1 (-1 itself only at -inf)."""
+    x = inputs(dtype, n, seed, scale=0.7).astype(np.float32)
+    x = np.maximum(np.nan_to_num(x, nan=0.5, posinf=1e30, neginf=-0.999), -0.999)
+    with np.errstate(over="ignore"):
+        return x.astype(DTYPES[dtype][0])
 
 
 # ----------------------------------------------------------------------------
@@ -159,6 +246,7 @@ def test_library_instantiates_every_kernel(lib):
     assert lib.kernels() == want
 
 
+@pytest.mark.cover_axes("dtype")
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_is_finite_is_tfs_bit_for_bit(lib, dtype, n):
@@ -168,54 +256,63 @@ def test_is_finite_is_tfs_bit_for_bit(lib, dtype, n):
     np.testing.assert_array_equal(got, tf_cpu(tf.math.is_finite, x))
 
 
+@pytest.mark.cover_axes("dtype")
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_sigmoid_and_elu_agree_with_numpy_and_tf(lib, dtype, n):
     x = inputs(dtype, n, seed=n + 1)
-    sig = metal_unary(lib, "gap_sigmoid", dtype, x)
-    elu = metal_unary(lib, "gap_elu", dtype, x)
-    # Tolerances, derived in the module docstring and tfmetal/gap_elementwise.h. Elu near 0 is exp(x) - 1 on
-    # both sides: exp's error near 1 (half an ulp of 1 in float for the kernel; for TF in half/bfloat16, its
-    # exp rounded to the type) survives the subtraction as an absolute error.
-    if dtype == "float":
-        assert_close_ulps(sig, tf_cpu(tf.sigmoid, x), dtype, 8)
-        assert_close_ulps(elu, tf_cpu(tf.nn.elu, x), dtype, 8, atol=2.0 ** -21)  # (covers TF's flushed subnormals)
-        assert_close_ulps(sig, np_sigmoid(x), dtype, 4)
-        assert_close_ulps(elu, np_elu(x), dtype, 4, atol=2.0 ** -22)
-    else:
-        assert_close_ulps(sig, tf_cpu(tf.sigmoid, x), dtype, 3)  # TF rounds exp, 1 + e and 1 / (.) each
-        assert_close_ulps(elu, tf_cpu(tf.nn.elu, x), dtype, 2, atol=ULP[dtype])
-        assert_close_ulps(sig, np_sigmoid(x), dtype, 1)
-        assert_close_ulps(elu, np_elu(x), dtype, 1, atol=2.0 ** -22)
+    for op in ("gap_sigmoid", "gap_elu"):
+        got = metal_unary(lib, op, dtype, x)
+        assert_agrees(op, dtype, got, tf_cpu(TF_UNARY[op], x), NP_UNARY[op](x))
     xf = x.astype(np.float32)
-    sf = sig.astype(np.float32)
-    assert (sf[xf == -np.inf] == 0).all() and (sf[xf == np.inf] == 1).all()
-    assert (elu.astype(np.float32)[xf == -np.inf] == -1).all()
+    sig = metal_unary(lib, "gap_sigmoid", dtype, x).astype(np.float32)
+    elu = metal_unary(lib, "gap_elu", dtype, x).astype(np.float32)
+    assert (sig[xf == -np.inf] == 0).all() and (sig[xf == np.inf] == 1).all()
+    assert (elu[xf == -np.inf] == -1).all() and (elu[xf == np.inf] == np.inf).all()
 
 
+@pytest.mark.cover_axes("dtype")
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_gradients_agree_with_numpy_and_tf(lib, dtype, n):
-    rng = np.random.default_rng(n + 2)
-    y = rng.random(n).astype(DTYPES[dtype][0])  # a sigmoid's output
-    dy = inputs(dtype, n, seed=n + 3)
+    y, dy, outputs = sigmoid_outputs(dtype, n, n + 2), inputs(dtype, n, seed=n + 3), elu_outputs(dtype, n, n + 4)
     got = metal_binary(lib, "gap_sigmoid_grad", dtype, y, dy)
-    want = tf_cpu(lambda a, b: tf.raw_ops.SigmoidGrad(y=a, dy=b), y, dy)
-    outputs = inputs(dtype, n, seed=n + 4, scale=0.7)  # an elu's output: > -1
-    outputs = np.maximum(outputs.astype(np.float32), -0.999).astype(DTYPES[dtype][0])
-    got_elu = metal_binary(lib, "gap_elu_grad", dtype, dy, outputs)
-    want_elu = tf_cpu(lambda a, b: tf.raw_ops.EluGrad(gradients=a, outputs=b), dy, outputs)
-    ftz = 2.0 ** -126  # TF's CPU flushes subnormals
-    assert_close_ulps(got, want, dtype, 1 if dtype == "float" else 2, atol=ftz)
-    assert_close_ulps(got_elu, want_elu, dtype, 1 if dtype == "float" else 2, atol=ftz)
-    assert_close_ulps(got, np_sigmoid_grad(y, dy), dtype, 4 if dtype == "float" else 1)
-    assert_close_ulps(got_elu, np_elu_grad(dy, outputs), dtype, 2 if dtype == "float" else 1)
+    assert_agrees("gap_sigmoid_grad", dtype, got, tf_cpu(TF_BINARY["gap_sigmoid_grad"], y, dy), np_sigmoid_grad(y, dy))
+    got = metal_binary(lib, "gap_elu_grad", dtype, dy, outputs)
+    assert_agrees("gap_elu_grad", dtype, got, tf_cpu(TF_BINARY["gap_elu_grad"], dy, outputs), np_elu_grad(dy, outputs))
 
 
+@pytest.mark.cover_axes("dtype")
+@pytest.mark.parametrize("op", ["gap_sigmoid", "gap_elu", "gap_sigmoid_grad", "gap_elu_grad"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_the_whole_range_agrees_with_tfs_two_paths(lib, dtype, op):
+    # The bounds hold over every region, not only where normal inputs fall: sigmoid's underflow
+    # (subnormal outputs TF flushes), elu's cancellation near 0, saturation, huge gradients. And against
+    # both of TF's code paths: the vectorised one (a long tensor) and the scalar one (slices of 7).
+    x = sweep(dtype)
+    if op in NP_UNARY:
+        got = metal_unary(lib, op, dtype, x)
+        assert_agrees(op, dtype, got, tf_cpu(TF_UNARY[op], x), NP_UNARY[op](x))
+        scalar, (xs,) = tf_cpu_scalar_path(TF_UNARY[op], x[np.random.default_rng(0).permutation(x.size)])
+        assert_close_ulps(metal_unary(lib, op, dtype, xs), scalar, dtype, *tolerance(op, "tf", dtype))
+        return
+    first = x[np.random.default_rng(1).permutation(x.size)]  # dy / gradients: every magnitude
+    if op == "gap_sigmoid_grad":
+        args = (sigmoid_outputs(dtype, x.size, 2), first)
+    else:
+        args = (first, elu_outputs(dtype, x.size, 3))
+    got = metal_binary(lib, op, dtype, *args)
+    assert_agrees(op, dtype, got, tf_cpu(TF_BINARY[op], *args), NP_BINARY[op](*args))
+    scalar, sliced = tf_cpu_scalar_path(TF_BINARY[op], *args)
+    assert_close_ulps(metal_binary(lib, op, dtype, *sliced), scalar, dtype, *tolerance(op, "tf", dtype))
+
+
+@pytest.mark.cover_axes("dtype")
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_fill_zeros_ones_are_tfs_bit_for_bit(lib, dtype):
-    np_dtype, tf_dtype = DTYPES[dtype]
-    for value in (0.0, 1.0, -2.5, np.inf, -0.0):
+    np_dtype, _ = DTYPES[dtype]
+    nan_payload = {"float": np.uint32(0x7FC12345), "half": np.uint16(0x7E21), "bfloat": np.uint16(0x7FC5)}[dtype]
+    for value in (0.0, 1.0, -2.5, np.inf, -0.0, 1e-40, nan_payload.view(np_dtype)):
         got = metal_fill(lib, 1037, np_dtype, value)
         with tf.device("/CPU:0"):  # a numpy scalar: eager tf.constant caches Python scalars, and -0.0 == 0.0
             want = tf.fill([1037], tf.constant(np.array(value, np_dtype))).numpy()
@@ -223,8 +320,8 @@ def test_fill_zeros_ones_are_tfs_bit_for_bit(lib, dtype):
     x = inputs(dtype, 77, seed=5)
     assert_same_bits(metal_fill(lib, 77, np_dtype, 0.0), tf_cpu(tf.zeros_like, x))
     assert_same_bits(metal_fill(lib, 77, np_dtype, 1.0), tf_cpu(tf.ones_like, x))
-    nan = metal_fill(lib, 9, np_dtype, np.nan)
-    assert np.isnan(nan.astype(np.float32)).all()
+    # The 1 OnesLike fills with is this dtype's (LikeCompute's constant).
+    assert f"ones ? 0x{value_bits(1.0, np_dtype):x}u : 0u" in HOST.read_text()
 
 
 def test_fill_bool_is_tfs(lib):
@@ -235,6 +332,123 @@ def test_fill_bool_is_tfs(lib):
         np.testing.assert_array_equal(got, want)
 
 
+# ----------------------------------------------------------------------------
+# Fill's shape: gap_shape_from_dims (metal/gap_elementwise.h) is what FillCompute calls, with
+# C linkage in the emulator's build. TF's allocation aborts the process on a shape that fails these
+# checks, so they must refuse everything TF's CPU kernel refuses, with its text.
+
+SHAPE_CODES = {0: None, 1: "Too many dimensions", 2: "Dimension {d} must be >= 0",
+               3: "Shape {shape} would have more than 2**63 - 1 elements"}
+
+
+def shape_from_dims(lib, dims):
+    fn = ctypes.CDLL(str(lib.path)).tfm_gap_shape_from_dims
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int64), ctypes.c_int64, ctypes.POINTER(ctypes.c_int64)]
+    arr = np.ascontiguousarray(dims, np.int64)
+    detail = ctypes.c_int64(-12345)
+    code = fn(arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int64)), arr.size, ctypes.byref(detail))
+    return code, detail.value
+
+
+@pytest.mark.parametrize("dims", [
+    [], [0], [3, 41], [0, 5], [2, 0, 7], [1] * 254, [1] * 255, [2, -3], [-1], [-5, 2 ** 62],
+    [2 ** 40, 2 ** 40], [2 ** 40, 2 ** 40, 0], [2 ** 40, 2 ** 40, -1], [2 ** 62, 4], [2 ** 31, 2 ** 31, 2],
+    [0, 2 ** 62, 2 ** 62],
+], ids=lambda d: str(d) if len(d) < 8 else f"rank{len(d)}")
+def test_fill_shape_checks_are_tfs(lib, dims):
+    code, detail = shape_from_dims(lib, dims)
+    with tf.device("/CPU:0"):
+        try:
+            # Shape only: TF allocates a succeeding shape, so those are kept small.
+            want = tf.raw_ops.Fill(dims=tf.constant(dims, tf.int64), value=tf.constant(1.0)).shape
+            error = None
+        except tf.errors.InvalidArgumentError as e:
+            want, error = None, e.message
+    if error is None:
+        assert code == 0 and detail == int(np.prod(dims, dtype=np.int64)) == want.num_elements()
+        return
+    assert code != 0, error
+    # TF prints a dimension of -1 as "?" (an unknown dimension); FillCompute does too.
+    shape = "[" + ",".join("?" if d == -1 else str(d) for d in dims) + "]"
+    assert SHAPE_CODES[code].format(d=detail, shape=shape) in error
+    host = HOST.read_text()
+    for part in re.split(r"\{\w+\}", SHAPE_CODES[code]):
+        assert part.strip(" ]") in host
+    assert 'dims[i] == -1 ? std::string("?")' in host
+
+
+def test_fill_shape_limit_is_int64():
+    # At the limit itself (TF would try to allocate these, so without TF): 2**63 - 1 elements pass, one
+    # more overflows, whatever the order of the factors.
+    biggest = (2 ** 63 - 1) // 7
+    assert shape_from_dims(lib_for_shapes(), [7, biggest]) == (0, 7 * biggest)
+    assert shape_from_dims(lib_for_shapes(), [biggest, 7]) == (0, 7 * biggest)
+    assert shape_from_dims(lib_for_shapes(), [7, biggest + 1])[0] == 3
+    assert shape_from_dims(lib_for_shapes(), [2 ** 62, 1]) == (0, 2 ** 62)
+    assert shape_from_dims(lib_for_shapes(), [2 ** 62, 2])[0] == 3
+
+
+def lib_for_shapes():
+    return emu.build(ROOT / "custom_ops" / "metal" / "gap_elementwise.metal")  # cached: the module's library
+
+
+def test_fill_accepts_tfs_legacy_forms():
+    # TF's CPU kernel takes a scalar `dims` as a vector of one and a `value` of shape [1] as a scalar (in
+    # graphs of unknown rank too): FillCompute accepts both, and refuses the rest with TF's text.
+    with tf.device("/CPU:0"):
+        assert tf.raw_ops.Fill(dims=tf.constant(3), value=tf.constant(2.0)).shape == [3]
+        assert tf.raw_ops.Fill(dims=tf.constant([2, 3]), value=tf.constant([2.0])).shape == [2, 3]
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"dims must represent a vector, got shape \[1,2\]"):
+            tf.raw_ops.Fill(dims=tf.constant([[1, 2]]), value=tf.constant(2.0))
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r"value must represent a scalar, got shape \[2\]"):
+            tf.raw_ops.Fill(dims=tf.constant([2]), value=tf.constant([1.0, 2.0]))
+    host = HOST.read_text()
+    fill = host[host.index("void FillCompute"):]
+    assert "TF_NumDims(dims_t.get()) > 1" in fill and "TF_TensorElementCount(dims_t.get())" in fill
+    assert "value_rank > 1 || (value_rank == 1 && TF_Dim(value.get(), 0) != 1)" in fill
+    assert '"dims must represent a vector, got shape "' in fill and '"value must represent a scalar, got shape "' in fill
+
+
+def test_gradient_shape_rules_and_texts_are_tfs():
+    # SigmoidGrad (TF's cwise gradient kernel) needs equal element counts only; EluGrad (a
+    # BinaryElementWiseOp) equal shapes. The host code checks the same and writes the same text.
+    host = HOST.read_text()
+    with tf.device("/CPU:0"):
+        assert tf.raw_ops.SigmoidGrad(y=tf.ones([2, 3]), dy=tf.ones([6])).shape == [2, 3]
+        with pytest.raises(tf.errors.InvalidArgumentError) as e:
+            tf.raw_ops.SigmoidGrad(y=tf.ones([2, 3]), dy=tf.ones([5]))
+        assert "The two arguments to a cwise op must have same number of elements, got 6 and 5" in e.value.message
+        assert '"The two arguments to a cwise op must have same number of elements, got "' in host
+        with pytest.raises(tf.errors.InvalidArgumentError) as e:
+            tf.raw_ops.EluGrad(gradients=tf.ones([2, 3]), outputs=tf.ones([6]), name="g")
+    ours = re.search(r'"Inputs to operation " \+ .*?\+\s*"( of type EluGrad must have the same size and shape\.  '
+                     r'Input 0: )" \+\s*ShapeString\(g\) \+ "( != input 1: )"', host, re.S)
+    assert ours is not None
+    assert re.search(r"Inputs to operation \S+" + re.escape(ours[1]) + r"\[2,3\]" + re.escape(ours[2]) + r"\[6\]",
+                     e.value.message)
+
+
+@pytest.mark.parametrize("op", ["IsFinite", "Sigmoid", "Elu", "SigmoidGrad", "EluGrad", "ZerosLike", "OnesLike",
+                                "Fill"])
+def test_empty_tensors_give_empty_outputs_without_a_dispatch(op):
+    # TF's CPU kernel gives an empty output of the input's shape (Fill: of dims); the host code allocates
+    # it and returns before encoding, as Metal refuses an empty dispatch, and the chunking has no chunk.
+    x = tf.zeros([0, 3])
+    args = {"Fill": dict(dims=tf.constant([4, 0]), value=tf.constant(1.0)),
+            "SigmoidGrad": dict(y=x, dy=x), "EluGrad": dict(gradients=x, outputs=x),
+            "Elu": dict(features=x)}.get(op, dict(x=x))
+    with tf.device("/CPU:0"):
+        out = getattr(tf.raw_ops, op)(**args)
+    assert out.shape.num_elements() == 0 and out.shape == ([4, 0] if op == "Fill" else [0, 3])
+    assert dispatch_chunks(0) == []
+    host = HOST.read_text()
+    for fn in re.findall(r"\n(?:void|bool) \w+\(.*?\n}\n", host, re.S):
+        if "EncodeKernel(" in fn:
+            guard = fn.find("if (n == 0) return;")
+            assert 0 <= guard < fn.index("EncodeKernel("), fn[:80]
+
+
 def test_chunks_at_buffer_offsets_cover_every_element_once(lib):
     # The host splits tensors larger than one dispatch at buffer offsets: same result with small chunks.
     x = inputs("half", 5003, seed=11)
@@ -243,10 +457,16 @@ def test_chunks_at_buffer_offsets_cover_every_element_once(lib):
     assert (fill == 3.0).all()
 
 
-def test_output_may_alias_the_input(lib):
-    # The host forwards x's buffer to y when TF allows it: each thread reads its element before writing it.
+def test_output_may_alias_the_first_input(lib):
+    # The host forwards the first input's buffer to the output when TF allows it: each thread reads its
+    # elements before writing.
     x = inputs("float", 1000, seed=3)
     want = metal_unary(lib, "gap_elu", "float", x)
     inplace = x.copy()
     dispatch(lib, "gap_elu_float", [inplace, inplace])
+    assert_same_bits(inplace, want)
+    y, dy = sigmoid_outputs("bfloat", 1000, 4), inputs("bfloat", 1000, seed=5)
+    want = metal_binary(lib, "gap_sigmoid_grad", "bfloat", y, dy)
+    inplace = y.copy()
+    dispatch(lib, "gap_sigmoid_grad_bfloat", [inplace, dy, inplace])
     assert_same_bits(inplace, want)
