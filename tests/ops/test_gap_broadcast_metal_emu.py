@@ -5,6 +5,17 @@ gap_broadcast_to_2, gap_broadcast_to_4 -- is dispatched with the params the host
 GapBroadcastPlan, exported from the emulated library) in chunks as gap_broadcast_metal.mm dispatches them, and
 compared bit for bit with TensorFlow's own CPU kernels (DivNoNan computes half and bfloat16 in float and
 rounds once, as the kernel does) and with numpy.
+
+Why bit for bit, with no tolerance: rounding float's quotient again to half or bfloat16 is the correctly rounded
+quotient: double rounding is innocuous for a quotient of p-bit numbers when the intermediate format has at least
+2p + 2 bits (24 >= 2 * 11 + 2 for half, 24 >= 2 * 8 + 2 for bfloat16), and the same holds from float64 to float32
+(53 >= 50). So numpy's float64 quotient, rounded to float32 and then to the type, is a bitwise reference for all
+three.
+
+TF's CPU kernels run with the CPU's flush-to-zero and denormals-are-zero modes on, so float32 and bfloat16
+subnormals count as signed zeros, inputs and quotients alike (a subnormal y gives +0); the kernel flushes them
+explicitly and np_div_no_nan models it. The quotient of two floats never falls between the largest subnormal
+and the midpoint below 2^-126, so whether a flush looks before or after rounding cannot matter.
 """
 
 import ctypes
@@ -81,15 +92,23 @@ def metal_broadcast_to(lib, plan, x, shape, chunk=None):
     return out.reshape(shape)
 
 
+# NaN, +-inf, +-0, the largest half, a half subnormal, float (and bfloat16) subnormals, tiny normals.
+SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -2.5, 65504.0, 6e-8, 1e-40, -3e-39, 2e-38, 1e-30]
+
+
 def values(shape, dtype, seed, zeros=0.2):
+    """Random values with zeros and the SPECIALS."""
     rng = np.random.default_rng(seed)
     v = np.asarray(rng.standard_normal(shape) * 3, np.float32)
     v[rng.random(shape) < zeros] = 0.0
     flat = v.reshape(-1)
-    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-30, 65504.0], np.float32)
-    k = min(flat.size, specials.size)
-    flat[rng.choice(flat.size, k, replace=False)] = specials[:k]
+    k = min(flat.size, len(SPECIALS))
+    flat[rng.choice(flat.size, k, replace=False)] = SPECIALS[:k]
     return v.astype(DTYPES[dtype][0])
+
+
+def view_type(a):
+    return {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
 
 
 def same_bits(a, b):
@@ -98,15 +117,29 @@ def same_bits(a, b):
         return False
     if a.dtype == bool:
         return np.array_equal(a, b)
-    view = {1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize]
+    view = view_type(a)
     nan = np.isnan(b.astype(np.float32))
     return np.array_equal(np.isnan(a.astype(np.float32)), nan) and np.array_equal(a[~nan].view(view), b[~nan].view(view))
 
 
+def np_flush_denormal(v):
+    """float32 v with subnormals replaced by zeros of their sign (TF's CPU runs with FTZ/DAZ on)."""
+    return np.where(np.abs(v) < np.finfo(np.float32).tiny, np.copysign(np.float32(0), v), v)
+
+
 def np_div_no_nan(x, y):
-    x, y = x.astype(np.float64), y.astype(np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(y == 0, 0.0, x / y)
+    """TF's DivNoNan: in float32 with subnormal inputs as signed zeros, +0 where y == 0 (either sign, whatever x),
+    else x / y with a subnormal quotient as a signed zero, rounded once to x's dtype (the float64 quotient rounded
+    to float32, then to x's dtype: both roundings innocuous, see the module docstring)."""
+    x32, y32 = np_flush_denormal(x.astype(np.float32)), np_flush_denormal(y.astype(np.float32))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+        q = (x32.astype(np.float64) / y32.astype(np.float64)).astype(np.float32)
+        return np.where(y32 == 0, np.float32(0), np_flush_denormal(q)).astype(x.dtype)
+
+
+def tf_div_no_nan(x, y):
+    with tf.device("/CPU:0"):
+        return tf.math.divide_no_nan(tf.constant(x), tf.constant(y)).numpy()
 
 
 SHAPES = [((), ()), ((7,), ()), ((), (5,)), ((33,), (33,)), ((4, 1, 6), (5, 1)), ((2, 3, 1, 5), (3, 4, 1)),
@@ -117,37 +150,50 @@ def test_library_instantiates_every_kernel(lib):
     assert lib.kernels() == sorted(list(DIV.values()) + list(COPY.values()))
 
 
+@pytest.mark.cover_axes("dtype")
 @pytest.mark.parametrize("shapes", SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_div_no_nan_is_tfs_bit_for_bit(lib, plan, dtype, shapes):
     x, y = values(shapes[0], dtype, 1), values(shapes[1], dtype, 2, zeros=0.3)
     got = metal_div_no_nan(lib, plan, dtype, x, y)
     try:
-        with tf.device("/CPU:0"):
-            want = tf.math.divide_no_nan(tf.constant(x), tf.constant(y)).numpy()
-        assert same_bits(got, want)
+        assert same_bits(got, tf_div_no_nan(x, y))
     except tf.errors.UnimplementedError:
         # TF's CPU kernel refuses broadcasts that stay above 5 dimensions after collapsing (the 7-dimension
         # alternating case); the kernel takes up to 8. Checked against numpy alone below.
         assert len(shapes[0]) == 7
-    exact = np_div_no_nan(x, y).astype(DTYPES[dtype][0])  # one rounding of the float64 quotient
-    # The kernel divides in float: for float32 outputs that is the correctly rounded quotient; for half and
-    # bfloat16 the float quotient is rounded again, which can differ from one rounding by 1 ulp (double rounding).
-    tol = {"float": 0, "half": 2.0 ** -10, "bfloat": 2.0 ** -7}[dtype]
-    g, e = got.astype(np.float64), exact.astype(np.float64)
-    fin = np.isfinite(e)
-    assert np.array_equal(np.isnan(g), np.isnan(e))
-    assert (np.abs(g[fin] - e[fin]) <= tol * np.maximum(np.abs(e[fin]), 2.0 ** -14)).all()
+    assert same_bits(got, np_div_no_nan(x, y))
 
 
-def test_div_no_nan_zero_divisor_gives_zero_whatever_x(lib, plan):
-    x = np.array([np.nan, np.inf, -1.0, 0.0, 2.0, 1.0], np.float32)
-    y = np.array([0.0, -0.0, 0.0, 0.0, np.nan, np.inf], np.float32)
-    got = metal_div_no_nan(lib, plan, "float", x, y)
-    assert np.array_equal(got[:4].view(np.uint32), np.zeros(4, np.uint32))  # +0, even for NaN x and y == -0
-    assert np.isnan(got[4]) and got[5] == 0.0
+@pytest.mark.cover_axes("dtype")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_div_no_nan_special_values_are_tfs(lib, plan, dtype):
+    # Every pair of specials: x NaN/inf with y == +-0 gives +0 (TF's CPU kernel masks the quotient to all-zero
+    # bits), a NaN y gives NaN, inf / inf NaN, a finite x / inf a signed 0, subnormals zeros.
+    np_t = DTYPES[dtype][0]
+    x = np.array(SPECIALS, np.float32).astype(np_t)[:, None]
+    y = np.array(SPECIALS + [-3.0, 2.0 ** -20], np.float32).astype(np_t)[None, :]
+    got = metal_div_no_nan(lib, plan, dtype, x, y)
+    assert same_bits(got, tf_div_no_nan(x, y)) and same_bits(got, np_div_no_nan(x, y))
+    zero_y = np.broadcast_to(np_flush_denormal(y.astype(np.float32)) == 0, got.shape)
+    assert not got[zero_y].view(view_type(got)).any()  # +0 bits, for y == -0, subnormal y, NaN x too
+    assert np.isnan(got[:, 0].astype(np.float32)).all()  # y NaN (SPECIALS[0])
 
 
+@pytest.mark.full
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_div_no_nan_on_random_bit_patterns_is_tfs(lib, plan, dtype):
+    # Every exponent, subnormals, NaN payloads: the rounding argument of the module docstring, tried.
+    np_t = DTYPES[dtype][0]
+    rng = np.random.default_rng(7)
+    view = view_type(np.zeros(1, np_t))
+    x, y = (rng.integers(0, 2 ** (8 * view().itemsize), 6000, dtype=np.uint64).astype(view).view(np_t)
+            for _ in range(2))
+    got = metal_div_no_nan(lib, plan, dtype, x, y)
+    assert same_bits(got, tf_div_no_nan(x, y)) and same_bits(got, np_div_no_nan(x, y))
+
+
+@pytest.mark.cover_axes("dtype")
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.bool_])
 @pytest.mark.parametrize("case", [((3, 1, 5), (2, 3, 4, 5)), ((), (4, 3)), ((1,), (0, 7)), ((6,), (6,)),
                                   ((2, 1), (2, 1))], ids=str)

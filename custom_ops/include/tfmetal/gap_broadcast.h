@@ -2,10 +2,16 @@
 // mapping, shared by the Metal kernels (custom_ops/metal/gap_broadcast.h) and
 // their host code.
 //
-// DivNoNan(x, y) = 0 where y == 0 (either sign, whatever x is), else x / y in
+// DivNoNan(x, y) = +0 where y == 0 (either sign, whatever x is), else x / y in
 // float, rounded once to the output type: TensorFlow's CPU kernel computes
 // half and bfloat16 division in float and rounds once too, so the two agree
-// bit for bit (NaN y gives NaN, as x / NaN).
+// bit for bit (NaN y gives NaN, as x / NaN). TF's CPU kernels also run with
+// the CPU's flush-to-zero and denormals-are-zero modes on (its threads set
+// them: MXCSR FTZ/DAZ on x86, FPCR.FZ on arm64 Macs), so a subnormal input
+// counts as a zero of its sign (a subnormal y gives +0) and a subnormal
+// quotient is a zero of its sign. The kernel does the same explicitly,
+// whatever the GPU's own denormal handling. (Half values are never subnormal
+// in float, nor are quotients of them, so only float and bfloat16 see it.)
 //
 // The index mapping: the output's shape collapsed to at most
 // kGapBroadcastMaxDims dimensions (sizes-1 dimensions dropped, neighbours
@@ -19,7 +25,14 @@
 
 #define TFM_GAP_BCAST_MAX_DIMS 8
 
-TFM_INLINE float gap_div_no_nan(float x, float y) { return y == 0.0f ? 0.0f : x / y; }
+// v, or a zero of v's sign if v is subnormal (|v| < FLT_MIN = 2^-126).
+TFM_INLINE float gap_flush_denormal(float v) { return tfm_abs(v) < 1.17549435e-38f ? v * 0.0f : v; }
+
+TFM_INLINE float gap_div_no_nan(float x, float y) {
+  x = gap_flush_denormal(x);
+  y = gap_flush_denormal(y);
+  return y == 0.0f ? 0.0f : gap_flush_denormal(x / y);
+}
 
 // setBytes data of the broadcasting kernels; the host fills it (GapBroadcastPlan).
 struct tfm_gap_bcast_params {
