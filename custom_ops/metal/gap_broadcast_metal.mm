@@ -45,7 +45,7 @@ bool Plan(const std::vector<int64_t>& out, const std::vector<int64_t>& in0, cons
   return true;
 }
 
-// One thread per output element, in chunks: `bind(byte offset of the chunk's output, params)`.
+// One thread per output element, in chunks: `bind(first element of the chunk, params)`.
 template <class Bind>
 void DispatchBroadcast(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline, int64_t n,
                        tfm_gap_bcast_params params, Bind&& bind) {
@@ -73,26 +73,30 @@ void DivNoNanCompute(const BroadcastKernel&, TF_OpKernelContext* ctx, TF_Status*
     return;
   }
   const TF_DataType dtype = TF_TensorType(x.get());
-  const std::string name = KernelName("gap_div_no_nan", "", dtype, status);
-  if (!Ok(status)) return;
   TensorPtr z = Output(ctx, 0, dtype, out, status);
   if (!Ok(status)) return;
   const int64_t n = TF_TensorElementCount(z.get());
   if (n == 0) return;
   tfm_gap_bcast_params params{};
   if (!Plan(out, xd, &yd, &params, status)) return;
+  // x and y of one shape: the contiguous variant, every tensor bound at the chunk.
+  const bool contiguous = GapBroadcastContiguous(params);
+  const std::string name = KernelName("gap_div_no_nan", contiguous ? "contiguous" : "", dtype, status);
+  if (!Ok(status)) return;
   MetalSlice xs, ys, zs;
   if (!Resolve(x.get(), "x", &xs, status) || !Resolve(y.get(), "y", &ys, status) ||
       !Resolve(z.get(), "z", &zs, status)) {
     return;
   }
-  const size_t size = TF_DataTypeSize(dtype);
+  const NSUInteger size = TF_DataTypeSize(dtype);
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
                  DispatchBroadcast(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_bcast_params& p) {
-                   [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const T* x [[buffer(0)]]
-                   [encoder setBuffer:ys.buffer offset:ys.offset atIndex:1];  // device const T* y [[buffer(1)]]
-                   [encoder setBuffer:zs.buffer offset:zs.offset + static_cast<NSUInteger>(start) * size atIndex:2];  // device T* z [[buffer(2)]]
+                   const NSUInteger at = static_cast<NSUInteger>(start) * size;
+                   const NSUInteger in_at = contiguous ? at : 0;
+                   [encoder setBuffer:xs.buffer offset:xs.offset + in_at atIndex:0];  // device const T* x [[buffer(0)]]
+                   [encoder setBuffer:ys.buffer offset:ys.offset + in_at atIndex:1];  // device const T* y [[buffer(1)]]
+                   [encoder setBuffer:zs.buffer offset:zs.offset + at atIndex:2];  // device T* z [[buffer(2)]]
                    SetBytes(encoder, p, 3);  // constant tfm_gap_bcast_params& p [[buffer(3)]]
                  });
                });
