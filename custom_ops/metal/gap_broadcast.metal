@@ -19,7 +19,7 @@ TFM_INSTANTIATE_KERNEL(gap_broadcast_to_4, gap_broadcast_to<uint>)
 
 #if defined(TFM_EMU)
 // The host's plan and its choice of variant, exported for the emulator tests (ctypes): they dispatch
-// with what the host computes.
+// with what the host computes. (TF's shape checks: tfmetal/gap_broadcast_checks.h, built on its own.)
 extern "C" __attribute__((visibility("default"))) int tfm_gap_broadcast_plan(
     const int64_t* out, int out_rank, const int64_t* in0, int rank0, const int64_t* in1, int rank1,
     tfm_gap_bcast_params* p) {

@@ -3,9 +3,11 @@
 Every instantiation -- gap_div_no_nan_float, gap_div_no_nan_half, gap_div_no_nan_bfloat,
 gap_div_no_nan_contiguous_float, gap_div_no_nan_contiguous_half, gap_div_no_nan_contiguous_bfloat,
 gap_broadcast_to_1, gap_broadcast_to_2, gap_broadcast_to_4 -- is dispatched as gap_broadcast_metal.mm dispatches
-it: the params and the choice of variant come from the host's own C++ (the plan and the contiguity test
-exported from the emulated library), in chunks of dispatch_geometry.h's sizes. Results are compared bit for bit
-with TensorFlow's CPU kernels (tf.math.divide_no_nan, tf.broadcast_to) and with numpy.
+it: the output shape, the errors, the params and the choice of variant come from the host's own C++ (the plan
+and the contiguity test exported from the emulated library; TF's shape rules from
+tfmetal/gap_broadcast_checks.h, built on its own), in chunks of dispatch_geometry.h's sizes. Results are
+compared bit for bit with TensorFlow's CPU kernels (tf.math.divide_no_nan, tf.broadcast_to) and with numpy, and
+the host's error texts with TF's.
 
 Why bit for bit, with no tolerance: the kernel divides in float and rounds once to the output type, and so does
 TF's CPU kernel (Eigen computes half and bfloat16 division in float). Rounding float's quotient again to half or
@@ -21,6 +23,7 @@ and the midpoint below 2^-126, so whether a flush looks before or after rounding
 """
 
 import ctypes
+import re
 from pathlib import Path
 
 import ml_dtypes
@@ -41,6 +44,8 @@ BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 MAX_DIMS = 8
 PARAMS = np.dtype([("n", "<u4"), ("rank", "<u4"), ("start_lo", "<u4"), ("start_hi", "<u4"),
                    ("dims", "<u4", MAX_DIMS), ("strides0", "<u4", MAX_DIMS), ("strides1", "<u4", MAX_DIMS)])
+COPY, FORWARD, ERROR = 0, 1, 2  # GapBroadcastToAction
+CAPACITY = 8192  # bytes of error text
 
 emu = load_emu()
 pytestmark = pytest.mark.no_keras
@@ -74,16 +79,25 @@ def np_broadcast_to(x, shape):
 
 
 class Host:
-    """The host code's C++ through ctypes: the plan and variant (gap_broadcast.metal's exports)."""
+    """The host code's C++ through ctypes: the plan and variant (gap_broadcast.metal's exports) and TF's
+    shape rules with their messages (tfmetal/gap_broadcast_checks.h, an emulator build of its own)."""
 
-    def __init__(self, kernels):
-        k = ctypes.CDLL(str(kernels.path))
+    def __init__(self, kernels, checks):
+        k, c = ctypes.CDLL(str(kernels.path)), ctypes.CDLL(str(checks.path))
         self._plan = k.tfm_gap_broadcast_plan
         self._plan.restype = ctypes.c_int
         self._plan.argtypes = [ctypes.c_void_p, ctypes.c_int] * 3 + [ctypes.c_void_p]
         self._contiguous = k.tfm_gap_broadcast_contiguous
         self._contiguous.restype = ctypes.c_int
         self._contiguous.argtypes = [ctypes.c_void_p]
+        self._binary = c.tfm_gap_binary_shape
+        self._binary.restype = ctypes.c_int
+        self._binary.argtypes = [ctypes.c_void_p, ctypes.c_int] * 2 + [ctypes.c_void_p, ctypes.c_char_p,
+                                                                        ctypes.c_int]
+        self._to = c.tfm_gap_broadcast_to_check
+        self._to.restype = ctypes.c_int
+        self._to.argtypes = [ctypes.c_void_p, ctypes.c_int] * 3 + [ctypes.c_char_p, ctypes.c_int]
+
     @staticmethod
     def _i64(shape):
         return np.ascontiguousarray(np.asarray(shape, np.int64).reshape(-1))
@@ -100,6 +114,23 @@ class Host:
     def contiguous(self, params):
         return bool(self._contiguous(params.ctypes.data))
 
+    def binary_shape(self, x_shape, y_shape):
+        """DivNoNan's (output shape, "") or (None, TF's message)."""
+        x, y = self._i64(x_shape), self._i64(y_shape)
+        out = np.zeros(max(x.size, y.size, 1), np.int64)
+        error = ctypes.create_string_buffer(CAPACITY)
+        rank = self._binary(x.ctypes.data, x.size, y.ctypes.data, y.size, out.ctypes.data, error, CAPACITY)
+        return (None, error.value.decode()) if rank < 0 else (tuple(int(d) for d in out[:rank]), "")
+
+    def broadcast_to_check(self, in_shape, shape, shape_dims=None):
+        """BroadcastTo's (action, TF's message) for an input shape and the shape argument's values."""
+        x, s = self._i64(in_shape), self._i64(shape)
+        dims = self._i64((s.size,) if shape_dims is None else shape_dims)
+        error = ctypes.create_string_buffer(CAPACITY)
+        action = self._to(x.ctypes.data, x.size, dims.ctypes.data, dims.size, s.ctypes.data, s.size, error, CAPACITY)
+        return action, error.value.decode()
+
+
 @pytest.fixture(scope="module")
 def lib():
     return emu.build(ROOT / "custom_ops" / "metal" / "gap_broadcast.metal")
@@ -107,7 +138,7 @@ def lib():
 
 @pytest.fixture(scope="module")
 def host(lib):
-    return Host(lib)
+    return Host(lib, emu.build(ROOT / "custom_ops" / "include" / "tfmetal" / "gap_broadcast_checks.h"))
 
 
 def run_chunk(lib, name, inputs, out, params, start):
@@ -119,7 +150,8 @@ def run_chunk(lib, name, inputs, out, params, start):
 
 def metal_div_no_nan(lib, host, x, y, chunk=None):
     """DivNoNanCompute (gap_broadcast_metal.mm) on the emulator: (z, kernel name or None if nothing ran)."""
-    shape = np.broadcast_shapes(x.shape, y.shape)
+    shape, error = host.binary_shape(x.shape, y.shape)
+    assert not error, error
     z = np.full(int(np.prod(shape)), np.nan, np.float32).astype(x.dtype)  # NaN: an element never written shows
     if z.size == 0:
         return z.reshape(shape), None
@@ -135,7 +167,11 @@ def metal_div_no_nan(lib, host, x, y, chunk=None):
 
 
 def metal_broadcast_to(lib, host, x, shape, chunk=None):
-    """BroadcastToCompute on the emulator."""
+    """BroadcastToCompute on the emulator: the output (the input itself when forwarded)."""
+    action, error = host.broadcast_to_check(x.shape, shape)
+    assert action != ERROR, error
+    if action == FORWARD:
+        return x
     out = np.zeros(int(np.prod(shape)), x.dtype)
     if out.size:
         params = host.plan(shape, x.shape)
@@ -180,6 +216,12 @@ def same_bits(a, b):
 def tf_div_no_nan(x, y):
     with tf.device("/CPU:0"):
         return tf.math.divide_no_nan(tf.constant(x), tf.constant(y)).numpy()
+
+
+def tf_message(error):
+    """TF's own text of an op error, without the function-node prefix and the op suffix."""
+    text = re.sub(r"^\{\{function_node [^}]*\}\}\s*", "", error.message)
+    return text[:text.index(" [Op:")]
 
 
 # ----------------------------------------------------------------------------
@@ -263,6 +305,16 @@ def test_div_no_nan_empty_output_is_tfs_shape(lib, host):
         assert name is None and got.shape == tf_div_no_nan(x, y).shape  # nothing dispatched
 
 
+@pytest.mark.every_case
+@pytest.mark.parametrize("shapes", [((2, 3), (4,)), ((3,), (0,)), ((2, 1, 3), (4, 2)), ((5, 4), (1, 3, 4, 2))],
+                         ids=str)
+def test_div_no_nan_incompatible_shapes_are_tfs_error(host, shapes):
+    shape, error = host.binary_shape(*shapes)
+    with pytest.raises(tf.errors.InvalidArgumentError) as raised:
+        tf_div_no_nan(np.ones(shapes[0], np.float32), np.ones(shapes[1], np.float32))
+    assert shape is None and error == tf_message(raised.value)
+
+
 # ----------------------------------------------------------------------------
 # BroadcastTo
 
@@ -282,6 +334,7 @@ def test_broadcast_to_is_tfs_bit_for_bit(lib, host, dtype, case):
     with tf.device("/CPU:0"):
         want = tf.broadcast_to(tf.constant(x), shape).numpy()
     assert same_bits(got, want) and same_bits(got, np_broadcast_to(x, shape))
+    assert (got is x) == (tuple(in_shape) == tuple(shape))  # equal shapes forward the input, as TF does
 
 
 def test_broadcast_to_beyond_tfs_five_dimensions(lib, host):
@@ -290,6 +343,33 @@ def test_broadcast_to_beyond_tfs_five_dimensions(lib, host):
         with tf.device("/CPU:0"):
             tf.broadcast_to(tf.constant(x), (2,) * 6)
     assert same_bits(metal_broadcast_to(lib, host, x, (2,) * 6), np_broadcast_to(x, (2,) * 6))
+
+
+BIG = 2 ** 40
+# (input shape, the shape argument's values, its own shape if not a vector of them)
+TO_CHECKS = [((3,), [1]), ((3,), [2, 1]), ((0,), [1]), ((2, 3), [4]), ((1, 3), [3]), ((2, 3), [3, 3]),
+             ((3,), [0, 2]), ((0,), [3]), ((3,), [-1]), ((3,), [2, -3]), ((), [0, -1]), ((), [1] * 255),
+             ((), [-1] + [1] * 253), ((), [BIG, BIG, -1]), ((), [BIG, BIG, -5]), ((), [BIG, -5, BIG]),
+             ((2, 3), [2 ** 62, 4, 0]), ((3,), [[3]]), ((3,), 3), ((2,), np.zeros((2, 0))),
+             ((), [0, 2 ** 62, 2 ** 62]), ((2, 1), [2, 0]), ((1,), [1, 1]), ((2, 0), [2, 0]), ((), [0])]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("case", TO_CHECKS, ids=lambda c: f"{c[0]}->{np.asarray(c[1]).tolist()}"[:40])
+def test_broadcast_to_checks_are_tfs(host, case):
+    # TF's order and texts: the shape argument a vector, TensorShape's limits (254 dimensions, none negative, at
+    # most 2^63 - 1 elements, -1 printed "?"), equal shapes forwarded, the ranks, then BCast's two errors.
+    in_shape, shape = case
+    values_ = np.asarray(shape, np.int64)
+    action, error = host.broadcast_to_check(in_shape, values_.reshape(-1), shape_dims=values_.shape)
+    try:
+        with tf.device("/CPU:0"):
+            want = tf.raw_ops.BroadcastTo(input=tf.zeros(in_shape), shape=tf.constant(values_))
+    except tf.errors.InvalidArgumentError as e:
+        assert (action, error) == (ERROR, tf_message(e))
+    else:
+        assert action == (FORWARD if tuple(values_.reshape(-1)) == tuple(in_shape) else COPY), error
+        assert tuple(want.shape) == tuple(values_)
 
 
 # ----------------------------------------------------------------------------

@@ -19,6 +19,9 @@
 // element stride per output dimension (0 where it broadcasts). An output
 // index is decomposed innermost dimension first, in 32-bit arithmetic below
 // 2^32 (the GPU's 64-bit division is many times slower), in 64-bit above.
+//
+// TF's shape rules and error texts for the two ops are host-only C++ in
+// tfmetal/gap_broadcast_checks.h.
 #ifndef TFMETAL_GAP_BROADCAST_H_
 #define TFMETAL_GAP_BROADCAST_H_
 
