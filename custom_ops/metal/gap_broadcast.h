@@ -5,7 +5,9 @@
 // One thread per output element. The host dispatches chunks of the output:
 // the output is bound at the chunk's first element, the inputs at their start,
 // and the chunk's first global index is in the params, so each thread maps its
-// global index to the inputs' elements.
+// global index to the inputs' elements. DivNoNan of two inputs of one shape
+// (GapBroadcastContiguous) takes the contiguous variant instead: no mapping,
+// all three bound at the chunk's first element.
 #ifndef TFMETAL_METAL_GAP_BROADCAST_KERNELS_H_
 #define TFMETAL_METAL_GAP_BROADCAST_KERNELS_H_
 
@@ -29,6 +31,17 @@ template <typename T>
   uint64_t ox, oy;
   gap_bcast_offsets(p, index, ox, oy);
   z[gid.x] = static_cast<T>(gap_div_no_nan(static_cast<float>(x[ox]), static_cast<float>(y[oy])));
+}
+
+// z = div_no_nan(x, y), x and y of z's shape (bound at the chunk; p.n used only).
+template <typename T>
+[[kernel]] void gap_div_no_nan_contiguous(device const T* x [[buffer(0)]],
+                                          device const T* y [[buffer(1)]],
+                                          device T* z [[buffer(2)]],
+                                          constant tfm_gap_bcast_params& p [[buffer(3)]],
+                                          TFM_KERNEL_BUILTINS) {
+  if (gid.x >= p.n) return;
+  z[gid.x] = static_cast<T>(gap_div_no_nan(static_cast<float>(x[gid.x]), static_cast<float>(y[gid.x])));
 }
 
 // out = input broadcast to out's shape: a copy of U-sized elements (any dtype of that size).

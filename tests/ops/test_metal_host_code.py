@@ -131,7 +131,8 @@ def test_metal_host_code_compiles_against_stubs(clang, embedded, source, sdk):
 # plain C++ ones (no Objective-C, no TF: the emulator compiles
 # dispatch_geometry.h, the CPU kernels include host_checks.h) as C++ too.
 OBJC_HOST_HEADERS = [METAL_DIR / n for n in ("metal_helper.h", "multi_tensor_metal.h", "norm_metal.h", "gap_host.h")]
-CXX_HOST_HEADERS = [METAL_DIR / "dispatch_geometry.h", METAL_DIR / "gap_plan.h", ROOT / "custom_ops" / "include" / "tfmetal" / "host_checks.h"]
+CXX_HOST_HEADERS = [METAL_DIR / "dispatch_geometry.h", METAL_DIR / "gap_plan.h", ROOT / "custom_ops" / "include" / "tfmetal" / "host_checks.h",
+                    ROOT / "custom_ops" / "include" / "tfmetal" / "gap_broadcast_checks.h"]
 
 
 @pytest.mark.parametrize("header", OBJC_HOST_HEADERS + CXX_HOST_HEADERS, ids=lambda p: p.name)

@@ -82,9 +82,13 @@ def _k(op, dtypes, family, **kw):
 GAP_KERNELS = types.MappingProxyType(
     dict(
         [
-            _k("DivNoNan", FLOATS, "gap_broadcast"),
+            _k("DivNoNan", FLOATS, "gap_broadcast",
+               note="broadcasts that stay above 5 dimensions after collapsing run (up to 8), where TF's CPU kernel "
+                    "is Unimplemented"),
             _k("BroadcastTo", FLOATS + ("bool",), "gap_broadcast", other_attrs={"Tidx": INDICES},
-               host_memory=("shape",)),
+               host_memory=("shape",),
+               note="broadcasts that stay above 5 dimensions after collapsing run (up to 8), where TF's CPU kernel "
+                    "is Unimplemented"),
             _k("Pack", FLOATS + ("bool",), "gap_stack"),
             _k("Unpack", FLOATS + ("bool",), "gap_stack"),
             _k("UnsortedSegmentSum", FLOATS, "gap_segment",

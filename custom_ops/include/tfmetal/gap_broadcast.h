@@ -2,16 +2,26 @@
 // mapping, shared by the Metal kernels (custom_ops/metal/gap_broadcast.h) and
 // their host code.
 //
-// DivNoNan(x, y) = 0 where y == 0 (either sign, whatever x is), else x / y in
+// DivNoNan(x, y) = +0 where y == 0 (either sign, whatever x is), else x / y in
 // float, rounded once to the output type: TensorFlow's CPU kernel computes
 // half and bfloat16 division in float and rounds once too, so the two agree
-// bit for bit (NaN y gives NaN, as x / NaN).
+// bit for bit (NaN y gives NaN, as x / NaN). TF's CPU kernels also run with
+// the CPU's flush-to-zero and denormals-are-zero modes on (its threads set
+// them: MXCSR FTZ/DAZ on x86, FPCR.FZ on arm64 Macs), so a subnormal input
+// counts as a zero of its sign (a subnormal y gives +0) and a subnormal
+// quotient is a zero of its sign. The kernel does the same explicitly,
+// whatever the GPU's own denormal handling. (Half values are never subnormal
+// in float, nor are quotients of them, so only float and bfloat16 see it.)
 //
 // The index mapping: the output's shape collapsed to at most
-// kGapBroadcastMaxDims dimensions (sizes-1 dimensions dropped, neighbours
+// TFM_GAP_BCAST_MAX_DIMS dimensions (size-1 dimensions dropped, neighbours
 // merged where every input walks them contiguously), with each input's
 // element stride per output dimension (0 where it broadcasts). An output
-// index is decomposed innermost dimension first.
+// index is decomposed innermost dimension first, in 32-bit arithmetic below
+// 2^32 (the GPU's 64-bit division is many times slower), in 64-bit above.
+//
+// TF's shape rules and error texts for the two ops are host-only C++ in
+// tfmetal/gap_broadcast_checks.h.
 #ifndef TFMETAL_GAP_BROADCAST_H_
 #define TFMETAL_GAP_BROADCAST_H_
 
@@ -19,7 +29,14 @@
 
 #define TFM_GAP_BCAST_MAX_DIMS 8
 
-TFM_INLINE float gap_div_no_nan(float x, float y) { return y == 0.0f ? 0.0f : x / y; }
+// v, or a zero of v's sign if v is subnormal (|v| < FLT_MIN = 2^-126).
+TFM_INLINE float gap_flush_denormal(float v) { return tfm_abs(v) < 1.17549435e-38f ? v * 0.0f : v; }
+
+TFM_INLINE float gap_div_no_nan(float x, float y) {
+  x = gap_flush_denormal(x);
+  y = gap_flush_denormal(y);
+  return y == 0.0f ? 0.0f : gap_flush_denormal(x / y);
+}
 
 // setBytes data of the broadcasting kernels; the host fills it (GapBroadcastPlan).
 struct tfm_gap_bcast_params {
@@ -32,9 +49,26 @@ struct tfm_gap_bcast_params {
   uint32_t strides1[TFM_GAP_BCAST_MAX_DIMS];  // input 1's (unused by BroadcastTo)
 };
 
-// The element offsets into inputs 0 and 1 of output `index`.
+// The element offsets into inputs 0 and 1 of output `index`. Below 2^32 the
+// offsets fit 32 bits too: an input is never larger than the output it is
+// mapped onto (its stride in each dimension is at most the output's), so each
+// partial sum of coord * stride is at most the index. Threads differ only in
+// the chunk that straddles 2^32.
 TFM_INLINE void gap_bcast_offsets(TFM_CONSTANT const tfm_gap_bcast_params& p, uint64_t index,
                                   TFM_THREAD uint64_t& off0, TFM_THREAD uint64_t& off1) {
+  if ((index >> 32) == 0) {
+    uint32_t i = static_cast<uint32_t>(index), o0 = 0, o1 = 0;
+    for (int d = static_cast<int>(p.rank) - 1; d >= 0; --d) {
+      const uint32_t size = p.dims[d];
+      const uint32_t coord = i % size;
+      i /= size;
+      o0 += coord * p.strides0[d];
+      o1 += coord * p.strides1[d];
+    }
+    off0 = o0;
+    off1 = o1;
+    return;
+  }
   off0 = 0;
   off1 = 0;
   for (int d = static_cast<int>(p.rank) - 1; d >= 0; --d) {
@@ -120,6 +154,14 @@ inline bool GapBroadcastPlan(const int64_t* out, int out_rank, const int64_t* in
   }
   return true;
 }
+
+// True when the plan reads element i of both inputs for output i (x and y of
+// one shape, up to size-1 dimensions): the kernel's contiguous variant, which
+// needs no index mapping, serves it.
+inline bool GapBroadcastContiguous(const tfm_gap_bcast_params& p) {
+  return p.rank == 1 && p.strides0[0] == 1 && p.strides1[0] == 1;
+}
+
 #endif  // !__METAL_VERSION__
 
 #endif  // TFMETAL_GAP_BROADCAST_H_
