@@ -55,6 +55,10 @@ class GapKernel:
             (every combination is registered).
         host_memory: argument names (as in the op's OpDef) the kernel keeps
             in host memory; TensorFlow copies them there.
+        string_attrs: string attributes -> the values the kernel takes
+            (Einsum's ``equation``). Registered as an allowed-values
+            constraint: TensorFlow matches the kernel only to nodes with one
+            of them, and places every other node on the CPU (its own kernel).
         family: the ``custom_ops/metal/<family>.metal`` / ``<family>_metal.mm``
             holding the kernel.
         note: what the kernel does differently from TensorFlow's CPU kernel,
@@ -68,10 +72,20 @@ class GapKernel:
     other_attrs: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
     host_memory: tuple = ()
     note: str = ""
+    string_attrs: types.MappingProxyType = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
 
     def __post_init__(self):
-        if not isinstance(self.other_attrs, types.MappingProxyType):
-            object.__setattr__(self, "other_attrs", types.MappingProxyType(dict(self.other_attrs)))
+        for name in ("other_attrs", "string_attrs"):
+            if not isinstance(getattr(self, name), types.MappingProxyType):
+                object.__setattr__(self, name, types.MappingProxyType(dict(getattr(self, name))))
+
+    def refusal(self, strings):
+        """Why this kernel does not take a node with string attributes `strings` (``{"equation": ...}``), or None."""
+        for attr, allowed in self.string_attrs.items():
+            value = strings.get(attr)
+            if value not in allowed:
+                return f"{self.op}'s tfmetal_ext gap kernel takes only its {len(allowed)} listed {attr}s, not {value!r}"
+        return None
 
 
 def _k(op, dtypes, family, **kw):
@@ -216,29 +230,41 @@ def plan_text(backend, rows):
     """The text the Metal host code reads (custom_ops/metal/gap_plan.h).
 
     Line 1 is the backend's distribution name; then one line per op with
-    registered rows: ``<op>|<dtype_attr>=<d>,<d>|<attr>=<d>,<d>|host=<arg>,<arg>``
+    registered rows: ``<op>|<dtype_attr>=<d>,<d>|<attr>=<d>,<d>|string:<attr>=<v>,<v>|host=<arg>,<arg>``
     (dtype names as Python spells them: ``float32``, ``float16``,
-    ``bfloat16``, ``bool``, ``int32``, ``int64``).
+    ``bfloat16``, ``bool``, ``int32``, ``int64``; string values escaped by
+    `escape`).
     """
     lines = [backend]
     for op, dtypes in registered(rows).items():
         kernel = GAP_KERNELS[op]
         fields = [op, f"{kernel.dtype_attr}={','.join(dtypes)}"]
         fields += [f"{attr}={','.join(ds)}" for attr, ds in kernel.other_attrs.items()]
+        fields += [f"string:{attr}={','.join(escape(v) for v in vs)}" for attr, vs in kernel.string_attrs.items()]
         if kernel.host_memory:
             fields.append("host=" + ",".join(kernel.host_memory))
         lines.append("|".join(fields))
     return "\n".join(lines) + "\n"
 
 
-def covers(table, op, attrs, macos=None, enabled=None):
+def escape(value):
+    """`value` as the plan text carries a string: every byte outside ``[A-Za-z0-9_]`` as ``%XX``."""
+    return "".join(chr(b) if chr(b).isascii() and (chr(b).isalnum() or b == 0x5F) else f"%{b:02X}"
+                   for b in value.encode())
+
+
+def covers(table, op, attrs, macos=None, enabled=None, strings=None):
     """Whether our gap kernel runs a node of `op` with type attributes `attrs` (``{"T": "float16", ...}``) on `table`.
 
     The plan's row for the node's `GapKernel.dtype_attr` dtype must be
-    registered, and each of its other type attributes within the kernel's.
+    registered, each of its other type attributes within the kernel's, and
+    each of its string attributes (`strings`, ``{"equation": "ab,bc->ac"}``)
+    one the kernel takes (`GapKernel.string_attrs`).
     """
     kernel = GAP_KERNELS.get(op)
     if kernel is None or kernel.dtype_attr not in attrs:
+        return False
+    if kernel.refusal(strings or {}) is not None:
         return False
     if any(attrs.get(attr) not in dtypes for attr, dtypes in kernel.other_attrs.items() if attr in attrs):
         return False
