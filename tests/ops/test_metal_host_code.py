@@ -683,6 +683,31 @@ def _kernel_defs(lines):
     return defs
 
 
+@pytest.mark.parametrize("key", ["metal", "metal_plugin"])
+def test_string_constraints_reach_tensorflow_as_allowed_values(driver, key):
+    # Einsum's equations: escaped in the plan text, unescaped by the parser, and serialized into the KernelDef
+    # that RegisterGapKernels hands TF_RegisterKernelBuilderWithKernelDef (parsed back here by TF's proto).
+    from tfmetal_ext.backends import gap_kernels
+
+    rows = gap_kernels.plan(key, macos="15.0", enabled=True)
+    text = gap_kernels.plan_text(gap_kernels.TABLE_RELEASES[key][0], rows)
+    einsum = next(line for line in text.splitlines() if line.startswith("Einsum|"))
+    escaped = einsum.split("string:equation=")[1].split("|")[0].split(",")
+    assert len(escaped) == len(gap_kernels.EINSUM_EQUATIONS) and not any(set(v) & set("->.") for v in escaped)
+    lines = _plan_lines(driver, "tensorflow-metal\n" + einsum + "\n")
+    assert [line.split(" ", 2)[2] for line in lines if line.startswith("string equation ")] == list(
+        gap_kernels.EINSUM_EQUATIONS)
+    defs = _kernel_defs(lines)
+    dtypes = gap_kernels.registered(rows)["Einsum"]
+    assert len(defs) == len(dtypes)
+    for proto, dtype in zip(defs, dtypes):
+        assert proto.op == "Einsum" and proto.device_type == "GPU" and not proto.host_memory_arg
+        constraints = {c.name: c.allowed_values.list for c in proto.constraint}
+        assert list(constraints["T"].type) == [tf.as_dtype(dtype).as_datatype_enum]
+        assert [v.decode() for v in constraints["equation"].s] == list(gap_kernels.EINSUM_EQUATIONS)
+        assert proto.priority == 0
+
+
 def test_kernel_defs_carry_type_constraints_and_host_memory(driver):
     text = "tensorflow-metal\nFill|T=float16,bfloat16|index_type=int32|string:mode=a%2Cb,c%3Ed|host=dims,value\n"
     lines = _plan_lines(driver, text)
