@@ -68,18 +68,23 @@ def saved_lstm_attention(tmp_path):
 
 
 def test_report_predict_for_the_open_plugin(saved_lstm_attention, capsys):
-    # Keras' attention emits Einsum (no kernel there: CPU), stock LSTM CudnnRNNV3 (no kernel anywhere here).
-    assert cli.main(["report", str(saved_lstm_attention), "--predict-for", "tensorflow-metal-plugin"]) == 0
+    # Keras' attention emits Einsum (no kernel there: CPU, without tfmetal_ext's gap kernel), stock LSTM
+    # CudnnRNNV3 (no kernel anywhere here).
+    argv = ["report", str(saved_lstm_attention), "--predict-for", "tensorflow-metal-plugin"]
+    assert cli.main(argv + ["--no-gap-kernels"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Predicted placement (train) on tensorflow-metal-plugin")
     rows = [line.split() for line in out.splitlines()]
     assert any(r[:1] == ["Einsum"] and "mha" in r and "falls" in r for r in rows), out
     assert any(r[:1] == ["CudnnRNNV3"] and "lstm" in r and "fails" in r for r in rows), out
     assert "Fusion report" not in out  # this host's fusions say nothing about that backend
+    assert cli.main(argv) == 0
+    gap_line = next(line for line in capsys.readouterr().out.splitlines() if "tfmetal_ext gap kernels:" in line)
+    assert "Einsum(float32)" in gap_line
 
 
 def test_report_predict_for_json_and_apple(saved_lstm_attention, capsys):
-    argv = ["report", str(saved_lstm_attention), "--mode", "predict", "--json", "--predict-for"]
+    argv = ["report", str(saved_lstm_attention), "--mode", "predict", "--json", "--no-gap-kernels", "--predict-for"]
     assert cli.main(argv + ["tensorflow-metal-plugin"]) == 0
     data = json.loads(capsys.readouterr().out)["predicted_placement"]
     assert data["mode"] == "predict" and data["predicted_for"] == "tensorflow-metal-plugin"
@@ -90,7 +95,8 @@ def test_report_predict_for_json_and_apple(saved_lstm_attention, capsys):
 
 
 def test_report_predict_for_apple_on_macos_12(saved_lstm_attention, capsys):
-    argv = ["report", str(saved_lstm_attention), "--json", "--predict-for", "tensorflow-metal", "--macos", "12.7"]
+    argv = ["report", str(saved_lstm_attention), "--json", "--no-gap-kernels", "--predict-for", "tensorflow-metal",
+            "--macos", "12.7"]
     assert cli.main(argv) == 0
     data = json.loads(capsys.readouterr().out)["predicted_placement"]
     assert any("predicted for macOS 12.7 (as asked)" in n for n in data["notes"]), data["notes"]

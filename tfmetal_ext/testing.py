@@ -293,6 +293,78 @@ def norm_param_grad_threads(rows, cap=1024, columns=32, width=32, max_total=1024
     return host_geometry()["norm_param_grad_threads"](width, max_total, rows, columns, cap)
 
 
+# The Einsum gap kernel's planner (custom_ops/include/tfmetal/gap_einsum.h, the one the host code
+# runs), from the emulated build of gap_einsum.metal, which exports it (ctypes).
+
+
+class EinsumPlanner:
+    """`GapEinsumParse` / `GapEinsumPlan` / `GapEinsumGrid` of the Einsum gap kernel's host code.
+
+    ``reason(equation)``: None if the kernel takes `equation`, else why not.
+    ``plan(equation, a_shape, b_shape)``: ``(code, out_shape, params, message)``; code 0 is OK,
+    else TensorFlow's status code (3 InvalidArgument, 12 Unimplemented) with its message, or -1
+    and the reason for an equation the kernel does not take. `params` is a numpy record of
+    `PARAMS` (the kernel's ``tfm_gap_einsum_params``).
+    ``grid(params, count)``: the threadgroups (x, y, z) of the dispatch covering `count` batches.
+    """
+
+    _GROUP = [("rank", "<u4"), ("dims", "<u4", 4), ("a", "<u4", 4), ("b", "<u4", 4), ("c", "<u4", 4)]
+    PARAMS_FIELDS = [("batch", "<u4"), ("m", "<u4"), ("n", "<u4"), ("k", "<u4"), ("batch_start", "<u4"),
+                     ("pad", "<u4", 3), ("g", _GROUP, 4)]
+
+    def __init__(self, library_path):
+        import ctypes
+
+        import numpy as np
+
+        self.PARAMS = np.dtype(self.PARAMS_FIELDS)
+        lib = ctypes.CDLL(str(library_path))
+        p, i, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p
+        self._parse = lib.tfm_gap_einsum_parse
+        self._parse.restype, self._parse.argtypes = i, [s, s, i]
+        self._plan = lib.tfm_gap_einsum_plan
+        self._plan.restype, self._plan.argtypes = i, [s, p, i, p, i, p, p, p, s, i]
+        self._grid = lib.tfm_gap_einsum_grid
+        self._grid.restype, self._grid.argtypes = None, [p, ctypes.c_uint32, p]
+        self.max_batch = lib.tfm_gap_einsum_max_batch
+        self.max_batch.restype, self.max_batch.argtypes = ctypes.c_uint32, []
+        self._ctypes, self._np = ctypes, np
+
+    def reason(self, equation):
+        buf = self._ctypes.create_string_buffer(512)
+        return None if self._parse(equation.encode(), buf, len(buf)) else buf.value.decode()
+
+    def plan(self, equation, a_shape, b_shape):
+        np, ctypes = self._np, self._ctypes
+        a = np.asarray(a_shape, np.int64).reshape(-1)
+        b = np.asarray(b_shape, np.int64).reshape(-1)
+        out = np.zeros(64, np.int64)
+        rank = ctypes.c_int(0)
+        params = np.zeros((), self.PARAMS)
+        buf = ctypes.create_string_buffer(512)
+        code = self._plan(equation.encode(), a.ctypes.data, a.size, b.ctypes.data, b.size, out.ctypes.data,
+                          ctypes.addressof(rank), params.ctypes.data, buf, len(buf))
+        return code, tuple(int(d) for d in out[:rank.value]), params, buf.value.decode()
+
+    def grid(self, params, count):
+        xyz = self._np.zeros(3, self._np.uint32)
+        self._grid(params.ctypes.data, count, xyz.ctypes.data)
+        return tuple(int(v) for v in xyz)
+
+
+_einsum_planner = []
+
+
+def einsum_planner():
+    """The Einsum gap kernel's planner (`EinsumPlanner`), built once by the emulator."""
+    if not _einsum_planner:
+        from tfmetal_ext.ops import _loader
+
+        built = load_emu().build(_loader.sources_dir() / "metal" / "gap_einsum.metal")
+        _einsum_planner.append(EinsumPlanner(built.path))
+    return _einsum_planner[0]
+
+
 # ----------------------------------------------------------------------------
 # numpy references of the custom ops, shared by the op tests, their Metal-emulation tests and
 # `tfmetal_ext.doctor.selftest()`.

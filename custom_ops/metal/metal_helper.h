@@ -290,7 +290,11 @@ void RegisterFloatKernels(const char* op, void* (*create)(TF_OpKernelConstructio
 // (gap_plan.h; written by tfmetal_ext.backends.gap_kernels from the loaded
 // backend's kernel table, so a kernel the backend has is never registered
 // twice). Every combination of the planned type constraints is registered,
-// with the plan's host-memory arguments. Nothing is registered when the host
+// with the plan's host-memory arguments; an op whose plan restricts a string
+// attribute (Einsum's equation) is registered with a serialized KernelDef
+// carrying that allowed-values constraint too
+// (TF_RegisterKernelBuilderWithKernelDef), so TensorFlow places a node with
+// any other value where another kernel exists. Nothing is registered when the host
 // code does not bind to this process's Metal backend, when the plan is unset
 // (library loaded by hand), malformed, or made for another backend, or when
 // it does not list `op`. Each planned (op, dtype) is recorded for status()

@@ -329,22 +329,42 @@ void RegisterGapKernels(const char* op, void* (*create)(TF_OpKernelConstruction*
       TF_SetStatus(status.get(), TF_OK, "");
       TF_KernelBuilder* builder = TF_NewKernelBuilder(op, "GPU", create, compute, destroy);
       std::string name = std::string(op) + "_GPU_tfmetal_ext";
-      for (const auto& [attr, value] : combo) {
-        if (Ok(status.get())) {
-          TF_KernelBuilder_TypeConstraint(builder, attr.c_str(), static_cast<TF_DataType>(gap::DtypeValue(value)),
-                                          status.get());
+      for (const auto& [attr, value] : combo) name += "_" + value;
+      // A string constraint (Einsum's equations) has no builder call: then the
+      // whole KernelDef goes to TensorFlow serialized (type and string
+      // constraints, host memory), and the builder only carries the functions.
+      const std::string kernel_def = def->strings.empty() ? std::string() : gap::SerializeKernelDef(*def, "GPU", combo);
+      // Looked up, not linked: a TensorFlow without it then loses only these kernels, not the whole library.
+      using RegisterWithKernelDef = void (*)(const char*, const char*, TF_KernelBuilder*, TF_Status*);
+      static const auto register_with_kernel_def =
+          reinterpret_cast<RegisterWithKernelDef>(dlsym(RTLD_DEFAULT, "TF_RegisterKernelBuilderWithKernelDef"));
+      if (def->strings.empty()) {
+        for (const auto& [attr, value] : combo) {
+          if (Ok(status.get())) {
+            TF_KernelBuilder_TypeConstraint(builder, attr.c_str(), static_cast<TF_DataType>(gap::DtypeValue(value)),
+                                            status.get());
+          }
         }
-        name += "_" + value;
-      }
-      for (const std::string& arg : def->host_memory) {
-        if (Ok(status.get())) TF_KernelBuilder_HostMemory(builder, arg.c_str());
+        for (const std::string& arg : def->host_memory) {
+          if (Ok(status.get())) TF_KernelBuilder_HostMemory(builder, arg.c_str());
+        }
+      } else if (register_with_kernel_def == nullptr) {
+        TF_SetStatus(status.get(), TF_UNIMPLEMENTED,
+                     "this TensorFlow does not export TF_RegisterKernelBuilderWithKernelDef, which a string "
+                     "constraint needs");
+      } else if (kernel_def.empty()) {
+        TF_SetStatus(status.get(), TF_INVALID_ARGUMENT, "the planned KernelDef cannot be serialized");
       }
       if (!Ok(status.get())) {
         TF_DeleteKernelBuilder(builder);  // not registered: still ours
         failed += std::string(failed.empty() ? "" : "; ") + name + ": " + TF_Message(status.get());
         continue;
       }
-      TF_RegisterKernelBuilder(name.c_str(), builder, status.get());
+      if (def->strings.empty()) {
+        TF_RegisterKernelBuilder(name.c_str(), builder, status.get());
+      } else {
+        register_with_kernel_def(kernel_def.c_str(), name.c_str(), builder, status.get());
+      }
       if (Ok(status.get())) {
         ++registered;
       } else {

@@ -58,7 +58,8 @@ def _entries(report, op):
 
 
 def test_plugin_flags_einsum_of_stock_multi_head_attention_with_its_layer():
-    report = inspect.placement_report(_attention_model(), mode="train", predict_for=PLUGIN)
+    model = _attention_model()
+    report = inspect.placement_report(model, mode="train", predict_for=PLUGIN, gap_kernels=False)
     einsum = _entries(report, "Einsum")
     assert einsum, str(report)
     assert all(e.layer and e.layer.split("/")[0] == "mha" for e in einsum), str(report)
@@ -66,6 +67,9 @@ def test_plugin_flags_einsum_of_stock_multi_head_attention_with_its_layer():
     assert all(e.dtype == "float32" for e in einsum)
     assert einsum[0] in report.missing and einsum[0] in report.cpu_fallback
     assert "Einsum" in str(report) and "mha" in str(report)
+    # tfmetal_ext's Einsum gap kernel takes the equations Keras' attention emits: on the GPU with it.
+    ours = _entries(inspect.placement_report(model, mode="train", predict_for=PLUGIN), "Einsum")
+    assert ours and {e.outcome for e in ours} == {predict.GAP}
 
 
 def test_plugin_flags_the_bfloat16_ops_of_a_mixed_bfloat16_model(policy):

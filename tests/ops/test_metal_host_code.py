@@ -396,10 +396,21 @@ int PlanCommand(char** argv) {
     std::string host;
     for (const std::string& h : def.host_memory) host += h + ",";
     std::printf("op %s host=%s\n", def.op.c_str(), host.c_str());
+    for (const gap::StringConstraint& sc : def.strings) {
+      for (const std::string& v : sc.values) std::printf("string %s %s\n", sc.attr.c_str(), v.c_str());
+    }
     for (const auto& combo : gap::Combinations(def)) {
       std::string line = gap::RecordName(def.op, combo.front().second);
       for (const auto& [attr, dtype] : combo) line += " " + attr + "=" + dtype + ":" + std::to_string(gap::DtypeValue(dtype));
       std::printf("combo %s\n", line.c_str());
+      // The KernelDef registration hands TensorFlow for this combination, in hex.
+      std::string hex;
+      for (unsigned char c : gap::SerializeKernelDef(def, "GPU", combo)) {
+        char byte[3];
+        std::snprintf(byte, sizeof(byte), "%02x", c);
+        hex += byte;
+      }
+      std::printf("kerneldef %s\n", hex.c_str());
     }
   }
   return 0;
@@ -660,8 +671,76 @@ def test_the_host_code_registers_exactly_the_planned_rows(driver, key):
         assert f"op {op} host={''.join(h + ',' for h in kernel.host_memory)}" in lines
 
 
+def _kernel_defs(lines):
+    """The KernelDef protos the driver serialized, in combination order."""
+    from tensorflow.core.framework import kernel_def_pb2
+
+    defs = []
+    for line in lines:
+        if line.startswith("kerneldef "):
+            proto = kernel_def_pb2.KernelDef()
+            proto.ParseFromString(bytes.fromhex(line.split(" ", 1)[1]))
+            defs.append(proto)
+    return defs
+
+
+@pytest.mark.parametrize("key", ["metal", "metal_plugin"])
+def test_string_constraints_reach_tensorflow_as_allowed_values(driver, key):
+    # Einsum's equations: escaped in the plan text, unescaped by the parser, and serialized into the KernelDef
+    # that RegisterGapKernels hands TF_RegisterKernelBuilderWithKernelDef (parsed back here by TF's proto).
+    from tfmetal_ext.backends import gap_kernels
+
+    rows = gap_kernels.plan(key, macos="15.0", enabled=True)
+    text = gap_kernels.plan_text(gap_kernels.TABLE_RELEASES[key][0], rows)
+    einsum = next(line for line in text.splitlines() if line.startswith("Einsum|"))
+    escaped = einsum.split("string:equation=")[1].split("|")[0].split(",")
+    assert len(escaped) == len(gap_kernels.EINSUM_EQUATIONS) and not any(set(v) & set("->.") for v in escaped)
+    lines = _plan_lines(driver, "tensorflow-metal\n" + einsum + "\n")
+    assert [line.split(" ", 2)[2] for line in lines if line.startswith("string equation ")] == list(
+        gap_kernels.EINSUM_EQUATIONS)
+    defs = _kernel_defs(lines)
+    dtypes = gap_kernels.registered(rows)["Einsum"]
+    assert len(defs) == len(dtypes)
+    for proto, dtype in zip(defs, dtypes):
+        assert proto.op == "Einsum" and proto.device_type == "GPU" and not proto.host_memory_arg
+        constraints = {c.name: c.allowed_values.list for c in proto.constraint}
+        assert list(constraints["T"].type) == [tf.as_dtype(dtype).as_datatype_enum]
+        assert [v.decode() for v in constraints["equation"].s] == list(gap_kernels.EINSUM_EQUATIONS)
+        assert proto.priority == 0
+
+
+def test_kernel_defs_carry_type_constraints_and_host_memory(driver):
+    text = "tensorflow-metal\nFill|T=float16,bfloat16|index_type=int32|string:mode=a%2Cb,c%3Ed|host=dims,value\n"
+    lines = _plan_lines(driver, text)
+    assert [line for line in lines if line.startswith("string ")] == ["string mode a,b", "string mode c>d"]
+    first, second = _kernel_defs(lines)
+    assert [(c.name, list(c.allowed_values.list.type)) for c in first.constraint[:2]] == [
+        ("T", [tf.float16.as_datatype_enum]), ("index_type", [tf.int32.as_datatype_enum])]
+    assert [v.decode() for v in first.constraint[2].allowed_values.list.s] == ["a,b", "c>d"]
+    assert list(first.host_memory_arg) == ["dims", "value"] == list(second.host_memory_arg)
+    assert list(second.constraint[0].allowed_values.list.type) == [tf.bfloat16.as_datatype_enum]
+
+
+def test_escape_round_trips_through_the_parser(driver):
+    from tfmetal_ext.backends import gap_kernels
+
+    values = ["ab,bc->ac", "x|y=z", "a b", "Tab\tnew\nline", "%41", "é"]
+    escaped = ",".join(gap_kernels.escape(v) for v in values)
+    assert all(c.isalnum() or c in "_%," for c in escaped)
+    lines = _plan_lines(driver, f"tensorflow-metal\nEinsum|T=float32|string:equation={escaped}\n")
+    assert "error" not in lines[1]
+    # The driver prints each value after "string equation "; a newline inside one continues on the next line.
+    printed = "\n".join(lines).split("string equation ")[1:]
+    assert [p.split("\ncombo ")[0].rstrip("\n") for p in printed] == values
+
+
 @pytest.mark.parametrize("text, error", [
     ("", "names no backend"),
+    ("tensorflow-metal\nEinsum|T=float32|string:equation=ab,c%2\n", "bad escaped value 'c%2'"),
+    ("tensorflow-metal\nEinsum|T=float32|string:equation=a%00b\n", "bad escaped value"),
+    ("tensorflow-metal\nEinsum|T=float32|string:equation=a-b\n", "bad escaped value 'a-b'"),
+    ("tensorflow-metal\nEinsum|T=float32|string:equation=ab,\n", "bad escaped value ''"),
+    ("tensorflow-metal\nEinsum|T=float32|string:eq uation=ab\n", "bad attr"),
     ("tensorflow-metal\nDiv NoNan|T=float32\n", "bad op name"),
     ("tensorflow-metal\nDivNoNan|T=float64\n", "unknown dtype 'float64'"),
     ("tensorflow-metal\nDivNoNan\n", "has no type constraint"),

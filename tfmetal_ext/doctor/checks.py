@@ -516,7 +516,21 @@ def gap_kernels():
         return t(v, dtype)
 
     seed = tf.constant([7, 12], tf.int64)
+
+    def small_ints(shape, dtype, special_at):
+        # Small integers: every partial sum is exact in half and bfloat16, so GPU and CPU agree bit for bit
+        # whatever order each sums in; one NaN / infinity to propagate.
+        v = rng.integers(-2, 3, shape).astype(np.float64)
+        v[special_at[0]] = np.nan
+        v[special_at[1]] = np.inf
+        return t(v, dtype)
+
     return {
+        # Keras' attention scores (in the gap kernel's equation allowlist), sizes off its 32 x 32 x 16 tiles.
+        "Einsum": lambda d: (raw.Einsum, dict(
+            inputs=[small_ints((2, 33, 3, 17), d, ((0, 4, 1, 2), (1, 30, 2, 0))),
+                    small_ints((2, 31, 3, 17), d, ((1, 7, 0, 16), (0, 0, 2, 5)))],
+            equation="BTNH,BSNH->BNTS")),
         "DivNoNan": lambda d: (raw.DivNoNan, dict(x=t(rng.standard_normal((5, 37)), d),
                                                   y=t(np.where(rng.random(37) < 0.2, 0.0, rng.standard_normal(37)), d))),
         "BroadcastTo": lambda d: (raw.BroadcastTo, dict(input=t(rng.standard_normal((3, 1, 5)) > 0, d)

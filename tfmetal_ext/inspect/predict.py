@@ -356,6 +356,14 @@ def _type_attrs(node):
     return out
 
 
+def _gap_strings(node):
+    """The node's string attributes that a gap kernel of its op is constrained on (``{"equation": ...}``)."""
+    kernel = gap_kernels.GAP_KERNELS.get(node.op)
+    if kernel is None or not kernel.string_attrs:
+        return None
+    return {name: node.attr[name].s.decode() for name in kernel.string_attrs if name in node.attr}
+
+
 def tf_kernel_host_memory(op, type_attrs, device_type):
     """The host-memory arguments of this TensorFlow's `device_type` kernel of `op` for the node's type
     attributes (a frozenset of OpDef argument names), or None when it registers no such kernel."""
@@ -395,12 +403,14 @@ def _custom_op_kernel(table, op, dtype):
     return None
 
 
-def judge(table, op, attrs, macos=None, gap=True):
+def judge(table, op, attrs, macos=None, gap=True, strings=None):
     """``(outcome, dtype, reason)`` of one op on `table`, or None when it runs on the device.
 
     `macos`: the user's macOS as a version tuple, for a table whose kernels
     depend on it (`Backend.gate`); None: the gate is taken as met. `gap`:
     count our gap kernels (`GAP`: it runs on the device through ours).
+    `strings`: the node's string attributes a gap kernel is constrained on
+    (`_gap_strings`: Einsum's equation).
     """
     if op in table.host_ops:
         dtypes = _judged_dtypes(table, op, attrs)
@@ -417,8 +427,11 @@ def judge(table, op, attrs, macos=None, gap=True):
         return None  # TensorFlow's device-independent kernel runs there (a table that records them says so itself)
     missing = [(has, d) for has, d in verdicts if has is False]
     has, dtype = (missing or [v for v in verdicts if not v[0]])[0]
-    if has is False and gap and gap_kernels.covers(table, op, attrs, macos):
+    if has is False and gap and gap_kernels.covers(table, op, attrs, macos, strings=strings):
         return GAP, dtype, f"no {table.label} kernel: {GAP}"
+    kernel = gap_kernels.GAP_KERNELS.get(op) if gap else None
+    # Our gap kernel takes the node's dtype but not its string attributes (an equation it does not take): say so.
+    refusal = kernel.refusal(strings or {}) if kernel and attrs.get(kernel.dtype_attr) in kernel.dtypes else None
     if has is None:
         return UNKNOWN, dtype, "not in the backend table"
     what = f"no {table.label} kernel" + (f" for {dtype}" if dtype else "")
@@ -428,6 +441,8 @@ def judge(table, op, attrs, macos=None, gap=True):
         return INT32_HOST, dtype, what + "; TensorFlow computes int32 on the host on GPUs anyway"
     if dtype is None and attrs:  # an op without T/dtype: name its type attributes (``Tseed=int64``)
         dtype = ",".join(f"{k}={v}" for k, v in sorted(attrs.items()))
+    if refusal:
+        what += f" ({refusal})"
     if tf_has_kernel(op, attrs, "CPU"):
         return FALLBACK, dtype, what
     return FAILS, dtype, what + " and no CPU kernel either"
@@ -613,7 +628,7 @@ def build_predicted_report(capture, index, predict_for, model=None, notes=(), ma
             op, attrs = node.op, _type_attrs(node)
             if node.name in heads:
                 op = _CHAINS[op][1]  # judged as the fused op it becomes
-            verdict = judge(table, op, attrs, macos, gap)
+            verdict = judge(table, op, attrs, macos, gap, _gap_strings(node))
             placed[node.name] = placement(table, op, attrs, verdict)
             if verdict is None:
                 continue
