@@ -11,6 +11,7 @@ import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -125,3 +126,25 @@ def _fmt(value):
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
     return "" if value is None else str(value)
+
+
+def run_json_worker(cmd, timeout, tail_lines=4):
+    """Runs ``cmd + ["--out", FILE]`` in a subprocess that writes its result to FILE as JSON.
+
+    Returns ``(result, None)``, or ``(None, error text)`` for a failed, silent or timed-out worker (the
+    last `tail_lines` lines of its stderr), so one model's crash never ends a benchmark.
+    """
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
+        out = f.name
+    try:
+        proc = subprocess.run(list(cmd) + ["--out", out], capture_output=True, text=True, timeout=timeout)
+        with open(out) as f:
+            text = f.read()
+        if proc.returncode == 0 and text:
+            return json.loads(text), None
+        tail = " | ".join((proc.stderr or "").strip().splitlines()[-tail_lines:])
+        return None, f"exit {proc.returncode}: {tail}"
+    except subprocess.TimeoutExpired:
+        return None, f"timed out after {timeout:.0f} s"
+    finally:
+        os.unlink(out)

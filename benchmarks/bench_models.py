@@ -29,15 +29,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, _fmt, environment, paired_rounds, ratio  # noqa: E402
+from _common import RESULTS_DIR, _fmt, environment, paired_rounds, ratio, run_json_worker  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -683,9 +681,7 @@ def chart(rows, path, title=""):
 
 def _run_worker(name, args, timeout):
     """Measures one model in a subprocess; a failure or timeout becomes a row with the error."""
-    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--out", out,
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name,
            "--rounds", str(args.rounds), "--repeats", str(args.repeats),
            "--first-step-rounds", str(args.first_step_rounds)]
     if args.applications:
@@ -695,19 +691,9 @@ def _run_worker(name, args, timeout):
     if args.no_split:
         cmd.append("--no-split")
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        with open(out) as f:
-            text = f.read()
-        if proc.returncode == 0 and text:
-            return json.loads(text)
-        tail = " | ".join((proc.stderr or "").strip().splitlines()[-4:])
-        return dict(model=name, errors={"process": f"exit {proc.returncode}: {tail}"})
-    except subprocess.TimeoutExpired:
-        return dict(model=name, errors={"process": f"timed out after {timeout:.0f} s"})
-    finally:
-        os.unlink(out)
-        print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+    result, error = run_json_worker(cmd, timeout)
+    print(f"[{name}: {time.perf_counter() - start:.0f} s]", file=sys.stderr, flush=True)
+    return result if error is None else dict(model=name, errors={"process": error})
 
 
 def main(argv=None, script="bench_models.py"):

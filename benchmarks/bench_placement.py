@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
-import subprocess
-import sys
 import json
-import tempfile
+import os
+import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import RESULTS_DIR, write_results  # noqa: E402
+from _common import RESULTS_DIR, run_json_worker, write_results  # noqa: E402
 
 BACKENDS = ("tensorflow-metal", "tensorflow-metal-plugin")
 VARIANTS = ("stock", "stock+import", "converted")
@@ -105,23 +103,9 @@ def measure(name, applications=False):
 
 
 def _run_worker(name, applications, timeout=900):
-    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
-        out = f.name
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name, "--out", out]
-    if applications:
-        cmd.append("--applications")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        with open(out) as f:
-            text = f.read()
-        if proc.returncode == 0 and text:
-            return json.loads(text)
-        tail = " | ".join((proc.stderr or "").strip().splitlines()[-3:])
-        return [dict(model=name, error=f"exit {proc.returncode}: {tail}"[:300])]
-    except subprocess.TimeoutExpired:
-        return [dict(model=name, error=f"timed out after {timeout} s")]
-    finally:
-        os.unlink(out)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", name] + (["--applications"] if applications else [])
+    rows, error = run_json_worker(cmd, timeout, tail_lines=3)
+    return rows if error is None else [dict(model=name, error=error[:300])]
 
 
 def chart(rows, path):
