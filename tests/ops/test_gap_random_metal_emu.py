@@ -3,9 +3,10 @@
 Every instantiation -- gap_random_uniform_float, gap_random_uniform_half, gap_random_uniform_bfloat -- is
 dispatched as gap_random_metal.mm dispatches it (one thread per Philox block, chunks of whole blocks with
 the counter advanced on the host) and compared bit for bit with TensorFlow's own CPU kernel of
-StatelessRandomUniformV2, and with a Philox written here in Python integers (independent of
-tfmetal/philox.h). StatelessRandomGetKeyCounter runs on the host (all its arguments are in host memory):
-its shared function is compiled here and compared with TF's CPU kernel.
+StatelessRandomUniformV2, and with a Philox written in numpy uint64 arithmetic from the definition
+(tfmetal_ext.testing.np_philox, independent of tfmetal/philox.h). StatelessRandomGetKeyCounter runs on the
+host (all its arguments are in host memory): its shared function is compiled here and compared with TF's
+CPU kernel, and so are both ops' argument checks.
 """
 
 import ctypes
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tfmetal_ext import testing
 from tfmetal_ext.ops import _loader
 from tfmetal_ext.testing import load_emu, threadgroup_size_1d
 
@@ -35,38 +37,12 @@ pytestmark = pytest.mark.no_keras
 
 
 # ----------------------------------------------------------------------------
-# Philox-4x32-10 in numpy uint64 arithmetic (Salmon et al. 2011; TF's constants), over many blocks at once.
-
-W32 = np.uint64(0xFFFFFFFF)
-
-
-def np_philox(words, key):
-    """Philox-4x32-10 of counters `words` (4 arrays of 32-bit words, low first) under `key` (2 words)."""
-    c0, c1, c2, c3 = (np.asarray(w, np.uint64) for w in words)
-    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
-    for _ in range(10):
-        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2  # 32 x 32 bits: exact in 64
-        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & W32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & W32
-        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & W32, (k1 + np.uint64(0xBB67AE85)) & W32
-    return c0, c1, c2, c3
-
-
-def np_counters(counter, g):
-    """The 128-bit counter (two uint64, low first) plus each of g, as 4 arrays of 32-bit words."""
-    g = np.asarray(g, np.uint64)
-    with np.errstate(over="ignore"):
-        lo = np.uint64(counter[0]) + g  # wraps modulo 2^64
-        hi = np.uint64(counter[1]) + (lo < g).astype(np.uint64)
-    return lo & W32, lo >> np.uint64(32), hi & W32, hi >> np.uint64(32)
+# The reference: Philox-4x32-10 in numpy uint64 arithmetic, from the definition (tfmetal_ext.testing).
 
 
 def np_uniform(n, key, counter, dtype):
     """StatelessRandomUniformV2 with Philox, from the definition: element i is word i % 4 of block i // 4."""
-    bits = DTYPES[dtype][2]
-    blocks = np_philox(np_counters(counter, np.arange(-(-n // 4))), (key & 0xFFFFFFFF, key >> 32))
-    words = np.stack(blocks, axis=1).ravel()[:n]
-    vals = (words & np.uint64((1 << bits) - 1)).astype(np.float64) / float(1 << bits)  # exact
-    return vals.astype(DTYPES[dtype][0])
+    return testing.np_stateless_uniform(n, key, counter, DTYPES[dtype][2]).astype(DTYPES[dtype][0])
 
 
 def to_words(counter):
@@ -209,8 +185,7 @@ def test_key_counter_is_tfs(key_counter, seed, seed_dtype):
     got_key, got_counter = key_counter(*seed)  # int32 seeds widen with their sign, as the host code does
     assert got_key == int(key.numpy()[0]) and got_counter == [int(c) for c in counter.numpy()]
     # and from the definition: one Philox block of the seed under TF's fixed key.
-    mix = [int(w) for w in np_philox(np_counters([seed[0] & M64, seed[1] & M64], 0), [0x3EC8F720, 0x02461E29])]
-    assert got_key == mix[0] | (mix[1] << 32) and got_counter == [0, mix[2] | (mix[3] << 32)]
+    assert (got_key, got_counter) == testing.np_key_counter(seed)
 
 
 def _dims(t):
