@@ -54,6 +54,18 @@ inline std::string SeedShapeError(const int64_t* dims, int rank) {
   return "seed must have shape [2], not " + ShapeText(dims, rank);
 }
 
+// The dropout ops' attributes: rate in [0, 1] and scale > 0 (tfmetal_ext.ops.dropout
+// passes a rate in [0, 1) and 1 / (1 - rate) as the dtype rounds them: float16
+// and bfloat16 round rates close enough to 1 up to 1, which drops every element
+// as TensorFlow's dropout does, and float16 overflows scales above 65504 to
+// infinity, only for rates that round to 1). "" when they are fine, else the
+// InvalidArgument message.
+inline std::string DropoutAttrsError(float rate, float scale) {
+  if (!(rate >= 0.0f && rate <= 1.0f)) return "rate must be in [0, 1], got " + std::to_string(rate);
+  if (!(scale > 0.0f)) return "scale must be > 0, got " + std::to_string(scale);
+  return "";
+}
+
 // StatelessRandomUniformV2's arguments (all in host memory), checked in the
 // order of TensorFlow's CPU kernel (stateless_random_ops_v2.cc and
 // stateless_random_ops_v2_util.h), with its messages: alg a scalar; key [1];
