@@ -287,6 +287,7 @@ STOCK_TO_FUSED = _table(
     Replacement("GRU", "FusedGRU"),
     Replacement("MultiHeadAttention", "FusedMultiHeadAttention"),
     Replacement("RMSNormalization", "FusedRMSNorm"),
+    Replacement("Dropout", "FusedDropout"),
 )
 
 # Stock classes deliberately without a replacement: class name -> why (convert() reports it as the kept reason).
