@@ -200,6 +200,25 @@ def test_train_step_is_one_op_each_way():
     assert report.num_ops < stock_report.num_ops
 
 
+@pytest.mark.parametrize("predict_for", ["tensorflow-metal-plugin", "tensorflow-metal"])
+def test_predicted_on_metal_without_the_stock_seeds_round_trip(predict_for):
+    # Stock Dropout on Metal: StatelessRandomGetKeyCounter keeps the seed in host memory (the backend's kernel
+    # or ours), so the seed is copied to the host every step. FusedDropout's kernel reads it on the device.
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    rng = np.random.default_rng(6)
+    x, y = rng.random((4, 8), dtype=np.float32), np.zeros((4, 3), np.float32)
+    reports = {}
+    for cls in (L.Dropout, FusedDropout):
+        model = keras.Sequential([keras.Input((8,)), L.Dense(16), cls(0.2, name="drop"), L.Dense(3)])
+        model.compile(optimizer="sgd", loss="mse")
+        reports[cls] = inspect.placement_report(model, x, targets=y, mode="train", predict_for=predict_for)
+    stock, ours = reports[L.Dropout], reports[FusedDropout]
+    assert [t.consumer for t in stock.transfers if t.layer == "drop"] == ["StatelessRandomGetKeyCounter"]
+    assert not [t for t in ours.transfers if t.layer == "drop"]
+    assert not [e for e in ours.missing if e.layer == "drop" and e.op.startswith(fusion.CUSTOM_OP_PREFIX)]
+    assert ours.transfer_count == stock.transfer_count - 1
+
+
 def test_catalog_rule():
     ctx = catalog.FusionContext()
     layer = FusedDropout(0.5)
