@@ -132,6 +132,7 @@ def test_callback_replacement_views_keep_their_published_values():
         "GRU": "tfmetal_ext.layers.FusedGRU",
         "MultiHeadAttention": "tfmetal_ext.layers.FusedMultiHeadAttention",
         "RMSNormalization": "tfmetal_ext.layers.FusedRMSNorm",
+        "Dropout": "tfmetal_ext.layers.FusedDropout",
     }
     assert dict(metal.OPTIMIZER_REPLACEMENTS) == {
         "Adam": "tfmetal_ext.optimizers.FusedAdam",

@@ -156,7 +156,7 @@ def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
         "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
         "rms_norm", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion", "multi_tensor_rmsprop",
-        "attention", "cpu_fallback", "gap_kernels",
+        "dropout", "attention", "cpu_fallback", "gap_kernels",
     )
     for name, check in checks.REGISTRY.items():
         assert check.name == name and check.fix and callable(check.case), check
@@ -288,6 +288,14 @@ def test_rms_norm_check_passes_and_catches_a_fault():
     assert faulty.status == "FAIL" and "avoid_fusions=['rms_norm']" in faulty.fix
 
 
+def test_dropout_check_passes_and_catches_a_fault():
+    check = doctor.selftest(checks=["dropout"]).check("dropout")
+    assert check.status == "PASS", check
+    assert fusion.DROPOUT_OP in check.fused and fusion.DROPOUT_GRAD_OP in check.fused
+    faulty = doctor.selftest(checks=["dropout"], faults=["dropout"]).check("dropout")
+    assert faulty.status == "FAIL" and "avoid_fusions=['dropout']" in faulty.fix and "report it" in faulty.fix
+
+
 @pytest.mark.parametrize("bad", [["matmul_bias_relu", "nope"], "matmul_bias_relu"])
 def test_bad_faults_argument(bad):
     with pytest.raises(ValueError, match=r"`faults`.*metal_pairing.*conv_bias_relu.*cpu_fallback.*Received: faults="):
@@ -322,7 +330,7 @@ def test_custom_op_checks_skip_without_library(monkeypatch):
 
     monkeypatch.setattr(_loader, "load", lambda: None)
     result = doctor.selftest(checks=["softshrink", "layer_norm", "rms_norm", "multi_tensor_adam", "multi_tensor_lion",
-                                     "multi_tensor_rmsprop", "attention"])
+                                     "multi_tensor_rmsprop", "attention", "dropout"])
     for c in result.checks:
         assert c.status == "SKIP" and c.fix == "tfmetal-ext build-ops" and "not loaded" in c.detail
     assert result.passed

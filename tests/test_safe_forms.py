@@ -81,6 +81,7 @@ def test_safe_forms_names():
         "multi_tensor_rmsprop",
         "int8_matmul",
         "int8_conv2d",
+        "dropout",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

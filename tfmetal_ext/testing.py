@@ -473,6 +473,66 @@ def np_rms_norm_grad(dy, x, gamma, epsilon):
     return dx, (dy * xhat).sum(tuple(range(x.ndim - 1)))
 
 
+# ----------------------------------------------------------------------------
+# Philox-4x32-10 and TensorFlow's stateless random numbers, in numpy uint64
+# arithmetic (Salmon et al. 2011; TensorFlow's constants), written from the
+# definition, independently of custom_ops/include/tfmetal/philox.h.
+
+_W32 = np.uint64(0xFFFFFFFF)
+_M64 = (1 << 64) - 1
+
+
+def np_philox(words, key):
+    """Philox-4x32-10 of counters `words` (4 arrays of 32-bit words, low first) under `key` (2 words)."""
+    c0, c1, c2, c3 = (np.asarray(w, np.uint64) for w in words)
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    for _ in range(10):
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2  # 32 x 32 bits: exact in 64
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & _W32, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & _W32
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & _W32, (k1 + np.uint64(0xBB67AE85)) & _W32
+    return c0, c1, c2, c3
+
+
+def np_philox_counters(counter, g):
+    """The 128-bit counter (two uint64, low first) plus each of `g`, as 4 arrays of 32-bit words."""
+    g = np.asarray(g, np.uint64)
+    with np.errstate(over="ignore"):
+        lo = np.uint64(counter[0]) + g  # wraps modulo 2^64
+        hi = np.uint64(counter[1]) + (lo < g).astype(np.uint64)
+    return lo & _W32, lo >> np.uint64(32), hi & _W32, hi >> np.uint64(32)
+
+
+def np_key_counter(seed):
+    """StatelessRandomGetKeyCounter: ``(key, [counter_lo, counter_hi])`` of a seed of two ints."""
+    s0, s1 = (int(s) & _M64 for s in seed)
+    mix = [int(w) for w in np_philox(np_philox_counters([s0, s1], 0), (0x3EC8F720, 0x02461E29))]
+    return mix[0] | (mix[1] << 32), [0, mix[2] | (mix[3] << 32)]
+
+
+# Random mantissa bits of a uniform number per dtype name (TensorFlow's UniformDistribution).
+UNIFORM_BITS = {"float32": 23, "float16": 10, "bfloat16": 7}
+
+
+def np_stateless_uniform(n, key, counter, bits):
+    """StatelessRandomUniformV2 (Philox) as float64: element i from word i % 4 of block counter + i // 4."""
+    blocks = np_philox(np_philox_counters(counter, np.arange(-(-n // 4))), (key & 0xFFFFFFFF, key >> 32))
+    words = np.stack(blocks, axis=1).ravel()[:n]
+    return (words & np.uint64((1 << bits) - 1)).astype(np.float64) / float(1 << bits)  # exact
+
+
+def np_dropout(x, seed, rate, scale, bits):
+    """Dropout with TensorFlow's stateless mask: ``x * scale`` where the seed's uniform number >= rate, else +0.
+
+    `x` is a numpy array of the result's dtype; `rate` and `scale` are the
+    values rounded to it; the product is rounded once to that dtype.
+    """
+    x = np.asarray(x)
+    key, counter = np_key_counter(seed)
+    keep = np_stateless_uniform(x.size, key, counter, bits).reshape(x.shape) >= rate
+    kept = (x.astype(np.float32) * np.float32(scale)).astype(x.dtype)  # float32 product, one rounding
+    return np.where(keep, kept, np.zeros((), x.dtype)), keep
+
+
 def np_adam_step(state, g, scalars, np_dtype, amsgrad=False, decay_rate=None):
     """One ResourceApplyAdam(WithAmsgrad) step, operation by operation, each result rounded to `np_dtype`.
 

@@ -27,10 +27,6 @@ namespace {
 
 const MetalLibrarySource kLibrary{tfm_gap_random_metal_source_name, tfm_gap_random_metal_source};
 
-// TensorFlow's algorithm ids: 1 Philox, 2 ThreeFry, 3 auto-select (Philox here, as on TF's CPU).
-constexpr int32_t kAlgPhilox = 1;
-constexpr int32_t kAlgAutoSelect = 3;
-
 struct RandomKernel {};
 
 void* Create(TF_OpKernelConstruction* ctx) {
@@ -43,8 +39,9 @@ void KeyCounterCompute(const RandomKernel&, TF_OpKernelContext* ctx, TF_Status* 
   TensorPtr seed = Input(ctx, 0, status);
   if (!Ok(status)) return;
   const std::vector<int64_t> dims = Dims(seed.get());
-  if (dims.size() != 1 || dims[0] != 2) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "seed must have shape [2], not " + ShapeString(dims));
+  const std::string seed_error = SeedShapeError(dims.data(), static_cast<int>(dims.size()));  // tfmetal/host_checks.h
+  if (!seed_error.empty()) {
+    SetStatus(status, TF_INVALID_ARGUMENT, seed_error);
     return;
   }
   uint64_t s0, s1;
@@ -79,44 +76,26 @@ void UniformCompute(const RandomKernel&, TF_OpKernelContext* ctx, TF_Status* sta
   if (!Ok(status)) return;
   TensorPtr alg = Input(ctx, 3, status);
   if (!Ok(status)) return;
-  if (TF_NumDims(shape.get()) != 1) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "shape must be a vector of {int32,int64}, got shape " +
-                                               ShapeString(Dims(shape.get())));
-    return;
-  }
-  if (TF_NumDims(alg.get()) != 0) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "input 3 (0-based) must have shape [], not " + ShapeString(Dims(alg.get())));
-    return;
-  }
-  const int32_t alg_id = *static_cast<const int32_t*>(TF_TensorData(alg.get()));
-  if (alg_id != kAlgPhilox && alg_id != kAlgAutoSelect) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "Unsupported algorithm id: " + std::to_string(alg_id));
-    return;
-  }
-  const std::vector<int64_t> key_dims = Dims(key.get());
-  if (key_dims.size() != 1 || key_dims[0] != 1) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "key must have shape [1], not " + ShapeString(key_dims) +
-                                               ". (Note that batched keys are not supported yet.)");
-    return;
-  }
-  // Philox's counter is two 64-bit words. (TF's CPU kernel accepts one and then reads past it.)
-  const std::vector<int64_t> counter_dims = Dims(counter.get());
-  if (counter_dims.size() != 1 || counter_dims[0] < 2) {
-    SetStatus(status, TF_INVALID_ARGUMENT, "counter must be a vector with length at least 2; got shape: " +
-                                               ShapeString(counter_dims) +
-                                               ". (Note that batched counters are not supported yet.)");
-    return;
-  }
-  const int64_t rank = TF_Dim(shape.get(), 0);
-  const bool wide = TF_TensorType(shape.get()) == TF_INT64;
-  const void* raw = TF_TensorData(shape.get());
-  std::vector<int64_t> out_dims(static_cast<size_t>(rank));
-  for (int64_t i = 0; i < rank; ++i) {
-    out_dims[i] = wide ? static_cast<const int64_t*>(raw)[i] : static_cast<const int32_t*>(raw)[i];
-    if (out_dims[i] < 0) {
-      SetStatus(status, TF_INVALID_ARGUMENT, "Dimension " + std::to_string(out_dims[i]) + " must be >= 0");
-      return;
+  // TF's checks, in its order and with its messages (tfmetal/host_checks.h).
+  const std::vector<int64_t> alg_dims = Dims(alg.get()), key_dims = Dims(key.get()),
+                             counter_dims = Dims(counter.get()), shape_dims = Dims(shape.get());
+  const int32_t alg_id = alg_dims.empty() ? *static_cast<const int32_t*>(TF_TensorData(alg.get())) : 0;
+  std::vector<int64_t> out_dims;
+  if (shape_dims.size() == 1) {
+    const bool wide = TF_TensorType(shape.get()) == TF_INT64;
+    const void* raw = TF_TensorData(shape.get());
+    out_dims.resize(static_cast<size_t>(shape_dims[0]));
+    for (size_t i = 0; i < out_dims.size(); ++i) {
+      out_dims[i] = wide ? static_cast<const int64_t*>(raw)[i] : static_cast<const int32_t*>(raw)[i];
     }
+  }
+  const std::string error = StatelessUniformArgsError(
+      static_cast<int>(alg_dims.size()), alg_dims.data(), alg_id, key_dims.data(), static_cast<int>(key_dims.size()),
+      counter_dims.data(), static_cast<int>(counter_dims.size()), shape_dims.data(),
+      static_cast<int>(shape_dims.size()), out_dims.data(), static_cast<int64_t>(out_dims.size()));
+  if (!error.empty()) {
+    SetStatus(status, TF_INVALID_ARGUMENT, error);
+    return;
   }
   const TF_DataType dtype = TF_ExpectedOutputDataType(ctx, 0);
   uint32_t bits = 0;

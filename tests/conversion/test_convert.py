@@ -164,7 +164,11 @@ def test_efficientnetb0(tmp_path):
     swish = [k for k in report.kept if k.class_name == "Activation"]
     assert swish and all("silu" in k.reason for k in swish)
     assert {k.class_name for k in report.kept if k.reason == conversion.NO_COUNTERPART} >= {
-        "Dropout", "Multiply", "Rescaling", "Normalization"}
+        "Multiply", "Rescaling", "Normalization"}
+    # The classifier's Dropout converts; the blocks' drop-connect shares its mask (noise_shape (None, 1, 1, 1)).
+    assert type(new.get_layer("top_dropout")) is fl.FusedDropout
+    dropped = [k for k in report.kept if k.class_name == "Dropout"]
+    assert dropped and all("noise_shape=(None, 1, 1, 1)" in k.reason for k in dropped)
     _assert_save_load(new, x, tmp_path)
     _assert_fits(new, _x((32, 32, 3), batch=4), np.random.default_rng(1).random((4, 10)).astype("float32"))
 

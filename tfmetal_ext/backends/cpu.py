@@ -52,6 +52,10 @@ _EITHER = {
         f"tfmetal_ext custom op: one {fusion.SOFTSHRINK_OP} forward, one {fusion.SOFTSHRINK_GRAD_OP} backward",
         dtypes=_CUSTOM,
     ),
+    "custom_dropout": Fusion(
+        f"tfmetal_ext custom op: one {fusion.DROPOUT_OP} forward, one {fusion.DROPOUT_GRAD_OP} backward",
+        dtypes=_CUSTOM,
+    ),
     "custom_attention": Fusion(
         f"tfmetal_ext custom op: one {fusion.ATTENTION_OP} forward, one {fusion.ATTENTION_GRAD_OP} backward",
         dtypes=_CUSTOM,

@@ -195,6 +195,8 @@ CUSTOM_OPS = types.MappingProxyType(
         # Weight-only int8 contractions; their gradients are registered in Python (tfmetal_ext.ops.int8).
         "int8_matmul": CustomOp("TfmetalExt>Int8MatMul", None, "int8_matmul"),
         "int8_conv2d": CustomOp("TfmetalExt>Int8Conv2D", None, "int8_conv2d"),
+        # Dropout with a counter-based (Philox) mask the gradient op regenerates from the seed.
+        "dropout": CustomOp("TfmetalExt>Dropout", "TfmetalExt>DropoutGrad", "dropout"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -212,6 +214,8 @@ ATTENTION_OP = CUSTOM_OPS["attention"].name
 ATTENTION_GRAD_OP = CUSTOM_OPS["attention"].grad
 INT8_MATMUL_OP = CUSTOM_OPS["int8_matmul"].name
 INT8_CONV2D_OP = CUSTOM_OPS["int8_conv2d"].name
+DROPOUT_OP = CUSTOM_OPS["dropout"].name
+DROPOUT_GRAD_OP = CUSTOM_OPS["dropout"].grad
 
 # The `activation` attribute of the int8 ops, in the order of the TFM_INT8_* codes of
 # custom_ops/include/tfmetal/int8.h (Keras activation names; "linear" is none).
@@ -283,6 +287,7 @@ STOCK_TO_FUSED = _table(
     Replacement("GRU", "FusedGRU"),
     Replacement("MultiHeadAttention", "FusedMultiHeadAttention"),
     Replacement("RMSNormalization", "FusedRMSNorm"),
+    Replacement("Dropout", "FusedDropout"),
 )
 
 # Stock classes deliberately without a replacement: class name -> why (convert() reports it as the kept reason).
@@ -433,6 +438,14 @@ SAFE_FORMS = _safe_forms(
         f"Conv2D + BiasAdd + activation instead of {INT8_CONV2D_OP}",
         implies=CUSTOM_OPS["int8_conv2d"].op_names,
         custom_op="int8_conv2d",
+    ),
+    SafeForm(
+        "dropout",
+        "tfmetal_ext.ops.dropout (FusedDropout) runs its pure-TF reference (StatelessRandomGetKeyCounter, "
+        "StatelessRandomUniformV2, GreaterEqual, Mul, SelectV2: the same mask; the gradient keeps it) instead "
+        f"of {DROPOUT_OP}",
+        implies=CUSTOM_OPS["dropout"].op_names,
+        custom_op="dropout",
     ),
 )
 

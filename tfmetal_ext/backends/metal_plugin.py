@@ -221,6 +221,7 @@ METAL_PLUGIN = backend(
         "custom_rms_norm": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_softshrink": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_attention": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
+        "custom_dropout": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_int8_matmul": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_int8_conv2d": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "multi_tensor_adam": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),

@@ -68,6 +68,12 @@ PATTERNS = types.MappingProxyType(
                 _F.SOFTSHRINK_OP,
             ),
             Pattern(
+                "custom_dropout",
+                "dropout whose counter-based mask the backward pass draws again from the seed (FusedDropout; "
+                "Keras' Dropout is five ops and keeps a boolean mask)",
+                _F.DROPOUT_OP,
+            ),
+            Pattern(
                 "custom_attention",
                 "softmax attention, flash-style: no score matrix stored (FusedMultiHeadAttention)",
                 _F.ATTENTION_OP,

@@ -23,6 +23,7 @@ trainable flags, dtype policies and weights:
 | LSTM / GRU (tanh/sigmoid, no recurrent dropout, no unroll, GRU reset_after) | `FusedLSTM` / `FusedGRU` |
 | MultiHeadAttention (rank-3 inputs, sequence-axis attention, no returned scores; training form: no attention dropout) | `FusedMultiHeadAttention` (same weights) |
 | RMSNormalization (last axis) | `FusedRMSNorm` |
+| Dropout (no noise_shape fixing a dimension, rate < 1) | `FusedDropout` (the seed generator's state carried over) |
 | Bidirectional / TimeDistributed of one of the above | the same wrapper of the fused class |
 | a sublayer of a subclassed layer or model (attribute, list, dict) | its one-to-one fused class, nothing merged |
 | anything else | kept (an independent copy with the same constructor arguments and state), listed in the report with the reason |

@@ -33,6 +33,7 @@ MHA_KEYS = (
     "kernel_constraint", "bias_constraint", "use_gate", "seed",
 )
 RMS_NORM_KEYS = ("axis", "epsilon")
+DROPOUT_KEYS = ("rate", "noise_shape", "seed")
 RNN_KEYS = (
     "units", "activation", "recurrent_activation", "use_bias", "kernel_initializer", "recurrent_initializer",
     "bias_initializer", "unit_forget_bias", "kernel_regularizer", "recurrent_regularizer", "bias_regularizer",

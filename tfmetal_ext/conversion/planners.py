@@ -234,7 +234,9 @@ def plan_sublayer(layer, path, inference, calls=None):
         return None, None
     shape = build_input_shape(layer)
     if shape is None:
-        return None, "not built, so its input shape is unknown"
+        if not (layer.built and not layer.weights):
+            return None, "not built, so its input shape is unknown"
+        shape = ()  # built at construction, weightless (Dropout, activations): planned without a shape
     ctx = PlanContext(NoGraph(calls), inference)
     planned = planner(ctx, SyntheticNode.of(layer, shape))
     if planned is None:
@@ -557,6 +559,34 @@ def _rms_norm(ctx, node):
     if why:
         return keep(node, f"{cls.__name__} would run the stock computation: {why}")
     return plan_same_weights(ctx, node, L.RMSNormalization, configs.RMS_NORM_KEYS)
+
+
+@register_planner(L.Dropout)
+def _dropout(ctx, node):
+    """Dropout as FusedDropout (same arguments), its seed generator's state carried over: the same masks.
+
+    Kept, with the fused layer's own `unfused_reason`, where it would run the
+    exact stock call anyway (rate 1, a noise_shape that fixes a dimension).
+    """
+    if "Dropout" not in STOCK_TO_FUSED:  # no fusion-first class yet: the default (kept)
+        return None
+    layer = node.operation
+    cls = fused_class(L.Dropout)
+    reason = configs.unsupported(layer, cls, configs.DROPOUT_KEYS)
+    if reason:
+        return keep(node, reason)
+    why = _probe_reason(cls, layer, configs.DROPOUT_KEYS)
+    if why:
+        return keep(node, f"{cls.__name__} would run the stock computation: {why}")
+    calls = ctx.calls(layer)
+    note = f"shared: called {calls} times, converted once" if calls > 1 else ""
+
+    def copy(new, pairs):  # no weights; the random sequence continues from the stock layer's state
+        mine, theirs = getattr(new, "seed_generator", None), getattr(layer, "seed_generator", None)
+        if mine is not None and theirs is not None:
+            mine.state.assign(theirs.state.value)
+
+    return ctx.replace([node], cls.__name__, lambda: configs.make_layer(cls, layer, configs.DROPOUT_KEYS), copy, note)
 
 
 def _rnn_stock_only(layer):

@@ -442,6 +442,33 @@ def multi_tensor_rmsprop(dtype):
     return fused, grads, reference
 
 
+DROPOUT_RATE = 0.3
+
+
+@register("dropout", op=fusion.CUSTOM_OPS["dropout"])
+def dropout(dtype):
+    import tensorflow as tf
+
+    from tfmetal_ext.ops.dropout import dtype_constants
+
+    lib = custom_op_library()
+    rng = _rng(9)
+    x = tf.constant(rng.standard_normal((7, 37)) * 2.0, dtype)  # 259 elements: a partial Philox block
+    dy = tf.constant(rng.standard_normal((7, 37)), dtype)
+    seed = tf.constant([1234, -5678], tf.int64)
+    with tf.Graph().as_default():  # the constants as a traced step rounds them
+        rate, scale = dtype_constants(DROPOUT_RATE, tf.as_dtype(dtype))
+
+    def fused(x, dy, seed):
+        return (lib.tfmetal_ext_dropout(x, seed, rate=rate, scale=scale),
+                lib.tfmetal_ext_dropout_grad(dy, seed, rate=rate, scale=scale))
+
+    bits = testing.UNIFORM_BITS[tf.as_dtype(dtype).name]
+    y, _ = testing.np_dropout(x.numpy(), seed.numpy(), rate, scale, bits)
+    dx, _ = testing.np_dropout(dy.numpy(), seed.numpy(), rate, scale, bits)
+    return fused, (x, dy, seed), (_f64(y), _f64(dx))
+
+
 ATTENTION_SCALE = 0.35
 
 

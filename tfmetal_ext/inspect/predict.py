@@ -463,8 +463,13 @@ def device_host_memory(table, op, attrs):
     records memory (`Backend.host_memory_args`), else TensorFlow's
     ``DEFAULT`` kernel for the node's type attributes (it serves the Metal
     device too), else None: nothing is declared, and the int32 rule of
-    `tfmetal_ext.inspect.transfers` applies.
+    `tfmetal_ext.inspect.transfers` applies. Our custom ops' Metal kernels
+    (``RegisterFloatKernels`` in custom_ops/metal/metal_helper.mm) declare no
+    host memory: every argument, int32 included (the dropout ops' seed), is in
+    device memory, as TensorFlow keeps it for a kernel that declares nothing.
     """
+    if op.startswith(fusion.CUSTOM_OP_PREFIX):
+        return frozenset()
     found = table.host_memory_args(op, _judged_dtypes(table, op, attrs)[0])
     return found if found is not None else tf_kernel_host_memory(op, attrs, "DEFAULT")
 

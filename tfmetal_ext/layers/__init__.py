@@ -16,6 +16,7 @@ from tfmetal_ext.layers.recurrent import FusedGRU, FusedLSTM
 from tfmetal_ext.layers.rms_norm import FusedRMSNorm
 from tfmetal_ext.layers.activations import Softshrink
 from tfmetal_ext.layers.attention import FusedMultiHeadAttention
+from tfmetal_ext.layers.dropout import FusedDropout
 
 __all__ = [
     "ConvBNAct",
@@ -26,6 +27,7 @@ __all__ = [
     "FusedConv2D",
     "FusedDense",
     "FusedDepthwiseConv2D",
+    "FusedDropout",
     "FusedGRU",
     "FusedLayerNorm",
     "FusedLSTM",

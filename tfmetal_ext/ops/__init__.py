@@ -16,6 +16,9 @@
 - `attention(query, key, value, *, mask=None, causal=False, scale=None)`:
   ``TfmetalExt>Attention`` (+ ``TfmetalExt>AttentionGrad``), softmax attention
   flash-style: the score matrix is never stored, forward or backward.
+- `dropout(x, rate, seed)`: ``TfmetalExt>Dropout`` (+ ``TfmetalExt>DropoutGrad``), dropout whose
+  counter-based (Philox) mask is TensorFlow's stateless dropout's bit for bit, drawn again from the
+  seed in the backward pass instead of stored.
 - `int8_matmul(x, kernel, kernel_scale, bias=None, activation=None)` and
   `int8_conv2d(x, kernel, kernel_scale, bias=None, strides, padding, dilation_rate, activation)`:
   ``TfmetalExt>Int8MatMul`` / ``TfmetalExt>Int8Conv2D``, weight-only int8 contractions (float
@@ -28,7 +31,7 @@ Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
-``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``).
+``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 from tfmetal_ext.ops import _loader  # noqa: F401  (ops._loader: the library loader, reached by tests)
 from tfmetal_ext.ops._loader import BuildError, OpCacheError
 from tfmetal_ext.ops.attention import attention
+from tfmetal_ext.ops.dropout import dropout
 from tfmetal_ext.ops.int8 import int8_conv2d, int8_matmul, quantize_int8
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
@@ -45,6 +49,6 @@ from tfmetal_ext.ops.rms_norm import rms_norm
 from tfmetal_ext.ops.softshrink import softshrink
 from tfmetal_ext.ops.status import OpsStatus, build, status
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "int8_conv2d", "int8_matmul",
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "dropout", "int8_conv2d", "int8_matmul",
            "layer_norm", "multi_tensor_adam", "quantize_int8",
            "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "softshrink", "status"]

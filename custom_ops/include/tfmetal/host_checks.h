@@ -47,6 +47,64 @@ inline std::string NormRowsAndChannels(const int64_t* dims, int rank, int64_t* r
   return "";
 }
 
+// A stateless-random seed (StatelessRandomGetKeyCounter's, the dropout ops'):
+// "" if it is a vector of 2, else TensorFlow's InvalidArgument message.
+inline std::string SeedShapeError(const int64_t* dims, int rank) {
+  if (rank == 1 && dims[0] == 2) return "";
+  return "seed must have shape [2], not " + ShapeText(dims, rank);
+}
+
+// The dropout ops' attributes: rate in [0, 1] and scale > 0 (tfmetal_ext.ops.dropout
+// passes a rate in [0, 1) and 1 / (1 - rate) as the dtype rounds them: float16
+// and bfloat16 round rates close enough to 1 up to 1, which drops every element
+// as TensorFlow's dropout does, and float16 overflows scales above 65504 to
+// infinity, only for rates that round to 1). "" when they are fine, else the
+// InvalidArgument message.
+inline std::string DropoutAttrsError(float rate, float scale) {
+  if (!(rate >= 0.0f && rate <= 1.0f)) return "rate must be in [0, 1], got " + std::to_string(rate);
+  if (!(scale > 0.0f)) return "scale must be > 0, got " + std::to_string(scale);
+  return "";
+}
+
+// StatelessRandomUniformV2's arguments (all in host memory), checked in the
+// order of TensorFlow's CPU kernel (stateless_random_ops_v2.cc and
+// stateless_random_ops_v2_util.h), with its messages: alg a scalar; key [1];
+// counter a long enough vector; shape a vector of dimensions >= 0; then the
+// algorithm, of which only Philox (1; auto-select 3 means Philox on the CPU) is
+// supported. `alg` is read only when alg_rank == 0, `shape` only when
+// shape_rank == 1 (shape_len values). "" when they are fine.
+//
+// TF's CPU kernel asks for at least as many counter words as the algorithm's
+// id (CheckKeyCounterShape is passed the id where a size is meant): so 1 for
+// Philox, whose two words it then reads. We ask Philox for its 2 words; for
+// any other id the message is TF's.
+inline constexpr int32_t kRngAlgPhilox = 1;
+inline constexpr int32_t kRngAlgAutoSelect = 3;
+
+inline std::string StatelessUniformArgsError(int alg_rank, const int64_t* alg_dims, int32_t alg,
+                                             const int64_t* key_dims, int key_rank, const int64_t* counter_dims,
+                                             int counter_rank, const int64_t* shape_dims, int shape_rank,
+                                             const int64_t* shape, int64_t shape_len) {
+  if (alg_rank != 0) return "input 3 (0-based) must have shape [], not " + ShapeText(alg_dims, alg_rank);
+  const int32_t resolved = alg == kRngAlgAutoSelect ? kRngAlgPhilox : alg;
+  if (!(key_rank == 1 && key_dims[0] == 1)) {
+    return "key must have shape [1], not " + ShapeText(key_dims, key_rank) +
+           ". (Note that batched keys are not supported yet.)";
+  }
+  const int64_t min_counter = resolved == kRngAlgPhilox ? 2 : resolved;
+  if (!(counter_rank == 1 && counter_dims[0] >= min_counter)) {
+    return "counter must be a vector with length at least " + std::to_string(min_counter) +
+           "; got shape: " + ShapeText(counter_dims, counter_rank) +
+           ". (Note that batched counters are not supported yet.)";
+  }
+  if (shape_rank != 1) return "shape must be a vector of {int32,int64}, got shape " + ShapeText(shape_dims, shape_rank);
+  for (int64_t i = 0; i < shape_len; ++i) {
+    if (shape[i] < 0) return "Dimension " + std::to_string(shape[i]) + " must be >= 0";
+  }
+  if (resolved != kRngAlgPhilox) return "Unsupported algorithm id: " + std::to_string(alg);
+  return "";
+}
+
 }  // namespace tfmetal_ext
 
 #endif  // TFMETAL_HOST_CHECKS_H_

@@ -1,0 +1,93 @@
+// CPU kernels of TfmetalExt>Dropout and TfmetalExt>DropoutGrad.
+//
+// One Philox block gives the mask of 4 consecutive elements
+// (tfmetal/dropout.h), so the element range is split over TF's CPU thread
+// pool in whole blocks: each shard skips to its first block and needs no
+// other state, and the result does not depend on the number of threads.
+// y may reuse x's buffer (each element is read before it is written).
+//
+// Helpers live in namespace dropout_cpu: all CPU kernel files are one
+// translation unit (tfmetal_ext/ops/_loader.py).
+#include <cstdint>
+#include <string>
+
+#include "cpu/cpu_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tfmetal/dropout.h"
+
+namespace tfmetal_ext {
+namespace dropout_cpu {
+
+// Rough cycles per Philox block (10 rounds) and its 4 elements, for the thread pool's sharding.
+constexpr int64_t kBlockCost = 60;
+
+// Mantissa bits of a uniform number in each dtype (StatelessRandomUniformV2's).
+template <typename T>
+constexpr uint32_t MantissaBits();
+template <>
+constexpr uint32_t MantissaBits<float>() { return 23; }
+template <>
+constexpr uint32_t MantissaBits<::Eigen::half>() { return 10; }
+template <>
+constexpr uint32_t MantissaBits<::Eigen::bfloat16>() { return 7; }
+
+// The seed's two values, int64 or int32 widened with its sign.
+Status ReadSeed(const Tensor& seed, int64_t* s0, int64_t* s1) {
+  const std::string error = SeedShapeError(seed.shape().dim_sizes().data(), seed.dims());
+  if (!error.empty()) return errors::InvalidArgument(error);
+  if (seed.dtype() == ::tensorflow::DT_INT64) {
+    *s0 = seed.flat<int64_t>()(0);
+    *s1 = seed.flat<int64_t>()(1);
+  } else {
+    *s0 = seed.flat<int32_t>()(0);
+    *s1 = seed.flat<int32_t>()(1);
+  }
+  return Status();
+}
+
+// Both ops are the same map of their first input: y = kept ? x * scale : 0.
+template <typename T>
+class DropoutOp : public OpKernel {
+ public:
+  explicit DropoutOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rate", &rate_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
+    const std::string error = DropoutAttrsError(rate_, scale_);
+    OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument(error));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    int64_t s0 = 0, s1 = 0;
+    OP_REQUIRES_OK(ctx, ReadSeed(ctx->input(1), &s0, &s1));
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &y));
+    const int64_t n = x.NumElements();
+    const T* in = x.flat<T>().data();
+    T* out = y->flat<T>().data();
+    const dropout_stream stream = dropout_stream_from_seed(s0, s1);
+    const float rate = rate_, scale = scale_;
+    ParallelFor(ctx, (n + 3) / 4, kBlockCost, [=](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const tfm_philox_block b = dropout_block(stream, static_cast<uint64_t>(g));
+        const int64_t first = 4 * g;
+        const int64_t count = n - first < 4 ? n - first : 4;
+        for (int64_t j = 0; j < count; ++j) {
+          out[first + j] = FromFloat<T>(dropout_element(ToFloat(in[first + j]), b.w[j], MantissaBits<T>(), rate, scale));
+        }
+      }
+    });
+  }
+
+ private:
+  float rate_ = 0.0f;
+  float scale_ = 1.0f;
+};
+
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>Dropout"), DropoutOp)
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>DropoutGrad"), DropoutOp)
+
+}  // namespace dropout_cpu
+}  // namespace tfmetal_ext

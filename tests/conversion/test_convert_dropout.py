@@ -1,0 +1,67 @@
+"""convert(): Dropout becomes FusedDropout, verified, its seed state carried over (the same masks as stock)."""
+
+import keras
+import numpy as np
+
+import tfmetal_ext
+from tfmetal_ext import layers as fl
+
+L = keras.layers
+
+
+def _x(shape, seed=0, batch=4):
+    return np.random.default_rng(seed).standard_normal((batch,) + tuple(shape)).astype("float32")
+
+
+def _model(*dropouts):
+    inp = keras.Input((12,), name="x")
+    h = L.Dense(16, activation="relu", name="d1")(inp)
+    for i, drop in enumerate(dropouts):
+        h = drop(h) if i == 0 else L.Dense(16, name=f"d{i + 1}b")(drop(h))
+    return keras.Model(inp, L.Dense(3, name="head")(h), name="net")
+
+
+def test_dropout_becomes_fused_dropout_and_verifies():
+    stock = _model(L.Dropout(0.3, seed=7, name="drop"))
+    x = _x((12,))
+    stock(x, training=True)  # advance the stock seed state: the converted layer continues from it
+    new = tfmetal_ext.convert(stock, count_ops=False)  # verify=True: outputs and gradients checked
+    report = new.conversion_report
+    drop = new.get_layer("drop")
+    assert type(drop) is fl.FusedDropout and drop.rate == 0.3 and drop.seed == 7
+    assert any(r.new_class == "FusedDropout" and r.source == ("drop",) for r in report.rewrites)
+    np.testing.assert_array_equal(drop.seed_generator.state.numpy(),
+                                  stock.get_layer("drop").seed_generator.state.numpy())
+    for _ in range(2):  # training calls: the very masks of the stock model
+        np.testing.assert_array_equal(np.asarray(new(x, training=True)), np.asarray(stock(x, training=True)))
+    np.testing.assert_array_equal(np.asarray(new(x, training=False)), np.asarray(stock(x, training=False)))
+
+
+def test_dropout_the_fused_layer_would_not_run_is_kept():
+    stock = _model(L.Dropout(0.3, noise_shape=(1, None), name="shared_mask"), L.Dropout(1.0, name="all"))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    kept = {k.name: k.reason for k in new.conversion_report.kept}
+    assert "noise_shape=(1, None)" in kept["shared_mask"] and "rate=1.0" in kept["all"]
+    assert type(new.get_layer("shared_mask")) is L.Dropout
+
+
+class _Block(keras.layers.Layer):
+    """A subclassed layer holding a Dropout attribute (keras-hub / Keras examples style)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = L.Dense(8)
+        self.dropout = L.Dropout(0.25, seed=3)
+
+    def call(self, x, training=False):
+        return self.dropout(self.dense(x), training=training)
+
+
+def test_a_subclassed_layers_dropout_is_swapped_with_its_seed_state():
+    inp = keras.Input((5,))
+    stock = keras.Model(inp, L.Dense(2)(_Block(name="block")(inp)))
+    x = _x((5,), seed=1)
+    stock(x, training=True)
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    assert type(new.get_layer("block").dropout) is fl.FusedDropout
+    np.testing.assert_array_equal(np.asarray(new(x, training=True)), np.asarray(stock(x, training=True)))
