@@ -149,13 +149,10 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
         learning rate by the inverse factor (``m / sqrt(v)`` is linear in
         both) makes the fused update follow Keras'.
         """
-        if dtype == tf.bfloat16:
-            as_dtype = lambda x: float(tf.constant(x, tf.bfloat16).numpy())  # noqa: E731
-            sub = lambda b: float(tf.constant(1.0, tf.bfloat16) - tf.constant(b, tf.bfloat16))  # noqa: E731
-        else:
-            np_dtype = np.dtype(dtype.as_numpy_dtype)
-            as_dtype = lambda x: float(np_dtype.type(x))  # noqa: E731
-            sub = lambda b: float(np_dtype.type(1.0) - np_dtype.type(b))  # noqa: E731
+        # numpy (ml_dtypes for bfloat16) rounds as TF does, and runs inside a tf.function too.
+        np_dtype = np.dtype(dtype.as_numpy_dtype)
+        as_dtype = lambda x: float(np_dtype.type(x))  # noqa: E731
+        sub = lambda b: float(np_dtype.type(1.0) - np_dtype.type(b))  # noqa: E731
         keras_1 = as_dtype(1.0 - self.beta_1)
         keras_2 = as_dtype(1.0 - self.beta_2)
         kernel_1, kernel_2 = sub(self.beta_1), sub(self.beta_2)
