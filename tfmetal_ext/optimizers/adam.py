@@ -239,7 +239,7 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
 
     # -- multi-tensor form (MultiTensorMixin) -------------------------------
 
-    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate, scale=None):
         from tfmetal_ext.ops import multi_tensor_adam
 
         dtype = variables[0].dtype
@@ -257,5 +257,6 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
             beta_2_power=scalars["beta_2_power"],
             vhats=[self._velocity_hats[i] for i in indices] if self.amsgrad else None,
             weight_decay_rate=weight_decay_rate,
+            scale=scale,
         )
 

@@ -144,7 +144,7 @@ class FusedLion(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Lion):
 
     # -- multi-tensor form (MultiTensorMixin) -----------------------------------
 
-    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate, scale=None):
         from tfmetal_ext.ops import multi_tensor_lion
 
         dtype = variables[0].dtype
@@ -157,4 +157,5 @@ class FusedLion(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Lion):
             beta_1=scalars["beta_1"],
             beta_2=scalars["beta_2"],
             weight_decay_rate=weight_decay_rate,
+            scale=scale,
         )

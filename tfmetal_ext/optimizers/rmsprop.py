@@ -299,7 +299,7 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
 
     # -- multi-tensor form (MultiTensorMixin) -----------------------------------
 
-    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate, scale=None):
         from tfmetal_ext.ops import multi_tensor_rmsprop
 
         dtype = variables[0].dtype
@@ -316,4 +316,5 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
             average_gradients=[self._average_gradients[i] for i in indices] if self.centered else None,
             weight_decay_rate=weight_decay_rate,
             one_minus_rho=scalars["one_minus_rho"],
+            scale=scale,
         )
