@@ -269,6 +269,9 @@ def test_threadgroup_order_does_not_matter(lib):
 # ----------------------------------------------------------------------------
 # Loss scaling: the finite check, then the updates gated on it.
 
+# Odd sizes, an empty and a 3-D variable, and one the 1000-element chunks of the tests cross.
+LS_SHAPES = [(1,), (31,), (0,), (33,), (7, 3, 5), (2500,)]
+
 
 def scaled(grads, scale, dtype):
     """`grads` times `scale` in the dtype (what a loss-scaled step's gradients are), and back: the
@@ -279,12 +282,13 @@ def scaled(grads, scale, dtype):
     return up, down
 
 
+@pytest.mark.sample_axes("scale")
 @pytest.mark.parametrize("scale", [2.0 ** 12, 1000.0, 1.0])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_loss_scaled_call_is_the_update_with_unscaled_gradients(lib, cpu, dtype, scale):
     # All finite: found_non_finite is false, and the update is the plain one with grads / scale,
     # bit for bit, on the emulator and the CPU kernel (scale 1: the plain update with the same grads).
-    state, grads = random_state(dtype, SHAPES, seed=21)
+    state, grads = random_state(dtype, LS_SHAPES, seed=21)
     up, down = scaled([g * DTYPES[dtype][0](0.01) for g in grads], scale, dtype)  # keep g * scale finite
     scalars = scalars_for(2, dtype)
     got, plain = copy_state(state), copy_state(state)
@@ -294,21 +298,22 @@ def test_loss_scaled_call_is_the_update_with_unscaled_gradients(lib, cpu, dtype,
     want = cpu_adam(cpu, dtype, state, up, scalars, True, 4e-5, scale=scale, found=found)
     assert found_out.tolist() == [0] and found == [False]
     for k, slot in enumerate(("var", "m", "v", "vhat")):
-        for i, shape in enumerate(SHAPES):
+        for i, shape in enumerate(LS_SHAPES):
             assert_same_bits(got[k][i], plain[k][i], f"{slot}[{i}] {shape} vs the unscaled call")
             assert_same_bits(got[k][i], want[k][i], f"{slot}[{i}] {shape} vs the CPU kernel")
     if scale == 1.0:
-        for i in range(len(SHAPES)):
+        for i in range(len(LS_SHAPES)):
             assert_same_bits(up[i], grads[i] * DTYPES[dtype][0](0.01), f"grads[{i}] unchanged by scale 1")
 
 
+@pytest.mark.sample_axes("bad")
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_a_non_finite_gradient_anywhere_writes_nothing(lib, cpu, dtype, bad):
-    # One element of one gradient among many (the last element of the largest, in its second
+    # One element of one gradient among many (the last element of the largest, in its last
     # 1000-element chunk): every variable and slot keeps its bits, on the emulator and the CPU kernel.
-    state, grads = random_state(dtype, SHAPES, seed=22)
-    big = SHAPES.index((100003,))
+    state, grads = random_state(dtype, LS_SHAPES, seed=22)
+    big = LS_SHAPES.index((2500,))
     grads[big].reshape(-1)[-1] = bad
     got = copy_state(state)
     found_out = metal_adam(lib, dtype, got, grads, scalars_for(3, dtype), True, 4e-5, chunk=1000, scale=1024.0)
@@ -316,7 +321,7 @@ def test_a_non_finite_gradient_anywhere_writes_nothing(lib, cpu, dtype, bad):
     want = cpu_adam(cpu, dtype, state, grads, scalars_for(3, dtype), True, 4e-5, scale=1024.0, found=found)
     assert found_out.tolist() == [1] and found == [True]
     for k, slot in enumerate(("var", "m", "v", "vhat")):
-        for i in range(len(SHAPES)):
+        for i in range(len(LS_SHAPES)):
             assert_same_bits(got[k][i], state[k][i], f"{slot}[{i}] untouched on the emulator")
             assert_same_bits(want[k][i], state[k][i], f"{slot}[{i}] untouched by the CPU kernel")
 

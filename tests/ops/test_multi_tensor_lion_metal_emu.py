@@ -268,6 +268,9 @@ def test_threadgroup_order_does_not_matter(lib):
 # ----------------------------------------------------------------------------
 # Loss scaling: the finite check, then the updates gated on it.
 
+# Odd sizes, an empty and a 3-D variable, and one the 1000-element chunks of the tests cross.
+LS_SHAPES = [(1,), (31,), (0,), (33,), (7, 3, 5), (2500,)]
+
 
 def scaled(grads, scale, dtype):
     """`grads` times `scale` in the dtype (a loss-scaled step's gradients), and the unscaled gradients
@@ -278,10 +281,11 @@ def scaled(grads, scale, dtype):
     return up, down
 
 
+@pytest.mark.sample_axes("scale")
 @pytest.mark.parametrize("scale", [2.0 ** 12, 1000.0, 1.0])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_loss_scaled_call_is_the_update_with_unscaled_gradients(lib, cpu, dtype, scale):
-    state, grads = random_state(dtype, SHAPES, seed=21)
+    state, grads = random_state(dtype, LS_SHAPES, seed=21)
     up, down = scaled([g * DTYPES[dtype][0](0.01) for g in grads], scale, dtype)
     got, plain = copy_state(state), copy_state(state)
     found_out = metal_lion(lib, dtype, got, up, SCALARS, 1e-3, scale=scale)
@@ -290,15 +294,16 @@ def test_loss_scaled_call_is_the_update_with_unscaled_gradients(lib, cpu, dtype,
     want = cpu_lion(cpu, dtype, state, up, SCALARS, 1e-3, scale=scale, found=found)
     assert found_out.tolist() == [0] and found == [False]
     for k, slot in enumerate(("var", "m")):
-        for i, shape in enumerate(SHAPES):
+        for i, shape in enumerate(LS_SHAPES):
             assert_same_bits(got[k][i], plain[k][i], f"{slot}[{i}] {shape} vs the unscaled call")
             assert_same_bits(got[k][i], want[k][i], f"{slot}[{i}] {shape} vs the CPU kernel")
 
 
+@pytest.mark.sample_axes("bad")
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_a_non_finite_gradient_anywhere_writes_nothing(lib, cpu, dtype, bad):
-    state, grads = random_state(dtype, SHAPES, seed=22)
+    state, grads = random_state(dtype, LS_SHAPES, seed=22)
     grads[0][0] = bad  # the first gradient's only element; the others are finite
     got = copy_state(state)
     found_out = metal_lion(lib, dtype, got, grads, SCALARS, 1e-3, chunk=1000, scale=1024.0)
@@ -306,7 +311,7 @@ def test_a_non_finite_gradient_anywhere_writes_nothing(lib, cpu, dtype, bad):
     want = cpu_lion(cpu, dtype, state, grads, SCALARS, 1e-3, scale=1024.0, found=found)
     assert found_out.tolist() == [1] and found == [True]
     for k, slot in enumerate(("var", "m")):
-        for i in range(len(SHAPES)):
+        for i in range(len(LS_SHAPES)):
             assert_same_bits(got[k][i], state[k][i], f"{slot}[{i}] untouched on the emulator")
             assert_same_bits(want[k][i], state[k][i], f"{slot}[{i}] untouched by the CPU kernel")
 

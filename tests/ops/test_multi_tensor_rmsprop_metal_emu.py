@@ -309,6 +309,9 @@ def test_threadgroup_order_does_not_matter(lib):
 # ----------------------------------------------------------------------------
 # Loss scaling: the finite check, then the updates gated on it.
 
+# Odd sizes, an empty and a 3-D variable, and one the 1000-element chunks of the tests cross.
+LS_SHAPES = [(1,), (31,), (0,), (33,), (7, 3, 5), (2500,)]
+
 
 def scaled(grads, scale, dtype):
     """`grads` times `scale` in the dtype (a loss-scaled step's gradients), and the unscaled gradients
@@ -319,10 +322,11 @@ def scaled(grads, scale, dtype):
     return up, down
 
 
+@pytest.mark.sample_axes("scale")
 @pytest.mark.parametrize("scale", [2.0 ** 12, 1000.0, 1.0])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_loss_scaled_call_is_the_update_with_unscaled_gradients(lib, cpu, dtype, scale):
-    state, grads = random_state(dtype, SHAPES, seed=21)
+    state, grads = random_state(dtype, LS_SHAPES, seed=21)
     up, down = scaled([g * DTYPES[dtype][0](0.01) for g in grads], scale, dtype)
     got, plain = copy_state(state), copy_state(state)
     found_out = metal_rmsprop(lib, dtype, got, up, "centered_momentum", 1e-3, scale=scale)
@@ -331,23 +335,24 @@ def test_loss_scaled_call_is_the_update_with_unscaled_gradients(lib, cpu, dtype,
     want = cpu_rmsprop(cpu, dtype, state, up, "centered_momentum", 1e-3, scale=scale, found=found)
     assert found_out.tolist() == [0] and found == [False]
     for k, slot in enumerate(SLOTS):
-        for i, shape in enumerate(SHAPES):
+        for i, shape in enumerate(LS_SHAPES):
             assert_same_bits(got[k][i], plain[k][i], f"{slot}[{i}] {shape} vs the unscaled call")
             assert_same_bits(got[k][i], want[k][i], f"{slot}[{i}] {shape} vs the CPU kernel")
 
 
+@pytest.mark.sample_axes("bad")
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_a_non_finite_gradient_anywhere_writes_nothing(lib, cpu, dtype, bad):
-    state, grads = random_state(dtype, SHAPES, seed=22)
-    grads[SHAPES.index((7, 3, 5))][6, 2, 4] = bad  # one element in the middle of the list
+    state, grads = random_state(dtype, LS_SHAPES, seed=22)
+    grads[LS_SHAPES.index((7, 3, 5))][6, 2, 4] = bad  # one element in the middle of the list
     got = copy_state(state)
     found_out = metal_rmsprop(lib, dtype, got, grads, "centered_momentum", 1e-3, chunk=1000, scale=1024.0)
     found = []
     want = cpu_rmsprop(cpu, dtype, state, grads, "centered_momentum", 1e-3, scale=1024.0, found=found)
     assert found_out.tolist() == [1] and found == [True]
     for k, slot in enumerate(SLOTS):
-        for i in range(len(SHAPES)):
+        for i in range(len(LS_SHAPES)):
             assert_same_bits(got[k][i], state[k][i], f"{slot}[{i}] untouched on the emulator")
             assert_same_bits(want[k][i], state[k][i], f"{slot}[{i}] untouched by the CPU kernel")
 

@@ -208,8 +208,9 @@ def test_steps_follow_keras_rule(dtype, mode):
 
 @pytest.mark.parametrize("make, why", [
     (lambda: FusedAdam(1e-3, clipnorm=1.0), "clipnorm=1.0"),
-    (lambda: FusedAdam(1e-3, multi_tensor=False), "multi_tensor=False"),
-    (lambda: FusedAdamW(1e-3), "2 groups"),  # biases left out of the decay below: two op groups
+    pytest.param(lambda: FusedAdam(1e-3, multi_tensor=False), "multi_tensor=False", marks=pytest.mark.full),
+    # biases left out of the decay (below): two op groups
+    pytest.param(lambda: FusedAdamW(1e-3), "2 groups", marks=pytest.mark.full),
 ])
 def test_keras_loss_scaling_where_the_op_cannot_take_the_step(make, why, caplog):
     opt = make()
@@ -224,6 +225,7 @@ def test_keras_loss_scaling_where_the_op_cannot_take_the_step(make, why, caplog)
     assert logged == (opt.multi_tensor is not False)  # an explicit multi_tensor=False is not worth a line
 
 
+@pytest.mark.full
 def test_keras_loss_scaling_still_trains_and_skips():
     # The fallback is Keras' step around our optimizer: still correct.
     got = fit(lso(FusedAdam(1e-2, clipnorm=1.0)))
