@@ -545,7 +545,7 @@ class MultiTensorMixin:
                 with tf.name_scope("weight_decay"):
                     rate = tf.cast(learning_rate, dtype) * tf.cast(self.weight_decay, dtype)
             found = self._multi_tensor_apply(variables, grads, scalars[dtype], rate, scale=scale)
-            # Keras counts only the steps it applies.
-            skipped = tf.cast(found, self._iterations.dtype)
-            self._iterations.assign_add(tf.constant(1, self._iterations.dtype) - skipped)
+            # Keras counts only the steps it applies (a bool cast, not int64 arithmetic: Metal
+            # backends lack int64 kernels of their own).
+            self._iterations.assign_add(tf.cast(tf.logical_not(found), self._iterations.dtype))
         return found
