@@ -54,6 +54,12 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
     kernel needs, see `tfmetal_ext.ops.multi_tensor_adam`; with
     ``multi_tensor=True`` the op wrapper itself falls back there).
 
+    Under a `keras.optimizers.LossScaleOptimizer` (``mixed_float16``), where
+    the multi-tensor op runs, it also takes the loss scale: one op checks,
+    unscales and skips a non-finite step, with no per-gradient ``IsFinite``
+    or ``cond`` (`tfmetal_ext.optimizers.loss_scale`; `loss_scale_form`
+    says whether the last traced step did).
+
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
             or a callable taking no arguments.

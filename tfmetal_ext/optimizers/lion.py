@@ -50,6 +50,12 @@ class FusedLion(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Lion):
     ``ResourceApplyGradientDescent`` per decayed variable. `update_form`
     says which form the last traced step used.
 
+    Under a `keras.optimizers.LossScaleOptimizer` (``mixed_float16``), where
+    the multi-tensor op runs, it also takes the loss scale: one op checks,
+    unscales and skips a non-finite step, with no per-gradient ``IsFinite``
+    or ``cond`` (`tfmetal_ext.optimizers.loss_scale`; `loss_scale_form`
+    says whether the last traced step did).
+
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
             or a callable taking no arguments.
