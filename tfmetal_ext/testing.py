@@ -365,6 +365,33 @@ def einsum_planner():
     return _einsum_planner[0]
 
 
+# tfm_multi_tensor_check_params (custom_ops/metal/multi_tensor_check.h).
+MULTI_TENSOR_CHECK_PARAMS = np.dtype([("n", "<u4")])
+
+
+def metal_multi_tensor_check(lib, dtype, grads, chunk=None, order="linear", seed=0):
+    """The finite check a loss-scaled multi-tensor op encodes first (multi_tensor_metal.h), on the emulator.
+
+    In the host's order: multi_tensor_found_reset (one thread), multi_tensor_find_non_finite_<dtype>
+    over every gradient in the host's chunks (chunks of `chunk` elements to test the offsets), then
+    multi_tensor_found_write. `lib` is an emulated multi_tensor_*.metal library, `dtype` "float",
+    "half" or "bfloat", `order` the threadgroup order of the checks. Returns ``(found,
+    found_non_finite)``: the 4-byte temp the update kernels read (uint32[1]; it starts as garbage,
+    as an uninitialized temp would) and the op's bool output (uint8[1]).
+    """
+    found = np.full(1, 0xDEADBEEF, np.uint32)
+    out = np.full(1, 0xAB, np.uint8)
+    lib.run("multi_tensor_found_reset", [found], grid=1, threadgroup=threadgroup_size_1d(1))
+    for g in grads:
+        flat = np.asarray(g).reshape(-1)
+        for start, count in dispatch_chunks(flat.size, chunk):
+            params = np.array((count,), MULTI_TENSOR_CHECK_PARAMS)
+            lib.run(f"multi_tensor_find_non_finite_{dtype}", [flat[start:start + count], found, ("bytes", params)],
+                    grid=count, threadgroup=threadgroup_size_1d(count), order=order, seed=seed)
+    lib.run("multi_tensor_found_write", [found, out], grid=1, threadgroup=threadgroup_size_1d(1))
+    return found, out
+
+
 # ----------------------------------------------------------------------------
 # numpy references of the custom ops, shared by the op tests, their Metal-emulation tests and
 # `tfmetal_ext.doctor.selftest()`.

@@ -19,11 +19,18 @@
 // per-element cost and so shard even a 64x64 variable over all threads.)
 //
 // An op's resource inputs come first, in groups of N (var[0..N), m[0..N), ...),
-// followed by the N gradients.
+// followed by the N gradients; its optional loss scale is its last input.
+//
+// Loss scaling (num_scale = 1, tfmetal/loss_scale.h): after the variables are
+// acquired and checked, one pass over every gradient element (AnyNonFinite),
+// then the `found_non_finite` output, and the update pass only when it is
+// false, with each gradient divided by the scale (the kernels' kScaled
+// instantiations). Nothing is written before the first pass has finished.
 #ifndef TFMETAL_CPU_MULTI_TENSOR_COMMON_H_
 #define TFMETAL_CPU_MULTI_TENSOR_COMMON_H_
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -37,6 +44,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tfmetal/loss_scale.h"
 #include "tfmetal/portable.h"
 
 namespace tfmetal_ext {
@@ -239,6 +247,47 @@ Status ScalarInput(OpKernelContext* ctx, int index, const char* name, float* out
     return errors::InvalidArgument(name, " is not a scalar: ", t.shape().DebugString());
   }
   *out = ToFloat(t.scalar<T>()());
+  return Status();
+}
+
+// The op's optional loss scale (its last input, num_scale = 0 or 1 float scalars).
+struct LossScale {
+  bool active = false;
+  float scale = 1.0f;
+};
+
+inline Status ReadLossScale(OpKernelContext* ctx, int num_scale, LossScale* out) {
+  *out = LossScale();
+  if (num_scale == 0) return Status();
+  const Tensor& t = ctx->input(ctx->num_inputs() - 1);
+  if (!::tensorflow::TensorShapeUtils::IsScalar(t.shape())) {
+    return errors::InvalidArgument("scale is not a scalar: ", t.shape().DebugString());
+  }
+  out->active = true;
+  out->scale = t.scalar<float>()();
+  return Status();
+}
+
+// Whether any element of any gradient is NaN or infinite: one read-only pass
+// over the index space of `offsets`, sharded like the update.
+template <typename T>
+bool AnyNonFinite(OpKernelContext* ctx, const std::vector<int64_t>& offsets, const std::vector<const T*>& grads) {
+  std::atomic<bool> found(false);
+  ForEachElementRange(ctx, offsets, /*cost_per_element=*/2, [&](int i, int64_t lo, int64_t hi) {
+    if (found.load(std::memory_order_relaxed)) return;
+    const T* g = grads[i];
+    bool bad = false;
+    for (int64_t j = lo; j < hi; ++j) bad |= !tfm_gradient_is_finite(ToFloat(g[j]));
+    if (bad) found.store(true, std::memory_order_relaxed);
+  });
+  return found.load();
+}
+
+// Output 0, found_non_finite (a bool scalar).
+inline Status WriteFound(OpKernelContext* ctx, bool found) {
+  Tensor* out = nullptr;
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({}), &out));
+  out->scalar<bool>()() = found;
   return Status();
 }
 

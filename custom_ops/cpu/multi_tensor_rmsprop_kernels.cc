@@ -25,10 +25,11 @@ namespace tfmetal_ext {
 namespace {
 
 // Elementwise RMSprop update of elements [lo, hi) of one variable. mom / mg
-// are null when the op has no such slots (kMomentum / kCentered false).
-template <typename T, bool kDecay, bool kCentered, bool kMomentum>
+// are null when the op has no such slots (kMomentum / kCentered false);
+// kScaled: each gradient element divided by `scale` first (tfmetal/loss_scale.h).
+template <typename T, bool kDecay, bool kCentered, bool kMomentum, bool kScaled>
 void RMSpropUpdateRange(T* __restrict__ var, T* __restrict__ ms, T* __restrict__ mom, T* __restrict__ mg,
-                        const T* __restrict__ g, int64_t lo, int64_t hi, tfm_rmsprop_coeffs coeffs) {
+                        const T* __restrict__ g, int64_t lo, int64_t hi, tfm_rmsprop_coeffs coeffs, float scale) {
   using R = multi_tensor::Round<T>;
   // Constants here, so the branches in tfm_rmsprop_update fold away.
   coeffs.has_decay = kDecay ? 1 : 0;
@@ -37,8 +38,8 @@ void RMSpropUpdateRange(T* __restrict__ var, T* __restrict__ ms, T* __restrict__
   for (int64_t j = lo; j < hi; ++j) {
     const float mg_in = kCentered ? ToFloat(mg[j]) : 0.0f;
     const float m_in = kMomentum ? ToFloat(mom[j]) : 0.0f;
-    const tfm_rmsprop_state s = tfm_rmsprop_update<R>(ToFloat(var[j]), ToFloat(ms[j]), mg_in, m_in, ToFloat(g[j]),
-                                                      coeffs);
+    const float g_j = kScaled ? tfm_unscale_gradient<R>(ToFloat(g[j]), scale) : ToFloat(g[j]);
+    const tfm_rmsprop_state s = tfm_rmsprop_update<R>(ToFloat(var[j]), ToFloat(ms[j]), mg_in, m_in, g_j, coeffs);
     var[j] = FromFloat<T>(s.var);
     ms[j] = FromFloat<T>(s.v);
     if (kCentered) mg[j] = FromFloat<T>(s.mg);
@@ -46,19 +47,19 @@ void RMSpropUpdateRange(T* __restrict__ var, T* __restrict__ ms, T* __restrict__
   }
 }
 
-template <typename T, bool kDecay>
+template <typename T, bool kDecay, bool kScaled>
 void RMSpropDispatch(bool centered, bool momentum, T* var, T* ms, T* mom, T* mg, const T* g, int64_t lo, int64_t hi,
-                     const tfm_rmsprop_coeffs& coeffs) {
+                     const tfm_rmsprop_coeffs& coeffs, float scale) {
   if (centered) {
     if (momentum) {
-      RMSpropUpdateRange<T, kDecay, true, true>(var, ms, mom, mg, g, lo, hi, coeffs);
+      RMSpropUpdateRange<T, kDecay, true, true, kScaled>(var, ms, mom, mg, g, lo, hi, coeffs, scale);
     } else {
-      RMSpropUpdateRange<T, kDecay, true, false>(var, ms, mom, mg, g, lo, hi, coeffs);
+      RMSpropUpdateRange<T, kDecay, true, false, kScaled>(var, ms, mom, mg, g, lo, hi, coeffs, scale);
     }
   } else if (momentum) {
-    RMSpropUpdateRange<T, kDecay, false, true>(var, ms, mom, mg, g, lo, hi, coeffs);
+    RMSpropUpdateRange<T, kDecay, false, true, kScaled>(var, ms, mom, mg, g, lo, hi, coeffs, scale);
   } else {
-    RMSpropUpdateRange<T, kDecay, false, false>(var, ms, mom, mg, g, lo, hi, coeffs);
+    RMSpropUpdateRange<T, kDecay, false, false, kScaled>(var, ms, mom, mg, g, lo, hi, coeffs, scale);
   }
 }
 
@@ -70,12 +71,14 @@ class MultiTensorRMSpropOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_mom", &num_mom_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_mg", &num_mg_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_decay", &num_decay_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_scale", &num_scale_));
     OP_REQUIRES(ctx, num_mom_ == 0 || num_mom_ == n_,
                 errors::InvalidArgument("mom must hold 0 or N = ", n_, " variables, got ", num_mom_));
     OP_REQUIRES(ctx, num_mg_ == 0 || num_mg_ == n_,
                 errors::InvalidArgument("mg must hold 0 or N = ", n_, " variables, got ", num_mg_));
     OP_REQUIRES(ctx, num_decay_ <= 1,
                 errors::InvalidArgument("weight_decay_rate must hold 0 or 1 scalar, got ", num_decay_));
+    OP_REQUIRES(ctx, num_scale_ <= 1, errors::InvalidArgument("scale must hold 0 or 1 scalar, got ", num_scale_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -102,6 +105,8 @@ class MultiTensorRMSpropOp : public OpKernel {
     for (int k = 0; k < 5 + num_decay_; ++k) {
       OP_REQUIRES_OK(ctx, multi_tensor::ScalarInput<T>(ctx, scalar_start + k, kScalarNames[k], &scalars[k]));
     }
+    multi_tensor::LossScale loss_scale;
+    OP_REQUIRES_OK(ctx, multi_tensor::ReadLossScale(ctx, num_scale_, &loss_scale));
 
     // Everything is validated before anything is updated: an error leaves
     // all variables unchanged.
@@ -118,17 +123,29 @@ class MultiTensorRMSpropOp : public OpKernel {
       g_ptr[i] = ctx->input(layout.grad_start() + i).flat<T>().data();
     }
 
+    // Loss scaling: the whole check before any write; a non-finite gradient writes nothing.
+    if (loss_scale.active) {
+      const bool found = multi_tensor::AnyNonFinite<T>(ctx, vars.offsets(), g_ptr);
+      OP_REQUIRES_OK(ctx, multi_tensor::WriteFound(ctx, found));
+      if (found) return;
+    }
+
     const tfm_rmsprop_coeffs coeffs = tfm_rmsprop_make_coeffs(
         scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], num_decay_, scalars[5], centered, momentum);
     const bool decay = num_decay_ != 0;
-    const int64_t cost = CostPerElement(centered, momentum);
+    const bool scaled = loss_scale.active;
+    const float scale = loss_scale.scale;
+    const int64_t cost = CostPerElement(centered, momentum, scaled);
     multi_tensor::ForEachElementRange(ctx, vars.offsets(), cost, [&](int i, int64_t lo, int64_t hi) {
-      if (decay) {
-        RMSpropDispatch<T, true>(centered, momentum, var_ptr[i], ms_ptr[i], mom_ptr[i], mg_ptr[i], g_ptr[i], lo, hi,
-                                 coeffs);
+      T* const a[4] = {var_ptr[i], ms_ptr[i], mom_ptr[i], mg_ptr[i]};
+      if (decay && scaled) {
+        RMSpropDispatch<T, true, true>(centered, momentum, a[0], a[1], a[2], a[3], g_ptr[i], lo, hi, coeffs, scale);
+      } else if (decay) {
+        RMSpropDispatch<T, true, false>(centered, momentum, a[0], a[1], a[2], a[3], g_ptr[i], lo, hi, coeffs, scale);
+      } else if (scaled) {
+        RMSpropDispatch<T, false, true>(centered, momentum, a[0], a[1], a[2], a[3], g_ptr[i], lo, hi, coeffs, scale);
       } else {
-        RMSpropDispatch<T, false>(centered, momentum, var_ptr[i], ms_ptr[i], mom_ptr[i], mg_ptr[i], g_ptr[i], lo, hi,
-                                  coeffs);
+        RMSpropDispatch<T, false, false>(centered, momentum, a[0], a[1], a[2], a[3], g_ptr[i], lo, hi, coeffs, scale);
       }
     });
   }
@@ -138,15 +155,17 @@ class MultiTensorRMSpropOp : public OpKernel {
   // square root (~10 cycles each when not vectorized) and ~8 multiplies and
   // adds; 12 bytes read and 8 written (float), more with the slots. half and
   // bfloat16 add a conversion per operation.
-  static int64_t CostPerElement(bool centered, bool momentum) {
+  // The unscale adds a division.
+  static int64_t CostPerElement(bool centered, bool momentum, bool scaled) {
     const int64_t base = std::is_same<T, float>::value ? 20 : 80;
-    return base + (centered ? 6 : 0) + (momentum ? 4 : 0);
+    return base + (centered ? 6 : 0) + (momentum ? 4 : 0) + (scaled ? 10 : 0);
   }
 
   int n_ = 0;
   int num_mom_ = 0;
   int num_mg_ = 0;
   int num_decay_ = 0;
+  int num_scale_ = 0;
 };
 
 // Resource handles live in host memory on every device.

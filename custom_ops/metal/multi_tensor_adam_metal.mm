@@ -4,7 +4,8 @@
 //
 // One row of the multi-tensor runner (multi_tensor_metal.h: one compute
 // encoder, one dispatch per variable and 2^30-element chunk, variables locked
-// and checked through TF's experimental resource-variable C API). Without
+// and checked through TF's experimental resource-variable C API; with a loss
+// scale, the finite check of multi_tensor_check.h first, in the same encoder). Without
 // that API (TF 2.19 exports it, the 2.21 Linux wheel does not) the kernel is
 // not registered and the Python wrapper runs one ResourceApplyAdam per
 // variable on the GPU instead. Kernel: multi_tensor_adam_<T> in
@@ -39,7 +40,9 @@ const multi_tensor_metal::Spec kSpec{
     },
     {"weight_decay_rate", 11},  // device const T* weight_decay_rate [[buffer(11)]]
     {"p", 12},                  // constant tfm_multi_tensor_adam_params& p [[buffer(12)]]
-    {"vhat", "weight_decay_rate"},  // p = {n, amsgrad, has_decay}
+    {"scale", 13},              // device const float* scale [[buffer(13)]]
+    {"found", 14},              // device const uint* found [[buffer(14)]]
+    {"vhat", "weight_decay_rate", "scale"},  // p = {n, amsgrad, has_decay, has_scale}
     sizeof(tfm_multi_tensor_adam_params),
 };
 

@@ -11,18 +11,26 @@
 // every intermediate to T like TF's ops (tfmetal/lion.h): bitwise the CPU
 // kernel's results (only +, -, * and comparisons: no fast-math sensitivity
 // beyond the host's fast math off).
+//
+// With a loss scale (p.has_scale) the runner first encodes the finite check
+// of multi_tensor_check.h, and every thread returns at once if it found a
+// non-finite gradient element, else divides its gradient element by
+// scale[0], as in multi_tensor_adam.h.
 #ifndef TFMETAL_METAL_MULTI_TENSOR_LION_KERNELS_H_
 #define TFMETAL_METAL_MULTI_TENSOR_LION_KERNELS_H_
 
-#include "tfmetal/portable.h"
+#include "multi_tensor_check.h"  // the finite check that runs first with a loss scale
 #include "tfmetal/lion.h"
+#include "tfmetal/loss_scale.h"
+#include "tfmetal/portable.h"
 
 // setBytes data ([[buffer(7)]]), one per dispatch (shared with the host).
 struct tfm_multi_tensor_lion_params {
   uint32_t n;          // elements in this dispatch
   uint32_t has_decay;  // 1: weight_decay_rate is bound (decoupled weight decay first)
+  uint32_t has_scale;  // 1: scale and found are bound (loss scaling, as in multi_tensor_adam.h)
 };
-static_assert(sizeof(tfm_multi_tensor_lion_params) == 8,
+static_assert(sizeof(tfm_multi_tensor_lion_params) == 12,
               "tfm_multi_tensor_lion_params layout is shared with the host");
 
 #if TFM_METAL
@@ -50,16 +58,21 @@ template <typename T>
                                   device const T* beta2 [[buffer(5)]],
                                   device const T* weight_decay_rate [[buffer(6)]],
                                   constant tfm_multi_tensor_lion_params& p [[buffer(7)]],
+                                  device const float* scale [[buffer(8)]],
+                                  device const uint* found [[buffer(9)]],
                                   TFM_KERNEL_BUILTINS) {
   if (gid.x >= p.n) return;
+  const int has_scale = p.has_scale != 0 ? 1 : 0;
+  if (has_scale && found[0] != 0u) return;  // a non-finite gradient somewhere: the step writes nothing
   typedef tfm_metal_lion_round<T> R;
   const int has_decay = p.has_decay != 0 ? 1 : 0;
   const float decay_rate = has_decay ? static_cast<float>(weight_decay_rate[0]) : 0.0f;
   const tfm_lion_coeffs coeffs = tfm_lion_make_coeffs<R>(static_cast<float>(lr[0]), static_cast<float>(beta1[0]),
                                                          static_cast<float>(beta2[0]), has_decay, decay_rate);
   const uint i = gid.x;
-  const tfm_lion_state s =
-      tfm_lion_update<R>(static_cast<float>(var[i]), static_cast<float>(m[i]), static_cast<float>(grad[i]), coeffs);
+  const float g = has_scale ? tfm_unscale_gradient<R>(static_cast<float>(grad[i]), scale[0])
+                            : static_cast<float>(grad[i]);
+  const tfm_lion_state s = tfm_lion_update<R>(static_cast<float>(var[i]), static_cast<float>(m[i]), g, coeffs);
   var[i] = static_cast<T>(s.var);
   m[i] = static_cast<T>(s.m);
 }

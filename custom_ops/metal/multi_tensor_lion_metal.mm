@@ -4,7 +4,8 @@
 //
 // One row of the multi-tensor runner (multi_tensor_metal.h: one compute
 // encoder, one dispatch per variable and 2^30-element chunk, variables locked
-// and checked through TF's experimental resource-variable C API). Without
+// and checked through TF's experimental resource-variable C API; with a loss
+// scale, the finite check of multi_tensor_check.h first, in the same encoder). Without
 // that API (TF 2.19 exports it, the 2.21 Linux wheel does not) the kernel is
 // not registered and the Python wrapper runs Keras' Lion ops per variable on
 // the GPU instead. Kernel: multi_tensor_lion_<T> in multi_tensor_lion.h
@@ -33,7 +34,9 @@ const multi_tensor_metal::Spec kSpec{
     },
     {"weight_decay_rate", 6},  // device const T* weight_decay_rate [[buffer(6)]]
     {"p", 7},                  // constant tfm_multi_tensor_lion_params& p [[buffer(7)]]
-    {"weight_decay_rate"},     // p = {n, has_decay}
+    {"scale", 8},              // device const float* scale [[buffer(8)]]
+    {"found", 9},              // device const uint* found [[buffer(9)]]
+    {"weight_decay_rate", "scale"},  // p = {n, has_decay, has_scale}
     sizeof(tfm_multi_tensor_lion_params),
 };
 

@@ -46,6 +46,7 @@
 #define TFMETAL_METAL_MULTI_TENSOR_METAL_H_
 
 #include "metal/metal_helper.h"
+#include "metal/multi_tensor_check.h"  // tfm_multi_tensor_check_params, shared with the check kernels
 
 #include <dlfcn.h>
 
@@ -255,11 +256,13 @@ inline bool LockAndReadVariables(TF_OpKernelContext* ctx, const Layout& layout, 
 //
 // Inputs, in order: the resource groups of `slots` (each N variables; an
 // optional slot's group only when its count attr is N), grad (N tensors),
-// the `scalars`, then weight_decay_rate when num_decay is 1. The kernel
-// takes, per dispatch, every slot (an absent optional slot bound to its
-// `placeholder` slot, not touched), grad and the params {count, flags...};
-// the scalars and weight_decay_rate (absent: scalars[0], not read) are bound
-// once. Messages name the inputs as the CPU kernels do.
+// the `scalars`, weight_decay_rate when num_decay is 1, then the float32
+// scale when num_scale is 1 (and then the op's one output, found_non_finite).
+// The kernel takes, per dispatch, every slot (an absent optional slot bound
+// to its `placeholder` slot, not touched), grad and the params {count,
+// flags...}; the scalars, weight_decay_rate, scale and found (absent:
+// scalars[0], not read) are bound once. Messages name the inputs as the CPU
+// kernels do.
 
 // A kernel buffer: the input's name and its [[buffer(index)]].
 struct Buffer {
@@ -289,9 +292,16 @@ struct Spec {
   std::vector<Buffer> scalars;
   Buffer decay;   // weight_decay_rate (num_decay = 0 or 1)
   Buffer params;  // constant <kernel>_params& p: uint32 {count, flags...}
-  std::vector<const char*> flags;  // params after count: 1 if the slot (or decay) named is present
+  Buffer scale;   // device const float* scale: the loss scale (num_scale = 0 or 1)
+  Buffer found;   // device const uint* found: the finite check's result (multi_tensor_check.h)
+  std::vector<const char*> flags;  // params after count: 1 if the slot (or decay, or scale) named is present
   size_t params_size;              // sizeof the kernel's params struct
 };
+
+// The finite check's kernels (multi_tensor_check.h), in every op's library.
+constexpr const char* kFoundReset = "multi_tensor_found_reset";
+constexpr const char* kFoundWrite = "multi_tensor_found_write";
+constexpr const char* kFindNonFinite = "multi_tensor_find_non_finite";
 
 // One op instance: its attrs.
 struct Kernel {
@@ -299,8 +309,10 @@ struct Kernel {
   int n = 0;
   std::vector<int> counts;  // per slot: 0 or N (required slots: N)
   int num_decay = 0;
+  int num_scale = 0;
   TF_DataType dtype = TF_FLOAT;
   std::string kernel_name;
+  std::string check_name;  // multi_tensor_find_non_finite_<T>
 };
 
 template <const Spec& S>
@@ -308,7 +320,7 @@ void* Create(TF_OpKernelConstruction* ctx) {
   StatusPtr status(TF_NewStatus());
   Kernel k;
   k.spec = &S;
-  int32_t n = 0, num_decay = 0;
+  int32_t n = 0, num_decay = 0, num_scale = 0;
   std::vector<int32_t> counts(S.slots.size(), 0);
   TF_OpKernelConstruction_GetAttrInt32(ctx, "N", &n, status.get());
   for (size_t s = 0; s < S.slots.size(); ++s) {
@@ -319,6 +331,7 @@ void* Create(TF_OpKernelConstruction* ctx) {
     }
   }
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, "num_decay", &num_decay, status.get());
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, "num_scale", &num_scale, status.get());
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrType(ctx, "T", &k.dtype, status.get());
   for (size_t s = 0; s < S.slots.size(); ++s) {
     const Slot& slot = S.slots[s];
@@ -333,10 +346,16 @@ void* Create(TF_OpKernelConstruction* ctx) {
     SetStatus(status.get(), TF_INVALID_ARGUMENT,
               std::string(S.decay.name) + " must hold 0 or 1 scalar, got " + std::to_string(num_decay));
   }
+  if (Ok(status.get()) && num_scale > 1) {
+    SetStatus(status.get(), TF_INVALID_ARGUMENT,
+              std::string(S.scale.name) + " must hold 0 or 1 scalar, got " + std::to_string(num_scale));
+  }
   if (Ok(status.get())) k.kernel_name = KernelName(S.kernel, "", k.dtype, status.get());
+  if (Ok(status.get())) k.check_name = KernelName(kFindNonFinite, "", k.dtype, status.get());
   k.n = n;
   k.counts.assign(counts.begin(), counts.end());
   k.num_decay = num_decay;
+  k.num_scale = num_scale;
   return NewKernelOrFail(ctx, status.get(), k);
 }
 
@@ -386,7 +405,33 @@ inline void Run(const Kernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
   if (!LockAndReadVariables(ctx, layout, k.dtype, grads, &locks, &vars, status)) return;
   int64_t total = 0;
   for (int i = 0; i < n; ++i) total += TF_TensorElementCount(grads[i].get());
-  if (total == 0) return;
+
+  // The loss scale (the last input): its flag output and the check's 4-byte
+  // temp, which the updates read (multi_tensor_check.h).
+  const bool scaled = k.num_scale != 0;
+  TensorPtr scale, found_out, found;
+  MetalSlice scale_slice, found_out_slice, found_slice;
+  if (scaled) {
+    scale = Input(ctx, scalar_start + num_scalars, status);
+    if (!Ok(status)) return;
+    if (TF_NumDims(scale.get()) != 0) {
+      SetStatus(status, TF_INVALID_ARGUMENT,
+                std::string(spec.scale.name) + " is not a scalar: " + ShapeString(Dims(scale.get())));
+      return;
+    }
+    found_out = Output(ctx, 0, TF_BOOL, {}, status);
+    if (!Ok(status)) return;
+    const int64_t one = 1;
+    TF_AllocatorAttributes attributes{TF_ALLOCATOR_ATTRIBUTES_STRUCT_SIZE, /*on_host=*/0};
+    found.reset(TF_AllocateTemp(ctx, TF_INT32, &one, 1, &attributes, status));
+    if (!Ok(status)) return;
+    if (!Resolve(scale.get(), spec.scale.name, &scale_slice, status) ||
+        !Resolve(found_out.get(), "found_non_finite", &found_out_slice, status) ||
+        !Resolve(found.get(), "the finite check's flag", &found_slice, status)) {
+      return;
+    }
+  }
+  if (total == 0 && !scaled) return;
 
   // Every tensor's buffer and offset, resolved before anything is encoded.
   std::vector<MetalSlice> scalar_slices(static_cast<size_t>(num_scalars));
@@ -400,11 +445,12 @@ inline void Run(const Kernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
   for (int i = 0; i < n; ++i) {
     if (!Resolve(grads[i].get(), ("grad[" + std::to_string(i) + "]").c_str(), &grad_slices[i], status)) return;
   }
-  // params after count: 1 where the named slot (or weight_decay_rate) is present.
+  // params after count: 1 where the named slot (or weight_decay_rate, or scale) is present.
   std::vector<uint32_t> words(1 + spec.flags.size(), 0);
   for (size_t f = 0; f < spec.flags.size(); ++f) {
     const std::string flag = spec.flags[f];
     if (flag == spec.decay.name) words[1 + f] = k.num_decay ? 1u : 0u;
+    if (flag == spec.scale.name) words[1 + f] = scaled ? 1u : 0u;
     for (size_t s = 0; s < spec.slots.size(); ++s) {
       if (flag == spec.slots[s].name) words[1 + f] = group[s] >= 0 ? 1u : 0u;
     }
@@ -412,12 +458,49 @@ inline void Run(const Kernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
   const size_t element_size = TF_DataTypeSize(k.dtype);
   EncodeKernel(ctx, spec.library, k.kernel_name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
+    if (scaled) {
+      // Every pipeline before anything is encoded: a failure leaves the encoder empty.
+      PipelineCache& cache = PipelineCache::Global();
+      id<MTLComputePipelineState> reset = cache.Pipeline(pipeline.device, spec.library, kFoundReset, status);
+      id<MTLComputePipelineState> check =
+          reset == nil ? nil : cache.Pipeline(pipeline.device, spec.library, k.check_name.c_str(), status);
+      id<MTLComputePipelineState> write =
+          check == nil ? nil : cache.Pipeline(pipeline.device, spec.library, kFoundWrite, status);
+      if (write == nil) return;
+      // found = 0; then 1 where a gradient element is not finite; then the op's output.
+      [encoder setComputePipelineState:reset];
+      [encoder setBuffer:found_slice.buffer offset:found_slice.offset atIndex:0];  // device atomic_uint* found [[buffer(0)]]
+      DispatchThreads1D(encoder, reset, 1);
+      [encoder setComputePipelineState:check];
+      [encoder setBuffer:found_slice.buffer offset:found_slice.offset atIndex:1];  // device atomic_uint* found [[buffer(1)]]
+      for (int i = 0; i < n; ++i) {
+        DispatchChunked1D(encoder, check, TF_TensorElementCount(grads[i].get()), element_size,
+                          [&](NSUInteger offset, uint32_t count) {
+          const MetalSlice& grad = grad_slices[i];
+          [encoder setBuffer:grad.buffer offset:grad.offset + offset atIndex:0];  // device const T* grad [[buffer(0)]]
+          const tfm_multi_tensor_check_params params{count};
+          SetBytes(encoder, params, 2);  // constant tfm_multi_tensor_check_params& p [[buffer(2)]]
+        });
+      }
+      [encoder setComputePipelineState:write];
+      [encoder setBuffer:found_slice.buffer offset:found_slice.offset atIndex:0];  // device const uint* found [[buffer(0)]]
+      // device uint8_t* found_non_finite [[buffer(1)]]
+      [encoder setBuffer:found_out_slice.buffer offset:found_out_slice.offset atIndex:1];
+      DispatchThreads1D(encoder, write, 1);
+      // The encoder is serial (each dispatch sees the previous ones' writes); the barrier says so explicitly.
+      [encoder memoryBarrierWithScope:MTLBarrierScopeBuffers];
+      [encoder setComputePipelineState:pipeline];
+    }
     // The scalars, bound once: bindings persist across the dispatches of an encoder.
     for (size_t s = 0; s < spec.scalars.size(); ++s) {
       [encoder setBuffer:scalar_slices[s].buffer offset:scalar_slices[s].offset atIndex:spec.scalars[s].index];
     }
     const MetalSlice& decay = scalar_slices[k.num_decay ? spec.scalars.size() : 0];  // absent: scalars[0], not read
     [encoder setBuffer:decay.buffer offset:decay.offset atIndex:spec.decay.index];
+    const MetalSlice& scale_bound = scaled ? scale_slice : scalar_slices[0];  // absent: not read
+    const MetalSlice& found_bound = scaled ? found_slice : scalar_slices[0];
+    [encoder setBuffer:scale_bound.buffer offset:scale_bound.offset atIndex:spec.scale.index];
+    [encoder setBuffer:found_bound.buffer offset:found_bound.offset atIndex:spec.found.index];
     for (int i = 0; i < n; ++i) {
       // Nothing is dispatched for an empty variable.
       DispatchChunked1D(encoder, pipeline, TF_TensorElementCount(grads[i].get()), element_size,

@@ -6,3 +6,12 @@ TFM_INSTANTIATE_KERNEL(multi_tensor_rmsprop_half, multi_tensor_rmsprop<half>)
 #if TFM_HAS_BFLOAT
 TFM_INSTANTIATE_KERNEL(multi_tensor_rmsprop_bfloat, multi_tensor_rmsprop<bfloat>)
 #endif
+
+// The finite check run first with a loss scale (multi_tensor_check.h), in this library too.
+TFM_REGISTER_KERNEL(multi_tensor_found_reset)
+TFM_REGISTER_KERNEL(multi_tensor_found_write)
+TFM_INSTANTIATE_KERNEL(multi_tensor_find_non_finite_float, multi_tensor_find_non_finite<float>)
+TFM_INSTANTIATE_KERNEL(multi_tensor_find_non_finite_half, multi_tensor_find_non_finite<half>)
+#if TFM_HAS_BFLOAT
+TFM_INSTANTIATE_KERNEL(multi_tensor_find_non_finite_bfloat, multi_tensor_find_non_finite<bfloat>)
+#endif

@@ -4,7 +4,8 @@
 //
 // One row of the multi-tensor runner (multi_tensor_metal.h: one compute
 // encoder, one dispatch per variable and 2^30-element chunk, variables locked
-// and checked through TF's experimental resource-variable C API). Without
+// and checked through TF's experimental resource-variable C API; with a loss
+// scale, the finite check of multi_tensor_check.h first, in the same encoder). Without
 // that API (TF 2.19 exports it, the 2.21 Linux wheel does not) the kernel is
 // not registered and the Python wrapper runs Keras' RMSprop ops per variable
 // on the GPU instead. Kernel: multi_tensor_rmsprop_<T> in
@@ -38,7 +39,9 @@ const multi_tensor_metal::Spec kSpec{
     },
     {"weight_decay_rate", 10},  // device const T* weight_decay_rate [[buffer(10)]]
     {"p", 11},                  // constant tfm_multi_tensor_rmsprop_params& p [[buffer(11)]]
-    {"weight_decay_rate", "mg", "mom"},  // p = {n, has_decay, centered, has_momentum}
+    {"scale", 12},              // device const float* scale [[buffer(12)]]
+    {"found", 13},              // device const uint* found [[buffer(13)]]
+    {"weight_decay_rate", "mg", "mom", "scale"},  // p = {n, has_decay, centered, has_momentum, has_scale}
     sizeof(tfm_multi_tensor_rmsprop_params),
 };
 

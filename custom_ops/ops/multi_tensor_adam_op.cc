@@ -2,6 +2,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/multi_tensor_shapes.h"
 
 namespace tfmetal_ext {
 namespace {
@@ -46,7 +47,7 @@ Status MultiTensorAdamShape(InferenceContext* c) {
   for (int k = 0; k < 6 + num_decay; ++k) {
     TF_RETURN_IF_ERROR(c->WithRank(c->input(grad_start + n + k), 0, &unused));
   }
-  return Status();
+  return multi_tensor_shapes::LossScale(c);
 }
 
 }  // namespace
@@ -64,9 +65,12 @@ REGISTER_OP("TfmetalExt>MultiTensorAdam")
     .Input("beta1_power: T")
     .Input("beta2_power: T")
     .Input("weight_decay_rate: num_decay * T")
+    .Input("scale: num_scale * float")
+    .Output("found_non_finite: num_scale * bool")
     .Attr("N: int >= 1")
     .Attr("num_vhat: int >= 0 = 0")
     .Attr("num_decay: int >= 0 = 0")
+    .Attr("num_scale: int >= 0 = 0")
     .Attr("T: {float, half, bfloat16}")
     .SetIsStateful()
     .SetShapeFn(MultiTensorAdamShape)
@@ -81,6 +85,12 @@ For each variable i, elementwise and in T, in the order of ResourceApplyAdam:
 With num_vhat = N (AMSGrad, as ResourceApplyAdamWithAmsgrad) vhat[i] = max(vhat[i], v[i])
 is used in place of v[i] in the last line. With num_decay = 1, var[i] -= var[i] * weight_decay_rate
 first (decoupled weight decay, as ResourceApplyGradientDescent with delta = var).
+
+With num_scale = 1 (loss scaling, as Keras' LossScaleOptimizer does it) grad
+holds the loss-scaled gradients. Every element of every grad[i] is checked
+before anything is written: if one is NaN or infinite, nothing is written (no
+variable, slot or decay) and found_non_finite is true; else it is false and
+every grad[i] above stands for float(grad[i]) / scale rounded to T.
 
 var, m, v (and vhat) must be distinct variables.
 )doc");

@@ -2,6 +2,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/multi_tensor_shapes.h"
 
 namespace tfmetal_ext {
 namespace {
@@ -36,7 +37,7 @@ Status MultiTensorLionShape(InferenceContext* c) {
   for (int k = 0; k < 3 + num_decay; ++k) {
     TF_RETURN_IF_ERROR(c->WithRank(c->input(grad_start + n + k), 0, &unused));
   }
-  return Status();
+  return multi_tensor_shapes::LossScale(c);
 }
 
 }  // namespace
@@ -49,8 +50,11 @@ REGISTER_OP("TfmetalExt>MultiTensorLion")
     .Input("beta1: T")
     .Input("beta2: T")
     .Input("weight_decay_rate: num_decay * T")
+    .Input("scale: num_scale * float")
+    .Output("found_non_finite: num_scale * bool")
     .Attr("N: int >= 1")
     .Attr("num_decay: int >= 0 = 0")
+    .Attr("num_scale: int >= 0 = 0")
     .Attr("T: {float, half, bfloat16}")
     .SetIsStateful()
     .SetShapeFn(MultiTensorLionShape)
@@ -64,6 +68,12 @@ keras.optimizers.Lion:
   m[i] = m[i] * beta2 + grad[i] * (1 - beta2)
 With num_decay = 1, var[i] -= var[i] * weight_decay_rate first (decoupled
 weight decay). sign is tf.sign: +0 for +-0, NaN for NaN.
+
+With num_scale = 1 (loss scaling, as Keras' LossScaleOptimizer does it) grad
+holds the loss-scaled gradients. Every element of every grad[i] is checked
+before anything is written: if one is NaN or infinite, nothing is written (no
+variable, slot or decay) and found_non_finite is true; else it is false and
+every grad[i] above stands for float(grad[i]) / scale rounded to T.
 
 var and m must be distinct variables.
 )doc");

@@ -2,6 +2,7 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "ops/multi_tensor_shapes.h"
 
 namespace tfmetal_ext {
 namespace {
@@ -45,7 +46,7 @@ Status MultiTensorRMSpropShape(InferenceContext* c) {
   for (int k = 0; k < 5 + num_decay; ++k) {
     TF_RETURN_IF_ERROR(c->WithRank(c->input(grad_start + n + k), 0, &unused));
   }
-  return Status();
+  return multi_tensor_shapes::LossScale(c);
 }
 
 }  // namespace
@@ -62,10 +63,13 @@ REGISTER_OP("TfmetalExt>MultiTensorRMSprop")
     .Input("momentum: T")
     .Input("epsilon: T")
     .Input("weight_decay_rate: num_decay * T")
+    .Input("scale: num_scale * float")
+    .Output("found_non_finite: num_scale * bool")
     .Attr("N: int >= 1")
     .Attr("num_mom: int >= 0 = 0")
     .Attr("num_mg: int >= 0 = 0")
     .Attr("num_decay: int >= 0 = 0")
+    .Attr("num_scale: int >= 0 = 0")
     .Attr("T: {float, half, bfloat16}")
     .SetIsStateful()
     .SetShapeFn(MultiTensorRMSpropShape)
@@ -83,6 +87,12 @@ keras.optimizers.RMSprop:
 With num_decay = 1, var[i] -= var[i] * weight_decay_rate first (decoupled
 weight decay). one_minus_rho is an input because Keras forms 1 - rho before
 rounding it to T (float32 1 - 0.9 is 0.1f, not 1 - 0.9f).
+
+With num_scale = 1 (loss scaling, as Keras' LossScaleOptimizer does it) grad
+holds the loss-scaled gradients. Every element of every grad[i] is checked
+before anything is written: if one is NaN or infinite, nothing is written (no
+variable, slot or decay) and found_non_finite is true; else it is false and
+every grad[i] above stands for float(grad[i]) / scale rounded to T.
 
 Every var, ms, mom and mg must be a distinct variable.
 )doc");

@@ -35,7 +35,7 @@ def _adam_raw(shapes_var, shapes_grad, dup=False):
     grads = [tf.ones(s) for s in shapes_grad]
     c = tf.constant(0.1)
     lib().tfmetal_ext_multi_tensor_adam(
-        [w.handle for w in ws], [m.handle for m in ms], [v.handle for v in vs], [], grads, c, c, c, c, c, c, []
+        [w.handle for w in ws], [m.handle for m in ms], [v.handle for v in vs], [], grads, c, c, c, c, c, c, [], []
     )
 
 
@@ -62,7 +62,7 @@ CASES = {
     "adam_raw_duplicate_slot": lambda: _adam_raw([(3,), (3,)], [(3,), (3,)], dup=True),
     "adam_raw_empty_lists": lambda: _adam_raw([], []),
     "adam_raw_list_lengths": lambda: lib().tfmetal_ext_multi_tensor_adam(
-        [tf.Variable(tf.ones(2)).handle], [], [], [], [tf.ones(2)], *([tf.constant(0.1)] * 6), []
+        [tf.Variable(tf.ones(2)).handle], [], [], [], [tf.ones(2)], *([tf.constant(0.1)] * 6), [], []
     ),
     # The harness' own check: this case must be reported as a crash.
     "selftest_sigsegv": lambda: os.kill(os.getpid(), 11),

@@ -148,14 +148,15 @@ def test_shared_host_headers_compile_on_their_own(clang, header):
 def test_every_shared_host_header_is_used():
     # Each shared header is included by a host file, so the checks above cover
     # it in use too; and every header a .mm includes from metal/ is one of them
-    # or a kernel header (<op>.h, reduction.h).
+    # or a kernel header (<op>.h, reduction.h, multi_tensor_check.h).
     included = set()
     for f in HOST_FILES + OBJC_HOST_HEADERS:
         included |= set(re.findall(r'#include "(?:metal|tfmetal)/([\w.]+)"', f.read_text()))
     for header in OBJC_HOST_HEADERS + CXX_HOST_HEADERS:
         assert header.name in included, f"{header.name} is included by no host file"
     kernel_headers = {p.stem + ".h" for p in METAL_DIR.glob("*.metal")} | {"reduction.h", "metal_binding.h",
-                                                                           "metal_plugin_stream.h"}
+                                                                           "metal_plugin_stream.h",
+                                                                           "multi_tensor_check.h"}
     for name in included:
         if (METAL_DIR / name).is_file():
             assert METAL_DIR / name in OBJC_HOST_HEADERS + CXX_HOST_HEADERS or name in kernel_headers, name
@@ -203,6 +204,19 @@ def test_every_binding_matches_a_kernel_parameter(source):
         assert commented == bound, f"{name}: comment says [[buffer({commented})]], bound at index {bound}"
         assert (name, bound) in declared, f"{source.name} binds {name} at {bound}; the kernels declare {sorted(declared)}"
     assert declared <= {(name, index) for name, _, index in bindings}, "kernel parameters never bound"
+
+
+def test_the_multi_tensor_runners_check_bindings_match_its_kernels():
+    # multi_tensor_metal.h (the runner of every multi-tensor op) binds the finite
+    # check of a loss-scaled step itself: its kernels are multi_tensor_check.h's.
+    declared = {(m.group(1), int(m.group(2)))
+                for m in _KERNEL_PARAM.finditer((METAL_DIR / "multi_tensor_check.h").read_text())}
+    bindings = _bindings((METAL_DIR / "multi_tensor_metal.h").read_text())
+    assert bindings
+    for name, commented, bound in bindings:
+        assert commented == bound, f"{name}: comment says [[buffer({commented})]], bound at index {bound}"
+        assert (name, bound) in declared, f"multi_tensor_metal.h binds {name} at {bound}; declared: {sorted(declared)}"
+    assert declared <= {(name, index) for name, _, index in bindings}, "check kernel parameters never bound"
 
 
 def test_macos_build_embeds_the_kernel_sources(clang, tmp_path, monkeypatch):

@@ -300,7 +300,7 @@ def test_bad_arguments(impl, case):
 def _raw(variables, ms, vs, grads, vhats=(), scalars=None, decay=()):
     s = scalars if scalars is not None else [tf.constant(x) for x in (0.1, 0.9, 0.999, 1e-7, 0.9, 0.999)]
     handles = [[x.handle for x in group] for group in (variables, ms, vs, vhats)]
-    return lib().tfmetal_ext_multi_tensor_adam(*handles, grads, *s, list(decay))
+    return lib().tfmetal_ext_multi_tensor_adam(*handles, grads, *s, list(decay), [])
 
 
 def test_kernel_rejects_bad_input_and_changes_nothing():
@@ -369,3 +369,98 @@ def test_run_time_shape_error_changes_no_variable(impl):
         np.testing.assert_array_equal(got.numpy(), want)
     step(tf.ones(3))  # the right size still trains
     assert not np.array_equal(variables[2].numpy(), before[2])
+
+
+# ----------------------------------------------------------------------------
+# Loss scaling (`scale=`): the finite check first, then the update with grads / scale or nothing
+
+
+def scaled_grads(grads, scale, dtype):
+    """(grads * scale in the dtype, what a loss-scaled step hands the op; those divided by `scale` in
+    float32 and rounded to the dtype: the gradients the update must use, as Keras unscales)."""
+    t = NP_DTYPES[dtype]
+    up = [(np.asarray(g, np.float32) * np.float32(scale)).astype(t) for g in grads]
+    down = [(u.astype(np.float32) / np.float32(scale)).astype(t) for u in up]
+    return up, down
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 10, 1000.0, 1.0])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_loss_scale_is_the_update_with_unscaled_gradients(impl, dtype, scale):
+    var, m, v, vhat, grads = random_state(SHAPES, dtype, seed=7)
+    up, down = scaled_grads([0.01 * g for g in grads], scale, dtype)
+    scalars = scalars_for(2, dtype)
+    got = [tf_variables(x, dtype) for x in (var, m, v, vhat)]
+    found = ops.multi_tensor_adam(*got[:3], [tf.constant(g) for g in up], *scalars, vhats=got[3],
+                                  weight_decay_rate=4e-5, scale=scale)
+    assert found.dtype == tf.bool and found.shape == () and not bool(found)
+    want = [tf_variables(x, dtype) for x in (var, m, v, vhat)]
+    ops.multi_tensor_adam(*want[:3], [tf.constant(g) for g in down], *scalars, vhats=want[3], weight_decay_rate=4e-5)
+    for k, name in enumerate(("var", "m", "v", "vhat")):
+        for i, shape in enumerate(SHAPES):
+            np.testing.assert_array_equal(as_f64(got[k][i]), as_f64(want[k][i]), err_msg=f"{name}[{i}] {shape}")
+    assert np.abs(as_f64(got[0][3]) - var[3]).max() > 1e-4  # it moved
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_loss_scale_non_finite_gradient_updates_nothing(impl, dtype, bad):
+    # One element of one gradient among many: no variable, slot or decay is written, in a
+    # tf.function as eagerly, and the flag says so.
+    var, m, v, vhat, grads = random_state(SHAPES, dtype, seed=8)
+    grads[6][3, 1, 2] = bad
+    for mode in ("eager", "function"):
+        tvars = [tf_variables(x, dtype) for x in (var, m, v, vhat)]
+        tgrads = [tf.constant(g, DTYPES[dtype]) for g in grads]
+
+        def step(tvars=tvars, tgrads=tgrads):
+            return ops.multi_tensor_adam(*tvars[:3], tgrads, *scalars_for(1, dtype), vhats=tvars[3],
+                                         weight_decay_rate=1e-3, scale=tf.constant(2.0 ** 15))
+
+        found = (tf.function(step) if mode == "function" else step)()
+        assert bool(found), mode
+        for k, want in enumerate((var, m, v, vhat)):
+            for i in range(len(SHAPES)):
+                np.testing.assert_array_equal(as_f64(tvars[k][i]), want[i], err_msg=f"{mode} slot {k}[{i}]")
+
+
+def test_loss_scale_reads_a_variable_and_keeps_signature_without_it(impl):
+    # `scale` may be a (Keras) variable; without it the wrapper returns what it always did.
+    scale = keras.Variable(np.float32(256.0), trainable=False)
+    tvars, tms, tvs = ([tf.Variable(tf.ones(4))] for _ in range(3))
+    found = ops.multi_tensor_adam(tvars, tms, tvs, [tf.fill([4], 256.0)], 0.1, 0.9, 0.999, 1e-7, 0.9, 0.999,
+                                  scale=scale)
+    assert not bool(found)
+    assert ops.multi_tensor_adam(tvars, tms, tvs, [tf.ones(4)], 0.1, 0.9, 0.999, 1e-7, 0.9, 0.999) is None
+    assert not bool(ops.multi_tensor_adam([], [], [], [], 0.1, 0.9, 0.999, 1e-7, 0.9, 0.999, scale=2.0))
+
+
+def test_loss_scale_is_one_op_without_finite_checks():
+    # The kernel checks, unscales and updates: no IsFinite, no per-gradient division, no cond.
+    var, m, v, _, grads = random_state([(16, 16)] * 6, "float32", seed=9)
+    tvars, tms, tvs = (tf_variables(x, "float32") for x in (var, m, v))
+    tgrads = [tf.constant(g, tf.float32) for g in grads]
+    scale = tf.Variable(1024.0)
+    cap = inspect.capture_function(
+        lambda: ops.multi_tensor_adam(tvars, tms, tvs, tgrads, *scalars_for(1, "float32"), scale=scale))
+    counts = inspect.report_from_capture(cap).ops_by_type
+    assert counts.get("TfmetalExt>MultiTensorAdam") == 1, counts
+    for op in ("IsFinite", "RealDiv", "If", "StatelessIf", "Switch", "ResourceApplyAdam"):
+        assert op not in counts, counts
+
+
+@pytest.mark.parametrize("scale, message", [
+    ([1.0, 2.0], r"scale.shape=\(2,\)"), (True, "Received: scale=True"), ("2", "scale.dtype=string")])
+def test_loss_scale_bad_arguments(scale, message):
+    with pytest.raises(ValueError, match=message):
+        _call(scale=scale)
+
+
+def test_kernel_rejects_a_bad_scale_and_changes_nothing():
+    a, ma, va = _one(), _one(), _one()
+    a.assign([1.0, 2.0, 3.0])
+    s = [tf.constant(x) for x in (0.1, 0.9, 0.999, 1e-7, 0.9, 0.999)]
+    raw = lib().tfmetal_ext_multi_tensor_adam
+    with pytest.raises(tf.errors.InvalidArgumentError, match="scale is not a scalar"):
+        raw([a.handle], [ma.handle], [va.handle], [], [tf.ones(3)], *s, [], [tf.ones(2)])
+    np.testing.assert_array_equal(a.numpy(), [1.0, 2.0, 3.0])

@@ -406,7 +406,7 @@ def test_same_variable_twice_is_rejected(impl):
 def _raw(variables, ms, grads, scalars=None, decay=()):
     s = scalars if scalars is not None else [tf.constant(x) for x in (0.1, 0.9, 0.99)]
     return lib().tfmetal_ext_multi_tensor_lion([x.handle for x in variables], [x.handle for x in ms], grads, *s,
-                                               list(decay))
+                                               list(decay), [])
 
 
 def _snapshot(*variables):
@@ -501,3 +501,71 @@ def test_run_time_shape_error_changes_no_variable(impl):
     _assert_unchanged(variables + ms, before)
     step(tf.ones(3))  # the right size still trains
     assert not np.array_equal(variables[2].numpy(), before[2])
+
+
+# ----------------------------------------------------------------------------
+# Loss scaling (`scale=`): as for multi_tensor_adam (tests/ops/test_multi_tensor_adam.py)
+
+
+def scaled_grads(grads, scale, dtype):
+    """(grads * scale in the dtype; those divided by `scale` in float32, rounded to the dtype)."""
+    t = NP_DTYPES[dtype]
+    up = [(np.asarray(g, np.float32) * np.float32(scale)).astype(t) for g in grads]
+    down = [(u.astype(np.float32) / np.float32(scale)).astype(t) for u in up]
+    return up, down
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 10, 1000.0, 1.0])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_loss_scale_is_the_update_with_unscaled_gradients(impl, dtype, scale):
+    var, m, grads = random_state(SHAPES, dtype, seed=7)
+    up, down = scaled_grads([0.01 * g for g in grads], scale, dtype)
+    s = [tf.constant(x, DTYPES[dtype]) for x in (LR, B1, B2)]
+    got = [tf_variables(x, dtype) for x in (var, m)]
+    found = ops.multi_tensor_lion(*got, [tf.constant(g) for g in up], *s, weight_decay_rate=1e-3, scale=scale)
+    assert found.dtype == tf.bool and not bool(found)
+    want = [tf_variables(x, dtype) for x in (var, m)]
+    ops.multi_tensor_lion(*want, [tf.constant(g) for g in down], *s, weight_decay_rate=1e-3)
+    for k in range(2):
+        for i, shape in enumerate(SHAPES):
+            assert_same(as_f32(got[k][i]), as_f32(want[k][i]), f"slot {k}[{i}] {shape}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_loss_scale_non_finite_gradient_updates_nothing(impl, dtype):
+    var, m, grads = random_state(SHAPES, dtype, seed=8)
+    grads[-1].reshape(-1)[-1] = -np.inf
+    for mode in ("eager", "function"):
+        tvars = [tf_variables(x, dtype) for x in (var, m)]
+        tgrads = [tf.constant(g, DTYPES[dtype]) for g in grads]
+
+        def step(tvars=tvars, tgrads=tgrads):
+            s = [tf.constant(x, DTYPES[dtype]) for x in (LR, B1, B2)]
+            return ops.multi_tensor_lion(*tvars, tgrads, *s, weight_decay_rate=1e-3, scale=tf.constant(8.0))
+
+        assert bool((tf.function(step) if mode == "function" else step)()), mode
+        for k, want in enumerate((var, m)):
+            for i in range(len(SHAPES)):
+                np.testing.assert_array_equal(as_f32(tvars[k][i]), want[i].astype(np.float32), err_msg=f"{mode} {k}[{i}]")
+
+
+def test_loss_scale_is_one_op_without_finite_checks():
+    var, m, grads = random_state([(16, 16)] * 6, "float32", seed=9)
+    tvars, tms = (tf_variables(x, "float32") for x in (var, m))
+    scale = tf.Variable(1024.0)
+    cap = inspect.capture_function(
+        lambda: ops.multi_tensor_lion(tvars, tms, [tf.constant(g) for g in grads], LR, B1, B2, scale=scale))
+    counts = inspect.report_from_capture(cap).ops_by_type
+    assert counts.get("TfmetalExt>MultiTensorLion") == 1, counts
+    assert not {"IsFinite", "RealDiv", "If", "StatelessIf", "Switch"} & set(counts), counts
+
+
+def test_kernel_rejects_a_bad_scale_and_changes_nothing():
+    a, ma = _one(), _one()
+    a.assign([1.0, 2.0, 3.0])
+    s = [tf.constant(x) for x in (0.1, 0.9, 0.99)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="scale is not a scalar"):
+        lib().tfmetal_ext_multi_tensor_lion([a.handle], [ma.handle], [tf.ones(3)], *s, [], [tf.ones(2)])
+    np.testing.assert_array_equal(a.numpy(), [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"scale.shape=\(2,\)"):
+        _call(scale=[1.0, 2.0])

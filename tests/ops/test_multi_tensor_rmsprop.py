@@ -470,7 +470,7 @@ def test_same_variable_twice_is_rejected(impl):
 def _raw(variables, ms, grads, mom=(), mg=(), scalars=None, decay=()):
     s = scalars if scalars is not None else [tf.constant(x) for x in (0.1, 0.9, 0.1, 0.5, 1e-7)]
     return mtr_module._raw_op(lib())([x.handle for x in variables], [x.handle for x in ms],
-                                     [x.handle for x in mom], [x.handle for x in mg], grads, *s, list(decay))
+                                     [x.handle for x in mom], [x.handle for x in mg], grads, *s, list(decay), [])
 
 
 def _snapshot(*variables):
@@ -560,3 +560,75 @@ def test_run_time_shape_error_changes_no_variable(impl):
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"variable 2|expected shape \[3\]"):
         step(tf.ones(4))
     _assert_unchanged(variables + vs + moms, before)
+
+
+# ----------------------------------------------------------------------------
+# Loss scaling (`scale=`): as for multi_tensor_adam (tests/ops/test_multi_tensor_adam.py)
+
+
+def scaled_grads(grads, scale, dtype):
+    """(grads * scale in the dtype; those divided by `scale` in float32, rounded to the dtype)."""
+    t = NP_DTYPES[dtype]
+    up = [(np.asarray(g, np.float32) * np.float32(scale)).astype(t) for g in grads]
+    down = [(u.astype(np.float32) / np.float32(scale)).astype(t) for u in up]
+    return up, down
+
+
+def _rmsprop_call(state, grads, dtype, **kw):
+    var, v, m, mg = state
+    return ops.multi_tensor_rmsprop(var, v, grads, LR, RHO, MOMENTUM, EPS, momentums=m, average_gradients=mg,
+                                    weight_decay_rate=1e-3, **kw)
+
+
+@pytest.mark.parametrize("scale", [2.0 ** 10, 1000.0, 1.0])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_loss_scale_is_the_update_with_unscaled_gradients(impl, dtype, scale):
+    var, v, m, mg, grads = random_state(SHAPES, dtype, seed=7)
+    up, down = scaled_grads([0.01 * g for g in grads], scale, dtype)
+    got = [tf_variables(x, dtype) for x in (var, v, m, mg)]
+    found = _rmsprop_call(got, [tf.constant(g) for g in up], dtype, scale=scale)
+    assert found.dtype == tf.bool and not bool(found)
+    want = [tf_variables(x, dtype) for x in (var, v, m, mg)]
+    _rmsprop_call(want, [tf.constant(g) for g in down], dtype)
+    for k in range(4):
+        for i, shape in enumerate(SHAPES):
+            assert_same(as_f32(got[k][i]), as_f32(want[k][i]), f"slot {k}[{i}] {shape}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_loss_scale_non_finite_gradient_updates_nothing(impl, dtype):
+    var, v, m, mg, grads = random_state(SHAPES, dtype, seed=8)
+    grads[0][0] = np.nan
+    for mode in ("eager", "function"):
+        tvars = [tf_variables(x, dtype) for x in (var, v, m, mg)]
+        tgrads = [tf.constant(g, DTYPES[dtype]) for g in grads]
+
+        def step(tvars=tvars, tgrads=tgrads):
+            return _rmsprop_call(tvars, tgrads, dtype, scale=tf.constant(8.0))
+
+        assert bool((tf.function(step) if mode == "function" else step)()), mode
+        for k, want in enumerate((var, v, m, mg)):
+            for i in range(len(SHAPES)):
+                np.testing.assert_array_equal(as_f32(tvars[k][i]), want[i].astype(np.float32), err_msg=f"{mode} {k}[{i}]")
+
+
+def test_loss_scale_is_one_op_without_finite_checks():
+    var, v, _, _, grads = random_state([(16, 16)] * 6, "float32", seed=9)
+    tvars, tvs = (tf_variables(x, "float32") for x in (var, v))
+    scale = tf.Variable(1024.0)
+    cap = inspect.capture_function(
+        lambda: ops.multi_tensor_rmsprop(tvars, tvs, [tf.constant(g) for g in grads], LR, RHO, 0.0, EPS, scale=scale))
+    counts = inspect.report_from_capture(cap).ops_by_type
+    assert counts.get("TfmetalExt>MultiTensorRMSprop") == 1, counts
+    assert not {"IsFinite", "RealDiv", "If", "StatelessIf", "Switch"} & set(counts), counts
+
+
+def test_kernel_rejects_a_bad_scale_and_changes_nothing():
+    a, va = _one(), _one()
+    a.assign([1.0, 2.0, 3.0])
+    s = [tf.constant(x) for x in (0.1, 0.9, 0.1, 0.5, 1e-7)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="scale is not a scalar"):
+        mtr_module._raw_op(lib())([a.handle], [va.handle], [], [], [tf.ones(3)], *s, [], [tf.ones(2)])
+    np.testing.assert_array_equal(a.numpy(), [1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match=r"scale.shape=\(2,\)"):
+        _call(scale=[1.0, 2.0])

@@ -688,6 +688,23 @@ def test_multi_tensor_float16_variables_eager():
     assert np.abs(results[1].astype(np.float32) - w0).max() > 0.05
 
 
+def test_bfloat16_variables_in_a_tf_function():
+    # The step's scalars for bfloat16 are built while tracing (no eager .numpy() inside the function).
+    rng = np.random.default_rng(1)
+    w0 = rng.standard_normal((32,)).astype("float32")
+    grads = [rng.standard_normal((32,)).astype("float32") for _ in range(4)]
+    results = []
+    for mt in (False, True):
+        # beta_2 = 0.999 is 1.0 in bfloat16 (no step at all): 0.9
+        opt, var = FusedAdam(0.05, beta_2=0.9, multi_tensor=mt), keras.Variable(w0, dtype="bfloat16")
+        step = tf.function(lambda g: opt.apply([g], [var]))
+        for g in grads:
+            step(tf.constant(g, tf.bfloat16))
+        results.append(np.asarray(var.numpy(), np.float32))
+    assert_bitwise_equal(results[1], results[0])
+    assert np.abs(results[1] - w0).max() > 0.1  # 4 steps of ~0.05
+
+
 def test_multi_tensor_sparse_gradients_are_densified():
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (240, 5)).astype("int32")  # duplicate rows within batches

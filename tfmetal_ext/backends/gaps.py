@@ -18,7 +18,10 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 TRAIN_STEP_OPS = {
     "DivNoNan": "Keras' loss reduction",
     "BroadcastTo": "the loss gradient and attention masks",
-    "IsFinite": "LossScaleOptimizer (mixed_float16), per gradient",
+    "IsFinite": (
+        "LossScaleOptimizer (mixed_float16), per gradient (none around FusedAdam, FusedAdamW, FusedLion and "
+        "FusedRMSprop where their multi-tensor op runs: tfmetal_ext.optimizers.loss_scale)"
+    ),
     "Pack": "stacked tensors (keras-hub's rotary embedding, shapes)",
     "Unpack": "unstacked tensors (keras-hub's rotary embedding)",
     "UnsortedSegmentSum": "an Embedding's gradient",

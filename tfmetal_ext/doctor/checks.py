@@ -371,7 +371,7 @@ def multi_tensor_adam(dtype):
     def fused(*grads):
         lib.tfmetal_ext_multi_tensor_adam(
             [x.handle for x in var], [x.handle for x in m], [x.handle for x in v], [], list(grads),
-            *(tf.constant(s, dtype) for s in scalars), [],
+            *(tf.constant(s, dtype) for s in scalars), [], [],  # no decay, no loss scale
         )
         return [x.read_value() for x in var + m + v]
 
@@ -399,6 +399,7 @@ def multi_tensor_lion(dtype):
     def fused(*grads):
         lib.tfmetal_ext_multi_tensor_lion(
             [x.handle for x in var], [x.handle for x in m], list(grads), *(tf.constant(s, dtype) for s in scalars), [],
+            [],  # no loss scale
         )
         return [x.read_value() for x in var + m]
 
@@ -429,7 +430,7 @@ def multi_tensor_rmsprop(dtype):
     def fused(*grads):
         lib.tfmetal_ext_multi_tensor_rm_sprop(
             [x.handle for x in var], [x.handle for x in v], [x.handle for x in m], [x.handle for x in mg], list(grads),
-            *(tf.constant(s, dtype) for s in (lr, rho, 1.0 - rho, momentum, epsilon)), [],
+            *(tf.constant(s, dtype) for s in (lr, rho, 1.0 - rho, momentum, epsilon)), [], [],  # no decay, no loss scale
         )
         return [x.read_value() for x in var + v + m + mg]
 

@@ -47,8 +47,10 @@ def check_lists(lists):
     return lists
 
 
-def no_op(name):
-    """What a call with no variables returns."""
+def no_op(name, scale=None):
+    """What a call with no variables returns: nothing to update, so nothing non-finite found."""
+    if scale is not None:
+        return tf.constant(False)
     return None if tf.executing_eagerly() else tf.no_op(name=name)
 
 
@@ -117,6 +119,41 @@ def fallback_guards(prepared, op):
             prepared.grads[i] = g = tf.ensure_shape(g, shape, name=f"{op}_grads_{i}_takes_the_shape_of_variables_{i}")
             ensured.append(g)
     return runtime_shape_checks(prepared.lists, prepared.handles, prepared.grads, op=op) + ensured
+
+
+def loss_scale(scale):
+    """`scale` (a Python number, tensor or variable) as a float32 scalar tensor; None for None.
+
+    Raises ValueError for a bool, a non-numeric dtype or a shape that is not a scalar.
+    """
+    if scale is None:
+        return None
+    if isinstance(scale, bool):
+        raise ValueError(f"`scale` must be a float32 scalar. Received: scale={scale!r}")
+    value = tf.convert_to_tensor(scale)  # reads a variable
+    if value.dtype != tf.float32:
+        if not (value.dtype.is_floating or value.dtype.is_integer):
+            raise ValueError(f"`scale` must be a float32 scalar. Received: scale.dtype={value.dtype.name}")
+        value = tf.cast(value, tf.float32)
+    if value.shape.rank is not None and value.shape.rank != 0:
+        raise ValueError(f"`scale` must be a float32 scalar. Received: scale.shape={tuple(value.shape)}")
+    return value
+
+
+def reference_update(call, scale, update):
+    """The per-variable fallback `update(grads)`, inside the loss scaling when there is a `scale`."""
+    if scale is None:
+        return update(call.grads)
+    from tfmetal_ext.ops import _reference
+
+    return _reference.loss_scaled_update(call.grads, scale, call.dtype, update)
+
+
+def finish(result, scale):
+    """What a wrapper returns from the raw op's `result`: the flag with a scale, else the op (None eagerly)."""
+    if scale is not None:
+        return result[0]
+    return None if tf.executing_eagerly() else result
 
 
 def check_distinct(lists, handles):

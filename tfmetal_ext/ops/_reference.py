@@ -56,6 +56,32 @@ def layer_norm_grad(dy, x, gamma, epsilon):
     return tf.cast(dx, x.dtype), tf.reduce_sum(dy * xhat, rows), tf.reduce_sum(dy, rows)
 
 
+def loss_scaled_update(grads, scale, dtype, update, name=None):
+    """The multi-tensor ops' loss scaling (tfmetal/loss_scale.h) around `update`, in TF ops.
+
+    `grads` are the loss-scaled gradients (dense, of `dtype`) and `scale` a float32 scalar.
+    Returns ``found_non_finite``, a bool scalar: True when an element of a gradient is NaN
+    or infinite, and then `update` is not run (nothing is written); else
+    ``update(unscaled)`` runs with each gradient divided by `scale` in float32 and
+    rounded to `dtype`, as Keras' LossScaleOptimizer unscales before our optimizers
+    cast to the variable's dtype.
+    """
+    with tf.name_scope(name or "loss_scaled_update"):
+        finite = [tf.reduce_all(tf.math.is_finite(g)) for g in grads]
+        found = tf.logical_not(tf.reduce_all(tf.stack(finite)))
+
+        def apply():
+            unscaled = [tf.cast(tf.cast(g, tf.float32) / scale, dtype) for g in grads]
+            with tf.control_dependencies([u for u in [update(unscaled)] if u is not None]):
+                return tf.constant(False)
+
+        if tf.executing_eagerly():
+            if not bool(found):
+                apply()
+            return found
+        return tf.cond(found, lambda: tf.constant(True), apply)
+
+
 def multi_tensor_adam(var_handles, m_handles, v_handles, vhat_handles, grads, lr, beta1, beta2, epsilon,
                       beta1_power, beta2_power, weight_decay_rate, dtype, name=None):
     """One ``ResourceApplyAdam`` (``...WithAmsgrad`` with vhats) per variable,

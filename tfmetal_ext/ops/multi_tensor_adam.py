@@ -10,7 +10,7 @@ from tfmetal_ext.ops import _multi_tensor as _mt
 
 _OP_NAME = fusion.MULTI_TENSOR_ADAM_OP
 
-# An update op (no outputs), like ResourceApplyAdam.
+# An update op (its only output, with a loss scale, is a flag), like ResourceApplyAdam.
 tf.no_gradient(_OP_NAME)
 
 
@@ -31,6 +31,8 @@ def multi_tensor_adam(
     vhats=None,
     weight_decay_rate=None,
     name=None,
+    *,
+    scale=None,
 ):
     """Adam update of N variables and their slots in one op, apex-style.
 
@@ -62,6 +64,14 @@ def multi_tensor_adam(
     ``tfmetal_ext.configure(avoid_fusions=["multi_tensor_adam"])`` is in
     force, the same update runs as one ``ResourceApplyAdam`` per variable.
 
+    With `scale` (loss scaling, as under `keras.optimizers.LossScaleOptimizer`),
+    `grads` are the loss-scaled gradients. The op first checks every element
+    of every gradient; if one is NaN or infinite it writes nothing at all (no
+    variable, slot or decay) and returns True; else it runs the update above
+    with ``grads[i] / scale`` (divided in float32 and rounded to the dtype,
+    the operation Keras' LossScaleOptimizer unscales with) and returns False.
+    PyTorch's fused Adam takes the same pair (``grad_scale`` / ``found_inf``).
+
     This is an update, not a differentiable function: it has no gradient.
 
     Args:
@@ -77,14 +87,19 @@ def multi_tensor_adam(
         vhats: optional N maximum-velocity variables (AMSGrad).
         weight_decay_rate: optional scalar ``lr * weight_decay``.
         name: optional op name.
+        scale: (keyword-only) optional loss scale, a float32 scalar (a
+            number, tensor or variable) the gradients were multiplied by.
 
     Returns:
-        The update op in graph mode; None when executing eagerly. An empty
-        list of variables is a no-op.
+        Without `scale`: the update op in graph mode; None when executing
+        eagerly. With `scale`: ``found_non_finite``, a bool scalar tensor
+        (True: nothing was updated). An empty list of variables is a no-op
+        (and, with `scale`, returns False).
 
     Raises:
         ValueError: lists of different lengths, mixed or non-float dtypes,
-            variables on different devices, or shapes that differ statically.
+            variables on different devices, shapes that differ statically,
+            or a `scale` that is not a real scalar.
         tf.errors.InvalidArgumentError: shapes that differ at run time, or a
             variable passed twice.
 
@@ -97,8 +112,9 @@ def multi_tensor_adam(
     if vhats is not None:
         lists["vhats"] = vhats
     lists = _mt.check_lists(lists)
+    scale = _mt.loss_scale(scale)
     if not lists["variables"]:
-        return _mt.no_op(name)
+        return _mt.no_op(name, scale)
     call = _mt.prepare(lists)
     scalars = [call.scalar(x) for x in (lr, beta_1, beta_2, epsilon, beta_1_power, beta_2_power)]
     decay = [] if weight_decay_rate is None else [call.scalar(weight_decay_rate)]
@@ -106,10 +122,15 @@ def multi_tensor_adam(
     if lib is None or not _mt.has_kernel(call.device, _OP_NAME):
         # Per-variable ops, all-or-nothing (`_multi_tensor.fallback_guards`).
         with tf.control_dependencies(_mt.fallback_guards(call, op="multi_tensor_adam")):
-            return _reference.multi_tensor_adam(*_args(call), *scalars, decay[0] if decay else None,
-                                                dtype=call.dtype, name=name)
-    return lib.tfmetal_ext_multi_tensor_adam(*_args(call), *scalars, decay, name=name)
+            def update(grads):
+                return _reference.multi_tensor_adam(*_args(call, grads), *scalars, decay[0] if decay else None,
+                                                    dtype=call.dtype, name=name)
+
+            return _mt.reference_update(call, scale, update)
+    result = lib.tfmetal_ext_multi_tensor_adam(*_args(call, call.grads), *scalars, decay,
+                                               [] if scale is None else [scale], name=name)
+    return _mt.finish(result, scale)
 
 
-def _args(call):
-    return [call.handle_list(k) for k in ("variables", "ms", "vs", "vhats")] + [call.grads]
+def _args(call, grads):
+    return [call.handle_list(k) for k in ("variables", "ms", "vs", "vhats")] + [grads]

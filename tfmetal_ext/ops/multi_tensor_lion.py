@@ -10,14 +10,14 @@ from tfmetal_ext.ops import _multi_tensor as _mt
 
 _OP_NAME = fusion.MULTI_TENSOR_LION_OP
 
-# An update op (no outputs), like the Adam one.
+# An update op (its only output, with a loss scale, is a flag), like the Adam one.
 tf.no_gradient(_OP_NAME)
 
 
 # Plain Python over lists, no tensor-dependent control flow: AutoGraph has
 # nothing to convert, and converting would descend into the library loader.
 @tf.autograph.experimental.do_not_convert
-def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rate=None, name=None):
+def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rate=None, name=None, *, scale=None):
     """Lion update of N variables and their momentums in one op.
 
     Elementwise, for every variable ``i``, in the variables' dtype and in the
@@ -43,6 +43,12 @@ def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rat
     ``tfmetal_ext.configure(avoid_fusions=["multi_tensor_lion"])`` is in
     force, the same update runs as Keras' own ops, per variable.
 
+    With `scale` (loss scaling), `grads` are the loss-scaled gradients: if an
+    element of one is NaN or infinite nothing is written and the result is
+    True, else the update runs with ``grads[i] / scale`` (float32 division,
+    rounded to the dtype) and the result is False, as for
+    `multi_tensor_adam`.
+
     This is an update, not a differentiable function: it has no gradient.
 
     Args:
@@ -55,15 +61,18 @@ def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rat
         lr, beta_1, beta_2: scalars, converted to the variables' dtype.
         weight_decay_rate: optional scalar ``lr * weight_decay``.
         name: optional op name.
+        scale: (keyword-only) optional loss scale, a float32 scalar.
 
     Returns:
-        The update op in graph mode; None when executing eagerly. An empty
-        list of variables is a no-op.
+        Without `scale`: the update op in graph mode; None when executing
+        eagerly. With `scale`: ``found_non_finite``, a bool scalar tensor
+        (True: nothing was updated). An empty list of variables is a no-op.
 
     Raises:
         ValueError: lists of different lengths, mixed or non-float dtypes,
-            variables on different devices, a variable passed twice, or
-            shapes that differ statically.
+            variables on different devices, a variable passed twice,
+            shapes that differ statically, or a `scale` that is not a real
+            scalar.
         tf.errors.InvalidArgumentError: shapes that differ at run time, or a
             variable passed twice to the raw op.
 
@@ -74,16 +83,22 @@ def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rat
     """
     lists = {"variables": variables, "ms": ms, "grads": grads}
     lists = _mt.check_lists(lists)
+    scale = _mt.loss_scale(scale)
     if not lists["variables"]:
-        return _mt.no_op(name)
+        return _mt.no_op(name, scale)
     call = _mt.prepare(lists)
     scalars = [call.scalar(x) for x in (lr, beta_1, beta_2)]
     decay = [] if weight_decay_rate is None else [call.scalar(weight_decay_rate)]
-    args = (call.handle_list("variables"), call.handle_list("ms"), call.grads)
+    handles = (call.handle_list("variables"), call.handle_list("ms"))
     lib = None if _common.op_avoided(_OP_NAME) else _common.library()
     if lib is None or not _mt.has_kernel(call.device, _OP_NAME):
         # Per-variable ops, all-or-nothing (`_multi_tensor.fallback_guards`).
         with tf.control_dependencies(_mt.fallback_guards(call, op="multi_tensor_lion")):
-            return _reference.multi_tensor_lion(*args, *scalars, decay[0] if decay else None,
-                                                dtype=call.dtype, name=name)
-    return lib.tfmetal_ext_multi_tensor_lion(*args, *scalars, decay, name=name)
+            def update(grads):
+                return _reference.multi_tensor_lion(*handles, grads, *scalars, decay[0] if decay else None,
+                                                    dtype=call.dtype, name=name)
+
+            return _mt.reference_update(call, scale, update)
+    result = lib.tfmetal_ext_multi_tensor_lion(*handles, call.grads, *scalars, decay,
+                                               [] if scale is None else [scale], name=name)
+    return _mt.finish(result, scale)

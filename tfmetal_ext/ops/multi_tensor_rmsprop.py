@@ -12,7 +12,7 @@ from tfmetal_ext.ops import _multi_tensor as _mt
 
 _OP_NAME = fusion.MULTI_TENSOR_RMSPROP_OP
 
-# An update op (no outputs), like the Adam and Lion ones.
+# An update op (its only output, with a loss scale, is a flag), like the Adam and Lion ones.
 tf.no_gradient(_OP_NAME)
 
 
@@ -20,7 +20,8 @@ tf.no_gradient(_OP_NAME)
 # nothing to convert, and converting would descend into the library loader.
 @tf.autograph.experimental.do_not_convert
 def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilon, momentums=None,
-                         average_gradients=None, weight_decay_rate=None, name=None, *, one_minus_rho=None):
+                         average_gradients=None, weight_decay_rate=None, name=None, *, one_minus_rho=None,
+                         scale=None):
     """RMSprop update of N variables and their slots in one op.
 
     Elementwise, for every variable ``i``, in the variables' dtype and in the
@@ -56,6 +57,12 @@ def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilo
     ``tfmetal_ext.configure(avoid_fusions=["multi_tensor_rmsprop"])`` is in
     force, the same update runs as Keras' own ops, per variable.
 
+    With `scale` (loss scaling), `grads` are the loss-scaled gradients: if an
+    element of one is NaN or infinite nothing is written and the result is
+    True, else the update runs with ``grads[i] / scale`` (float32 division,
+    rounded to the dtype) and the result is False, as for
+    `multi_tensor_adam`.
+
     This is an update, not a differentiable function: it has no gradient.
 
     Args:
@@ -71,15 +78,18 @@ def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilo
         weight_decay_rate: optional scalar ``lr * weight_decay``.
         name: optional op name.
         one_minus_rho: (keyword-only) optional scalar ``1 - rho``.
+        scale: (keyword-only) optional loss scale, a float32 scalar.
 
     Returns:
-        The update op in graph mode; None when executing eagerly. An empty
-        list of variables is a no-op.
+        Without `scale`: the update op in graph mode; None when executing
+        eagerly. With `scale`: ``found_non_finite``, a bool scalar tensor
+        (True: nothing was updated). An empty list of variables is a no-op.
 
     Raises:
         ValueError: lists of different lengths, mixed or non-float dtypes,
-            variables on different devices, a variable passed twice, or
-            shapes that differ statically.
+            variables on different devices, a variable passed twice,
+            shapes that differ statically, or a `scale` that is not a real
+            scalar.
         tf.errors.InvalidArgumentError: shapes that differ at run time, or a
             variable passed twice to the raw op.
 
@@ -95,8 +105,9 @@ def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilo
         lists["average_gradients"] = average_gradients
     lists["grads"] = grads
     lists = _mt.check_lists(lists)
+    scale = _mt.loss_scale(scale)
     if not lists["variables"]:
-        return _mt.no_op(name)
+        return _mt.no_op(name, scale)
     call = _mt.prepare(lists)
     if one_minus_rho is None:
         # Keras' `1 - rho`: computed before the rounding to the dtype.
@@ -111,9 +122,13 @@ def multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilo
     if lib is None or not _mt.has_kernel(call.device, _OP_NAME):
         # Per-variable ops, all-or-nothing (`_multi_tensor.fallback_guards`).
         with tf.control_dependencies(_mt.fallback_guards(call, op="multi_tensor_rmsprop")):
-            return _reference.multi_tensor_rmsprop(*args, call.grads, *scalars, decay[0] if decay else None,
-                                                   dtype=call.dtype, name=name)
-    return _raw_op(lib)(*args, call.grads, *scalars, decay, name=name)
+            def update(grads):
+                return _reference.multi_tensor_rmsprop(*args, grads, *scalars, decay[0] if decay else None,
+                                                       dtype=call.dtype, name=name)
+
+            return _mt.reference_update(call, scale, update)
+    result = _raw_op(lib)(*args, call.grads, *scalars, decay, [] if scale is None else [scale], name=name)
+    return _mt.finish(result, scale)
 
 
 def _raw_op(lib):

@@ -62,8 +62,19 @@ exports the API (2.22, or 2.19 with Apple's plugin) the table has the
 kernels and the one fused op per variable comes back by itself. A Mac has to
 confirm: that a ``ResourceApplyAdam`` on GPU-resident variables really is
 worse there (or is refused), and the step times of both forms.
+
+Loss scaling: under ``mixed_float16`` Keras wraps the optimizer in a
+`keras.optimizers.LossScaleOptimizer`. Around `FusedAdam`, `FusedAdamW`,
+`FusedLion` and `FusedRMSprop`, where their multi-tensor op runs, the
+wrapper's step is that one op taking the loss scale (it checks every
+gradient, skips the whole update on a NaN or an infinity, unscales in the
+kernel) and Keras' dynamic-scale rule driven by its flag: no ``IsFinite``,
+division, ``Pack`` or ``cond`` per step, results identical to Keras' loss
+scaling. `tfmetal_ext.optimizers.loss_scale` says how and where not;
+``opt.loss_scale_form`` says what the last traced step used.
 """
 
+from tfmetal_ext.optimizers import loss_scale
 from tfmetal_ext.optimizers.adam import FusedAdam
 from tfmetal_ext.optimizers.adagrad import FusedAdagrad
 from tfmetal_ext.optimizers.adamw import FusedAdamW
@@ -72,3 +83,7 @@ from tfmetal_ext.optimizers.rmsprop import FusedRMSprop
 from tfmetal_ext.optimizers.sgd import FusedSGD
 
 __all__ = ["FusedAdagrad", "FusedAdam", "FusedAdamW", "FusedLion", "FusedRMSprop", "FusedSGD"]
+
+# A LossScaleOptimizer around FusedAdam / FusedAdamW / FusedLion / FusedRMSprop scales inside their
+# multi-tensor op (`tfmetal_ext.optimizers.loss_scale`; TFMETAL_EXT_FUSED_LOSS_SCALE=0 turns it off).
+loss_scale.install()

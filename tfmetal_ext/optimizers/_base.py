@@ -11,9 +11,11 @@ kernels) and computes the scalars those ops take once per step and dtype.
 Everything else stays Keras': gradient clipping (``clipnorm``,
 ``clipvalue``, ``global_clipnorm``), learning-rate schedules, EMA, gradient
 accumulation, loss scaling (`keras.optimizers.LossScaleOptimizer` wraps these
-like any optimizer), variable constraints, the iteration counter, and the
-optimizer variables themselves (same names and order as the Keras optimizer
-of the same name, so saved state is interchangeable).
+like any optimizer; where the multi-tensor op runs, it checks, unscales and
+skips inside the op: `MultiTensorMixin._apply_loss_scaled`,
+`tfmetal_ext.optimizers.loss_scale`), variable constraints, the iteration
+counter, and the optimizer variables themselves (same names and order as the
+Keras optimizer of the same name, so saved state is interchangeable).
 """
 
 from __future__ import annotations
@@ -299,6 +301,8 @@ class MultiTensorMixin:
         self._fallbacks_logged = set()
         self._update_form = None
         self._update_form_reason = None
+        self._loss_scale_form = None
+        self._loss_scale_form_reason = None
 
     @property
     def update_form(self):
@@ -311,6 +315,18 @@ class MultiTensorMixin:
     def update_form_reason(self):
         """Why the last traced step did not use the multi-tensor op (None when it did, or before the first)."""
         return self._update_form_reason
+
+    @property
+    def loss_scale_form(self):
+        """How the last traced step under a `keras.optimizers.LossScaleOptimizer` scaled: ``"in_op"`` (the
+        multi-tensor op checked, unscaled and skipped: `tfmetal_ext.optimizers.loss_scale`), ``"keras"``
+        (Keras' own finite check and cond around the update), or None (no such step traced yet)."""
+        return self._loss_scale_form
+
+    @property
+    def loss_scale_form_reason(self):
+        """Why the last loss-scaled step did not scale inside the op (None when it did, or before the first)."""
+        return self._loss_scale_form_reason
 
     def _multi_tensor_op_name(self):
         from tfmetal_ext.backends import fusion
@@ -430,5 +446,106 @@ class MultiTensorMixin:
     def _multi_tensor_group(self, _, variables, grads, scalars, weight_decay_rate):
         return self._multi_tensor_apply(variables, grads, scalars, weight_decay_rate)
 
-    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate, scale=None):
+        """One multi-tensor op over `variables`; with `scale`, the loss-scaled op, returning its flag."""
         raise NotImplementedError
+
+    # -- loss scaling inside the op (tfmetal_ext.optimizers.loss_scale) -----------
+
+    # Plain Python over the step's structure and the backend tables: nothing for AutoGraph.
+    @tf.autograph.experimental.do_not_convert
+    def _loss_scaled_blocker(self, grads, trainable_variables):
+        """Why a `LossScaleOptimizer` step around this optimizer cannot be one loss-scaled op, or None.
+
+        The op replaces Keras' finite check, cond and unscale, and ``apply``'s
+        own work in the finite branch, so everything ``apply`` would do besides
+        the update must be absent: the op checks every gradient before its
+        first write, so all of them must go to one op (one group).
+        """
+        reason = self._multi_tensor_blocker(trainable_variables)
+        if reason is not None:
+            return reason
+        if tf.distribute.has_strategy():
+            return ("under a tf.distribute strategy (Keras' LossScaleOptimizer takes the finite check "
+                    "across replicas)")
+        pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+        if not pairs:
+            return "no gradients"
+        why = []
+        if self.loss_scale_factor is not None:
+            why.append(f"loss_scale_factor={self.loss_scale_factor!r}")
+        if self.gradient_accumulation_steps:
+            why.append(f"gradient_accumulation_steps={self.gradient_accumulation_steps}")
+        for name in ("clipnorm", "clipvalue", "global_clipnorm"):
+            if getattr(self, name, None):
+                why.append(f"{name}={getattr(self, name)!r} (Keras clips the unscaled gradients)")
+        if self.use_ema:
+            why.append("use_ema=True")
+        if any(getattr(v, "constraint", None) is not None for _, v in pairs):
+            why.append("a variable has a constraint")
+        if any(self._overwrite_variable_with_gradient(v) for _, v in pairs):
+            why.append("a variable is overwritten with its gradient")
+        if why:
+            return "; ".join(why)
+        for g, v in pairs:
+            if tf.as_dtype(g.dtype).base_dtype != tf.as_dtype(_tf_variable(v).dtype).base_dtype:
+                return (f"a gradient's dtype ({tf.as_dtype(g.dtype).name}) is not its variable's "
+                        f"({_dtype_key(_tf_variable(v))}): Keras checks the gradient as given")
+        groups = {(_dtype_key(_tf_variable(v)), _placement(_tf_variable(v)),
+                   self.weight_decay is not None and self._use_weight_decay(v)) for _, v in pairs}
+        if len(groups) > 1:
+            return (f"the variables form {len(groups)} groups (dtype, device, decayed or not): every gradient "
+                    "must be checked before any group is updated, so one op must take them all")
+        return None
+
+    def _log_loss_scale_fallback(self, reason):
+        key = ("loss_scale", reason)
+        if self.multi_tensor is False or key in self._fallbacks_logged:
+            return
+        self._fallbacks_logged.add(key)
+        logger.info("tfmetal_ext: %s under LossScaleOptimizer uses Keras' loss scaling (a finite check and a "
+                    "cond around the update) instead of %s's: %s", type(self).__name__,
+                    self._multi_tensor_op_name(), reason)
+
+    @tf.autograph.experimental.do_not_convert
+    def _apply_loss_scaled(self, scale, grads, trainable_variables=None):
+        """The whole inner step of a `LossScaleOptimizer` as one loss-scaled multi-tensor op.
+
+        Called by `tfmetal_ext.optimizers.loss_scale` in place of Keras' finite
+        check, cond, unscale and ``apply``: `grads` are the loss-scaled ones and
+        `scale` the wrapper's ``dynamic_scale``. Does what ``apply`` does in the
+        finite branch (variables checked, empty gradients dropped with Keras'
+        warning, learning rate from the schedule, decoupled weight decay, the
+        update, the iteration counter) with the op's check deciding: when a
+        gradient has a NaN or an infinity nothing is written and `iterations`
+        stays, as Keras skips the step. Returns the op's ``found_non_finite``
+        (a bool scalar tensor), or None when this step cannot run so
+        (`_loss_scaled_blocker`, the reason logged once at INFO): the caller
+        then runs Keras' own loss scaling.
+        """
+        grads = list(grads)
+        tvs = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
+        reason = self._loss_scaled_blocker(grads, tvs)
+        self._loss_scale_form = "keras" if reason is not None else "in_op"
+        self._loss_scale_form_reason = reason
+        if reason is not None:
+            self._log_loss_scale_fallback(reason)
+            return None
+        if trainable_variables is not None:
+            self._check_variables_are_known(tvs)
+        with keras_backend.name_scope(self.name, caller=self):
+            grads, tvs = self._filter_empty_gradients(grads, tvs)
+            variables = [_tf_variable(v) for v in tvs]
+            self._record_form(variables, None)
+            learning_rate = self.learning_rate
+            scalars = self._scalars_by_dtype(learning_rate, variables, composite=False)
+            dtype = _dtype_key(variables[0])
+            rate = None
+            if self.weight_decay is not None and self._use_weight_decay(tvs[0]):
+                with tf.name_scope("weight_decay"):
+                    rate = tf.cast(learning_rate, dtype) * tf.cast(self.weight_decay, dtype)
+            found = self._multi_tensor_apply(variables, grads, scalars[dtype], rate, scale=scale)
+            # Keras counts only the steps it applies (a bool cast, not int64 arithmetic: Metal
+            # backends lack int64 kernels of their own).
+            self._iterations.assign_add(tf.cast(tf.logical_not(found), self._iterations.dtype))
+        return found

@@ -54,6 +54,12 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
     kernel needs, see `tfmetal_ext.ops.multi_tensor_adam`; with
     ``multi_tensor=True`` the op wrapper itself falls back there).
 
+    Under a `keras.optimizers.LossScaleOptimizer` (``mixed_float16``), where
+    the multi-tensor op runs, it also takes the loss scale: one op checks,
+    unscales and skips a non-finite step, with no per-gradient ``IsFinite``
+    or ``cond`` (`tfmetal_ext.optimizers.loss_scale`; `loss_scale_form`
+    says whether the last traced step did).
+
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
             or a callable taking no arguments.
@@ -149,13 +155,10 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
         learning rate by the inverse factor (``m / sqrt(v)`` is linear in
         both) makes the fused update follow Keras'.
         """
-        if dtype == tf.bfloat16:
-            as_dtype = lambda x: float(tf.constant(x, tf.bfloat16).numpy())  # noqa: E731
-            sub = lambda b: float(tf.constant(1.0, tf.bfloat16) - tf.constant(b, tf.bfloat16))  # noqa: E731
-        else:
-            np_dtype = np.dtype(dtype.as_numpy_dtype)
-            as_dtype = lambda x: float(np_dtype.type(x))  # noqa: E731
-            sub = lambda b: float(np_dtype.type(1.0) - np_dtype.type(b))  # noqa: E731
+        # numpy (ml_dtypes for bfloat16) rounds as TF does, and runs inside a tf.function too.
+        np_dtype = np.dtype(dtype.as_numpy_dtype)
+        as_dtype = lambda x: float(np_dtype.type(x))  # noqa: E731
+        sub = lambda b: float(np_dtype.type(1.0) - np_dtype.type(b))  # noqa: E731
         keras_1 = as_dtype(1.0 - self.beta_1)
         keras_2 = as_dtype(1.0 - self.beta_2)
         kernel_1, kernel_2 = sub(self.beta_1), sub(self.beta_2)
@@ -242,7 +245,7 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
 
     # -- multi-tensor form (MultiTensorMixin) -------------------------------
 
-    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate, scale=None):
         from tfmetal_ext.ops import multi_tensor_adam
 
         dtype = variables[0].dtype
@@ -260,5 +263,6 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
             beta_2_power=scalars["beta_2_power"],
             vhats=[self._velocity_hats[i] for i in indices] if self.amsgrad else None,
             weight_decay_rate=weight_decay_rate,
+            scale=scale,
         )
 

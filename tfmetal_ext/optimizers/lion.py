@@ -50,6 +50,12 @@ class FusedLion(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Lion):
     ``ResourceApplyGradientDescent`` per decayed variable. `update_form`
     says which form the last traced step used.
 
+    Under a `keras.optimizers.LossScaleOptimizer` (``mixed_float16``), where
+    the multi-tensor op runs, it also takes the loss scale: one op checks,
+    unscales and skips a non-finite step, with no per-gradient ``IsFinite``
+    or ``cond`` (`tfmetal_ext.optimizers.loss_scale`; `loss_scale_form`
+    says whether the last traced step did).
+
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
             or a callable taking no arguments.
@@ -144,7 +150,7 @@ class FusedLion(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Lion):
 
     # -- multi-tensor form (MultiTensorMixin) -----------------------------------
 
-    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate, scale=None):
         from tfmetal_ext.ops import multi_tensor_lion
 
         dtype = variables[0].dtype
@@ -157,4 +163,5 @@ class FusedLion(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Lion):
             beta_1=scalars["beta_1"],
             beta_2=scalars["beta_2"],
             weight_decay_rate=weight_decay_rate,
+            scale=scale,
         )

@@ -73,6 +73,12 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
     (WARNING for an explicit ``multi_tensor=True``); `update_form` says
     which form the last traced step used.
 
+    Under a `keras.optimizers.LossScaleOptimizer` (``mixed_float16``), where
+    the multi-tensor op runs, it also takes the loss scale: one op checks,
+    unscales and skips a non-finite step, with no per-gradient ``IsFinite``
+    or ``cond`` (`tfmetal_ext.optimizers.loss_scale`; `loss_scale_form`
+    says whether the last traced step did).
+
     The per-variable form: one ``ResourceApplyRMSProp``
     (``ResourceApplyCenteredRMSProp`` when ``centered``) per variable, which
     computes the same (epsilon inside the
@@ -299,7 +305,7 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
 
     # -- multi-tensor form (MultiTensorMixin) -----------------------------------
 
-    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate):
+    def _multi_tensor_apply(self, variables, grads, scalars, weight_decay_rate, scale=None):
         from tfmetal_ext.ops import multi_tensor_rmsprop
 
         dtype = variables[0].dtype
@@ -316,4 +322,5 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
             average_gradients=[self._average_gradients[i] for i in indices] if self.centered else None,
             weight_decay_rate=weight_decay_rate,
             one_minus_rho=scalars["one_minus_rho"],
+            scale=scale,
         )

@@ -22,6 +22,9 @@ typedef NS_ENUM(NSUInteger, MTLCommandBufferStatus){
 typedef NS_OPTIONS(NSUInteger, MTLResourceOptions){
     MTLResourceStorageModeShared = 0UL << 4, MTLResourceStorageModeManaged = 1UL << 4,
     MTLResourceStorageModePrivate = 2UL << 4};
+// MTLBarrierScope (macOS 10.14): which resources a memory barrier orders.
+typedef NS_OPTIONS(NSUInteger, MTLBarrierScope){
+    MTLBarrierScopeBuffers = 1UL << 0, MTLBarrierScopeTextures = 1UL << 1, MTLBarrierScopeRenderTargets = 1UL << 2};
 typedef NS_ENUM(NSInteger, MTLMathMode){MTLMathModeSafe = 0, MTLMathModeRelaxed = 1, MTLMathModeFast = 2};
 typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
     MTLMathFloatingPointFunctionsFast = 0, MTLMathFloatingPointFunctionsPrecise = 1};
@@ -80,6 +83,7 @@ typedef NS_ENUM(NSInteger, MTLMathFloatingPointFunctions){
 - (void)setThreadgroupMemoryLength:(NSUInteger)length atIndex:(NSUInteger)index;
 - (void)dispatchThreads:(MTLSize)threadsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
 - (void)dispatchThreadgroups:(MTLSize)threadgroupsPerGrid threadsPerThreadgroup:(MTLSize)threadsPerThreadgroup;
+- (void)memoryBarrierWithScope:(MTLBarrierScope)scope;
 @end
 
 @protocol MTLBlitCommandEncoder <MTLCommandEncoder>
