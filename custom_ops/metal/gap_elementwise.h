@@ -1,5 +1,5 @@
 // Metal kernels of the elementwise gap kernels (IsFinite, Sigmoid, SigmoidGrad,
-// Elu, EluGrad, Fill, ZerosLike, OnesLike; host code in gap_elementwise_metal.mm,
+// Elu, EluGrad, Erfc, Fill, ZerosLike, OnesLike; host code in gap_elementwise_metal.mm,
 // math in tfmetal/gap_elementwise.h).
 //
 // One thread per element over one contiguous buffer (dispatchThreads, edge
@@ -57,6 +57,16 @@ template <typename T>
                         TFM_KERNEL_BUILTINS) {
   if (gid.x >= p.n) return;
   y[gid.x] = static_cast<T>(gap_elu(static_cast<float>(x[gid.x])));
+}
+
+// y = erfc(x). y may alias x.
+template <typename T>
+[[kernel]] void gap_erfc(device const T* x [[buffer(0)]],
+                         device T* y [[buffer(1)]],
+                         constant tfm_gap_elementwise_params& p [[buffer(2)]],
+                         TFM_KERNEL_BUILTINS) {
+  if (gid.x >= p.n) return;
+  y[gid.x] = static_cast<T>(gap_erfc(static_cast<float>(x[gid.x])));
 }
 
 // The two gradient kernels take the op's inputs in its order, as in0 and in1

@@ -10,12 +10,14 @@ TFM_GAP_FLOAT_KERNELS(gap_sigmoid)
 TFM_GAP_FLOAT_KERNELS(gap_sigmoid_grad)
 TFM_GAP_FLOAT_KERNELS(gap_elu)
 TFM_GAP_FLOAT_KERNELS(gap_elu_grad)
+TFM_GAP_FLOAT_KERNELS(gap_erfc)
 #if TFM_HAS_BFLOAT
 TFM_INSTANTIATE_KERNEL(gap_is_finite_bfloat, gap_is_finite<bfloat>)
 TFM_INSTANTIATE_KERNEL(gap_sigmoid_bfloat, gap_sigmoid<bfloat>)
 TFM_INSTANTIATE_KERNEL(gap_sigmoid_grad_bfloat, gap_sigmoid_grad<bfloat>)
 TFM_INSTANTIATE_KERNEL(gap_elu_bfloat, gap_elu<bfloat>)
 TFM_INSTANTIATE_KERNEL(gap_elu_grad_bfloat, gap_elu_grad<bfloat>)
+TFM_INSTANTIATE_KERNEL(gap_erfc_bfloat, gap_erfc<bfloat>)
 #endif
 
 // By element size: bool is 1 byte, half and bfloat16 are 2, float 4.

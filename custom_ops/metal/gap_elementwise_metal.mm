@@ -1,5 +1,5 @@
 // gap_elementwise_metal.mm: Metal (GPU) kernels for the standard TensorFlow
-// ops IsFinite, Sigmoid, SigmoidGrad, Elu, EluGrad, Fill, ZerosLike and
+// ops IsFinite, Sigmoid, SigmoidGrad, Elu, EluGrad, Erfc, Fill, ZerosLike and
 // OnesLike, registered only where the loaded Metal backend has none for the
 // op and dtype (RegisterGapKernels: the plan from
 // tfmetal_ext.backends.gap_kernels, gap_plan.h). Objective-C++ with ARC,
@@ -233,6 +233,7 @@ constexpr char kSigmoid[] = "gap_sigmoid";
 constexpr char kSigmoidGrad[] = "gap_sigmoid_grad";
 constexpr char kElu[] = "gap_elu";
 constexpr char kEluGrad[] = "gap_elu_grad";
+constexpr char kErfc[] = "gap_erfc";
 constexpr char kZeros[] = "zeros";
 constexpr char kOnes[] = "ones";
 constexpr char kFill[] = "fill";
@@ -241,6 +242,7 @@ const KernelRegistrar registrar([] {
   RegisterGapKernels<ElementwiseKernel, &UnaryCompute>("IsFinite", &CreateNamed<kIsFinite>);
   RegisterGapKernels<ElementwiseKernel, &UnaryCompute>("Sigmoid", &CreateNamed<kSigmoid>);
   RegisterGapKernels<ElementwiseKernel, &UnaryCompute>("Elu", &CreateNamed<kElu>);
+  RegisterGapKernels<ElementwiseKernel, &UnaryCompute>("Erfc", &CreateNamed<kErfc>);
   RegisterGapKernels<ElementwiseKernel, &SigmoidGradCompute>("SigmoidGrad", &CreateNamed<kSigmoidGrad>);
   RegisterGapKernels<ElementwiseKernel, &EluGradCompute>("EluGrad", &CreateNamed<kEluGrad>);
   RegisterGapKernels<ElementwiseKernel, &LikeCompute>("ZerosLike", &CreateNamed<kZeros>);

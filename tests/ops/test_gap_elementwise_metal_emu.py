@@ -3,6 +3,7 @@
 Every instantiation -- gap_is_finite_float, gap_is_finite_half, gap_is_finite_bfloat, gap_sigmoid_float,
 gap_sigmoid_half, gap_sigmoid_bfloat, gap_sigmoid_grad_float, gap_sigmoid_grad_half, gap_sigmoid_grad_bfloat,
 gap_elu_float, gap_elu_half, gap_elu_bfloat, gap_elu_grad_float, gap_elu_grad_half, gap_elu_grad_bfloat,
+gap_erfc_float, gap_erfc_half, gap_erfc_bfloat,
 gap_fill_1, gap_fill_2, gap_fill_4 -- is dispatched as gap_elementwise_metal.mm dispatches it (dispatchThreads with the
 helper's threadgroup size, chunks bound at buffer offsets) and compared with numpy in float64 and with
 TensorFlow's own CPU kernel of the op (the kernel it stands in for on a Metal backend that lacks one), in the
@@ -18,11 +19,15 @@ custom_ops/include/tfmetal/gap_elementwise.h):
   ours within 2.35), 3 ulps of half/bfloat16 (TF rounds exp, 1 + e and the quotient, we round once).
 - Elu: exp(x) - 1 on both sides, so an absolute difference: 2^-23 in float, one ulp of the type just
   below 1 in half/bfloat16 (TF rounds exp before subtracting).
+- Erfc: ours within 7 float ulps of exact (6.9 over every float in [-11, 11]), TF's float kernel within
+  x^2 + 4 (it rounds x * x inside exp): x^2 + 11 apart; 1 ulp of half/bfloat16 (both evaluate in float and
+  round once).
 - Everywhere: TF's CPU flushes subnormal results to zero, the kernels keep them: float's smallest normal
   (2^-126) as an absolute tolerance.
 """
 
 import ctypes
+import math
 import re
 from pathlib import Path
 
@@ -37,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 HOST = ROOT / "custom_ops" / "metal" / "gap_elementwise_metal.mm"
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16),
           "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
-OPS = ("gap_is_finite", "gap_sigmoid", "gap_sigmoid_grad", "gap_elu", "gap_elu_grad")
+OPS = ("gap_is_finite", "gap_sigmoid", "gap_sigmoid_grad", "gap_elu", "gap_elu_grad", "gap_erfc")
 FILLS = {1: "gap_fill_1", 2: "gap_fill_2", 4: "gap_fill_4"}
 SIZES = [4099, 1, 31, 33, 1000]  # 4099 (the quick tier's): several threadgroups and a partial one
 PARAMS = np.dtype([("n", "<u4")])  # tfm_gap_elementwise_params
@@ -269,6 +274,48 @@ def test_sigmoid_and_elu_agree_with_numpy_and_tf(lib, dtype, n):
     elu = metal_unary(lib, "gap_elu", dtype, x).astype(np.float32)
     assert (sig[xf == -np.inf] == 0).all() and (sig[xf == np.inf] == 1).all()
     assert (elu[xf == -np.inf] == -1).all() and (elu[xf == np.inf] == np.inf).all()
+
+
+def np_erfc(x):
+    """erfc in float64 (the standard library's, correctly rounded to within an ulp of float64)."""
+    return np.frompyfunc(math.erfc, 1, 1)(np.asarray(x, np.float64)).astype(np.float64)
+
+
+def erfc_sweep(dtype):
+    """[-12, 12] evenly (erfc's range from 2 to below float's subnormals, the branch at |x| = 0.5, the cut at
+    10.5), magnitudes 1e-45..12 of both signs, the floats next to +-0.5, and the specials."""
+    lin = np.linspace(-12, 12, 24001, dtype=np.float32)
+    mag = (10.0 ** np.linspace(-45, np.log10(12), 2001)).astype(np.float32)
+    half = np.float32(0.5)
+    edges = np.array([np.nextafter(half, 0), half, np.nextafter(half, 1)], np.float32)
+    with np.errstate(over="ignore"):
+        return np.concatenate([lin, mag, -mag, edges, -edges, SPECIALS]).astype(DTYPES[dtype][0])
+
+
+@pytest.mark.cover_axes("dtype")
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_erfc_agrees_with_exact_and_tf(lib, dtype):
+    x = erfc_sweep(dtype)
+    got = metal_unary(lib, "gap_erfc", dtype, x).astype(np.float64)
+    exact = np_erfc(x)
+    # Against exact: 7 float ulps (tfmetal/gap_elementwise.h: 6.9 over every float in [-11, 11]); half and
+    # bfloat16 round that float once: within half an ulp plus 7 float ulps, so 1 ulp. Below float's smallest
+    # normal the result is subnormal (float) or flushed by neither side: FTZ absolute.
+    assert_close_ulps(got, exact, dtype, 7 if dtype == "float" else 1, FTZ)
+    want_tf = tf_cpu(tf.math.erfc, x).astype(np.float64)
+    if dtype == "float":
+        # TF rounds x * x inside exp(-x * x): up to x^2 ulps, plus its approximation's own (4 asserted).
+        xf = x.astype(np.float64)
+        ok = np.isfinite(want_tf)
+        bound = (np.minimum(xf, 12.0) ** 2 + 11.0) * ulp_of(want_tf, dtype) + FTZ
+        err = np.abs(got - want_tf)
+        assert (err[ok] <= bound[ok]).all(), f"max {np.max(err[ok] / ulp_of(want_tf[ok], dtype)):.1f} ulps from TF"
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want_tf))
+    else:
+        assert_close_ulps(got, want_tf, dtype, 1, FTZ)
+    xf = x.astype(np.float32)
+    assert (got[xf == np.inf] == 0).all() and (got[xf == -np.inf] == 2).all() and (got[xf == 0] == 1).all()
+    assert np.isnan(got[np.isnan(xf)]).all()
 
 
 @pytest.mark.cover_axes("dtype")

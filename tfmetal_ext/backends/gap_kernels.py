@@ -227,6 +227,8 @@ GAP_KERNELS = types.MappingProxyType(
             _k("SigmoidGrad", FLOATS, "gap_elementwise"),
             _k("Elu", FLOATS, "gap_elementwise"),
             _k("EluGrad", FLOATS, "gap_elementwise"),
+            _k("Erfc", FLOATS, "gap_elementwise",
+               note="exact GELU's erfc; within 7 float ulps of exact (TF's float kernel: up to x^2 ulps)"),
             _k("ZerosLike", FLOATS, "gap_elementwise"),
             _k("OnesLike", FLOATS, "gap_elementwise"),
             _k("Fill", FLOATS + ("bool",), "gap_elementwise", other_attrs={"index_type": INDICES},

@@ -570,6 +570,7 @@ def gap_kernels():
         "Elu": lambda d: (raw.Elu, dict(features=special(67, d))),
         "EluGrad": lambda d: (raw.EluGrad, dict(gradients=t(rng.standard_normal(67), d),
                                                 outputs=t(rng.standard_normal(67), d))),
+        "Erfc": lambda d: (raw.Erfc, dict(x=special(67, d))),
         "ZerosLike": lambda d: (raw.ZerosLike, dict(x=special(67, d))),
         "OnesLike": lambda d: (raw.OnesLike, dict(x=special(67, d))),
         "Fill": lambda d: (raw.Fill, dict(dims=tf.constant([3, 41]), value=t(True if d == "bool" else -2.5, d))),
