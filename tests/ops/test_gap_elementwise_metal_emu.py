@@ -517,3 +517,74 @@ def test_output_may_alias_the_first_input(lib):
     inplace = y.copy()
     dispatch(lib, "gap_sigmoid_grad_bfloat", [inplace, dy, inplace])
     assert_same_bits(inplace, want)
+
+
+# ----------------------------------------------------------------------------
+# Bitcast: no kernel runs, the host code views the input's buffer as `type` with the shape
+# tfmetal/host_checks.h's BitcastShape gives. That rule, compiled here, against TF's CPU kernel.
+
+BITCAST_SHIM = r"""
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+#include "tfmetal/host_checks.h"
+extern "C" int bitcast_shape(int in_type, long long in_size, int out_type, long long out_size, const int64_t* dims,
+                             int rank, int64_t* out_dims, int* out_rank, char* message, int cap) {
+  std::vector<int64_t> out;
+  const std::string error = tfmetal_ext::BitcastShape(in_type, in_size, out_type, out_size, dims, rank, &out);
+  std::strncpy(message, error.c_str(), cap - 1);
+  message[cap - 1] = 0;
+  *out_rank = static_cast<int>(out.size());
+  for (size_t i = 0; i < out.size(); ++i) out_dims[i] = out[i];
+  return error.empty() ? 0 : 1;
+}
+"""
+
+BITCAST_DTYPES = [tf.float32, tf.float16, tf.bfloat16, tf.int32, tf.int64]
+BITCAST_SHAPES = [[], [1], [2], [4], [3, 2], [2, 4], [0, 2], [0, 4], [2, 0], [5, 1], [2, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def bitcast_shape(tmp_path_factory):
+    import shlex
+    import subprocess
+
+    from tfmetal_ext.ops import _loader
+
+    compiler = _loader.find_compiler()
+    if compiler is None:
+        pytest.skip("no C++ compiler found: the host's shape rule cannot be built here")
+    out = tmp_path_factory.mktemp("bitcast")
+    (out / "shim.cc").write_text(BITCAST_SHIM)
+    subprocess.run(shlex.split(compiler) + ["-std=c++17", "-O1", "-shared", "-fPIC", "-I",
+                    str(ROOT / "custom_ops" / "include"), str(out / "shim.cc"), "-o", str(out / "shim.so")],
+                   check=True, capture_output=True)
+    fn = ctypes.CDLL(str(out / "shim.so")).bitcast_shape
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_int, ctypes.c_longlong, ctypes.c_void_p, ctypes.c_int,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int]
+
+    def call(in_dtype, out_dtype, shape):
+        dims = np.array(shape, np.int64)
+        out_dims, out_rank = np.zeros(len(shape) + 1, np.int64), ctypes.c_int(0)
+        message = ctypes.create_string_buffer(256)
+        failed = fn(in_dtype.as_datatype_enum, in_dtype.size, out_dtype.as_datatype_enum, out_dtype.size,
+                    dims.ctypes.data if len(shape) else None, len(shape), out_dims.ctypes.data,
+                    ctypes.byref(out_rank), message, 256)
+        return (None, message.value.decode()) if failed else (out_dims[:out_rank.value].tolist(), "")
+    return call
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("out_dtype", BITCAST_DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("in_dtype", BITCAST_DTYPES, ids=lambda d: d.name)
+def test_bitcast_shape_and_errors_are_tfs(bitcast_shape, in_dtype, out_dtype):
+    for shape in BITCAST_SHAPES:
+        got_shape, got_error = bitcast_shape(in_dtype, out_dtype, shape)
+        try:
+            with tf.device("/CPU:0"):
+                want = tf.raw_ops.Bitcast(input=tf.zeros(shape, in_dtype), type=out_dtype)
+        except tf.errors.InvalidArgumentError as e:
+            assert got_shape is None and got_error in e.message, (shape, got_error, e.message)
+            continue
+        assert got_error == "" and got_shape == want.shape.as_list(), (shape, got_shape, want.shape)

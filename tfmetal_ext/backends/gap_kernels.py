@@ -233,6 +233,9 @@ GAP_KERNELS = types.MappingProxyType(
             _k("OnesLike", FLOATS, "gap_elementwise"),
             _k("Fill", FLOATS + ("bool",), "gap_elementwise", other_attrs={"index_type": INDICES},
                host_memory=("dims", "value")),
+            _k("Bitcast", FLOATS + INDICES, "gap_elementwise", other_attrs={"type": FLOATS + INDICES},
+               note="a view of the input's buffer, no kernel runs (Keras' argmax, hence its accuracy metrics, "
+                    "bitcasts float32 to int32 for the sign bit)"),
             _k("Einsum", FLOATS, "gap_einsum", string_attrs={"equation": EINSUM_EQUATIONS},
                note="the two-operand contractions Keras and keras-hub emit (EINSUM_EQUATIONS), as one strided "
                     "batched matrix product summed in float; agrees with TF's CPU kernel to rounding"),

@@ -571,6 +571,12 @@ def gap_kernels():
         "EluGrad": lambda d: (raw.EluGrad, dict(gradients=t(rng.standard_normal(67), d),
                                                 outputs=t(rng.standard_normal(67), d))),
         "Erfc": lambda d: (raw.Erfc, dict(x=special(67, d))),
+        # A view (float32 -> int32 is Keras' argmax); int64 -> int32 adds a dimension of 2. Non-negative
+        # integers, so int32 -> float32 gives no NaN bit patterns (subnormals, compared exactly).
+        "Bitcast": lambda d: (raw.Bitcast, dict(
+            input=t(rng.integers(0, 9, (3, 5)), d) if d in ("int32", "int64") else special(67, d),
+            type={"float32": tf.int32, "float16": tf.bfloat16, "bfloat16": tf.float16, "int32": tf.float32,
+                  "int64": tf.int32}[d])),
         "ZerosLike": lambda d: (raw.ZerosLike, dict(x=special(67, d))),
         "OnesLike": lambda d: (raw.OnesLike, dict(x=special(67, d))),
         "Fill": lambda d: (raw.Fill, dict(dims=tf.constant([3, 41]), value=t(True if d == "bool" else -2.5, d))),

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <vector>
 
 namespace tfmetal_ext {
 
@@ -102,6 +103,28 @@ inline std::string StatelessUniformArgsError(int alg_rank, const int64_t* alg_di
     if (shape[i] < 0) return "Dimension " + std::to_string(shape[i]) + " must be >= 0";
   }
   if (resolved != kRngAlgPhilox) return "Unsupported algorithm id: " + std::to_string(alg);
+  return "";
+}
+
+// Bitcast's output shape, TensorFlow's rule: elements of `in_size` bytes
+// (TF_DataType `in_type`) viewed as elements of `out_size` bytes. Equal
+// sizes keep the shape; a larger input element adds a last dimension of
+// in_size / out_size; a smaller one needs a last dimension of
+// out_size / in_size, which goes. "" with `out` set, else the InvalidArgument
+// message, in TF's words (the two types as TF_DataType numbers).
+inline std::string BitcastShape(int in_type, int64_t in_size, int out_type, int64_t out_size, const int64_t* dims,
+                                int rank, std::vector<int64_t>* out) {
+  const std::string error = "Cannot bitcast from " + std::to_string(in_type) + " to " + std::to_string(out_type);
+  out->assign(dims, dims + rank);
+  if (in_size <= 0 || out_size <= 0) return error;
+  if (in_size == out_size) return "";
+  if (in_size > out_size) {
+    if (in_size % out_size != 0) return error;
+    out->push_back(in_size / out_size);
+    return "";
+  }
+  if (out_size % in_size != 0 || rank < 1 || dims[rank - 1] != out_size / in_size) return error;
+  out->pop_back();
   return "";
 }
 
