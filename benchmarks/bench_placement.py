@@ -38,7 +38,7 @@ from _common import RESULTS_DIR, run_json_worker, write_results  # noqa: E402
 BACKENDS = ("tensorflow-metal", "tensorflow-metal-plugin")
 VARIANTS = ("stock", "stock+import", "converted")
 COLUMNS = ["model", "backend", "variant", "fallbacks", "host_ops", "int32_host", "transfers", "gap_kernels",
-           "left_on_cpu", "error"]
+           "fallback_ops", "left_on_cpu", "error"]
 
 
 def _names(entries, top=8):
@@ -57,6 +57,7 @@ def measure(name, applications=False):
 
     import tfmetal_ext
     from tfmetal_ext import inspect
+    from tfmetal_ext.optimizers import loss_scale
 
     import bench_models
 
@@ -80,6 +81,8 @@ def measure(name, applications=False):
                 row["error"] = opt
                 rows.append(row)
                 continue
+            if variant == "stock":  # Keras' own LossScaleOptimizer step, as without tfmetal_ext
+                loss_scale.uninstall()
             try:
                 model.compile(optimizer=opt(), loss=spec["loss"], metrics=list(spec["metrics"]))
                 r = inspect.placement_report(model, spec["x"], targets=spec["y"], mode="train",
@@ -88,6 +91,8 @@ def measure(name, applications=False):
                 row["error"] = f"{type(e).__name__}: {e}"[:200]
                 rows.append(row)
                 continue
+            finally:
+                loss_scale.install()
             row.update(
                 fallbacks=sum(e.count for e in r.cpu_fallback + r.fails),
                 host_ops=sum(e.count for e in r.host),
@@ -95,6 +100,7 @@ def measure(name, applications=False):
                 transfers=r.transfer_count,
                 gap_kernels=sum(e.count for e in r.gap_kernels),
                 left_on_cpu=_names(r.missing),
+                fallback_ops=_names(r.cpu_fallback + r.fails),
                 transfer_kinds="; ".join(f"{t.producer}->{t.consumer}@{t.layer or '(step)'} x{t.count}"
                                          for t in r.transfers[:8]),
             )

@@ -241,6 +241,65 @@ def test_other_optimizers_are_untouched():
 
 
 # ----------------------------------------------------------------------------
+# Keras' own finite check, with a sparse gradient checked on its values
+
+
+@contextlib.contextmanager
+def keras_check_finite():
+    """Keras' own LossScaleOptimizer.check_finite while the block runs."""
+    cls = keras.optimizers.LossScaleOptimizer
+    ours = cls.check_finite
+    cls.check_finite = loss_scale._original["check_finite"]
+    try:
+        yield
+    finally:
+        cls.check_finite = ours
+
+
+def embedding_fit(steps=12, batch_size=8, inf_at=None):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential([keras.Input((6,), dtype="int32"), keras.layers.Embedding(50, 8),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(2)])
+    model.compile(optimizer=lso(keras.optimizers.Adam(1e-2)), loss="mse")
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 50, (steps * batch_size, 6)).astype("int32")
+    y = rng.standard_normal((steps * batch_size, 2)).astype("float32")
+    model.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+    return model
+
+
+def test_sparse_gradient_is_checked_without_a_dense_mask():
+    assert loss_scale._original["check_finite"] is not None, "check_finite was not installed"
+    ours = embedding_fit()
+    counts = inspect.report_from_capture(
+        inspect.trace_train(ours, np.zeros((8, 6), "int32"), np.zeros((8, 2), "float32")), ours).ops_by_type
+    assert "TensorScatterUpdate" not in counts, counts
+    with keras_check_finite():
+        stock = embedding_fit()
+        stock_counts = inspect.report_from_capture(
+            inspect.trace_train(stock, np.zeros((8, 6), "int32"), np.zeros((8, 2), "float32")), stock).ops_by_type
+    assert stock_counts.get("TensorScatterUpdate") == 1, stock_counts  # Keras densifies the embedding's mask
+    # The same flag every step, through the overflowing first steps (skipped, halved) and growth.
+    assert float(np.asarray(ours.optimizer.dynamic_scale)) < 2.0 ** 30
+    assert_bitwise(state(ours), state(stock))
+
+
+@pytest.mark.parametrize("values, want", [
+    ([[1.0, 2.0], [3.0, 4.0]], True), ([[1.0, np.inf], [3.0, 4.0]], False), ([[np.nan, 2.0], [3.0, 4.0]], False),
+    (np.zeros((0, 2)), True)])
+def test_check_finite_equals_keras_on_sparse_dense_and_none(values, want):
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    sparse = tf.IndexedSlices(tf.constant(values, tf.float16), tf.range(len(values)) * 2, tf.constant([7, 2]))
+    dense = tf.constant([0.5, -1.0], tf.float16)
+    for grads in ([sparse], [dense, None, sparse], [None, dense]):
+        got = bool(opt.check_finite(grads))
+        with keras_check_finite():
+            assert got == bool(opt.check_finite(grads))
+        assert got == (want if any(g is sparse for g in grads) else True)
+
+
+# ----------------------------------------------------------------------------
 # The install
 
 
@@ -260,4 +319,6 @@ def test_install_is_guarded_by_keras_source(monkeypatch):
     finally:
         assert loss_scale.install() is True
     assert keras.optimizers.LossScaleOptimizer._tf_apply is loss_scale._tf_apply
+    assert keras.optimizers.LossScaleOptimizer.check_finite is loss_scale.check_finite
+    assert loss_scale.keras_check_matches() and not loss_scale.keras_check_matches(NotKeras)
     assert loss_scale.install() is True  # idempotent

@@ -42,6 +42,16 @@ asks the inner optimizer first (``_apply_loss_scaled``: only our fused
 optimizers have it) and otherwise calls Keras' own method unchanged. Every
 other optimizer, and every step the op cannot take, runs exactly as before.
 
+The finite check of Keras' own step (where the op cannot take it, and
+around every other optimizer) is replaced too, by `check_finite` below: the
+same flag, but a sparse gradient (the ``tf.IndexedSlices`` of an
+``Embedding``) is checked on its values. Keras' ``isfinite`` densifies it
+first: a ``Fill`` of True the shape of the whole table and a
+``TensorScatterUpdate`` of the values' flags into it, every step. Neither
+Metal backend has a bool ``TensorScatterUpdate`` kernel, so that check went
+to the CPU; rows without an update are True, so ``all`` of the dense mask is
+``all(isfinite(values))`` exactly.
+
 Version guard: installed only when the source of Keras'
 `LossScaleOptimizer` still contains the rule reproduced here (its unscale,
 growth test, factors and counter updates, and ``_tf_apply`` itself);
@@ -76,17 +86,34 @@ _RULE = (
     "self._tf_apply(grads,trainable_variables)",
 )
 
-_original = {"_tf_apply": None}
+# ... and of its finite check, which `check_finite` reproduces.
+_CHECK_RULE = (
+    "defcheck_finite(self,grads):",
+    "tensor_grads=[gforgingradsifgisnotNone]",
+    "finite_grads=[ops.all(ops.isfinite(g))forgintensor_grads]",
+    "returnops.all(ops.convert_to_tensor(finite_grads))",
+)
+
+_original = {"_tf_apply": None, "check_finite": None}
+
+
+def _source(cls):
+    try:
+        return re.sub(r"\s+", "", inspect.getsource(cls))
+    except (OSError, TypeError):
+        return ""
 
 
 def keras_rule_matches(cls=None):
     """Whether Keras' `LossScaleOptimizer` (or `cls`) has the rule this module reproduces, from its source."""
-    cls = cls or keras.optimizers.LossScaleOptimizer
-    try:
-        source = re.sub(r"\s+", "", inspect.getsource(cls))
-    except (OSError, TypeError):
-        return False
-    return all(fragment in source for fragment in _RULE)
+    source = _source(cls or keras.optimizers.LossScaleOptimizer)
+    return bool(source) and all(fragment in source for fragment in _RULE)
+
+
+def keras_check_matches(cls=None):
+    """Whether Keras' `LossScaleOptimizer` (or `cls`) has the finite check `check_finite` reproduces."""
+    source = _source(cls or keras.optimizers.LossScaleOptimizer)
+    return bool(source) and all(fragment in source for fragment in _CHECK_RULE)
 
 
 def installed():
@@ -111,6 +138,9 @@ def install():
         return False
     _original["_tf_apply"] = cls.__dict__["_tf_apply"]
     cls._tf_apply = _tf_apply
+    if keras_check_matches(cls) and "check_finite" in cls.__dict__:
+        _original["check_finite"] = cls.__dict__["check_finite"]
+        cls.check_finite = check_finite
     return True
 
 
@@ -119,6 +149,9 @@ def uninstall():
     if installed():
         keras.optimizers.LossScaleOptimizer._tf_apply = _original["_tf_apply"]
         _original["_tf_apply"] = None
+    if _original["check_finite"] is not None:
+        keras.optimizers.LossScaleOptimizer.check_finite = _original["check_finite"]
+        _original["check_finite"] = None
 
 
 def _tf_apply(self, grads, trainable_variables=None):
@@ -149,3 +182,19 @@ def update_dynamic_scale(optimizer, found):
         one, two, half = (tf.constant(x, tf.float32) for x in (1.0, 2.0, 0.5))
         factor = tf.where(found, half, tf.where(grow, two, one))
         scale.assign(tf.convert_to_tensor(scale.value) * factor)
+
+
+def check_finite(self, grads):
+    """`LossScaleOptimizer.check_finite`: True when every gradient is finite; a sparse one is checked on its values.
+
+    Keras' flag exactly (see the module docstring), without densifying a
+    ``tf.IndexedSlices`` gradient into a bool tensor of its variable's shape.
+    """
+    flags = []
+    for g in grads:
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            g = g.values
+        flags.append(keras.ops.all(keras.ops.isfinite(g)))
+    return keras.ops.all(keras.ops.convert_to_tensor(flags))
