@@ -584,6 +584,11 @@ def gap_kernels():
                                                   else t(rng.standard_normal((4, 9)), d) for _ in range(3)], axis=1)),
         "Unpack": lambda d: (raw.Unpack, dict(value=t(rng.standard_normal((4, 3, 9)) > 0, d) if d == "bool"
                                               else t(rng.standard_normal((4, 3, 9)), d), num=3, axis=1)),
+        "ReverseV2": lambda d: (raw.ReverseV2, dict(tensor=special(67, d)[None, :] + t(np.zeros((3, 1)), d),
+                                                    axis=tf.constant([0, -1]))),
+        "ReverseSequence": lambda d: (raw.ReverseSequence, dict(
+            input=t(rng.standard_normal((4, 33, 3)), d), seq_lengths=tf.constant([33, 0, 17, 1], tf.int64),
+            seq_dim=1, batch_dim=0)),
         "UnsortedSegmentSum": lambda d: (raw.UnsortedSegmentSum, dict(
             data=t(rng.standard_normal((50, 17)), d), segment_ids=tf.constant(rng.integers(0, 9, 50), tf.int64),
             num_segments=tf.constant(11))),
