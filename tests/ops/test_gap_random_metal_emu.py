@@ -269,3 +269,20 @@ def test_a_one_word_philox_counter_is_refused(shim):
     ours = _message(shim.uniform_error, ctypes.c_int(0), p, ctypes.c_int(1), p, ctypes.c_int(1), p, ctypes.c_int(1), p,
                     ctypes.c_int(1), shape.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(1))
     assert ours.startswith("counter must be a vector with length at least 2; got shape: [1].")
+
+
+@pytest.mark.parametrize("shape", [[2 ** 40, 2 ** 40], [2 ** 40, 2 ** 40, -1], [2 ** 62, 2, 0], [2 ** 62, 1, 2],
+                                   [-1, 2 ** 40]], ids=str)
+def test_uniform_shape_overflow_is_tfs(shim, shape):
+    # A shape past 2^63 - 1 elements is TF's error on the host, never an allocation of a wrapped size.
+    shape_t = tf.constant(shape, tf.int64)
+    key, counter, alg = tf.constant([5], tf.uint64), tf.constant([0, 0], tf.uint64), tf.constant(1, tf.int32)
+    values = np.array(shape, np.int64)
+    dims = [_dims(t) for t in (alg, key, counter, shape_t)]
+    p = [d.ctypes.data_as(ctypes.c_void_p) for d in dims]
+    ours = _message(shim.uniform_error, ctypes.c_int(0), p[0], ctypes.c_int(1), p[1], ctypes.c_int(1), p[2],
+                    ctypes.c_int(1), p[3], ctypes.c_int(1), values.ctypes.data_as(ctypes.c_void_p),
+                    ctypes.c_int64(values.size))
+    theirs = _tf_error(lambda: tf.raw_ops.StatelessRandomUniformV2(shape=shape_t, key=key, counter=counter, alg=alg,
+                                                                   dtype=tf.float32))
+    assert ours and ours in theirs, (ours, theirs)

@@ -47,29 +47,10 @@ inline GapBroadcastToAction GapBroadcastToCheck(const std::vector<int64_t>& inpu
              tfmetal_ext::ShapeText(shape_dims.data(), static_cast<int>(shape_dims.size()));
     return kGapBroadcastToError;
   }
-  // The shape's values, as TensorShape builds them: at most 254 dimensions,
-  // none negative, at most 2^63 - 1 elements (a zero stops the product).
-  if (shape.size() > 254) {
-    *error = "Too many dimensions";
-    return kGapBroadcastToError;
-  }
-  int64_t elements = 1;
-  for (size_t i = 0; i < shape.size(); ++i) {
-    const int64_t d = shape[i];
-    if (d < 0) {
-      *error = "Dimension " + std::to_string(d) + " must be >= 0";
-      return kGapBroadcastToError;
-    }
-    if (elements != 0 && d > std::numeric_limits<int64_t>::max() / elements) {
-      std::string text = "[";  // TensorShapeProto's text: -1 (unknown) reads "?"
-      for (size_t j = 0; j < shape.size(); ++j) {
-        text += (j ? "," : "") + (shape[j] == -1 ? std::string("?") : std::to_string(shape[j]));
-      }
-      *error = "Shape " + text + "] would have more than 2**63 - 1 elements";
-      return kGapBroadcastToError;
-    }
-    elements *= d;
-  }
+  // The shape's values, as TensorShape builds them (254 dimensions at most, none negative, at most
+  // 2^63 - 1 elements).
+  *error = tfmetal_ext::ShapeValuesError(shape.data(), static_cast<int64_t>(shape.size()));
+  if (!error->empty()) return kGapBroadcastToError;
   *out = shape;
   if (shape == input) return kGapBroadcastToForward;
   const int out_rank = static_cast<int>(shape.size());

@@ -26,6 +26,29 @@ inline std::string ShapeText(const int64_t* dims, int rank) {
   return s + "]";
 }
 
+// "" if the values `dims` make a TensorShape, else TF's InvalidArgument text
+// (TensorShapeUtils::MakeShape's checks, in its order: at most 254
+// dimensions; then dimension by dimension, a negative one, or a running
+// product past 2^63 - 1, so [2^40, 2^40, 0] overflows before the 0). The
+// overflow text shows the whole shape, -1 as "?" (TensorShapeProto's text).
+inline std::string ShapeValuesError(const int64_t* dims, int64_t rank) {
+  if (rank > 254) return "Too many dimensions";
+  int64_t elements = 1;
+  for (int64_t i = 0; i < rank; ++i) {
+    const int64_t d = dims[i];
+    if (d < 0) return "Dimension " + std::to_string(d) + " must be >= 0";
+    if (elements != 0 && d > std::numeric_limits<int64_t>::max() / elements) {
+      std::string text = "[";
+      for (int64_t j = 0; j < rank; ++j) {
+        text += (j ? "," : "") + (dims[j] == -1 ? std::string("?") : std::to_string(dims[j]));
+      }
+      return "Shape " + text + "] would have more than 2**63 - 1 elements";
+    }
+    elements *= d;
+  }
+  return "";
+}
+
 // "" if `dims` is a vector of `n` elements; otherwise the InvalidArgument
 // message "<name> must be a vector of <what> = <n>, got shape [..]".
 inline std::string VectorShapeError(const char* name, const int64_t* dims, int rank, int64_t n, const char* what) {
@@ -99,9 +122,8 @@ inline std::string StatelessUniformArgsError(int alg_rank, const int64_t* alg_di
            ". (Note that batched counters are not supported yet.)";
   }
   if (shape_rank != 1) return "shape must be a vector of {int32,int64}, got shape " + ShapeText(shape_dims, shape_rank);
-  for (int64_t i = 0; i < shape_len; ++i) {
-    if (shape[i] < 0) return "Dimension " + std::to_string(shape[i]) + " must be >= 0";
-  }
+  const std::string shape_error = ShapeValuesError(shape, shape_len);
+  if (!shape_error.empty()) return shape_error;
   if (resolved != kRngAlgPhilox) return "Unsupported algorithm id: " + std::to_string(alg);
   return "";
 }
