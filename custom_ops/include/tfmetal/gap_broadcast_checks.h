@@ -8,7 +8,6 @@
 #define TFMETAL_GAP_BROADCAST_CHECKS_H_
 
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <vector>
 
