@@ -401,8 +401,8 @@ def test_matches_the_cpu_kernel(lib, dtype):
     tf_dtype = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}[dtype]
     t = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, v, do)]
     with tf.device("/CPU:0"):
-        cpu_out, cpu_lse = ops.tfmetal_ext_attention(t[0], t[1], t[2], tf.constant(mask), causal=True, scale=scale)
-        cpu_grads = ops.tfmetal_ext_attention_grad(t[3], t[0], t[1], t[2], tf.constant(mask), cpu_out, cpu_lse,
+        cpu_out, cpu_lse = ops.tfmetal_ext_attention(t[0], t[1], t[2], tf.constant(mask), [], causal=True, scale=scale)
+        cpu_grads = ops.tfmetal_ext_attention_grad(t[3], t[0], t[1], t[2], tf.constant(mask), cpu_out, cpu_lse, [],
                                                    causal=True, scale=scale)
     cpu_out = cpu_out.numpy().astype(DTYPES[dtype])
     cpu_lse = cpu_lse.numpy()

@@ -488,8 +488,8 @@ def attention(dtype):
     dy = tf.constant(rng.standard_normal((b, h, tq, dv)), dtype)
 
     def fused(q, k, v, mask, dy):
-        out, lse = lib.tfmetal_ext_attention(q, k, v, mask, causal=True, scale=scale)
-        grads = lib.tfmetal_ext_attention_grad(dy, q, k, v, mask, out, lse, causal=True, scale=scale)
+        out, lse = lib.tfmetal_ext_attention(q, k, v, mask, [], causal=True, scale=scale)
+        grads = lib.tfmetal_ext_attention_grad(dy, q, k, v, mask, out, lse, [], causal=True, scale=scale)
         return (out,) + tuple(grads)
 
     out, _ = testing.np_attention(_f64(q), _f64(k), _f64(v), keep, True, scale)
