@@ -910,3 +910,24 @@ def test_graphs_without_the_seed_input_still_load_and_run():
     wants = np_attention_grad(np.ones_like(want), q, k, v, None, True, 0.5)
     for a, b in zip(got_grads, wants):
         assert_close(a, b, 2e-5)
+
+
+def test_kernel_seed_errors_read_like_tensorflows():
+    """A malformed seed tensor (shape unknown when the graph is built, so the kernels check it) gives
+    InvalidArgumentError with TensorFlow's own text for stateless seeds; a missing one names the input."""
+    lib = _lib()
+    q = np.zeros((1, 1, 2, 4), "float32")
+    m = np.ones((1, 1, 1, 1), bool)
+    fn = tf.function(lambda s: lib.tfmetal_ext_attention(q, q, q, m, [s], dropout_rate=0.5, dropout_scale=2.0)[0],
+                     input_signature=[tf.TensorSpec(None, tf.int64)])
+    with pytest.raises(tf.errors.InvalidArgumentError) as ours:
+        fn(tf.constant([1, 2, 3], tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError) as theirs:
+        tf.function(lambda s: tf.raw_ops.StatelessRandomGetKeyCounter(seed=s),
+                    input_signature=[tf.TensorSpec(None, tf.int64)])(tf.constant([1, 2, 3], tf.int64))
+    assert "seed must have shape [2], not [3]" in ours.value.message
+    assert "seed must have shape [2], not [3]" in theirs.value.message
+    with pytest.raises(tf.errors.InvalidArgumentError, match="dropout_rate = 0.5.* needs the seed input"):
+        lib.tfmetal_ext_attention(q, q, q, m, [], dropout_rate=0.5, dropout_scale=2.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"dropout_rate must be in \[0, 1\]"):
+        lib.tfmetal_ext_attention(q, q, q, m, [np.array([1, 2])], dropout_rate=1.5, dropout_scale=2.0)
