@@ -774,7 +774,8 @@ def test_dropout_seeds(path):
     np.testing.assert_array_equal(first, attention(q, k, v, dropout_rate=0.5, seed=[1, 2]).numpy())
     np.testing.assert_array_equal(first, attention(q, k, v, dropout_rate=0.5, seed=np.array([1, 2], "int64")).numpy())
     traced = tf.function(lambda s: attention(q, k, v, dropout_rate=0.5, seed=s))
-    np.testing.assert_array_equal(first, traced(tf.constant([1, 2])).numpy())
+    # The same mask traced (a graph may round the reference's MatMuls differently: oneDNN).
+    assert_close(traced(tf.constant([1, 2])).numpy(), first, 1e-6)
     assert not np.array_equal(first, attention(q, k, v, dropout_rate=0.5, seed=[1, 3]).numpy())
 
     generator = keras.random.SeedGenerator(5)
