@@ -574,3 +574,39 @@ def test_nan_inputs_propagate_to_the_rows_they_reach(lib, where):
     rows = [2] if where == "query" else list(range(9))  # key 2 is attended by every row
     assert np.isnan(out[0, 0, rows]).all(axis=-1).all() and np.isnan(lse[0, 0, rows]).all()
     assert np.isfinite(np.delete(out[0, 0], rows, axis=0)).all()
+
+
+# ----------------------------------------------------------------------------
+# On a Mac (`pytest -m metal`): the real kernels through the Metal backend.
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gpu_kernels_with_dropout_match_the_cpu_kernels(dtype):
+    # Forward and gradient with and without dropout on /GPU:0 against the CPU kernels: the mask's
+    # zeros exactly (value = identity), the values to the dtype's tolerance.
+    import tensorflow as tf
+
+    ops = compiled_ops()
+    tf_dtype = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}[dtype]
+    b, h, tq, tk = 2, 2, 19, 41
+    q, k, _, _ = random_case(dtype, b, h, tq, tk, 8, 8, 80)
+    eye = np.ascontiguousarray(np.broadcast_to(np.eye(tk, dtype=np.float32), (b, h, tk, tk)))
+    do = np.random.default_rng(81).normal(0, 1, (b, h, tq, tk)).astype(np.float32)
+    mask = tf.constant(np.random.default_rng(82).random((b, 1, 1, tk)) < 0.8)
+    drop = Dropout(dtype, (9, -9), np.int64, rate=0.3)
+    for seeds, attrs in (([], {}), ([tf.constant(drop.seed)], dict(dropout_rate=drop.rate,
+                                                                        dropout_scale=drop.scale))):
+        results = {}
+        for device in ("/CPU:0", "/GPU:0"):
+            with tf.device(device):
+                args = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, eye, do)]
+                out, lse = ops.tfmetal_ext_attention(*args[:3], mask, seeds, causal=True, scale=0.4, **attrs)
+                grads = ops.tfmetal_ext_attention_grad(args[3], *args[:3], mask, out, lse, seeds, causal=True,
+                                                       scale=0.4, **attrs)
+            assert device[1:4] in out.device
+            results[device] = [np.asarray(tf.cast(t, tf.float64)) for t in (out, *grads)]
+        cpu, gpu = results["/CPU:0"], results["/GPU:0"]
+        np.testing.assert_array_equal(gpu[0] == 0, cpu[0] == 0)
+        for name, a, c in zip(("output", "d_query", "d_key", "d_value"), gpu, cpu):
+            assert_close(a, c, dtype, f"{name} GPU vs CPU")
