@@ -454,30 +454,43 @@ def _np_attention_probs(q, k, mask, causal, scale):
     return np.where(any_key, e / total, 0.0), lse
 
 
-def np_attention(q, k, v, mask=None, causal=False, scale=None):
+def np_attention(q, k, v, mask=None, causal=False, scale=None, factors=None):
     """``(output, lse)`` of softmax attention in float64 (TfmetalExt>Attention's contract).
 
     Inputs (batch, heads, seq, dim); `mask` a boolean "attend" mask broadcastable to
     (batch, heads, q_seq, kv_seq); causal: key j attended by query i only if j <= i;
     scale None for 1/sqrt(head_dim). A row attending no key has output 0 and lse -inf.
+    `factors`: None, or attention dropout's (batch, heads, q_seq, kv_seq) factors of the
+    probabilities (`np_attention_dropout_factors`); the lse stays the undropped one.
     """
     scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
     p, lse = _np_attention_probs(q, k, mask, causal, scale)
+    p = p if factors is None else p * factors
     return np.einsum("bhqk,bhkd->bhqd", p, np.asarray(v, np.float64)), lse
 
 
-def np_attention_grad(d_output, q, k, v, mask=None, causal=False, scale=None):
-    """``(d_query, d_key, d_value)`` of `np_attention`'s output in float64."""
+def np_attention_grad(d_output, q, k, v, mask=None, causal=False, scale=None, factors=None):
+    """``(d_query, d_key, d_value)`` of `np_attention`'s output in float64 (with its `factors`)."""
     scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
     q, k, v, do = (np.asarray(t, np.float64) for t in (q, k, v, d_output))
     p, _ = _np_attention_probs(q, k, mask, causal, scale)
-    dp = np.einsum("bhqd,bhkd->bhqk", do, v)
+    m = 1.0 if factors is None else factors
+    dp = m * np.einsum("bhqd,bhkd->bhqk", do, v)  # d(output)/d(p): through the dropped p
     ds = p * (dp - (p * dp).sum(-1, keepdims=True))
     return (
         scale * np.einsum("bhqk,bhkd->bhqd", ds, k),
         scale * np.einsum("bhqk,bhqd->bhkd", ds, q),
-        np.einsum("bhqk,bhqd->bhkd", p, do),
+        np.einsum("bhqk,bhqd->bhkd", p * m, do),
     )
+
+
+def np_attention_dropout_factors(shape, seed, rate, scale, bits):
+    """Attention dropout's factors of the (batch, heads, q_seq, kv_seq) probabilities: `scale` where
+    TensorFlow's stateless dropout of a tensor of that shape keeps the element (its uniform number,
+    from `bits` mantissa bits, >= `rate`), else 0; `rate` and `scale` as the dtype rounds them."""
+    key, counter = np_key_counter(seed)
+    u = np_stateless_uniform(int(np.prod(shape)), key, counter, bits).reshape(shape)
+    return np.where(u >= rate, scale, 0.0)
 
 
 def np_rms_norm(x, gamma, epsilon):

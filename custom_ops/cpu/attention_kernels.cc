@@ -24,6 +24,12 @@
 // element-wise loops (exp, masking, online softmax) are compiled for AVX2 too.
 // Half and bfloat16 tiles are widened to float32 once per tile; every sum is
 // float32.
+//
+// Attention dropout (dropout_rate > 0; tfmetal/attention.h): each query row
+// of a tile draws the Philox blocks of its keys' mask (4 keys a block) and the
+// tile's probabilities are dropped after the online softmax has summed them
+// (forward, before O += P V); the backward draws the same blocks again and
+// drops P (for dV) and dP.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -38,6 +44,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tfmetal/attention.h"
+#include "tfmetal/dropout.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -328,6 +335,27 @@ struct AttnShape {
   bool mask_trivial = false;  // [1, 1, 1, 1] True: no mask
 };
 
+// Attention dropout of one op call (tfmetal/attention.h).
+struct AttnDropout {
+  bool on = false;  // dropout_rate > 0
+  dropout_stream stream;
+  uint32_t bits = 23;  // mantissa bits of T
+  float rate = 0.0f, scale = 1.0f;
+};
+
+// keep[j] (1 kept, 0 dropped) for the n consecutive mask elements from flat
+// index `first`: one Philox block per 4 of them.
+TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first, int64_t n, float* keep) {
+  uint64_t at = first;
+  int64_t j = 0;
+  while (j < n) {
+    const tfm_philox_block block = dropout_block(d.stream, at / 4u);
+    for (uint32_t w = static_cast<uint32_t>(at % 4u); w < 4u && j < n; ++w, ++j, ++at) {
+      keep[j] = attention_dropout_keeps(block.w[w], d.bits, d.rate) ? 1.0f : 0.0f;
+    }
+  }
+}
+
 Status AttnCheckRank4(const Tensor& t, const char* name) {
   if (t.dims() != 4) {
     return errors::InvalidArgument(name, " must have rank 4, got shape ", t.shape().DebugString());
@@ -431,12 +459,13 @@ struct AttnForwardArgs {
   bool causal;
   float scale;
   int64_t q_tiles;
+  AttnDropout drop;
 };
 
 template <typename T>
 inline int64_t AttnForwardScratch(const AttnShape& s) {
-  // qt [D x BQ], st [BK x BQ], o [BQ x Dv], six vectors [BQ]; widened k [BK x D], v [BK x Dv].
-  return s.d * kBlockQ + kBlockK * kBlockQ + kBlockQ * s.dv + 6 * kBlockQ +
+  // qt [D x BQ], st [BK x BQ], o [BQ x Dv], six vectors [BQ], keep [BK]; widened k [BK x D], v [BK x Dv].
+  return s.d * kBlockQ + kBlockK * kBlockQ + kBlockQ * s.dv + 6 * kBlockQ + kBlockK +
          (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockK * s.dv);
 }
 
@@ -456,7 +485,8 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
   float* rescale = tile_max + kBlockQ;
   float* shift = rescale + kBlockQ;   // the max exp(s - shift) uses (0 while nothing is attended)
   float* tile_sum = shift + kBlockQ;
-  float* kbuf = tile_sum + kBlockQ;
+  float* keep = tile_sum + kBlockQ;  // one row's dropout mask
+  float* kbuf = keep + kBlockK;
   float* vbuf = kbuf + kBlockK * s.d;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t bh = item / a.q_tiles;
@@ -505,6 +535,15 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
         l[i] = l[i] * rescale[i] + tile_sum[i];
         if (rescale[i] != 1.0f) AttnScaleRow(o + i * s.dv, s.dv, rescale[i]);
       }
+      if (a.drop.on) {  // drop the summed probabilities of each row (row i is column i of st)
+        for (int64_t i = 0; i < qn; ++i) {
+          AttnDropoutKeepRow(a.drop, static_cast<uint64_t>((bh * s.tq + q0 + i) * s.tk + k0), kn, keep);
+          for (int64_t j = 0; j < kn; ++j) {
+            float& e = st[j * kBlockQ + i];
+            e = attention_dropout_apply(e, keep[j] != 0.0f, a.drop.scale);
+          }
+        }
+      }
       // O += P V, P = (S^T)^T.
       const float* vf = AttnAsFloat(vh + k0 * s.dv, kn * s.dv, vbuf);
       AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.dv, kn, st, 1, kBlockQ, vf, s.dv, o, s.dv, true));
@@ -536,14 +575,15 @@ struct AttnBackwardArgs {
   AttnShape s;
   bool causal;
   float scale;
+  AttnDropout drop;
 };
 
 template <typename T>
 inline int64_t AttnBackwardScratch(const AttnShape& s) {
   // dq [Tq x D], dr [Tq], kt [D x BK], vt [Dv x BK], dk [BK x D], dv [BK x Dv],
-  // s and dp [BQ x BK]; widened k [BK x D], q [BQ x D], dO [BQ x Dv].
+  // s and dp [BQ x BK], keep [BK]; widened k [BK x D], q [BQ x D], dO [BQ x Dv].
   return s.tq * s.d + s.tq + s.d * kBlockK + s.dv * kBlockK + kBlockK * s.d + kBlockK * s.dv +
-         2 * kBlockQ * kBlockK + (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockQ * s.d + kBlockQ * s.dv);
+         2 * kBlockQ * kBlockK + kBlockK + (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockQ * s.d + kBlockQ * s.dv);
 }
 
 template <typename T, bool kAvx2>
@@ -558,7 +598,8 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
   float* dv = dk + kBlockK * s.d;
   float* st = dv + kBlockK * s.dv;
   float* dp = st + kBlockQ * kBlockK;
-  float* kbuf = dp + kBlockQ * kBlockK;
+  float* keep = dp + kBlockQ * kBlockK;  // one row's dropout mask
+  float* kbuf = keep + kBlockK;
   float* qbuf = kbuf + kBlockK * s.d;
   float* dobuf = qbuf + kBlockQ * s.d;
   for (int64_t bh = begin; bh < end; ++bh) {
@@ -605,6 +646,16 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
           AttnScaleAndMaskRow(srow, kn, a.scale, mask_bh + (q0 + i) * s.mask_q, s.mask_k, a.causal, q0 + i, k0,
                               masked);
           const float row_dr = dr[q0 + i];
+          if (a.drop.on) {  // dV takes the dropped p; ds the dropped dp (the same mask, drawn again)
+            AttnDropoutKeepRow(a.drop, static_cast<uint64_t>((bh * s.tq + q0 + i) * s.tk + k0), kn, keep);
+            for (int64_t j = 0; j < kn; ++j) {
+              const float p = AttnExp(srow[j] - row_lse);
+              const bool kept = keep[j] != 0.0f;
+              srow[j] = attention_dropout_apply(p, kept, a.drop.scale);
+              dprow[j] = a.scale * attention_ds(p, attention_dropout_apply(dprow[j], kept, a.drop.scale), row_dr);
+            }
+            continue;
+          }
           for (int64_t j = 0; j < kn; ++j) {
             const float p = AttnExp(srow[j] - row_lse);  // exact 0 for a masked score (-inf)
             srow[j] = p;
@@ -675,9 +726,34 @@ class AttnAttrs {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES(ctx, std::isfinite(scale_) && scale_ > 0.0f,
                 errors::InvalidArgument("scale must be finite and > 0, got ", scale_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dropout_rate", &dropout_rate_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dropout_scale", &dropout_scale_));
+    const std::string error = AttentionDropoutAttrsError(dropout_rate_, dropout_scale_);  // tfmetal/host_checks.h
+    OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument(error));
   }
+
+  // The dropout of a call from its seed list (input `seed`: 0 or 1 tensors).
+  template <typename T>
+  Status Dropout(OpKernelContext* ctx, AttnDropout* d) const {
+    ::tensorflow::OpInputList seeds;
+    TF_RETURN_IF_ERROR(ctx->input_list("seed", &seeds));
+    const std::string error = AttentionSeedCountError(seeds.size(), dropout_rate_);
+    if (!error.empty()) return errors::InvalidArgument(error);
+    int64_t s0 = 0, s1 = 0;
+    if (seeds.size() == 1) TF_RETURN_IF_ERROR(ReadSeed(seeds[0], &s0, &s1));
+    d->on = dropout_rate_ > 0.0f;
+    if (!d->on) return Status();
+    d->stream = dropout_stream_from_seed(s0, s1);
+    d->bits = MantissaBits<T>();
+    d->rate = dropout_rate_;
+    d->scale = dropout_scale_;
+    return Status();
+  }
+
   bool causal_ = false;
   float scale_ = 1.0f;
+  float dropout_rate_ = 0.0f;
+  float dropout_scale_ = 1.0f;
 };
 
 template <typename T>
@@ -692,6 +768,8 @@ class AttentionOp : public OpKernel {
     const Tensor& mask = ctx->input(3);
     AttnShape s;
     OP_REQUIRES_OK(ctx, AttnCheckInputs(q, k, v, mask, &s));
+    AttnDropout drop;
+    OP_REQUIRES_OK(ctx, attrs_.Dropout<T>(ctx, &drop));
     Tensor *out = nullptr, *lse = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({s.b, s.h, s.tq, s.dv}), &out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({s.b, s.h, s.tq}), &lse));
@@ -706,6 +784,7 @@ class AttentionOp : public OpKernel {
     a.causal = attrs_.causal_;
     a.scale = attrs_.scale_;
     a.q_tiles = AttnCeilDiv(s.tq, kBlockQ);
+    a.drop = drop;
     const int64_t items = s.b * s.h * a.q_tiles;
     // Cycles per item, roughly: two GEMMs of kBlockQ x Tk x D at ~8 flops a cycle.
     const int64_t cost = std::max<int64_t>(1, kBlockQ * s.tk * (s.d + s.dv) / 4);
@@ -746,6 +825,8 @@ class AttentionGradOp : public OpKernel {
     OP_REQUIRES_OK(ctx, AttnCheckShape(d_out, "d_output", out_shape));
     OP_REQUIRES_OK(ctx, AttnCheckShape(out, "output", out_shape));
     OP_REQUIRES_OK(ctx, AttnCheckShape(lse, "lse", TensorShape({s.b, s.h, s.tq})));
+    AttnDropout drop;
+    OP_REQUIRES_OK(ctx, attrs_.Dropout<T>(ctx, &drop));
     Tensor *dq = nullptr, *dk = nullptr, *dv = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, q.shape(), &dq));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, k.shape(), &dk));
@@ -764,6 +845,7 @@ class AttentionGradOp : public OpKernel {
     a.s = s;
     a.causal = attrs_.causal_;
     a.scale = attrs_.scale_;
+    a.drop = drop;
     const int64_t items = s.b * s.h;
     if (items == 0) return;
     if (s.tq == 0) {  // no query: no gradient flows to key and value

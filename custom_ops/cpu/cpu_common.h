@@ -87,6 +87,31 @@ inline Status CheckVector(const Tensor& t, const char* name, int64_t n, const ch
   return error.empty() ? Status() : errors::InvalidArgument(error);
 }
 
+// A stateless-random seed (TfmetalExt>Dropout's, TfmetalExt>Attention's): its
+// two values, int64 or int32 widened with its sign (as TensorFlow reads them).
+inline Status ReadSeed(const Tensor& seed, int64_t* s0, int64_t* s1) {
+  const std::string error = SeedShapeError(seed.shape().dim_sizes().data(), seed.dims());
+  if (!error.empty()) return errors::InvalidArgument(error);
+  if (seed.dtype() == ::tensorflow::DT_INT64) {
+    *s0 = seed.flat<int64_t>()(0);
+    *s1 = seed.flat<int64_t>()(1);
+  } else {
+    *s0 = seed.flat<int32_t>()(0);
+    *s1 = seed.flat<int32_t>()(1);
+  }
+  return Status();
+}
+
+// Mantissa bits of a uniform number in each dtype (StatelessRandomUniformV2's).
+template <typename T>
+constexpr uint32_t MantissaBits();
+template <>
+constexpr uint32_t MantissaBits<float>() { return 23; }
+template <>
+constexpr uint32_t MantissaBits<::Eigen::half>() { return 10; }
+template <>
+constexpr uint32_t MantissaBits<::Eigen::bfloat16>() { return 7; }
+
 }  // namespace tfmetal_ext
 
 // Registers the CPU kernel Kernel<T> for T in {float, half, bfloat16} (the

@@ -23,30 +23,6 @@ namespace dropout_cpu {
 // Rough cycles per Philox block (10 rounds) and its 4 elements, for the thread pool's sharding.
 constexpr int64_t kBlockCost = 60;
 
-// Mantissa bits of a uniform number in each dtype (StatelessRandomUniformV2's).
-template <typename T>
-constexpr uint32_t MantissaBits();
-template <>
-constexpr uint32_t MantissaBits<float>() { return 23; }
-template <>
-constexpr uint32_t MantissaBits<::Eigen::half>() { return 10; }
-template <>
-constexpr uint32_t MantissaBits<::Eigen::bfloat16>() { return 7; }
-
-// The seed's two values, int64 or int32 widened with its sign.
-Status ReadSeed(const Tensor& seed, int64_t* s0, int64_t* s1) {
-  const std::string error = SeedShapeError(seed.shape().dim_sizes().data(), seed.dims());
-  if (!error.empty()) return errors::InvalidArgument(error);
-  if (seed.dtype() == ::tensorflow::DT_INT64) {
-    *s0 = seed.flat<int64_t>()(0);
-    *s1 = seed.flat<int64_t>()(1);
-  } else {
-    *s0 = seed.flat<int32_t>()(0);
-    *s1 = seed.flat<int32_t>()(1);
-  }
-  return Status();
-}
-
 // Both ops are the same map of their first input: y = kept ? x * scale : 0.
 template <typename T>
 class DropoutOp : public OpKernel {

@@ -39,6 +39,14 @@
 //                         scratch tensor, no atomics, one writer per element.
 // Deterministic: the summation order depends only on the shapes.
 //
+// Attention dropout (p.dropout = 1): every kernel derives the Philox key and
+// counter from the seed buffer (2 int32, or 4 words of 2 int64; one Philox
+// block per thread) and each lane draws the block of its own (row, key)
+// element (tfmetal/attention.h: flat index ((b H + h) Tq + i) Tk + j), only
+// for attended elements. The forward drops the weights after the online sum
+// (P V uses the dropped ones); the backward drops p for dV and dp for ds.
+// With p.dropout = 0 the seed buffer is a placeholder, never read.
+//
 // The per-element math (masked/causal predicate, online-softmax rescale, lse,
 // 1 / sum, p from lse, ds) and the causal tile ranges are the CPU kernel's,
 // from tfmetal/attention.h; these kernels own only the tiling and the
@@ -65,8 +73,13 @@ struct tfm_attention_params {
   uint32_t mask_stride_k;
   float scale;        // finite and > 0 (checked by the host)
   uint32_t causal;    // 1: query i attends key j only if j <= i
+  uint32_t dropout;   // 1: attention dropout (the seed buffer is read), 0: none
+  uint32_t seed_is_int64;  // 1: the seed is 2 int64 (4 words), 0: 2 int32 (widened with their sign)
+  uint32_t mantissa_bits;  // of T: 23 float, 10 half, 7 bfloat16
+  float dropout_rate;      // keep where the uniform number >= dropout_rate (rounded to T by the wrapper)
+  float dropout_scale;     // 1 / (1 - rate), rounded to T (may be inf in half: nothing is kept then)
 };
-static_assert(sizeof(tfm_attention_params) == 48, "tfm_attention_params layout is shared with the host");
+static_assert(sizeof(tfm_attention_params) == 68, "tfm_attention_params layout is shared with the host");
 
 #define TFM_ATTN_THREADS 128u      // threads per threadgroup, every kernel
 #define TFM_ATTN_BLOCK_Q 8u        // query rows per tile
@@ -92,6 +105,29 @@ inline bool attn_mask_at(device const bool* mask, constant tfm_attention_params&
   const ulong at = static_cast<ulong>(b) * p.mask_stride_b + static_cast<ulong>(h) * p.mask_stride_h +
                    static_cast<ulong>(i) * p.mask_stride_q + static_cast<ulong>(j) * p.mask_stride_k;
   return mask[at];
+}
+
+// The dropout's Philox key and counter, from the seed buffer (not read
+// without dropout: the stream is then unused).
+inline dropout_stream attn_dropout_stream(device const uint* seed, constant tfm_attention_params& p) {
+  int64_t s0 = 0, s1 = 0;
+  if (p.dropout != 0u) {
+    if (p.seed_is_int64 != 0u) {
+      s0 = static_cast<int64_t>(static_cast<uint64_t>(seed[0]) | (static_cast<uint64_t>(seed[1]) << 32));
+      s1 = static_cast<int64_t>(static_cast<uint64_t>(seed[2]) | (static_cast<uint64_t>(seed[3]) << 32));
+    } else {
+      s0 = static_cast<int64_t>(static_cast<int32_t>(seed[0]));
+      s1 = static_cast<int64_t>(static_cast<int32_t>(seed[1]));
+    }
+  }
+  return dropout_stream_from_seed(s0, s1);
+}
+
+// Whether the dropout keeps element (b, h, i, j) of the probabilities.
+inline bool attn_dropout_keeps(dropout_stream stream, constant tfm_attention_params& p, uint b, uint h, uint i,
+                               uint j) {
+  return attention_dropout_keeps_at(stream, attention_dropout_index(b, h, i, j, p.heads, p.tq, p.tk),
+                                    p.mantissa_bits, p.dropout_rate);
 }
 
 // Key tiles a query tile [q0, q0 + rows) visits: all of them, or with causal
@@ -164,9 +200,10 @@ template <typename T>
                               device const T* key [[buffer(1)]],
                               device const T* value [[buffer(2)]],
                               device const bool* mask [[buffer(3)]],
-                              device T* output [[buffer(4)]],
-                              device float* lse [[buffer(5)]],
-                              constant tfm_attention_params& p [[buffer(6)]],
+                              device const uint* seed [[buffer(4)]],
+                              device T* output [[buffer(5)]],
+                              device float* lse [[buffer(6)]],
+                              constant tfm_attention_params& p [[buffer(7)]],
                               TFM_KERNEL_BUILTINS) {
   threadgroup float a_st[TFM_ATTN_BLOCK_Q * TFM_ATTN_CHUNK];
   threadgroup float b_st[TFM_ATTN_BLOCK_K * TFM_ATTN_KEY_STRIDE];
@@ -180,6 +217,8 @@ template <typename T>
   device const T* k_head = key + bh * p.tk * p.d;
   device const T* v_head = value + bh * p.tk * p.dv;
   const bool causal = p.causal != 0u;
+  const bool dropout = p.dropout != 0u;
+  const dropout_stream stream = attn_dropout_stream(seed, p);
 
   float run_max[TFM_ATTN_ROWS_PER_SIMD];
   float run_sum[TFM_ATTN_ROWS_PER_SIMD];
@@ -210,7 +249,11 @@ template <typename T>
       const float weight = attention_weight(score, new_max);  // 0 where not attended (score -inf)
       run_sum[r] = run_sum[r] * alpha[r] + simd_sum(weight);
       run_max[r] = new_max;
-      p_st[row * TFM_ATTN_BLOCK_K + simd_lane] = weight;
+      // P V takes the dropped weight; the sum above is of the undropped ones.
+      p_st[row * TFM_ATTN_BLOCK_K + simd_lane] =
+          (dropout && attended)
+              ? attention_dropout_apply(weight, attn_dropout_keeps(stream, p, b, h, i, j), p.dropout_scale)
+              : weight;
     }
     // acc = acc * alpha + P V, V staged chunk by chunk (the staging's barrier
     // also publishes p_st to the SIMD-group's other lanes).
@@ -265,10 +308,12 @@ inline void attn_rows_dr(device const T* d_out_tile, device const T* out_tile, u
 
 // p and ds of the SIMD-group's rows of query tile q0 against key tile k0
 // (lane = key), written to p_st / ds_st [8 * 32] (0 where not attended);
-// dr: Dr of the SIMD-group's rows (attn_rows_dr).
+// dr: Dr of the SIMD-group's rows (attn_rows_dr). With dropout p_st holds the
+// dropped p (for dV) and ds = p (dropped dp - Dr).
 template <typename T>
 inline void attn_tile_p_ds(device const T* query, device const T* key, device const T* value, device const bool* mask,
                            device const T* d_output, device const float* lse, thread const float* dr,
+                           dropout_stream stream,
                            constant tfm_attention_params& p, uint b, uint h, uint q0, uint rows, uint k0, uint keys,
                            threadgroup float* a_st, threadgroup float* b_st, threadgroup float* p_st,
                            threadgroup float* ds_st, uint tid, uint simd_lane, uint simd_id) {
@@ -287,8 +332,14 @@ inline void attn_tile_p_ds(device const T* query, device const T* key, device co
     const bool attended = row < rows && simd_lane < keys &&
                           attention_attends(attn_mask_at(mask, p, b, h, i, j), p.causal != 0u, i, j);
     const float pij = attended ? attention_p(p.scale * dots[r], lse[bh * p.tq + i]) : 0.0f;
-    p_st[row * TFM_ATTN_BLOCK_K + simd_lane] = pij;
-    ds_st[row * TFM_ATTN_BLOCK_K + simd_lane] = attended ? attention_ds(pij, dps[r], dr[r]) : 0.0f;
+    float p_used = pij, dp_used = dps[r];
+    if (p.dropout != 0u && attended) {
+      const bool keep = attn_dropout_keeps(stream, p, b, h, i, j);
+      p_used = attention_dropout_apply(pij, keep, p.dropout_scale);
+      dp_used = attention_dropout_apply(dps[r], keep, p.dropout_scale);
+    }
+    p_st[row * TFM_ATTN_BLOCK_K + simd_lane] = p_used;
+    ds_st[row * TFM_ATTN_BLOCK_K + simd_lane] = attended ? attention_ds(pij, dp_used, dr[r]) : 0.0f;
   }
 }
 
@@ -300,8 +351,9 @@ template <typename T>
                                  device const bool* mask [[buffer(4)]],
                                  device const T* output [[buffer(5)]],
                                  device const float* lse [[buffer(6)]],
-                                 device T* d_query [[buffer(7)]],
-                                 constant tfm_attention_params& p [[buffer(8)]],
+                                 device const uint* seed [[buffer(7)]],
+                                 device T* d_query [[buffer(8)]],
+                                 constant tfm_attention_params& p [[buffer(9)]],
                                  TFM_KERNEL_BUILTINS) {
   threadgroup float a_st[TFM_ATTN_BLOCK_Q * TFM_ATTN_CHUNK];
   threadgroup float b_st[TFM_ATTN_BLOCK_K * TFM_ATTN_KEY_STRIDE];
@@ -313,6 +365,7 @@ template <typename T>
   const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
   const ulong bh = static_cast<ulong>(b) * p.heads + h;
   device const T* k_head = key + bh * p.tk * p.d;
+  const dropout_stream stream = attn_dropout_stream(seed, p);
 
   float acc[TFM_ATTN_ROWS_PER_SIMD][TFM_ATTN_DIMS_PER_LANE];
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r)
@@ -325,8 +378,8 @@ template <typename T>
   for (uint kt = 0; kt < key_tiles; ++kt) {
     const uint k0 = kt * TFM_ATTN_BLOCK_K;
     const uint keys = tfm_min(TFM_ATTN_BLOCK_K, p.tk - k0);
-    attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st, ds_st,
-                   tid, simd_lane, simd_id);
+    attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, stream, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st,
+                   ds_st, tid, simd_lane, simd_id);
     // dQ += dS K, K staged chunk by chunk.
     for (uint c0 = 0; c0 < p.d; c0 += TFM_ATTN_CHUNK) {
       attn_stage_chunk(k_head + static_cast<ulong>(k0) * p.d, keys, TFM_ATTN_BLOCK_K, p.d, c0, b_st,
@@ -363,9 +416,10 @@ template <typename T>
                                    device const bool* mask [[buffer(4)]],
                                    device const T* output [[buffer(5)]],
                                    device const float* lse [[buffer(6)]],
-                                   device T* d_key [[buffer(7)]],
-                                   device T* d_value [[buffer(8)]],
-                                   constant tfm_attention_params& p [[buffer(9)]],
+                                   device const uint* seed [[buffer(7)]],
+                                   device T* d_key [[buffer(8)]],
+                                   device T* d_value [[buffer(9)]],
+                                   constant tfm_attention_params& p [[buffer(10)]],
                                    TFM_KERNEL_BUILTINS) {
   threadgroup float a_st[TFM_ATTN_BLOCK_Q * TFM_ATTN_CHUNK];
   threadgroup float b_st[TFM_ATTN_BLOCK_K * TFM_ATTN_KEY_STRIDE];
@@ -381,6 +435,7 @@ template <typename T>
   const uint k0 = kt * TFM_ATTN_BLOCK_K;
   const uint keys = tfm_min(TFM_ATTN_BLOCK_K, p.tk - k0);
   const ulong bh = static_cast<ulong>(b) * p.heads + h;
+  const dropout_stream stream = attn_dropout_stream(seed, p);
 
   // This thread's elements of the [32 keys, 64 dims] chunk: key tid / 64 + 2 n, dim tid % 64.
   constexpr uint kPerThread = TFM_ATTN_BLOCK_K * TFM_ATTN_CHUNK / TFM_ATTN_THREADS;
@@ -402,8 +457,8 @@ template <typename T>
     float dr[TFM_ATTN_ROWS_PER_SIMD];
     attn_rows_dr(d_output + (bh * p.tq + q0) * p.dv, output + (bh * p.tq + q0) * p.dv, rows, p.dv, simd_lane,
                  simd_id, dr);
-    attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st, ds_st,
-                   tid, simd_lane, simd_id);
+    attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, stream, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st,
+                   ds_st, tid, simd_lane, simd_id);
     // The chunk's columns of Q and dO for this query tile (the staging's
     // barriers publish p_st / ds_st too).
     attn_stage_chunk(query + (bh * p.tq + q0) * p.d, rows, TFM_ATTN_BLOCK_Q, p.d, c0, q_st, TFM_ATTN_CHUNK, tid);

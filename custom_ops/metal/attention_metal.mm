@@ -12,6 +12,9 @@
 //             attention_bwd_dkdv_<T>:  ceil(Tk / 32) key tiles x ceil(max(D, Dv) / 64)
 //                                      head-dim chunks -> dK, dV
 //             both in one compute encoder (each only reads the inputs).
+// Attention dropout: the optional seed input (a list of 0 or 1 tensors) is
+// checked here (one is needed when dropout_rate > 0; shape [2]) and bound as
+// a device buffer the kernels read (a placeholder buffer without dropout).
 // Empty inputs: nothing is dispatched for an empty output; Tk == 0 still
 // dispatches the forward (output 0, lse -inf) and dQ (zeros); Tq == 0 still
 // dispatches dK/dV (zeros).
@@ -41,17 +44,25 @@ const MetalLibrarySource kLibrary{tfm_attention_metal_source_name, tfm_attention
 struct AttentionKernel {
   bool causal;
   float scale;
+  float dropout_rate;
+  float dropout_scale;
 };
 
 void* CreateAttention(TF_OpKernelConstruction* ctx) {
   StatusPtr status(TF_NewStatus());
-  AttentionKernel kernel{false, 0.0f};
+  AttentionKernel kernel{false, 0.0f, 0.0f, 1.0f};
   unsigned char causal = 0;
   TF_OpKernelConstruction_GetAttrBool(ctx, "causal", &causal, status.get());
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "scale", &kernel.scale, status.get());
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "dropout_rate", &kernel.dropout_rate, status.get());
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "dropout_scale", &kernel.dropout_scale, status.get());
   kernel.causal = causal != 0;
   if (Ok(status.get()) && !(std::isfinite(kernel.scale) && kernel.scale > 0.0f)) {
     SetStatus(status.get(), TF_INVALID_ARGUMENT, "scale must be finite and > 0, got " + std::to_string(kernel.scale));
+  }
+  if (Ok(status.get())) {
+    const std::string error = AttentionDropoutAttrsError(kernel.dropout_rate, kernel.dropout_scale);  // host_checks.h
+    if (!error.empty()) SetStatus(status.get(), TF_INVALID_ARGUMENT, error);
   }
   return NewKernelOrFail(ctx, status.get(), kernel);
 }
@@ -109,7 +120,31 @@ bool CheckShapes(const TF_Tensor* query, const TF_Tensor* key, const TF_Tensor* 
                                  static_cast<uint32_t>(m[2] > 1 ? m[3] : 0),
                                  static_cast<uint32_t>(m[3] > 1 ? 1 : 0),
                                  kernel.scale,
-                                 kernel.causal ? 1u : 0u};
+                                 kernel.causal ? 1u : 0u,
+                                 0u,
+                                 0u,
+                                 UniformMantissaBits(TF_TensorType(query)),  // metal_helper.h
+                                 kernel.dropout_rate,
+                                 kernel.dropout_scale};
+  return true;
+}
+
+// The optional seed (inputs `first`..: 0 or 1 tensors), as the CPU kernel
+// checks it; sets params->dropout / seed_is_int64. `seed` stays null without one.
+bool CheckSeed(TF_OpKernelContext* ctx, int first, const AttentionKernel& kernel, tfm_attention_params* params,
+               TensorPtr* seed, TF_Status* status) {
+  const int seeds = TF_NumInputs(ctx) - first;
+  std::string error = AttentionSeedCountError(seeds, kernel.dropout_rate);  // tfmetal/host_checks.h
+  if (!error.empty()) return Fail(status, error);
+  if (seeds == 1) {
+    *seed = Input(ctx, first, status);
+    if (!Ok(status)) return false;
+    const std::vector<int64_t> dims = Dims(seed->get());
+    error = SeedShapeError(dims.data(), static_cast<int>(dims.size()));
+    if (!error.empty()) return Fail(status, error);
+    params->seed_is_int64 = TF_TensorType(seed->get()) == TF_INT64 ? 1u : 0u;
+  }
+  params->dropout = kernel.dropout_rate > 0.0f ? 1u : 0u;
   return true;
 }
 
@@ -147,6 +182,8 @@ void AttentionCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx, TF
   }
   tfm_attention_params params;
   if (!CheckShapes(in[0].get(), in[1].get(), in[2].get(), in[3].get(), kernel, &params, status)) return;
+  TensorPtr seed;
+  if (!CheckSeed(ctx, 4, kernel, &params, &seed, status)) return;
   const TF_DataType dtype = TF_TensorType(in[0].get());
   const std::string name = KernelName("attention", "fwd", dtype, status);
   if (!Ok(status)) return;
@@ -156,16 +193,19 @@ void AttentionCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx, TF
   if (!Ok(status)) return;
   if (TF_TensorElementCount(output.get()) == 0) return;  // B, H or Tq is 0
 
-  MetalSlice qs, ks, vs, ms, os, ls;
+  MetalSlice qs, ks, vs, ms, ss, os, ls;
   if (!Resolve(in[0].get(), "query", &qs, status) || !Resolve(in[1].get(), "key", &ks, status) ||
       !Resolve(in[2].get(), "value", &vs, status) || !Resolve(in[3].get(), "mask", &ms, status) ||
-      !Resolve(output.get(), "output", &os, status) || !Resolve(lse.get(), "lse", &ls, status)) {
+      (seed && !Resolve(seed.get(), "seed", &ss, status)) || !Resolve(output.get(), "output", &os, status) ||
+      !Resolve(lse.get(), "lse", &ls, status)) {
     return;
   }
-  // With Tk == 0, key, value (and the mask) are empty: lse is their placeholder.
+  // With Tk == 0, key, value (and the mask) are empty: lse is their placeholder,
+  // and the seed's without dropout (never read then).
   ks = Or(ks, ls);
   vs = Or(vs, ls);
   ms = Or(ms, ls);
+  ss = Or(ss, ls);
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
                  if (!CheckPipeline(pipeline, name.c_str(), status)) return;
@@ -173,9 +213,10 @@ void AttentionCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx, TF
                  [encoder setBuffer:ks.buffer offset:ks.offset atIndex:1];  // device const T* key [[buffer(1)]]
                  [encoder setBuffer:vs.buffer offset:vs.offset atIndex:2];  // device const T* value [[buffer(2)]]
                  [encoder setBuffer:ms.buffer offset:ms.offset atIndex:3];  // device const bool* mask [[buffer(3)]]
-                 [encoder setBuffer:os.buffer offset:os.offset atIndex:4];  // device T* output [[buffer(4)]]
-                 [encoder setBuffer:ls.buffer offset:ls.offset atIndex:5];  // device float* lse [[buffer(5)]]
-                 SetBytes(encoder, params, 6);  // constant tfm_attention_params& p [[buffer(6)]]
+                 [encoder setBuffer:ss.buffer offset:ss.offset atIndex:4];  // device const uint* seed [[buffer(4)]]
+                 [encoder setBuffer:os.buffer offset:os.offset atIndex:5];  // device T* output [[buffer(5)]]
+                 [encoder setBuffer:ls.buffer offset:ls.offset atIndex:6];  // device float* lse [[buffer(6)]]
+                 SetBytes(encoder, params, 7);  // constant tfm_attention_params& p [[buffer(7)]]
                  Dispatch(encoder, QueryTiles(params), params);
                });
 }
@@ -191,6 +232,8 @@ void AttentionGradCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx
   }
   tfm_attention_params params;
   if (!CheckShapes(in[1].get(), in[2].get(), in[3].get(), in[4].get(), kernel, &params, status)) return;
+  TensorPtr seed;
+  if (!CheckSeed(ctx, 7, kernel, &params, &seed, status)) return;
   const std::vector<int64_t> out_dims{params.batch, params.heads, params.tq, params.dv};
   if (!CheckShape(in[0].get(), "d_output", out_dims, status) || !CheckShape(in[5].get(), "output", out_dims, status) ||
       !CheckShape(in[6].get(), "lse", {params.batch, params.heads, params.tq}, status)) {
@@ -211,17 +254,19 @@ void AttentionGradCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx
   const bool has_dkdv = TF_TensorElementCount(dk.get()) > 0;  // B, H, Tk > 0
   if (!has_dq && !has_dkdv) return;
 
-  MetalSlice s[7], dqs, dks, dvs;
+  MetalSlice s[8], dqs, dks, dvs;  // the 7 inputs and the seed (s[7]: empty without one)
   const char* names[7] = {"d_output", "query", "key", "value", "mask", "output", "lse"};
   for (int i = 0; i < 7; ++i) {
     if (!Resolve(in[i].get(), names[i], &s[i], status)) return;
   }
+  if (seed && !Resolve(seed.get(), "seed", &s[7], status)) return;
   if (!Resolve(dq.get(), "d_query", &dqs, status) || !Resolve(dk.get(), "d_key", &dks, status) ||
       !Resolve(dv.get(), "d_value", &dvs, status)) {
     return;
   }
   // Tq == 0 empties d_output, query, output, lse; Tk == 0 key, value: a
-  // non-empty output is their placeholder (never read).
+  // non-empty output is their placeholder (never read), and the seed's
+  // without dropout.
   const MetalSlice placeholder = has_dq ? dqs : dks;
   for (MetalSlice& slice : s) slice = Or(slice, placeholder);
   dqs = Or(dqs, placeholder);
@@ -247,16 +292,17 @@ void AttentionGradCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx
                  [encoder setBuffer:s[4].buffer offset:s[4].offset atIndex:4];  // device const bool* mask [[buffer(4)]]
                  [encoder setBuffer:s[5].buffer offset:s[5].offset atIndex:5];  // device const T* output [[buffer(5)]]
                  [encoder setBuffer:s[6].buffer offset:s[6].offset atIndex:6];  // device const float* lse [[buffer(6)]]
+                 [encoder setBuffer:s[7].buffer offset:s[7].offset atIndex:7];  // device const uint* seed [[buffer(7)]]
                  if (has_dq) {
-                   [encoder setBuffer:dqs.buffer offset:dqs.offset atIndex:7];  // device T* d_query [[buffer(7)]]
-                   SetBytes(encoder, params, 8);  // constant tfm_attention_params& p [[buffer(8)]]
+                   [encoder setBuffer:dqs.buffer offset:dqs.offset atIndex:8];  // device T* d_query [[buffer(8)]]
+                   SetBytes(encoder, params, 9);  // constant tfm_attention_params& p [[buffer(9)]]
                    Dispatch(encoder, QueryTiles(params), params);
                  }
                  if (!has_dkdv) return;
                  if (has_dq) [encoder setComputePipelineState:dkdv_pipeline];
-                 [encoder setBuffer:dks.buffer offset:dks.offset atIndex:7];  // device T* d_key [[buffer(7)]]
-                 [encoder setBuffer:dvs.buffer offset:dvs.offset atIndex:8];  // device T* d_value [[buffer(8)]]
-                 SetBytes(encoder, params, 9);  // constant tfm_attention_params& p [[buffer(9)]]
+                 [encoder setBuffer:dks.buffer offset:dks.offset atIndex:8];  // device T* d_key [[buffer(8)]]
+                 [encoder setBuffer:dvs.buffer offset:dvs.offset atIndex:9];  // device T* d_value [[buffer(9)]]
+                 SetBytes(encoder, params, 10);  // constant tfm_attention_params& p [[buffer(10)]]
                  const NSUInteger key_tiles = (params.tk + TFM_ATTN_BLOCK_K - 1) / TFM_ATTN_BLOCK_K;
                  const NSUInteger chunks =
                      (std::max(params.d, params.dv) + TFM_ATTN_CHUNK - 1) / TFM_ATTN_CHUNK;

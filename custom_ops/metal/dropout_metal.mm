@@ -43,15 +43,6 @@ void* Create(TF_OpKernelConstruction* ctx) {
   return NewKernelOrFail(ctx, status.get(), DropoutKernel{rate, scale});
 }
 
-// Mantissa bits of a uniform number in `dtype` (StatelessRandomUniformV2's).
-uint32_t MantissaBits(TF_DataType dtype) {
-  switch (dtype) {
-    case TF_HALF: return 10;
-    case TF_BFLOAT16: return 7;
-    default: return 23;
-  }
-}
-
 // Input 0 (x or dy) -> output 0; input 1 is the seed.
 void DropoutCompute(const DropoutKernel& kernel, TF_OpKernelContext* ctx, TF_Status* status) {
   TensorPtr x = Input(ctx, 0, status);
@@ -78,7 +69,7 @@ void DropoutCompute(const DropoutKernel& kernel, TF_OpKernelContext* ctx, TF_Sta
   }
   const size_t size = TF_DataTypeSize(dtype);
   const uint32_t seed_is_int64 = TF_TensorType(seed.get()) == TF_INT64 ? 1u : 0u;
-  const uint32_t bits = MantissaBits(dtype);
+  const uint32_t bits = UniformMantissaBits(dtype);  // metal_helper.h
   // Chunks of whole blocks: each starts at a multiple of 4 elements.
   const int64_t chunk = (kMaxElementsPerDispatch / 4) * 4;
   EncodeKernel(ctx, kLibrary, name.c_str(), status,

@@ -189,6 +189,16 @@ inline const char* KernelSuffix(TF_DataType dtype) {
   }
 }
 
+// Mantissa bits of a uniform random number in `dtype` (StatelessRandomUniformV2's:
+// 23 float, 10 half, 7 bfloat16), for the kernels that draw TF's stateless masks.
+inline uint32_t UniformMantissaBits(TF_DataType dtype) {
+  switch (dtype) {
+    case TF_HALF: return 10;
+    case TF_BFLOAT16: return 7;
+    default: return 23;
+  }
+}
+
 // The host name of an op's kernel for `dtype`, as TFM_INSTANTIATE_KERNEL
 // names it in <op>.metal: "<op>_<variant>_<dtype>" ("layer_norm_param_grad_half"),
 // or "<op>_<dtype>" for an empty variant ("softshrink_float"). "" with

@@ -4,6 +4,12 @@
 // dtype T; a boolean "attend" mask of rank 4 whose every dimension is 1 or the
 // full size of [B, H, Tq, Tk] ([1, 1, 1, 1] True for no mask). The saved
 // log-sum-exp is float32 for every T.
+//
+// Attention dropout: `seed` is a list of 0 or 1 tensors (Tseed, default
+// empty), so a graph written before the input existed (4 / 7 inputs, no
+// Tseed attr) still loads and runs as before, and dropout_rate defaults to 0.
+// With dropout_rate > 0 the list holds the stateless seed (2 int32 or int64,
+// as TfmetalExt>Dropout's); the kernels refuse a missing or malformed one.
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -81,9 +87,26 @@ Status CheckAttentionInputs(InferenceContext* c, int first, DimensionHandle dims
   return Status();
 }
 
+// The optional seed (inputs first..): at most one tensor, a vector of 2 where known.
+Status CheckSeed(InferenceContext* c, int first) {
+  const int n = c->num_inputs() - first;
+  if (n > 1) {
+    return ::tensorflow::errors::InvalidArgument("seed must be a list of at most one tensor, got ", n);
+  }
+  if (n == 1) {
+    ShapeHandle seed;
+    DimensionHandle two;
+    if (!c->WithRank(c->input(first), 1, &seed).ok() || !c->WithValue(c->Dim(seed, 0), 2, &two).ok()) {
+      return ::tensorflow::errors::InvalidArgument("seed must have shape [2], not ", c->DebugString(c->input(first)));
+    }
+  }
+  return Status();
+}
+
 Status AttentionShape(InferenceContext* c) {
   DimensionHandle dims[6];
   TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 0, dims));
+  TF_RETURN_IF_ERROR(CheckSeed(c, 4));
   c->set_output(0, c->MakeShape({dims[0], dims[1], dims[2], dims[5]}));
   c->set_output(1, c->MakeShape({dims[0], dims[1], dims[2]}));
   return Status();
@@ -92,6 +115,7 @@ Status AttentionShape(InferenceContext* c) {
 Status AttentionGradShape(InferenceContext* c) {
   DimensionHandle dims[6];
   TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 1, dims));
+  TF_RETURN_IF_ERROR(CheckSeed(c, 7));
   ShapeHandle want_out = c->MakeShape({dims[0], dims[1], dims[2], dims[5]});
   ShapeHandle merged;
   for (int input : {0, 5}) {
@@ -119,11 +143,15 @@ REGISTER_OP("TfmetalExt>Attention")
     .Input("key: T")
     .Input("value: T")
     .Input("mask: bool")
+    .Input("seed: Tseed")
     .Output("output: T")
     .Output("lse: float")
     .Attr("T: {float, half, bfloat16}")
+    .Attr("Tseed: list({int32, int64}) >= 0 = []")
     .Attr("causal: bool = false")
     .Attr("scale: float = 1.0")
+    .Attr("dropout_rate: float = 0.0")
+    .Attr("dropout_scale: float = 1.0")
     .SetShapeFn(attention_op::AttentionShape)
     .Doc(R"doc(
 Scaled dot-product softmax attention per batch and head, flash-style (the
@@ -134,6 +162,14 @@ of [B, H, Tq, Tk]) is True and, with causal, j <= i. lse (float32, [B, H, Tq])
 is each row's log-sum-exp of the attended scores, saved for
 TfmetalExt>AttentionGrad. A row attending no key has output 0 and lse -inf.
 scale must be finite and > 0; head dims 1..256.
+
+Attention dropout when dropout_rate > 0: the probabilities are multiplied by
+dropout_scale where kept and 0 where dropped, by the mask of
+tf.nn.experimental.stateless_dropout of a [B, H, Tq, Tk] tensor of dtype T
+with seed `seed` (one tensor of 2 int32/int64 values, required then);
+dropout_rate (in [0, 1]) and dropout_scale (> 0) are taken as given
+(tfmetal_ext.ops.attention passes the rate and 1 / (1 - rate) as T rounds
+them). lse stays the log-sum-exp of the undropped scores.
 )doc");
 
 REGISTER_OP("TfmetalExt>AttentionGrad")
@@ -144,12 +180,16 @@ REGISTER_OP("TfmetalExt>AttentionGrad")
     .Input("mask: bool")
     .Input("output: T")
     .Input("lse: float")
+    .Input("seed: Tseed")
     .Output("d_query: T")
     .Output("d_key: T")
     .Output("d_value: T")
     .Attr("T: {float, half, bfloat16}")
+    .Attr("Tseed: list({int32, int64}) >= 0 = []")
     .Attr("causal: bool = false")
     .Attr("scale: float = 1.0")
+    .Attr("dropout_rate: float = 0.0")
+    .Attr("dropout_scale: float = 1.0")
     .SetShapeFn(attention_op::AttentionGradShape)
     .Doc(R"doc(
 Gradient of TfmetalExt>Attention from its output and saved lse: the
@@ -157,7 +197,10 @@ probabilities are recomputed tile by tile (p = exp(scale q.k - lse)), with
 Dr = rowsum(d_output * output) and ds = p (d_output . v - Dr):
 d_query = scale ds key, d_key = scale ds^T query, d_value = p^T d_output.
 float32 accumulation for every T; deterministic (no atomics, the summation
-order depends on the shapes only).
+order depends on the shapes only). With dropout (the forward's seed,
+dropout_rate and dropout_scale) the mask m (dropout_scale or 0) is drawn
+once more, d_value = (p m)^T d_output and ds = p (m (d_output . v) - Dr),
+with output the forward's dropped output.
 )doc");
 
 }  // namespace tfmetal_ext

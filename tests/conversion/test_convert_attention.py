@@ -315,18 +315,32 @@ def test_returned_scores_are_kept_with_the_reason():
     _assert_close(stock, new, _x((6, 8)))
 
 
-def test_attention_dropout_is_kept_for_training_and_converted_for_inference():
+def test_attention_dropout_is_converted_and_draws_stocks_masks():
+    """Attention dropout runs inside the op: the training form converts too, and (the dropout
+    sublayer's seed-generator state carried over) its training calls draw stock's masks."""
     keras.utils.set_random_seed(8)
     inp = L.Input((6, 8))
     mha = L.MultiHeadAttention(2, 4, dropout=0.25)
     stock = keras.Model(inp, mha(inp, inp))
+    mha._dropout_layer.seed_generator.state.assign([5, 3])  # not the initial state: it must be copied
     train_form = tfmetal_ext.convert(stock, count_ops=False)
-    reason = _kept_reason(train_form.conversion_report, mha.name)
-    assert reason is not None and "dropout=0.25" in reason
+    assert type(train_form.layers[1]) is fl.FusedMultiHeadAttention
+    assert train_form.conversion_report.rewrite_for(mha.name).new_class == "FusedMultiHeadAttention"
+    x = _x((6, 8))
+    for _ in range(2):
+        np.testing.assert_allclose(train_form(x, training=True), stock(x, training=True), rtol=1e-5, atol=1e-5)
     deploy = tfmetal_ext.convert(stock, inference=True, count_ops=False)
     assert type(deploy.layers[1]) is fl.FusedMultiHeadAttention
-    assert deploy.conversion_report.rewrite_for(mha.name).new_class == "FusedMultiHeadAttention"
     _assert_close(stock, deploy, _x((6, 8)))
+
+
+def test_attention_dropout_one_is_kept_for_training():
+    inp = L.Input((6, 8))
+    mha = L.MultiHeadAttention(2, 4, dropout=1.0)
+    stock = keras.Model(inp, mha(inp, inp))
+    reason = _kept_reason(tfmetal_ext.convert(stock, count_ops=False).conversion_report, mha.name)
+    assert reason is not None and "dropout=1.0" in reason
+    assert type(tfmetal_ext.convert(stock, inference=True, count_ops=False).layers[1]) is fl.FusedMultiHeadAttention
 
 
 def test_a_user_subclass_of_attention_is_kept():

@@ -131,10 +131,17 @@ def test_fused_attention_without_bias_has_no_projection_fusion(monkeypatch):
     assert exp.op is None and "use_bias=False" in exp.reason
 
 
-def test_fused_attention_dropout_fuses_inference_only(attention_runs):
+def test_fused_attention_dropout_fuses_in_training_too(attention_runs):
+    # Attention dropout runs inside the op: training and inference expect it.
     layer = _mha(fl.FusedMultiHeadAttention, dropout=0.2)
+    assert catalog.expectation(layer, ctx(mode="train")).op == fusion.ATTENTION_OP
+    assert catalog.expectation(layer, ctx(mode="predict")).op == fusion.ATTENTION_OP
+
+
+def test_fused_attention_dropout_one_fuses_inference_only(attention_runs):
+    layer = _mha(fl.FusedMultiHeadAttention, dropout=1.0)
     train = catalog.expectation(layer, ctx(mode="train"))
-    assert train.op is None and "dropout=0.2" in train.reason
+    assert train.op is None and "dropout=1.0" in train.reason
     assert train.reason.startswith("the stock MultiHeadAttention computation runs")
     assert catalog.expectation(layer, ctx(mode="predict")).op == fusion.ATTENTION_OP
 
@@ -167,10 +174,10 @@ def test_fused_attention_avoided(attention_runs, monkeypatch):
 # Rows of real executed train steps, and the callback's advice.
 
 
-def _encoder(attention_cls, t=8, d=16):
+def _encoder(attention_cls, t=8, d=16, **kwargs):
     keras.utils.set_random_seed(0)
     inp = L.Input((t, d))
-    a = attention_cls(2, d // 2)(inp, inp)
+    a = attention_cls(2, d // 2, **kwargs)(inp, inp)
     x = L.LayerNormalization()(L.Add()([inp, a]))
     model = keras.Model(inp, L.Dense(2)(L.GlobalAveragePooling1D()(x)))
     model.compile(optimizer="sgd", loss="mse")
@@ -221,6 +228,21 @@ def test_converted_attention_row_in_a_train_step():
         assert (row.status, row.actual_op) == ("partial", fusion.FUSED_MATMUL), row
     lines, _ = _capture.summarize(new, [], fr, None)
     assert not any("-> use tfmetal_ext.layers.FusedMultiHeadAttention" in s for s in lines)
+
+
+def test_attention_dropout_row_in_a_train_step_is_the_op():
+    """Attention dropout in a real train step: the row expects the op and the graph that ran has it
+    (one forward, one gradient), with no Softmax and no Einsum."""
+    new = tfmetal_ext.convert(_encoder(L.MultiHeadAttention, dropout=0.2), count_ops=False)
+    fr = inspect.fusion_report(new, mode="train", batch_size=2)
+    row = _row(fr, "FusedMultiHeadAttention")
+    assert "Einsum" not in fr.ops_by_type and "Softmax" not in fr.ops_by_type
+    c = inspect.catalog.FusionContext(backend="cpu", onednn=fr.onednn, mode="train")
+    if attention_ops.uses_kernel() and catalog.fusion_for(c, "custom_attention").fuses:
+        assert (row.status, row.actual_op) == ("fused", fusion.ATTENTION_OP), row
+        assert fr.ops_by_type.get(fusion.ATTENTION_OP) == 1 and fr.ops_by_type.get(fusion.ATTENTION_GRAD_OP) == 1
+    else:
+        assert (row.status, row.actual_op) == ("partial", fusion.FUSED_MATMUL), row
 
 
 class Block(L.Layer):

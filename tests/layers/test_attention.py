@@ -325,10 +325,10 @@ def test_zero_size_batch_and_empty_kv(path):
 # The graph: no Einsum in a real model.fit train step; the attention op (or its reference).
 
 
-def _classifier(layer_cls, vocab=20, length=None, dim=8, mask_zero=True):
+def _classifier(layer_cls, vocab=20, length=None, dim=8, mask_zero=True, **mha_kwargs):
     tokens = keras.Input((length,), dtype="int32")
     x = keras.layers.Embedding(vocab, dim, mask_zero=mask_zero, name="embed")(tokens)
-    x = layer_cls(num_heads=2, key_dim=4, name="mha")(x, x, use_causal_mask=True)
+    x = layer_cls(num_heads=2, key_dim=4, name="mha", **mha_kwargs)(x, x, use_causal_mask=True)
     x = keras.layers.GlobalAveragePooling1D()(x)
     out = keras.layers.Dense(1, name="head")(x)
     model = keras.Model(tokens, out)
@@ -435,20 +435,103 @@ def test_return_attention_scores_is_exact_stock():
     assert not _is_exact_path(ours, q, v)
 
 
-def test_dropout_training_is_exact_inference_is_fused():
+def test_dropout_training_is_fused_and_draws_stocks_mask(path):
+    """Attention dropout in training runs in the op, from the stock sublayer's seed generator: in the
+    same generator state as stock, the same mask, so the same outputs and gradients (eager and
+    tf.function), and each call advances the generator once, as stock's does."""
     rng = np.random.default_rng(12)
     q, v, _ = _inputs(rng, 2, 5, 4, 8, 8)
     kwargs = dict(num_heads=2, key_dim=4, dropout=0.5, seed=3)
     ours, stock = _pair(kwargs, q, v, rng=rng)
-    assert "dropout=0.5" in ours.unfused_reason
-    y = ours(q, v, training=True)
-    np.testing.assert_array_equal(y, stock(q, v, training=True))  # same seed, same dropout draw
-    assert not np.allclose(y, ours(q, v, training=False))
-    assert _is_exact_path(ours, q, v, training=True)
+    assert ours.unfused_reason is None
+    for graph in (False, True):
+        y = _check_same(ours, stock, q, v, graph=graph, training=True)
+        np.testing.assert_array_equal(ours._dropout_layer.seed_generator.state.numpy(),
+                                      stock._dropout_layer.seed_generator.state.numpy())
+    assert not np.allclose(y, ours(q, v, training=False))  # something is dropped
+    assert not _is_exact_path(ours, q, v, training=True)
     assert not _is_exact_path(ours, q, v, training=False)
+    # Another draw, another mask; set_random_seed reproduces a run of a layer seeded from it.
+    assert not np.allclose(ours(q, v, training=True), ours(q, v, training=True))
+    runs = []
+    for _ in range(2):
+        keras.utils.set_random_seed(21)
+        layer = FusedMultiHeadAttention(num_heads=2, key_dim=4, dropout=0.3)
+        runs.append([layer(q, v, training=True).numpy() for _ in range(2)])
+    np.testing.assert_array_equal(runs[0], runs[1])
     # Inference: stock's dropout path zeroes a fully masked row (not the mean), so must we.
     mask = _masks(rng, 2, 5, 4)["rank3"]
     _check_same(ours, stock, q, v, attention_mask=mask)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_dropout_training_with_masks_matches_stock(causal, path):
+    """Keras padding masks (rows attending no key: stock zeroes them) and an attention mask, with
+    dropout in training, cross-attention with q_seq != kv_seq and value_dim != key_dim."""
+    rng = np.random.default_rng(14)
+    kwargs = dict(num_heads=2, key_dim=4, value_dim=3, dropout=0.4, seed=5)
+    q, v, _ = _inputs(rng, 2, 5, 6, 8, 8)
+    ours, stock = _pair(kwargs, q, v, rng=rng)
+    value_mask = np.array([[0, 0, 0, 0, 0, 0], [1, 1, 1, 0, 1, 0]], bool)  # batch row 0 attends no key
+    y = _check_same(ours, stock, q, v, training=True, value_mask=value_mask, use_causal_mask=causal)
+    assert (y[0] == y[0, :1]).all()  # batch row 0: only the output bias
+    mask = _masks(rng, 2, 5, 6)["rank3"]
+    _check_same(ours, stock, q, v, training=True, attention_mask=mask, use_causal_mask=causal)
+    # A padded query row (its mask on the tensor, as Keras propagates it): stock zeroes it.
+    inputs = [keras.Input((5, 8)), keras.Input((6, 8))]
+    q_mask = np.array([[1, 1, 0, 1, 0], [1, 1, 1, 1, 0]], bool)
+    outs = {}
+    for name, layer in (("ours", ours), ("stock", stock)):
+        masked_q = keras.layers.Masking(mask_value=0.0)(inputs[0])
+        model = keras.Model(inputs, layer(masked_q, inputs[1], value_mask=value_mask, use_causal_mask=causal))
+        outs[name] = model([q * q_mask[..., None], v], training=True)
+    np.testing.assert_allclose(outs["ours"], outs["stock"], rtol=1e-5, atol=1e-5)
+    assert (np.asarray(outs["ours"])[1, 4] == np.asarray(outs["ours"])[0, 0]).all()  # zeroed: the bias
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_dropout_training_under_mixed_precision_matches_stock(policy, path):
+    """The mask's uniform numbers come from the compute dtype's mantissa bits, as stock's Dropout
+    draws them on the float16/bfloat16 softmax output: the same mask, outputs within rounding."""
+    rng = np.random.default_rng(15)
+    q, v, _ = _inputs(rng, 2, 6, 7, 8, 8)
+    ours, stock = _pair(dict(num_heads=2, key_dim=4, dropout=0.3, seed=9), q, v, rng=rng, policy=policy)
+    y, _ = _run(ours, q, v, training=True)
+    y_ref, _ = _run(stock, q, v, training=True)
+    # A different mask moves outputs by O(1); rounding by ~1e-2 of their size.
+    assert_close(y, y_ref, policy)
+    assert ours.compute_dtype == policy.split("_")[1]
+
+
+def test_dropout_one_takes_the_exact_path():
+    rng = np.random.default_rng(16)
+    q, v, _ = _inputs(rng, 2, 5, 4, 8, 8)
+    ours, stock = _pair(dict(num_heads=2, key_dim=4, dropout=1.0, seed=3), q, v, rng=rng)
+    assert "dropout=1.0" in ours.unfused_reason
+    np.testing.assert_array_equal(ours(q, v, training=True), stock(q, v, training=True))
+    assert _is_exact_path(ours, q, v, training=True)
+    assert not _is_exact_path(ours, q, v, training=False)
+
+
+def test_fit_with_dropout_matches_stock(path):
+    """model.fit with attention dropout: the op (forward and gradient) in the train step, no Softmax
+    and no Einsum, and the same losses and weights as stock (the same masks, step after step)."""
+    rng = np.random.default_rng(17)
+    x, y = _data(rng)
+    stock = _classifier(MHA, dropout=0.25, seed=4)
+    ours = _classifier(FusedMultiHeadAttention, dropout=0.25, seed=4)
+    stock.set_weights([w + 0.2 * rng.standard_normal(w.shape).astype(w.dtype) for w in stock.get_weights()])
+    ours.set_weights(stock.get_weights())
+    h_ref = stock.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False).history["loss"]
+    h = ours.fit(x, y, batch_size=4, epochs=2, verbose=0, shuffle=False).history["loss"]
+    np.testing.assert_allclose(h, h_ref, rtol=1e-5)
+    for a, b in zip(ours.get_weights(), stock.get_weights()):  # generator states included
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    cap = inspect.capture_train(_classifier(FusedMultiHeadAttention, dropout=0.25, seed=4), x, y)
+    ops = _op_types(cap) | _op_types(cap, pre=True)
+    assert "Einsum" not in ops and "Softmax" not in ops
+    if path == "kernel":
+        assert {fusion.ATTENTION_OP, fusion.ATTENTION_GRAD_OP} <= ops
 
 
 def test_custom_attention_axes_and_ranks_are_exact():

@@ -225,7 +225,7 @@ def test_nan_inputs_reach_the_rows_they_feed(path, where):
         assert_close(others, want, 2e-5)
     if path == "kernel":
         lib = attention_module._common.library()
-        _, lse = lib.tfmetal_ext_attention(q, k, v, np.ones([1, 1, 1, 1], bool), causal=False,
+        _, lse = lib.tfmetal_ext_attention(q, k, v, np.ones([1, 1, 1, 1], bool), [], causal=False,
                                           scale=1.0 / math.sqrt(8))
         assert np.isnan(lse.numpy()[0, 0, rows]).all()
 
@@ -510,7 +510,7 @@ def test_raw_op_lse_and_output():
     q, k, v = qkv(2, 3, 70, 67, 16, 8, seed=20)
     mask = make_mask("full", 2, 3, 70, 67, seed=20)
     mask[1, 2, 5, :] = False  # a fully masked row: output 0, lse -inf
-    out, lse = lib.tfmetal_ext_attention(q, k, v, mask, causal=True, scale=0.3)
+    out, lse = lib.tfmetal_ext_attention(q, k, v, mask, [], causal=True, scale=0.3)
     want_out, want_lse = np_attention(q, k, v, mask, True, 0.3)
     assert lse.dtype == tf.float32 and lse.shape == (2, 3, 70)
     assert_close(out.numpy(), want_out, 2e-5)
@@ -529,7 +529,7 @@ def test_raw_op_mask_broadcast_dims():
     for bits in range(16):
         shape = tuple(full if bits >> axis & 1 else 1 for axis, full in enumerate((b, h, tq, tk)))
         mask = rng.random(shape) < 0.7
-        out, _ = lib.tfmetal_ext_attention(q, k, v, mask, causal=False, scale=0.5)
+        out, _ = lib.tfmetal_ext_attention(q, k, v, mask, [], causal=False, scale=0.5)
         assert_close(out.numpy(), np_attention(q, k, v, mask, False, 0.5)[0], 2e-5, str(shape))
 
 
@@ -538,16 +538,16 @@ def test_gradient_is_deterministic():
     q, k, v = qkv(2, 2, 150, 130, 32, 16, seed=23)
     do = np.random.default_rng(24).normal(0, 1, (2, 2, 150, 16)).astype("float32")
     m = tf.ones([1, 1, 1, 1], tf.bool)
-    out, lse = lib.tfmetal_ext_attention(q, k, v, m, causal=True, scale=0.2)
-    first = [t.numpy() for t in lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, causal=True, scale=0.2)]
+    out, lse = lib.tfmetal_ext_attention(q, k, v, m, [], causal=True, scale=0.2)
+    first = [t.numpy() for t in lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, [], causal=True, scale=0.2)]
     for _ in range(3):
-        again = lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, causal=True, scale=0.2)
+        again = lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, [], causal=True, scale=0.2)
         for a, b in zip(first, again):
             np.testing.assert_array_equal(a, b.numpy())
 
 
 def _raw_bad_calls():
-    """(what, op, inputs, attrs): calls of the raw ops with shapes or attrs they must reject."""
+    """(what, op, inputs, seeds, attrs): calls of the raw ops with shapes or attrs they must reject."""
     q = np.zeros((2, 3, 4, 8), "float32")
     k = np.zeros((2, 3, 5, 8), "float32")
     v = np.zeros((2, 3, 5, 6), "float32")
@@ -555,11 +555,13 @@ def _raw_bad_calls():
     out = np.zeros((2, 3, 4, 6), "float32")
     lse = np.zeros((2, 3, 4), "float32")
 
-    def fwd(q=q, k=k, v=v, m=m, scale=1.0):
-        return "tfmetal_ext_attention", [q, k, v, m], {"scale": scale}
+    seed = np.array([1, 2], "int64")
 
-    def grad(do=out, o=out, lse=lse, m=m):
-        return "tfmetal_ext_attention_grad", [do, q, k, v, m, o, lse], {"scale": 1.0}
+    def fwd(q=q, k=k, v=v, m=m, scale=1.0, seeds=(), **dropout):
+        return "tfmetal_ext_attention", [q, k, v, m], list(seeds), {"scale": scale, **dropout}
+
+    def grad(do=out, o=out, lse=lse, m=m, seeds=(), **dropout):
+        return "tfmetal_ext_attention_grad", [do, q, k, v, m, o, lse], list(seeds), {"scale": 1.0, **dropout}
 
     return [
         ("query rank 3", *fwd(q=q[0])),
@@ -584,6 +586,17 @@ def _raw_bad_calls():
         ("grad lse shape", *grad(lse=lse[:, :, :3])),
         ("grad lse rank", *grad(lse=lse[..., None])),
         ("grad mask", *grad(m=np.ones((2, 2, 1, 1), bool))),
+        # dropout: the seed list and attrs
+        ("dropout without seed", *fwd(dropout_rate=0.5, dropout_scale=2.0)),
+        ("grad dropout without seed", *grad(dropout_rate=0.5, dropout_scale=2.0)),
+        ("seed of 3", *fwd(seeds=[np.array([1, 2, 3], "int32")], dropout_rate=0.5, dropout_scale=2.0)),
+        ("seed rank 0", *fwd(seeds=[np.array(1, "int64")], dropout_rate=0.5, dropout_scale=2.0)),
+        ("seed of 3, rate 0", *fwd(seeds=[np.array([1, 2, 3], "int64")])),
+        ("grad seed of 1", *grad(seeds=[np.array([1], "int32")], dropout_rate=0.5, dropout_scale=2.0)),
+        ("two seeds", *fwd(seeds=[seed, seed], dropout_rate=0.5, dropout_scale=2.0)),
+        ("dropout_rate 1.5", *fwd(seeds=[seed], dropout_rate=1.5, dropout_scale=2.0)),
+        ("dropout_rate -0.1", *fwd(seeds=[seed], dropout_rate=-0.1, dropout_scale=2.0)),
+        ("dropout_scale 0", *grad(seeds=[seed], dropout_rate=0.5, dropout_scale=0.0)),
     ]
 
 
@@ -592,19 +605,22 @@ def test_raw_ops_bad_shapes_raise_invalid_argument(shapes):
     """Bad shapes and attrs give InvalidArgumentError, never a crash: from the shape functions (static
     shapes), from the kernels' own checks when the shapes are unknown at graph-building time."""
     lib = _lib()
-    for what, op, inputs, attrs in _raw_bad_calls():
+    for what, op, inputs, seeds, attrs in _raw_bad_calls():
         fn = getattr(lib, op)
         if shapes == "static":
             with pytest.raises(tf.errors.InvalidArgumentError):
-                fn(*inputs, **attrs)
+                fn(*inputs, seeds, **attrs)
             continue
-        signature = [tf.TensorSpec(None, tf.as_dtype(x.dtype)) for x in inputs]
-        graph_fn = tf.function(lambda *xs: fn(*xs, **attrs), input_signature=signature)
-        with pytest.raises(tf.errors.InvalidArgumentError):
-            graph_fn(*inputs)
+        n = len(inputs)
+        signature = [tf.TensorSpec(None, tf.as_dtype(x.dtype)) for x in inputs + seeds]
+        graph_fn = tf.function(lambda *xs: fn(*xs[:n], list(xs[n:]), **attrs), input_signature=signature)
+        # The number of seeds is known when the graph is built: the shape function refuses two then.
+        error = ValueError if what == "two seeds" else tf.errors.InvalidArgumentError
+        with pytest.raises(error, match="seed must be a list of at most one tensor" if what == "two seeds" else None):
+            graph_fn(*inputs, *seeds)
         # The kernel checks ran (the shape function saw unknown shapes), and the op still works after.
     q, k, v = qkv(1, 1, 2, 3, 4, seed=25)
-    assert np.isfinite(lib.tfmetal_ext_attention(q, k, v, np.ones((1, 1, 1, 1), bool), scale=1.0)[0].numpy()).all()
+    assert np.isfinite(lib.tfmetal_ext_attention(q, k, v, np.ones((1, 1, 1, 1), bool), [], scale=1.0)[0].numpy()).all()
 
 
 _BASELINE_CASES = textwrap.dedent(
@@ -624,8 +640,8 @@ _BASELINE_CASES = textwrap.dedent(
         do = np.random.default_rng(seed).normal(0, 1, (b, h, tq, dv)).astype("float32")
         for dtype, (tf_dtype, tol) in t.DTYPES.items():
             args = [tf.constant(x, tf_dtype) for x in (q, k, v)]
-            out, lse = lib.tfmetal_ext_attention(*args, m, causal=causal, scale=0.25)
-            grads = lib.tfmetal_ext_attention_grad(tf.constant(do, tf_dtype), *args, m, out, lse, causal=causal,
+            out, lse = lib.tfmetal_ext_attention(*args, m, [], causal=causal, scale=0.25)
+            grads = lib.tfmetal_ext_attention_grad(tf.constant(do, tf_dtype), *args, m, out, lse, [], causal=causal,
                                                    scale=0.25)
             r = [t.rounded(x, tf_dtype) for x in (q, k, v)]
             t.assert_close(t.as64(out), t.np_attention(*r, mask, causal, 0.25)[0], tol, t.case_id(case))
@@ -650,3 +666,269 @@ def test_baseline_loops_match_numpy():
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split()[-2:] == ["ok", str(len(CASES))]
+
+
+# ---------------------------------------------------------------- attention dropout
+#
+# The mask is TensorFlow's stateless dropout mask of a (b, h, tq, tk) tensor of the input dtype:
+# here from the numpy Philox of tfmetal_ext.testing (written from the definition), independently
+# of the kernels' header and of the pure-TF reference's StatelessRandomUniformV2.
+
+from tfmetal_ext.testing import UNIFORM_BITS, np_key_counter, np_stateless_uniform  # noqa: E402
+
+SEED = np.array([7, -3], "int32")
+
+
+def np_rounded(value, dtype):
+    """A Python float as `dtype` rounds it eagerly (through float32), as a float."""
+    np_dtype = tf.as_dtype(DTYPES[dtype][0]).as_numpy_dtype
+    return float(np.asarray(np.float32(value), np_dtype))
+
+
+def np_keep(seed, shape, dtype, rate):
+    """The (b, h, tq, tk) keep mask: uniform(flat index) >= rate, in `dtype`'s bits and rounding."""
+    key, counter = np_key_counter([int(s) for s in seed])
+    u = np_stateless_uniform(int(np.prod(shape)), key, counter, UNIFORM_BITS[dtype]).reshape(shape)
+    return u >= np_rounded(rate, dtype)
+
+
+def np_dropout_attention(q, k, v, mask, causal, scale, keep, drop_scale):
+    """(output, dQ, dK, dV as a function of dO) with probabilities p * keep * drop_scale, float64."""
+    p, _ = np_probs(q, k, mask, causal, scale)
+    m = np.where(keep, drop_scale, 0.0)
+    v64 = np.asarray(v, np.float64)
+    out = np.einsum("bhqk,bhkd->bhqd", p * m, v64)
+
+    def grads(do):
+        do = np.asarray(do, np.float64)
+        dp = m * np.einsum("bhqd,bhkd->bhqk", do, v64)
+        ds = p * (dp - (do * out).sum(-1, keepdims=True))
+        return (scale * np.einsum("bhqk,bhkd->bhqd", ds, np.asarray(k, np.float64)),
+                scale * np.einsum("bhqk,bhqd->bhkd", ds, np.asarray(q, np.float64)),
+                np.einsum("bhqk,bhqd->bhkd", p * m, do))
+
+    return out, grads
+
+
+# (b, h, tq, tk, d, dv, mask kind, causal): Tq != Tk, Dv != D, several key tiles, masks, causal
+DROPOUT_CASES = [
+    (2, 2, 5, 7, 4, 3, None, False),
+    (1, 2, 9, 6, 5, 7, "full", True),
+    (2, 1, 70, 131, 8, 8, "padding", True),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dropout_matches_numpy(path, dtype):
+    """Output and gradients against float64 attention with the numpy Philox mask, every dtype."""
+    tf_dtype, tol = DTYPES[dtype]
+    rate = 0.3
+    for seed, case in enumerate(DROPOUT_CASES):
+        b, h, tq, tk, d, dv, kind, causal = case
+        q, k, v = qkv(b, h, tq, tk, d, dv, seed=seed)
+        mask = make_mask(kind, b, h, tq, tk, seed)
+        do = np.random.default_rng(seed + 70).normal(0, 1, (b, h, tq, dv)).astype("float32")
+        qt, kt, vt = (tf.constant(t, tf_dtype) for t in (q, k, v))
+        with tf.GradientTape() as tape:
+            tape.watch([qt, kt, vt])
+            out = attention(qt, kt, vt, mask=mask, causal=causal, dropout_rate=rate, seed=SEED)
+        grads = tape.gradient(out, [qt, kt, vt], output_gradients=tf.constant(do, tf_dtype))
+        keep = np_keep(SEED, (b, h, tq, tk), dtype, rate)
+        assert 0.55 < keep.mean() < 0.85
+        want, want_grads = np_dropout_attention(*(rounded(t, tf_dtype) for t in (q, k, v)), mask, causal,
+                                                1 / math.sqrt(d), keep, np_rounded(1 / (1 - rate), dtype))
+        assert out.dtype == tf_dtype and out.shape == (b, h, tq, dv)
+        assert_close(as64(out), want, 2 * tol, case_id(case))
+        for got, w, what in zip(grads, want_grads(rounded(do, tf_dtype)), "qkv"):
+            assert got.dtype == tf_dtype
+            assert_close(as64(got), w, 3 * tol, f"d{what}, {case_id(case)}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dropout_mask_is_tensorflows_stateless_dropout_mask(path, dtype):
+    """Bit for bit: with value = identity (dv = tk), output row i is p_i * m_i, zero exactly where
+    tf.nn.experimental.stateless_dropout of a (b, h, tq, tk) tensor of the dtype drops, and where the
+    numpy Philox drops."""
+    tf_dtype, _ = DTYPES[dtype]
+    b, h, tq, tk = 2, 3, 5, 9
+    q, k, _ = qkv(b, h, tq, tk, 4, seed=31)
+    v = np.broadcast_to(np.eye(tk, dtype="float32"), (b, h, tk, tk))
+    rate = 0.4
+    for seed in (SEED, np.array([2**40 + 5, -(2**35)], "int64")):
+        out = attention(*(tf.constant(t, tf_dtype) for t in (q * 0.1, k * 0.1, v)), dropout_rate=rate, seed=seed)
+        dropped = as64(out) == 0.0
+        stock = tf.nn.experimental.stateless_dropout(tf.ones([b, h, tq, tk], tf_dtype), rate=rate, seed=seed)
+        np.testing.assert_array_equal(dropped, stock.numpy() == 0)
+        np.testing.assert_array_equal(dropped, ~np_keep(seed, (b, h, tq, tk), dtype, rate))
+        assert dropped.any() and not dropped.all()
+
+
+def test_dropout_seeds(path):
+    """A seed draws one mask: the same seed the same result (eager and tf.function), another seed
+    another; int32 and int64 seeds of equal values the same; a SeedGenerator is drawn once per call
+    as keras.random.dropout draws it (so set_random_seed reproduces a run); rate 0 draws nothing."""
+    import keras
+
+    q, k, v = qkv(1, 2, 6, 8, 4, seed=33)
+    first = attention(q, k, v, dropout_rate=0.5, seed=[1, 2]).numpy()
+    np.testing.assert_array_equal(first, attention(q, k, v, dropout_rate=0.5, seed=[1, 2]).numpy())
+    np.testing.assert_array_equal(first, attention(q, k, v, dropout_rate=0.5, seed=np.array([1, 2], "int64")).numpy())
+    traced = tf.function(lambda s: attention(q, k, v, dropout_rate=0.5, seed=s))
+    # The same mask traced (a graph may round the reference's MatMuls differently: oneDNN).
+    assert_close(traced(tf.constant([1, 2])).numpy(), first, 1e-6)
+    assert not np.array_equal(first, attention(q, k, v, dropout_rate=0.5, seed=[1, 3]).numpy())
+
+    generator = keras.random.SeedGenerator(5)
+    state = generator.state.numpy().copy()
+    ours = attention(q, k, v, dropout_rate=0.5, seed=generator).numpy()
+    drawn = generator.state.numpy().copy()
+    assert not np.array_equal(state, drawn)
+    generator.state.assign(state)
+    scores = tf.constant(np_probs(q, k, None, False, 0.5)[0], tf.float32)
+    stock_p = keras.random.dropout(scores, 0.5, seed=generator)
+    np.testing.assert_array_equal(generator.state.numpy(), drawn)  # one draw each
+    assert_close(ours, np.einsum("bhqk,bhkd->bhqd", stock_p.numpy(), v), 2e-5)
+    attention(q, k, v, dropout_rate=0.0, seed=generator)
+    np.testing.assert_array_equal(generator.state.numpy(), drawn)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dropout_rate_rounding_to_one_drops_everything(path, dtype):
+    """A rate that the dtype rounds to 1 keeps nothing (the float16 scale is inf then): zeros, no NaN."""
+    tf_dtype, _ = DTYPES[dtype]
+    q, k, v = (tf.constant(t, tf_dtype) for t in qkv(1, 1, 3, 5, 4, seed=34))
+    with tf.GradientTape() as tape:
+        tape.watch(v)
+        out = attention(q, k, v, dropout_rate=0.99999, seed=SEED)
+    assert (as64(out) == 0).all()
+    assert (as64(tape.gradient(out, v)) == 0).all()
+
+
+def test_dropout_rows_attending_no_key_and_empty_sizes(path):
+    b, h, tq, tk, d = 2, 2, 6, 5, 4
+    q, k, v = qkv(b, h, tq, tk, d, seed=35)
+    mask = np.ones((b, 1, tq, tk), bool)
+    mask[0, 0, 2] = False
+    qt, kt, vt = (tf.constant(t) for t in (q, k, v))
+    with tf.GradientTape() as tape:
+        tape.watch([qt, kt, vt])
+        out = attention(qt, kt, vt, mask=mask, dropout_rate=0.5, seed=SEED)
+    grads = tape.gradient(out, [qt, kt, vt], output_gradients=tf.ones_like(out))
+    assert (out.numpy()[0, :, 2] == 0).all() and np.isfinite(out.numpy()).all()
+    assert (grads[0].numpy()[0, :, 2] == 0).all() and all(np.isfinite(g.numpy()).all() for g in grads)
+    for shape in [(0, 2, 3, 4), (2, 2, 0, 4), (2, 2, 3, 0)]:
+        bb, hh, qq, kk = shape
+        q, k, v = qkv(bb, hh, qq, kk, 4, 5, seed=36)
+        qt, kt, vt = (tf.constant(t) for t in (q, k, v))
+        with tf.GradientTape() as tape:
+            tape.watch([qt, kt, vt])
+            out = attention(qt, kt, vt, causal=True, dropout_rate=0.5, seed=SEED)
+        assert out.shape == (bb, hh, qq, 5) and (out.numpy() == 0).all()
+        for g, t in zip(tape.gradient(out, [qt, kt, vt], output_gradients=tf.ones_like(out)), (q, k, v)):
+            assert g.shape == t.shape and (g.numpy() == 0).all()
+
+
+def test_dropout_compute_gradient(path):
+    """Theoretical against numerical Jacobians with the mask fixed by the seed (float32)."""
+    q, k, v = qkv(1, 2, 4, 5, 3, 2, seed=37)
+    mask = make_mask("full", 1, 2, 4, 5, 37)
+    mask[..., 0] = True
+
+    def f(q, k, v):
+        return attention(q, k, v, mask=mask, causal=True, scale=0.8, dropout_rate=0.3, seed=SEED)
+
+    theoretical, numerical = tf.test.compute_gradient(f, [tf.constant(q), tf.constant(k), tf.constant(v)], delta=1e-2)
+    for t, n in zip(theoretical, numerical):
+        assert np.abs(t).max() > 1e-3
+        np.testing.assert_allclose(t, n, atol=3e-3, rtol=3e-3)
+
+
+def test_kernel_and_reference_dropout_agree(monkeypatch):
+    """The kernel's mask is the pure-TF reference's (the reference's StatelessRandomUniformV2 on the
+    (b, h, tq, tk) shape): the zeros of the dropped output match exactly, the values to rounding."""
+    if not attention_module.uses_kernel():
+        pytest.skip("the attention kernel is not in the op library")
+    q, k, v = qkv(2, 2, 7, 33, 8, 6, seed=38)
+    mask = padding_mask(2, 33, [33, 20])
+    results = []
+    for reference in ("0", "1"):
+        monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", reference)
+        qt, kt, vt = (tf.constant(t, tf.float16) for t in (q, k, v))
+        with tf.GradientTape() as tape:
+            tape.watch([qt, kt, vt])
+            out = attention(qt, kt, vt, mask=mask, causal=True, dropout_rate=0.25, seed=SEED)
+        results.append([as64(out)] + [as64(g) for g in tape.gradient(out, [qt, kt, vt])])
+    kernel, reference = results
+    np.testing.assert_array_equal(kernel[0] == 0, reference[0] == 0)
+    for a, b in zip(kernel, reference):
+        assert_close(a, b, 6e-3)
+
+
+def test_dropout_bad_arguments():
+    q = np.zeros((1, 1, 2, 4), "float32")
+    cases = [
+        (dict(dropout_rate=1.0, seed=[1, 2]), "Received: dropout_rate=1.0"),
+        (dict(dropout_rate=-0.1, seed=[1, 2]), "Received: dropout_rate=-0.1"),
+        (dict(dropout_rate="0.1", seed=[1, 2]), "Received: dropout_rate='0.1'"),
+        (dict(dropout_rate=True, seed=[1, 2]), "Received: dropout_rate=True"),
+        (dict(dropout_rate=float("nan"), seed=[1, 2]), "Received: dropout_rate=nan"),
+        (dict(dropout_rate=0.5), r"Received: dropout_rate=0.5, seed=None"),
+        (dict(dropout_rate=0.5, seed=3), "Received: seed=3"),
+        (dict(dropout_rate=0.5, seed=[1, 2, 3]), r"Received: seed.shape=\(3,\)"),
+        (dict(dropout_rate=0.5, seed=[1.0, 2.0]), "Received: seed.dtype=float32"),
+        (dict(dropout_rate=0.0, seed=[1, 2, 3]), r"Received: seed.shape=\(3,\)"),  # checked even unused
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            attention(q, q, q, **kwargs)
+
+
+def test_graphs_without_the_seed_input_still_load_and_run():
+    """A TfmetalExt>Attention node written before the seed input and dropout attrs existed (4 inputs,
+    no Tseed/dropout_rate/dropout_scale) loads with the defaults (no seed, rate 0): the same output
+    and gradients as today's op."""
+    lib = _lib()
+    q, k, v = qkv(1, 2, 5, 6, 4, 3, seed=39)
+    want = lib.tfmetal_ext_attention(q, k, v, np.ones((1, 1, 1, 1), bool), [], causal=True, scale=0.5)[0].numpy()
+    graph = tf.Graph()
+    with graph.as_default():
+        for name, x in (("q", q), ("k", k), ("v", v), ("m", np.ones((1, 1, 1, 1), bool))):
+            tf.constant(x, name=name)
+    graph_def = graph.as_graph_def()
+    node = graph_def.node.add()
+    node.name, node.op = "old_attention", attention_module.ATTENTION_OP
+    node.input.extend(["q", "k", "v", "m"])
+    node.attr["T"].type = tf.float32.as_datatype_enum
+    node.attr["causal"].b = True
+    node.attr["scale"].f = 0.5
+    assert "Tseed" not in node.attr and "dropout_rate" not in node.attr
+    with tf.Graph().as_default() as g:
+        (out,) = tf.graph_util.import_graph_def(graph_def, return_elements=["old_attention:0"])
+        grads = tf.gradients(out, [g.get_tensor_by_name(f"import/{n}:0") for n in "qkv"])
+        with tf.compat.v1.Session(graph=g) as sess:
+            got, got_grads = sess.run([out, grads])
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    wants = np_attention_grad(np.ones_like(want), q, k, v, None, True, 0.5)
+    for a, b in zip(got_grads, wants):
+        assert_close(a, b, 2e-5)
+
+
+def test_kernel_seed_errors_read_like_tensorflows():
+    """A malformed seed tensor (shape unknown when the graph is built, so the kernels check it) gives
+    InvalidArgumentError with TensorFlow's own text for stateless seeds; a missing one names the input."""
+    lib = _lib()
+    q = np.zeros((1, 1, 2, 4), "float32")
+    m = np.ones((1, 1, 1, 1), bool)
+    fn = tf.function(lambda s: lib.tfmetal_ext_attention(q, q, q, m, [s], dropout_rate=0.5, dropout_scale=2.0)[0],
+                     input_signature=[tf.TensorSpec(None, tf.int64)])
+    with pytest.raises(tf.errors.InvalidArgumentError) as ours:
+        fn(tf.constant([1, 2, 3], tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError) as theirs:
+        tf.function(lambda s: tf.raw_ops.StatelessRandomGetKeyCounter(seed=s),
+                    input_signature=[tf.TensorSpec(None, tf.int64)])(tf.constant([1, 2, 3], tf.int64))
+    assert "seed must have shape [2], not [3]" in ours.value.message
+    assert "seed must have shape [2], not [3]" in theirs.value.message
+    with pytest.raises(tf.errors.InvalidArgumentError, match="dropout_rate = 0.5.* needs the seed input"):
+        lib.tfmetal_ext_attention(q, q, q, m, [], dropout_rate=0.5, dropout_scale=2.0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"dropout_rate must be in \[0, 1\]"):
+        lib.tfmetal_ext_attention(q, q, q, m, [np.array([1, 2])], dropout_rate=1.5, dropout_scale=2.0)

@@ -10,6 +10,12 @@ and with the CPU kernel (custom_ops/cpu/attention_kernels.cc: the same shared
 math, another summation order). This is what verifies the kernels without a
 Mac: no GPU result is claimed.
 
+Attention dropout: every instantiation again with a seed (int32 and int64),
+against the same float64 attention with the mask of TensorFlow's stateless
+dropout drawn by the numpy Philox of tfmetal_ext.testing (np_key_counter,
+np_stateless_uniform: written from the definition, not from the kernels'
+header), and against the CPU kernel's dropout.
+
 Outputs start as NaN (an element no thread writes fails the comparison) and
 sit in front of a guard region that must come back untouched (no write past
 the end). Emulated threadgroups run their 128 threads as OS threads, one
@@ -26,7 +32,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tfmetal_ext.testing import compiled_ops, load_emu
+from tfmetal_ext.testing import UNIFORM_BITS, compiled_ops, load_emu, np_key_counter, np_stateless_uniform
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
@@ -37,7 +43,10 @@ DKDV = {"float": "attention_bwd_dkdv_float", "half": "attention_bwd_dkdv_half",
 # tfm_attention_params (custom_ops/metal/attention.h)
 PARAMS = np.dtype([("batch", "<u4"), ("heads", "<u4"), ("tq", "<u4"), ("tk", "<u4"), ("d", "<u4"), ("dv", "<u4"),
                    ("mask_stride_b", "<u4"), ("mask_stride_h", "<u4"), ("mask_stride_q", "<u4"),
-                   ("mask_stride_k", "<u4"), ("scale", "<f4"), ("causal", "<u4")])
+                   ("mask_stride_k", "<u4"), ("scale", "<f4"), ("causal", "<u4"), ("dropout", "<u4"),
+                   ("seed_is_int64", "<u4"), ("mantissa_bits", "<u4"), ("dropout_rate", "<f4"),
+                   ("dropout_scale", "<f4")])
+BITS = {"float": 23, "half": 10, "bfloat": 7}
 THREADS, BLOCK_Q, BLOCK_K, CHUNK = 128, 8, 32, 64  # attention.h
 GUARD = 37      # elements after each output that no kernel may write
 SENTINEL = -3.5  # exact in every dtype
@@ -61,13 +70,41 @@ def lib():
 # The host side, as attention_metal.mm does it.
 
 
-def params(q, k, v, mask, causal, scale):
+class Dropout:
+    """An attention dropout: the seed (as its dtype holds it), rate and scale rounded to the kernel's dtype."""
+
+    def __init__(self, dtype, seed, seed_dtype=np.int32, rate=0.3):
+        self.seed, self.seed_dtype = np.asarray(seed, seed_dtype), seed_dtype
+        self.rate = float(np.asarray(np.float32(rate), DTYPES[dtype]))
+        self.scale = float(np.asarray(np.float32(1 / (1 - rate)), DTYPES[dtype]))
+        self.bits = BITS[dtype]
+
+    def buffer(self):
+        """The seed tensor's bytes as the kernels' `device const uint* seed` reads them."""
+        return np.ascontiguousarray(self.seed).view(np.uint32).copy()
+
+    def factors(self, shape):
+        """The (b, h, tq, tk) dropout factors m: scale where TF's stateless dropout keeps, else 0 (numpy)."""
+        key, counter = np_key_counter([int(s) for s in self.seed])
+        u = np_stateless_uniform(int(np.prod(shape)), key, counter, self.bits).reshape(shape)
+        return np.where(u >= self.rate, self.scale, 0.0)
+
+
+def params(q, k, v, mask, causal, scale, dropout=None):
     b, h, tq, d = q.shape
     tk, dv = k.shape[2], v.shape[3]
     bm, hm, tqm, tkm = mask.shape
     strides = (hm * tqm * tkm if bm > 1 else 0, tqm * tkm if hm > 1 else 0, tkm if tqm > 1 else 0,
                1 if tkm > 1 else 0)
-    return ("bytes", np.array((b, h, tq, tk, d, dv) + strides + (scale, int(causal)), PARAMS))
+    bits = {np.dtype(t): BITS[name] for name, t in DTYPES.items()}[q.dtype]
+    drop = (0, 0, bits, 0.0, 1.0) if dropout is None else (
+        1, int(dropout.seed_dtype == np.int64), bits, dropout.rate, dropout.scale)
+    return ("bytes", np.array((b, h, tq, tk, d, dv) + strides + (scale, int(causal)) + drop, PARAMS))
+
+
+def seed_buffer(dropout):
+    """The seed buffer the host binds: the seed, or a placeholder without dropout (never read)."""
+    return np.zeros(4, np.uint32) if dropout is None else dropout.buffer()
 
 
 def guarded(shape, dtype):
@@ -83,29 +120,30 @@ def check_guard(flat, shape, what):
     assert (tail == SENTINEL).all(), f"{what}: the kernel wrote past the end of the output"
 
 
-def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="linear"):
+def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="linear", dropout=None):
     b, h, tq, d = q.shape
     scale = 1 / np.sqrt(d) if scale is None else scale
     out_shape, lse_shape = (b, h, tq, v.shape[3]), (b, h, tq)
     out_flat, out = guarded(out_shape, DTYPES[dtype])
     lse_flat, lse = guarded(lse_shape, np.float32)
     if out.size:  # the host returns before dispatching when B, H or Tq is 0
-        lib.run(FORWARD[dtype], [q, k, v, mask, out_flat, lse_flat, params(q, k, v, mask, causal, scale)],
+        lib.run(FORWARD[dtype], [q, k, v, mask, seed_buffer(dropout), out_flat, lse_flat,
+                                 params(q, k, v, mask, causal, scale, dropout)],
                 threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS, order=order, seed=3)
     check_guard(out_flat, out_shape, "output")
     check_guard(lse_flat, lse_shape, "lse")
     return out, lse
 
 
-def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=None, order="linear"):
+def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=None, order="linear", dropout=None):
     b, h, tq, d = q.shape
     tk, dv = k.shape[2], v.shape[3]
     scale = 1 / np.sqrt(d) if scale is None else scale
     dq_flat, dq = guarded(q.shape, DTYPES[dtype])
     dk_flat, dk = guarded(k.shape, DTYPES[dtype])
     dv_flat, dvv = guarded(v.shape, DTYPES[dtype])
-    args = [do, q, k, v, mask, np.ascontiguousarray(out), np.ascontiguousarray(lse)]
-    p = params(q, k, v, mask, causal, scale)
+    args = [do, q, k, v, mask, np.ascontiguousarray(out), np.ascontiguousarray(lse), seed_buffer(dropout)]
+    p = params(q, k, v, mask, causal, scale, dropout)
     if dq.size:  # B, H, Tq > 0
         lib.run(DQ[dtype], args + [dq_flat, p], threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS,
                 order=order, seed=5)
@@ -130,10 +168,12 @@ def allowed(mask, causal, b, h, tq, tk):
     return a
 
 
-def np_forward(q, k, v, mask, causal, scale):
-    """(output, lse, probabilities) in float64; rows attending no key: 0, -inf, 0."""
+def np_forward(q, k, v, mask, causal, scale, m=1.0):
+    """(output, lse, probabilities) in float64; rows attending no key: 0, -inf, 0. `m`: the dropout
+    factors (scale or 0) of the probabilities in the output (the lse and probabilities are undropped)."""
     q, k, v = (x.astype(np.float64) for x in (q, k, v))
     b, h, tq, _ = q.shape
+    drop = m
     a = allowed(mask, causal, b, h, tq, k.shape[2])
     s = np.where(a, scale * q @ k.transpose(0, 1, 3, 2), -np.inf)
     m = s.max(-1, keepdims=True, initial=-np.inf)
@@ -142,10 +182,10 @@ def np_forward(q, k, v, mask, causal, scale):
     safe = np.where(l > 0, l, 1)
     p = np.where(l > 0, e / safe, 0.0)
     lse = np.where(l[..., 0] > 0, m[..., 0] + np.log(safe[..., 0]), -np.inf)
-    return p @ v, lse, p
+    return (p * drop) @ v, lse, p
 
 
-def np_backward(do, q, k, v, mask, causal, scale):
+def np_backward(do, q, k, v, mask, causal, scale, m=1.0):
     """(dQ, dK, dV) of sum(output * do) in float64, and the size of each element's terms.
 
     ds = p (dp - Dr) cancels where the softmax is peaked (dp ~ Dr), so a
@@ -153,15 +193,16 @@ def np_backward(do, q, k, v, mask, causal, scale):
     from; its rounding error scales with |terms|: scale * (p (|dO| |V|^T +
     rowsum |dO| |O|)) |K| for dQ (likewise dK), p^T |dO| for dV.
     """
-    o, _, p = np_forward(q, k, v, mask, causal, scale)
+    o, _, p = np_forward(q, k, v, mask, causal, scale, m)
     do, q, k, v = (x.astype(np.float64) for x in (do, q, k, v))
     t = (0, 1, 3, 2)
-    dv = p.transpose(t) @ do
-    dp = do @ v.transpose(t)
+    pm = p * m  # the dropped probabilities (p without dropout)
+    dv = pm.transpose(t) @ do
+    dp = m * (do @ v.transpose(t))
     ds = p * (dp - (do * o).sum(-1, keepdims=True))
-    ds_terms = p * (np.abs(do) @ np.abs(v).transpose(t) + (np.abs(do) * np.abs(o)).sum(-1, keepdims=True))
+    ds_terms = p * (m * (np.abs(do) @ np.abs(v).transpose(t)) + (np.abs(do) * np.abs(o)).sum(-1, keepdims=True))
     grads = (scale * ds @ k, scale * ds.transpose(t) @ q, dv)
-    terms = (scale * ds_terms @ np.abs(k), scale * ds_terms.transpose(t) @ np.abs(q), p.transpose(t) @ np.abs(do))
+    terms = (scale * ds_terms @ np.abs(k), scale * ds_terms.transpose(t) @ np.abs(q), pm.transpose(t) @ np.abs(do))
     return grads, terms
 
 
@@ -191,13 +232,14 @@ def assert_close(got, want, dtype, what, terms=None):
                            f"got {got[bad][:4]}, want {want[bad][:4]}, bound {bound[bad][:4]}")
 
 
-def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=True, inputs=None):
+def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=True, inputs=None, dropout=None):
     """Runs forward (and backward) on a random case; returns (output, lse, grads)."""
     b, h, tq, tk, d, dv = shape
     scale = 1 / np.sqrt(d) if scale is None else scale
     q, k, v, do = random_case(dtype, b, h, tq, tk, d, dv, seed) if inputs is None else inputs
-    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal, scale)
-    want_o, want_lse, _ = np_forward(q, k, v, mask, causal, scale)
+    m = 1.0 if dropout is None else dropout.factors((b, h, tq, tk))
+    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal, scale, dropout=dropout)
+    want_o, want_lse, _ = np_forward(q, k, v, mask, causal, scale, m)
     assert_close(out, want_o, dtype, "output")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
@@ -206,9 +248,9 @@ def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=Tr
     np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
     if not backward:
         return out, lse, None
-    grads = metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal, scale)
+    grads = metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal, scale, dropout=dropout)
     # Reference: the exact gradient in float64 (of the dtype-rounded inputs).
-    wants, terms = np_backward(do, q, k, v, mask, causal, scale)
+    wants, terms = np_backward(do, q, k, v, mask, causal, scale, m)
     for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, wants, terms):
         assert got.shape == want.shape
         assert_close(got, want, dtype, name, term)
@@ -232,11 +274,11 @@ def test_library_instantiates_every_dtype(lib):
     assert lib.kernels() == sorted(names)
     for name in FORWARD.values():
         ps = lib.params(name)
-        assert len(ps) == 7 and ps[6].kind == "reference" and ps[6].size == PARAMS.itemsize
+        assert len(ps) == 8 and ps[7].kind == "reference" and ps[7].size == PARAMS.itemsize
     for name in DQ.values():
-        assert len(lib.params(name)) == 9 and lib.params(name)[8].size == PARAMS.itemsize
-    for name in DKDV.values():
         assert len(lib.params(name)) == 10 and lib.params(name)[9].size == PARAMS.itemsize
+    for name in DKDV.values():
+        assert len(lib.params(name)) == 11 and lib.params(name)[10].size == PARAMS.itemsize
 
 
 # (B, H, Tq, Tk, D, Dv)
@@ -401,8 +443,8 @@ def test_matches_the_cpu_kernel(lib, dtype):
     tf_dtype = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}[dtype]
     t = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, v, do)]
     with tf.device("/CPU:0"):
-        cpu_out, cpu_lse = ops.tfmetal_ext_attention(t[0], t[1], t[2], tf.constant(mask), causal=True, scale=scale)
-        cpu_grads = ops.tfmetal_ext_attention_grad(t[3], t[0], t[1], t[2], tf.constant(mask), cpu_out, cpu_lse,
+        cpu_out, cpu_lse = ops.tfmetal_ext_attention(t[0], t[1], t[2], tf.constant(mask), [], causal=True, scale=scale)
+        cpu_grads = ops.tfmetal_ext_attention_grad(t[3], t[0], t[1], t[2], tf.constant(mask), cpu_out, cpu_lse, [],
                                                    causal=True, scale=scale)
     cpu_out = cpu_out.numpy().astype(DTYPES[dtype])
     cpu_lse = cpu_lse.numpy()
@@ -417,6 +459,71 @@ def test_matches_the_cpu_kernel(lib, dtype):
         want = want.numpy().astype(np.float64)
         assert got.shape == want.shape
         assert_close(got, want, dtype, name + " vs CPU", 2 * term)
+
+
+# ----------------------------------------------------------------------------
+# Attention dropout
+
+
+@pytest.mark.cover_axes("dtype")  # each dtype is its own instantiation of every kernel
+@pytest.mark.parametrize("seed, seed_dtype", [((7, -3), np.int32), ((2**40 + 5, -(2**35)), np.int64)],
+                         ids=["int32", "int64"])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dropout_matches_numpy(lib, dtype, seed, seed_dtype):
+    # Several key tiles (keys of one row span Philox blocks across tile edges), Tq != Tk, Dv != D
+    # over two chunks, causal with a mask that empties rows.
+    drop = Dropout(dtype, seed, seed_dtype)
+    rng = np.random.default_rng(70)
+    mask = rng.random((2, 1, 11, 37)) < 0.8
+    mask[1, 0, 4] = False
+    out, lse, (dq, _, _) = check(lib, dtype, (2, 2, 11, 37, 8, 70), mask, causal=True, seed=71, dropout=drop)
+    assert (out[1, :, 4].astype(np.float32) == 0).all() and np.isneginf(lse[1, :, 4]).all()
+    assert (dq[1, :, 4].astype(np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dropout_mask_is_the_numpy_philox_mask_exactly(lib, dtype):
+    # value = identity (Dv = Tk): output row i is p_i * m_i, so its zeros are exactly the dropped keys.
+    drop = Dropout(dtype, (11, 12), rate=0.45)
+    b, h, tq, tk = 2, 2, 9, 40
+    q, k, _, _ = random_case(dtype, b, h, tq, tk, 4, 4, 72)
+    v = np.ascontiguousarray(np.broadcast_to(np.eye(tk, dtype=np.float32), (b, h, tk, tk)).astype(DTYPES[dtype]))
+    out, _ = metal_forward(lib, dtype, (q.astype(np.float32) * 0.1).astype(DTYPES[dtype]), k, v, no_mask(),
+                           dropout=drop)
+    dropped = out.astype(np.float32) == 0
+    np.testing.assert_array_equal(dropped, drop.factors((b, h, tq, tk)) == 0)
+    assert dropped.any() and not dropped.all()
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dropout_matches_the_cpu_kernel(lib, dtype):
+    import tensorflow as tf
+
+    ops = compiled_ops()
+    shape = (1, 2, 19, 41, 24, 16)
+    drop = Dropout(dtype, (3, 4), np.int64, rate=0.25)
+    rng = np.random.default_rng(73)
+    mask = rng.random((1, 1, 19, 41)) < 0.8
+    q, k, v, do = random_case(dtype, *shape, seed=74)
+    scale = 0.3
+    tf_dtype = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}[dtype]
+    t = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, v, do)]
+    seeds = [tf.constant(drop.seed)]
+    attrs = dict(causal=True, scale=scale, dropout_rate=drop.rate, dropout_scale=drop.scale)
+    with tf.device("/CPU:0"):
+        cpu_out, cpu_lse = ops.tfmetal_ext_attention(t[0], t[1], t[2], tf.constant(mask), seeds, **attrs)
+        cpu_grads = ops.tfmetal_ext_attention_grad(t[3], t[0], t[1], t[2], tf.constant(mask), cpu_out, cpu_lse, seeds,
+                                                   **attrs)
+    cpu_out = cpu_out.numpy().astype(DTYPES[dtype])
+    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal=True, scale=scale, dropout=drop)
+    np.testing.assert_array_equal(out.astype(np.float32) == 0, cpu_out.astype(np.float32) == 0)
+    assert_close(out, cpu_out.astype(np.float64), dtype, "output vs CPU")
+    np.testing.assert_allclose(lse, cpu_lse.numpy(), rtol=1e-5, atol=1e-5)
+    grads = metal_backward(lib, dtype, do, q, k, v, mask, cpu_out, cpu_lse.numpy(), causal=True, scale=scale,
+                           dropout=drop)
+    _, terms = np_backward(do, q, k, v, mask, True, scale, drop.factors((1, 2, 19, 41)))
+    for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, cpu_grads, terms):
+        assert_close(got, want.numpy().astype(np.float64), dtype, name + " vs CPU", 2 * term)
 
 
 # Run in a child process whose allocator is AddressSanitizer's, so a read
@@ -434,6 +541,8 @@ for dtype in t.DTYPES:
                                 ((2, 1, 5, 7, 256, 1), rng.random((2, 1, 1, 7)) < 0.6, False),
                                 ((1, 1, 17, 40, 65, 3), t.no_mask(), True), ((1, 1, 1, 1, 1, 1), t.no_mask(), False)]:
         t.check(lib, dtype, shape, mask, causal=causal, seed=3)
+    t.check(lib, dtype, (1, 2, 9, 33, 3, 70), t.no_mask(), causal=True, seed=4,
+            dropout=t.Dropout(dtype, (1, 2), np.int64))
     for tq, tk in [(9, 0), (0, 9)]:
         q, k, v, do = t.random_case(dtype, 1, 2, tq, tk, 8, 4, 2)
         out, lse = t.metal_forward(lib, dtype, q, k, v, t.no_mask())
@@ -465,3 +574,39 @@ def test_nan_inputs_propagate_to_the_rows_they_reach(lib, where):
     rows = [2] if where == "query" else list(range(9))  # key 2 is attended by every row
     assert np.isnan(out[0, 0, rows]).all(axis=-1).all() and np.isnan(lse[0, 0, rows]).all()
     assert np.isfinite(np.delete(out[0, 0], rows, axis=0)).all()
+
+
+# ----------------------------------------------------------------------------
+# On a Mac (`pytest -m metal`): the real kernels through the Metal backend.
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gpu_kernels_with_dropout_match_the_cpu_kernels(dtype):
+    # Forward and gradient with and without dropout on /GPU:0 against the CPU kernels: the mask's
+    # zeros exactly (value = identity), the values to the dtype's tolerance.
+    import tensorflow as tf
+
+    ops = compiled_ops()
+    tf_dtype = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}[dtype]
+    b, h, tq, tk = 2, 2, 19, 41
+    q, k, _, _ = random_case(dtype, b, h, tq, tk, 8, 8, 80)
+    eye = np.ascontiguousarray(np.broadcast_to(np.eye(tk, dtype=np.float32), (b, h, tk, tk)))
+    do = np.random.default_rng(81).normal(0, 1, (b, h, tq, tk)).astype(np.float32)
+    mask = tf.constant(np.random.default_rng(82).random((b, 1, 1, tk)) < 0.8)
+    drop = Dropout(dtype, (9, -9), np.int64, rate=0.3)
+    for seeds, attrs in (([], {}), ([tf.constant(drop.seed)], dict(dropout_rate=drop.rate,
+                                                                        dropout_scale=drop.scale))):
+        results = {}
+        for device in ("/CPU:0", "/GPU:0"):
+            with tf.device(device):
+                args = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, eye, do)]
+                out, lse = ops.tfmetal_ext_attention(*args[:3], mask, seeds, causal=True, scale=0.4, **attrs)
+                grads = ops.tfmetal_ext_attention_grad(args[3], *args[:3], mask, out, lse, seeds, causal=True,
+                                                       scale=0.4, **attrs)
+            assert device[1:4] in out.device
+            results[device] = [np.asarray(tf.cast(t, tf.float64)) for t in (out, *grads)]
+        cpu, gpu = results["/CPU:0"], results["/GPU:0"]
+        np.testing.assert_array_equal(gpu[0] == 0, cpu[0] == 0)
+        for name, a, c in zip(("output", "d_query", "d_key", "d_value"), gpu, cpu):
+            assert_close(a, c, dtype, f"{name} GPU vs CPU")

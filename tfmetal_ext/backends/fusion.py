@@ -394,7 +394,8 @@ SAFE_FORMS = _safe_forms(
     SafeForm(
         "attention",
         "tfmetal_ext.ops.attention (FusedMultiHeadAttention) runs its pure-TF reference (MatMul, masked "
-        f"Softmax, MatMul: the score matrix is materialized) instead of {ATTENTION_OP}",
+        "Softmax, MatMul: the score matrix is materialized; attention dropout by StatelessRandomUniformV2 "
+        f"of its shape, the same mask) instead of {ATTENTION_OP}",
         implies=CUSTOM_OPS["attention"].op_names,
         custom_op="attention",
     ),

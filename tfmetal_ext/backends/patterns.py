@@ -75,7 +75,8 @@ PATTERNS = types.MappingProxyType(
             ),
             Pattern(
                 "custom_attention",
-                "softmax attention, flash-style: no score matrix stored (FusedMultiHeadAttention)",
+                "softmax attention, flash-style: no score matrix stored, attention dropout inside with the mask "
+                "regenerated (FusedMultiHeadAttention)",
                 _F.ATTENTION_OP,
             ),
             Pattern(

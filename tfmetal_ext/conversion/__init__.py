@@ -21,7 +21,7 @@ trainable flags, dtype policies and weights:
 | BatchNormalization (last axis, input rank >= 2: 3-D/5-D reshaped to NHWC around the fused op) | `FusedBatchNorm` |
 | LayerNormalization (last axis) | `FusedLayerNorm` |
 | LSTM / GRU (tanh/sigmoid, no recurrent dropout, no unroll, GRU reset_after) | `FusedLSTM` / `FusedGRU` |
-| MultiHeadAttention (rank-3 inputs, sequence-axis attention, no returned scores; training form: no attention dropout) | `FusedMultiHeadAttention` (same weights) |
+| MultiHeadAttention (rank-3 inputs, sequence-axis attention, no returned scores; training form: attention dropout below 1) | `FusedMultiHeadAttention` (same weights; attention dropout inside the op, stock's mask) |
 | RMSNormalization (last axis) | `FusedRMSNorm` |
 | Dropout (no noise_shape fixing a dimension, rate < 1) | `FusedDropout` (the seed generator's state carried over) |
 | Bidirectional / TimeDistributed of one of the above | the same wrapper of the fused class |

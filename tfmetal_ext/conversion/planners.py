@@ -513,7 +513,7 @@ def _multi_head_attention(ctx, node):
     Kept, with the fused layer's own `unfused_reason`, where it would run the
     exact stock computation anyway: rank != 3 inputs, custom attention axes,
     head dims beyond the op's, float64, and (training form only) attention
-    dropout, which the op has not; also a call with
+    ``dropout=1.0`` (rates below 1 run inside the op); also a call with
     ``return_attention_scores=True``, and quantized or LoRA projections.
     """
     if "MultiHeadAttention" not in STOCK_TO_FUSED:  # no fusion-first class yet: the default (kept)
@@ -531,15 +531,23 @@ def _multi_head_attention(ctx, node):
     reason = configs.unsupported(layer, cls, configs.MHA_KEYS, overrides)
     if reason:
         return keep(node, reason)
-    # Dropout only stops the training form from fusing: the inference form has none.
+    # Dropout (rate 1 only) stops only the training form from fusing: the inference form has none.
     probe_overrides = dict(overrides, dropout=0.0) if ctx.inference else overrides
     why = _probe_reason(cls, layer, configs.MHA_KEYS, probe_overrides)
     if why:
         return keep(node, f"{cls.__name__} would run the stock computation: {why}")
     calls = ctx.calls(layer)
     note = f"shared: called {calls} times, converted once" if calls > 1 else ""
+    def copy(new, pairs):
+        weights.copy_identical(layer, new, pairs)
+        # Attention dropout draws from the dropout sublayer's generator: the converted layer's
+        # masks continue the stock layer's sequence (the op draws stock's mask).
+        mine, theirs = (getattr(getattr(m, "_dropout_layer", None), "seed_generator", None) for m in (new, layer))
+        if mine is not None and theirs is not None:
+            mine.state.assign(theirs.state.value)
+
     return ctx.replace([node], cls.__name__, lambda: configs.make_layer(cls, layer, configs.MHA_KEYS, **overrides),
-                       lambda new, pairs: weights.copy_identical(layer, new, pairs), note)
+                       copy, note)
 
 
 @register_planner(L.RMSNormalization)

@@ -471,11 +471,14 @@ def dropout(dtype):
 
 
 ATTENTION_SCALE = 0.35
+ATTENTION_DROPOUT_RATE = 0.2
 
 
 @register("attention", op=fusion.CUSTOM_OPS["attention"])
 def attention(dtype):
     import tensorflow as tf
+
+    from tfmetal_ext.ops.dropout import dtype_constants
 
     lib, scale = custom_op_library(), ATTENTION_SCALE
     rng = _rng(8)
@@ -487,14 +490,29 @@ def attention(dtype):
     mask = tf.constant(keep)
     dy = tf.constant(rng.standard_normal((b, h, tq, dv)), dtype)
 
-    def fused(q, k, v, mask, dy):
-        out, lse = lib.tfmetal_ext_attention(q, k, v, mask, causal=True, scale=scale)
-        grads = lib.tfmetal_ext_attention_grad(dy, q, k, v, mask, out, lse, causal=True, scale=scale)
-        return (out,) + tuple(grads)
+    # And with attention dropout: the mask drawn from the seed on the device, again in the gradient.
+    seed = tf.constant([4321, -8765], tf.int64)
+    with tf.Graph().as_default():  # the constants as a traced step rounds them
+        rate, drop_scale = dtype_constants(ATTENTION_DROPOUT_RATE, tf.as_dtype(dtype))
+    drop = dict(dropout_rate=rate, dropout_scale=drop_scale)
 
-    out, _ = testing.np_attention(_f64(q), _f64(k), _f64(v), keep, True, scale)
-    grads = testing.np_attention_grad(_f64(dy), _f64(q), _f64(k), _f64(v), keep, True, scale)
-    return fused, (q, k, v, mask, dy), (out,) + tuple(grads)
+    def fused(q, k, v, mask, dy, seed):
+        results = []
+        for seeds, attrs in (([], {}), ([seed], drop)):
+            out, lse = lib.tfmetal_ext_attention(q, k, v, mask, seeds, causal=True, scale=scale, **attrs)
+            grads = lib.tfmetal_ext_attention_grad(dy, q, k, v, mask, out, lse, seeds, causal=True, scale=scale,
+                                                   **attrs)
+            results += [out, *grads]
+        return tuple(results)
+
+    factors = testing.np_attention_dropout_factors((b, h, tq, tk), seed.numpy(), rate, drop_scale,
+                                                   testing.UNIFORM_BITS[tf.as_dtype(dtype).name])
+    references = []
+    for m in (None, factors):
+        out, _ = testing.np_attention(_f64(q), _f64(k), _f64(v), keep, True, scale, factors=m)
+        grads = testing.np_attention_grad(_f64(dy), _f64(q), _f64(k), _f64(v), keep, True, scale, factors=m)
+        references += [out, *grads]
+    return fused, (q, k, v, mask, dy, seed), tuple(references)
 
 
 # ----------------------------------------------------------------------------

@@ -740,7 +740,8 @@ def attention_rule(layer, ctx):
         if ctx.backend == "metal" and t.has_kernel("Einsum") is False:
             reason += f"; {t.label} has no Einsum kernel, so the einsums fall back to the CPU"
         return Expectation("attention", None, None, (), reason=reason, ideal_op=op)
-    # Dropout stops only training calls from fusing (`unfused_reason` says so); inference calls fuse.
+    # Attention dropout runs inside the op (training calls fuse too); only dropout=1.0 stops training
+    # calls from fusing (`unfused_reason` says so), and inference calls fuse whatever the rate.
     structural = getattr(layer, "_structural_reason", None)
     why = structural() if ctx.mode != "train" and callable(structural) else layer.unfused_reason
     if why:

@@ -37,7 +37,8 @@ class FusedMultiHeadAttention(_STOCK):
     query's mask is set on the output.
 
     The fast path (rank-3 inputs ``(batch, seq, features)``, attention over
-    the sequence axis, no returned scores, no dropout in training):
+    the sequence axis, no returned scores; with or without attention
+    dropout):
 
     - each projection is ``MatMul -> BiasAdd`` on a 2-D view of its
       EinsumDense kernel (the same variable reshaped): the remapper fuses it
@@ -55,6 +56,16 @@ class FusedMultiHeadAttention(_STOCK):
       mask and its ``causal`` attribute, so no ``(q_seq, kv_seq)`` mask is
       built either; with an ``attention_mask`` or a ``sliding_window`` it
       gets the boolean mask Keras builds (`_compute_attention_mask`);
+    - attention ``dropout`` in a training call runs inside the op too (its
+      ``dropout_rate``; the backward op draws the mask again from the seed,
+      no mask is stored). The seed is drawn from the stock sublayer's own
+      generator (``_dropout_layer.seed_generator``, seeded by ``seed``) as
+      its Dropout draws it, and the op's mask is TensorFlow's stateless
+      dropout mask of the ``(batch, heads, q_seq, kv_seq)`` scores in the
+      compute dtype, bit for bit: the same dropped probabilities as the
+      stock layer in the same generator state, so outputs and gradients
+      agree with stock to float rounding and ``keras.utils.set_random_seed``
+      reproduces a run;
     - the output projection is ``MatMul -> BiasAdd`` again.
 
     No ``Einsum`` runs in the train step. Stock Keras emits ``Einsum``
@@ -68,15 +79,16 @@ class FusedMultiHeadAttention(_STOCK):
     A query row whose every key is masked out gives what stock gives: the
     mean of the values (stock's masked softmax is uniform there) when
     ``dropout == 0``, and 0 when ``dropout > 0`` (stock's other path zeroes
-    such rows), with stock's gradients.
+    such rows), in training and inference calls, with stock's gradients.
 
     The exact path (`keras.layers.MultiHeadAttention.call` on this layer's
     weights: the stock result, nothing fused) runs for:
 
     - ``return_attention_scores=True``, always (the scores are the
       materialized matrix the op never stores);
-    - attention ``dropout > 0`` in a training call (the op has no dropout;
-      inference calls take the fast path);
+    - attention ``dropout=1.0`` in a training call (stock's Dropout returns
+      zeros; the op takes rates below 1; inference calls take the fast
+      path), and a training flag that is a tensor with ``dropout > 0``;
     - custom ``attention_axes`` or inputs of rank other than 3 (anything but
       attention over the one sequence axis of ``(batch, seq, features)``);
     - ``flash_attention=True`` (Keras' TensorFlow backend rejects it: the
@@ -90,7 +102,8 @@ class FusedMultiHeadAttention(_STOCK):
     and cross-attention, q_seq != kv_seq, value_dim != key_dim,
     output_shape, use_bias=False, use_gate, every mask kind, causal,
     mixed_float16/mixed_bfloat16, eager and in ``model.fit``, zero-size
-    batches; no ``Einsum`` in a real ``model.fit`` train step. The Metal
+    batches, attention dropout in training (the same seed state as stock:
+    the same mask); no ``Einsum`` in a real ``model.fit`` train step. The Metal
     kernel of the op is checked through the emulator by the op's own tests,
     not on a GPU here.
 
@@ -145,11 +158,21 @@ class FusedMultiHeadAttention(_STOCK):
         """
         return self._structural_reason() or self._dropout_reason()
 
+    def _dropout_rate(self):
+        """The rate stock's dropout applies: its Dropout sublayer's (``dropout`` until built).
+
+        Stock picks its path by ``dropout > 0`` but drops with ``_dropout_layer``'s rate, so a rate
+        changed on the sublayer (convert's verification sets it to 0) changes both alike.
+        """
+        return getattr(getattr(self, "_dropout_layer", None), "rate", self._dropout)
+
     def _dropout_reason(self):
-        if self._dropout > 0:
+        # Attention dropout runs inside the op (its dropout_rate) for rates below 1; stock's Dropout
+        # turns rate 1 into zeros, which the op does not take.
+        if self._dropout > 0 and self._dropout_rate() >= 1.0:
             return (
-                f"dropout={self._dropout}: attention dropout in training calls takes the exact path "
-                "(the attention op has no dropout; inference calls are fused)"
+                f"dropout={self._dropout_rate()}: a training call takes the exact path (stock's Dropout "
+                "returns zeros; the attention op's dropout_rate is below 1; inference calls are fused)"
             )
         return None
 
@@ -203,7 +226,7 @@ class FusedMultiHeadAttention(_STOCK):
             return reason
         if self._dropout > 0 and not (isinstance(training, bool) or training is None):
             return f"dropout={self._dropout} with a symbolic training flag: the exact path"
-        if self._dropout > 0 and training:
+        if self._dropout > 0 and training and self._dropout_reason():
             return self._dropout_reason()
         pairs = [(query, self._query_dense), (key, self._key_dense), (value, self._value_dense)]
         for x, dense in pairs:
@@ -269,7 +292,13 @@ class FusedMultiHeadAttention(_STOCK):
         q_dims, kv_dims = _dims(query), _dims(value)
         q, k, v = self._project_heads(query, key, value, q_dims, kv_dims)
 
-        out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim)
+        rate = self._dropout_rate() if self._dropout > 0 and training else 0.0
+        if rate > 0:
+            # The stock sublayer's generator, drawn once as its Dropout would draw it: the same mask.
+            out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim,
+                            dropout_rate=rate, seed=self._dropout_layer.seed_generator)
+        else:
+            out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim)
         if self._dropout == 0 and (attended is not None or mask is not None):
             if attended is None:
                 attended = tf.reduce_any(mask, axis=-1, keepdims=True)

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common
+from tfmetal_ext.ops import dropout as _dropout
 
 ATTENTION_OP = fusion.ATTENTION_OP
 ATTENTION_GRAD_OP = fusion.ATTENTION_GRAD_OP
@@ -17,7 +18,7 @@ MAX_HEAD_DIM = 256
 
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
-def attention(query, key, value, *, mask=None, causal=False, scale=None, name=None):
+def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None, name=None):
     """Scaled dot-product softmax attention, flash-style.
 
     ``output = softmax(scale * query @ key^T, masked) @ value`` per batch
@@ -32,6 +33,15 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, name=No
     A query row that attends no key (every key masked out, or no keys) gives
     an output row of 0 and zero gradients, never NaN.
 
+    Attention dropout (``dropout_rate > 0``) drops the normalized
+    probabilities inside the kernels: ``P -> P * mask / (1 - rate)``, the
+    softmax itself (and the saved log-sum-exp) of the undropped scores. The
+    mask is that of ``tf.nn.experimental.stateless_dropout`` of a
+    ``(batch, heads, q_seq, kv_seq)`` tensor of `query`'s dtype with `seed`
+    (Philox, counter-based), bit for bit: what `keras.layers.Dropout` draws
+    on the softmax output of stock `keras.layers.MultiHeadAttention`. The
+    backward op draws it again from the seed: it is never stored.
+
     Args:
         query: (batch, heads, q_seq, head_dim), float32, float16 or bfloat16.
         key: (batch, heads, kv_seq, head_dim), the dtype of `query`.
@@ -45,6 +55,13 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, name=No
         causal: query i attends key j only if j <= i (top-left aligned, as
             Keras' `use_causal_mask`), combined with `mask` by AND.
         scale: the score scale, a finite float > 0; None for 1/sqrt(head_dim).
+        dropout_rate: the probability of dropping an attention probability,
+            a Python float in [0, 1); 0 (the default) for no dropout.
+        seed: the dropout's stateless seed, needed when ``dropout_rate > 0``:
+            2 int32 or int64 values (a tensor or a list), or a
+            `keras.random.SeedGenerator`, drawn once per call as
+            `keras.random.dropout` draws it (see `tfmetal_ext.ops.dropout`).
+            Not drawn when ``dropout_rate == 0``.
         name: optional op name.
 
     Returns:
@@ -54,8 +71,9 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, name=No
         ValueError: for a dtype other than float32/float16/bfloat16 or
             dtypes that differ, a rank other than 4, dimensions that do not
             agree, a head or value dim outside [1, 256], a non-boolean mask
-            or one that does not broadcast, or a scale that is not a finite
-            float > 0.
+            or one that does not broadcast, a scale that is not a finite
+            float > 0, a `dropout_rate` outside [0, 1), or a seed that is
+            missing (with ``dropout_rate > 0``) or not 2 int32/int64 values.
 
     >>> q = tf.constant([[[[1.0, 0.0]]]])
     >>> k = tf.constant([[[[1.0, 0.0], [0.0, 1.0]]]])
@@ -68,10 +86,19 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, name=No
     causal = _check_causal(causal)
     scale = _check_scale(scale, query.shape[-1])
     mask = _attend_mask(mask, query, key)
+    rate, seed = _check_dropout(dropout_rate, seed)
+    dropout = None
+    if rate > 0.0:
+        threshold, dropout_scale = _dropout.dtype_constants(rate, query.dtype)
+        dropout = (seed, threshold, dropout_scale)
     if not uses_kernel():
-        return _with_reference_gradient(query, key, value, mask, causal, scale)
+        return _with_reference_gradient(query, key, value, mask, causal, scale, dropout)
     lib = _common.library()
-    output, _ = lib.tfmetal_ext_attention(query, key, value, mask, causal=causal, scale=scale, name=name)
+    if dropout is None:
+        output, _ = lib.tfmetal_ext_attention(query, key, value, mask, [], causal=causal, scale=scale, name=name)
+        return output
+    output, _ = lib.tfmetal_ext_attention(query, key, value, mask, [seed], causal=causal, scale=scale,
+                                          dropout_rate=threshold, dropout_scale=dropout_scale, name=name)
     return output
 
 
@@ -124,6 +151,29 @@ def _check_inputs(query, key, value):
             raise ValueError(
                 f"The last dimension of `{arg}` must be in [1, {MAX_HEAD_DIM}]. Received: {arg}.shape={s}"
             )
+
+
+def _check_dropout(dropout_rate, seed):
+    """``(rate, seed tensor or None)``: the rate in [0, 1); the seed drawn/checked only when it is used."""
+    import keras
+
+    try:
+        rate = _dropout.check_rate(dropout_rate)
+    except ValueError:
+        raise ValueError(
+            f"Argument `dropout_rate` must be a float in [0, 1). Received: dropout_rate={dropout_rate!r}"
+        ) from None
+    if rate == 0.0:
+        # As keras.random.dropout: a SeedGenerator is not drawn at rate 0; any other seed is still checked.
+        if seed is not None and not isinstance(seed, keras.random.SeedGenerator):
+            _dropout.seed_tensor(seed)
+        return rate, None
+    if seed is None:
+        raise ValueError(
+            f"Argument `seed` must be given when dropout_rate > 0 (2 int32/int64 values or a "
+            f"keras.random.SeedGenerator). Received: dropout_rate={dropout_rate!r}, seed=None"
+        )
+    return rate, _dropout.seed_tensor(seed)
 
 
 def _check_causal(causal):
@@ -199,17 +249,43 @@ def _reference_scores(query, key, mask, causal, scale):
     return tf.where(allowed, s, tf.constant(-math.inf, tf.float32)), allowed
 
 
-def _reference_attention(query, key, value, mask, causal, scale):
+def _reference_attention(query, key, value, mask, causal, scale, dropout=None):
     """The op's forward in pure TF (scores materialized): (output of query's dtype, lse float32).
 
     float32 throughout, the output rounded once to the input dtype. A row
-    attending no key gives output 0 and lse -inf.
+    attending no key gives output 0 and lse -inf. `dropout`: None, or
+    ``(seed, rate, scale)`` with rate and scale rounded to query's dtype.
     """
-    output, lse = _reference_attention_f32(query, key, value, mask, causal, scale)
+    output, lse = _reference_attention_f32(query, key, value, mask, causal, scale, _reference_keep(query, key, dropout))
     return tf.cast(output, query.dtype), lse
 
 
-def _reference_attention_f32(query, key, value, mask, causal, scale):
+def _reference_keep(query, key, dropout):
+    """None, or ``(keep, dropout_scale)``: the [B, H, Tq, Tk] boolean dropout mask of the seed.
+
+    StatelessRandomUniformV2 of the seed's key and counter, in query's dtype,
+    on the (batch, heads, q_seq, kv_seq) shape: what the kernels draw (and
+    ops.dropout's reference, and TensorFlow's stateless dropout) element by
+    element in that flat order.
+    """
+    if dropout is None:
+        return None
+    seed, threshold, dropout_scale = dropout
+    q, k = tf.shape(query), tf.shape(key)
+    shape = tf.stack([q[0], q[1], q[2], k[2]])
+    keep = _dropout.reference_uniform(shape, seed, query.dtype) >= tf.constant(threshold, query.dtype)
+    return keep, dropout_scale
+
+
+def _reference_drop(x, keep):
+    """x (float32) where kept times the dropout scale, 0 where dropped (a select: the scale may be inf)."""
+    if keep is None:
+        return x
+    keep, dropout_scale = keep
+    return tf.where(keep, x * tf.constant(dropout_scale, tf.float32), tf.zeros([], tf.float32))
+
+
+def _reference_attention_f32(query, key, value, mask, causal, scale, keep=None):
     s, allowed = _reference_scores(query, key, mask, causal, scale)
     m = tf.reduce_max(s, axis=-1, keepdims=True)
     m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))  # an empty row: no shift
@@ -217,18 +293,20 @@ def _reference_attention_f32(query, key, value, mask, causal, scale):
     total = tf.reduce_sum(e, axis=-1, keepdims=True)
     attended = total > 0.0
     p = e / tf.where(attended, total, tf.ones_like(total))
-    output = tf.matmul(p, tf.cast(value, tf.float32))
+    output = tf.matmul(_reference_drop(p, keep), tf.cast(value, tf.float32))
     neg_inf = tf.constant(-math.inf, tf.float32)
     lse = tf.where(attended, m + tf.math.log(tf.where(attended, total, tf.ones_like(total))), neg_inf)
     return output, tf.squeeze(lse, -1)
 
 
-def _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale):
+def _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale, keep=None):
     """The gradient op in pure TF: (d_query, d_key, d_value) in the input dtype.
 
     The contract's formulas: p = exp(s - lse) (0 where masked or lse = -inf),
     Dr = sum(dO * O), ds = p * (dO . v - Dr), dQ = scale * ds @ k,
-    dK = scale * ds^T @ q, dV = p^T @ dO; float32, rounded once.
+    dK = scale * ds^T @ q, dV = p^T @ dO; float32, rounded once. With
+    dropout (`keep` from `_reference_keep`) O is the dropped output,
+    dO . v and p in dV are dropped by the same mask.
     """
     s, allowed = _reference_scores(query, key, mask, causal, scale)
     lse = tf.expand_dims(lse, -1)
@@ -237,21 +315,23 @@ def _reference_attention_grad(d_output, query, key, value, mask, output, lse, ca
     d_out = tf.cast(d_output, tf.float32)
     q, k, v = (tf.cast(t, tf.float32) for t in (query, key, value))
     dr = tf.reduce_sum(d_out * tf.cast(output, tf.float32), axis=-1, keepdims=True)
-    dp = tf.matmul(d_out, v, transpose_b=True)
+    dp = _reference_drop(tf.matmul(d_out, v, transpose_b=True), keep)
     ds = p * (dp - dr)
     d_query = tf.matmul(ds, k) * scale
     d_key = tf.matmul(ds, q, transpose_a=True) * scale
-    d_value = tf.matmul(p, d_out, transpose_a=True)
+    d_value = tf.matmul(_reference_drop(p, keep), d_out, transpose_a=True)
     return tuple(tf.cast(t, query.dtype) for t in (d_query, d_key, d_value))
 
 
-def _with_reference_gradient(query, key, value, mask, causal, scale):
+def _with_reference_gradient(query, key, value, mask, causal, scale, dropout=None):
+    keep = _reference_keep(query, key, dropout)
+
     @tf.custom_gradient
     def fn(query, key, value):
-        output, lse = _reference_attention_f32(query, key, value, mask, causal, scale)
+        output, lse = _reference_attention_f32(query, key, value, mask, causal, scale, keep)
 
         def grad(d_output):
-            return _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale)
+            return _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale, keep)
 
         return tf.cast(output, query.dtype), grad
 
@@ -265,8 +345,12 @@ def _with_reference_gradient(query, key, value, mask, causal, scale):
 def _attention_grad(op, d_output, unused_d_lse):
     # lse is internal (attention returns the output only): no gradient flows
     # through it, and none to the boolean mask.
+    # The seed list (0 or 1 tensors) and the dropout attrs go to the gradient op, which
+    # draws the forward's mask again. A graph written before they existed has neither:
+    # its node's defaults (no seed, rate 0) are read as such.
     lib = _common.library() or _loaded_library()
-    query, key, value, mask = op.inputs
+    query, key, value, mask = op.inputs[:4]
+    seeds = list(op.inputs[4:])
     d_query, d_key, d_value = lib.tfmetal_ext_attention_grad(
         d_output,
         query,
@@ -275,10 +359,20 @@ def _attention_grad(op, d_output, unused_d_lse):
         mask,
         op.outputs[0],
         op.outputs[1],
+        seeds,
         causal=op.get_attr("causal"),
         scale=op.get_attr("scale"),
+        dropout_rate=_attr_or(op, "dropout_rate", 0.0),
+        dropout_scale=_attr_or(op, "dropout_scale", 1.0),
     )
-    return d_query, d_key, d_value, None
+    return (d_query, d_key, d_value, None) + (None,) * len(seeds)
+
+
+def _attr_or(op, name, default):
+    try:
+        return op.get_attr(name)
+    except ValueError:  # a node without the attr (it has the registered default then)
+        return default
 
 
 def _loaded_library():

@@ -16,10 +16,26 @@
 //     Dr_i = dO_i . out_i,  dp_ij = dO_i . v_j,  ds_ij = p_ij (dp_ij - Dr_i)
 //     dQ = scale * ds K,  dK = scale * ds^T Q,  dV = p^T dO.
 // Causal is top-left aligned: key j is attended by query i only if j <= i.
+//
+// Attention dropout (dropout rate r > 0): the normalized probabilities are
+// dropped, p_ij -> p_ij * m_ij with m_ij = keep_ij ? s_d : 0 and s_d =
+// 1 / (1 - r); the online softmax (running max, sum, lse) is of the undropped
+// scores. keep_ij is TensorFlow's stateless dropout mask of a [B, H, Tq, Tk]
+// tensor (tfmetal/dropout.h): element (b, h, i, j) has the flat index
+// n = ((b H + h) Tq + i) Tk + j and is kept when the uniform number of word
+// n % 4 of Philox block counter + n / 4 is >= r. r and s_d come as the input
+// dtype rounds them, the uniform number from that dtype's mantissa bits, so
+// the mask is keras.layers.Dropout's on the (batch, heads, q, kv) scores of
+// that dtype, bit for bit. The mask is drawn again in the backward pass,
+// never stored:
+//     out_i = sum_j p_ij m_ij v_j,  Dr_i = dO_i . out_i (the dropped output),
+//     dp_ij = m_ij (dO_i . v_j),    ds_ij = p_ij (dp_ij - Dr_i),
+//     dV = (p m)^T dO; dQ and dK from ds as without dropout.
 // The kernels own the loops, the tiling and the summation order.
 #ifndef TFMETAL_ATTENTION_H_
 #define TFMETAL_ATTENTION_H_
 
+#include "tfmetal/dropout.h"
 #include "tfmetal/portable.h"
 
 #define TFM_ATTENTION_MAX_HEAD_DIM 256
@@ -65,6 +81,37 @@ TFM_INLINE float attention_p(float score, float lse) { return lse == -INFINITY ?
 
 // d(score) of one element, before the scale: p (dp - Dr).
 TFM_INLINE float attention_ds(float p, float dp, float dr) { return p * (dp - dr); }
+
+// ---------------------------------------------------------------- dropout
+
+// The flat index of (b, h, i, j) in the [B, H, Tq, Tk] mask: the element's
+// position in TensorFlow's stateless random stream.
+TFM_INLINE uint64_t attention_dropout_index(uint32_t b, uint32_t h, uint32_t i, uint32_t j, uint32_t heads,
+                                            uint32_t tq, uint32_t tk) {
+  return ((static_cast<uint64_t>(b) * heads + h) * tq + i) * static_cast<uint64_t>(tk) + j;
+}
+
+// Whether the element drawing Philox output `word` is kept: its uniform number
+// in [0, 1) (the low `mantissa_bits` of the word) is >= rate.
+TFM_INLINE bool attention_dropout_keeps(uint32_t word, uint32_t mantissa_bits, float rate) {
+  return gap_uniform_from_word(word, mantissa_bits) >= rate;
+}
+
+// Whether the element at flat index n of the mask is kept (one Philox block:
+// kernels that visit 4 consecutive elements may draw the block once, with
+// dropout_block(stream, n / 4), and pick word n % 4 themselves).
+TFM_INLINE bool attention_dropout_keeps_at(dropout_stream stream, uint64_t n, uint32_t mantissa_bits, float rate) {
+  const tfm_philox_block block = dropout_block(stream, n / 4u);
+  return attention_dropout_keeps(block.w[static_cast<uint32_t>(n % 4u)], mantissa_bits, rate);
+}
+
+// x * m_ij: a kept element times the dropout scale, a dropped one 0. A select,
+// not a product with 0: a float16 scale may be inf (a rate rounded to 1, where
+// nothing is kept) and a NaN probability stays out of a dropped element, as in
+// TensorFlow's dropout.
+TFM_INLINE float attention_dropout_apply(float x, bool keep, float dropout_scale) {
+  return keep ? x * dropout_scale : 0.0f;
+}
 
 // ---------------------------------------------------------------- tile ranges
 

@@ -90,6 +90,24 @@ inline std::string DropoutAttrsError(float rate, float scale) {
   return "";
 }
 
+// The attention ops' dropout attributes (TfmetalExt>Attention, its gradient):
+// as the dropout ops' (DropoutAttrsError), named as the attention ops name them.
+inline std::string AttentionDropoutAttrsError(float rate, float scale) {
+  const std::string error = DropoutAttrsError(rate, scale);
+  return error.empty() ? error : "dropout_" + error;
+}
+
+// The attention ops' optional seed input (a list of 0 or 1 tensors): one is
+// needed when dropout_rate > 0. "" when fine, else the InvalidArgument message.
+inline std::string AttentionSeedCountError(int64_t seeds, float dropout_rate) {
+  if (seeds > 1) return "seed must be a list of at most one tensor, got " + std::to_string(seeds);
+  if (dropout_rate > 0.0f && seeds == 0) {
+    return "dropout_rate = " + std::to_string(dropout_rate) +
+           " > 0 needs the seed input (2 int32 or int64 values), got none";
+  }
+  return "";
+}
+
 // StatelessRandomUniformV2's arguments (all in host memory), checked in the
 // order of TensorFlow's CPU kernel (stateless_random_ops_v2.cc and
 // stateless_random_ops_v2_util.h), with its messages: alg a scalar; key [1];
