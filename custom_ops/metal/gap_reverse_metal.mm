@@ -68,6 +68,23 @@ const char* SizedKernel(const char* base2, const char* base4, TF_DataType dtype,
   }
 }
 
+// One thread per output over n outputs, in chunks: each chunk gets `base` with its count and first
+// index set (tfm_gap_reverse_params and tfm_gap_reverse_sequence_params share those fields), then
+// `bind(start, params)` binds the buffers and sets the parameters before the dispatch.
+template <class Params, class Bind>
+void DispatchOutputs(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline, int64_t n,
+                     const Params& base, Bind&& bind) {
+  for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
+    const int64_t count = geometry::ChunkElements(n, start, kMaxElementsPerDispatch);
+    Params p = base;
+    p.n = static_cast<uint32_t>(count);
+    p.start_lo = static_cast<uint32_t>(start);
+    p.start_hi = static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32);
+    bind(start, p);
+    DispatchThreads1D(encoder, pipeline, static_cast<NSUInteger>(count));
+  }
+}
+
 void ReverseCompute(const ReverseKernel&, TF_OpKernelContext* ctx, TF_Status* status) {
   TensorPtr x = Input(ctx, 0, status);
   if (!Ok(status)) return;
@@ -99,17 +116,11 @@ void ReverseCompute(const ReverseKernel&, TF_OpKernelContext* ctx, TF_Status* st
   const size_t size = TF_DataTypeSize(dtype);
   EncodeKernel(ctx, kLibrary, name, status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
-                   const int64_t count = geometry::ChunkElements(n, start, kMaxElementsPerDispatch);
-                   tfm_gap_reverse_params p = params;
-                   p.n = static_cast<uint32_t>(count);
-                   p.start_lo = static_cast<uint32_t>(start);
-                   p.start_hi = static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32);
+                 DispatchOutputs(encoder, pipeline, n, params, [&](int64_t start, const tfm_gap_reverse_params& p) {
                    [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const U* x [[buffer(0)]]
                    [encoder setBuffer:ys.buffer offset:ys.offset + static_cast<NSUInteger>(start) * size atIndex:1];  // device U* y [[buffer(1)]]
                    SetBytes(encoder, p, 2);  // constant tfm_gap_reverse_params& p [[buffer(2)]]
-                   DispatchThreads1D(encoder, pipeline, static_cast<NSUInteger>(count));
-                 }
+                 });
                });
 }
 
@@ -153,18 +164,13 @@ void ReverseSequenceCompute(const ReverseKernel& kernel, TF_OpKernelContext* ctx
                    SetStatus(status, TF_RESOURCE_EXHAUSTED, "ReverseSequence: could not allocate seq_lengths");
                    return;
                  }
-                 for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
-                   const int64_t count = geometry::ChunkElements(n, start, kMaxElementsPerDispatch);
-                   tfm_gap_reverse_sequence_params p = params;
-                   p.n = static_cast<uint32_t>(count);
-                   p.start_lo = static_cast<uint32_t>(start);
-                   p.start_hi = static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32);
+                 DispatchOutputs(encoder, pipeline, n, params,
+                                 [&](int64_t start, const tfm_gap_reverse_sequence_params& p) {
                    [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const U* x [[buffer(0)]]
                    [encoder setBuffer:ys.buffer offset:ys.offset + static_cast<NSUInteger>(start) * size atIndex:1];  // device U* y [[buffer(1)]]
                    [encoder setBuffer:length_buffer offset:0 atIndex:2];  // device const int32_t* lengths [[buffer(2)]]
                    SetBytes(encoder, p, 3);  // constant tfm_gap_reverse_sequence_params& p [[buffer(3)]]
-                   DispatchThreads1D(encoder, pipeline, static_cast<NSUInteger>(count));
-                 }
+                 });
                });
 }
 

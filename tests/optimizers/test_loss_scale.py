@@ -34,15 +34,20 @@ def _the_op_runs_here():
 
 
 @contextlib.contextmanager
-def keras_loss_scaling():
-    """Keras' own LossScaleOptimizer step (its original _tf_apply) while the block runs."""
+def keras_method(name):
+    """Keras' own LossScaleOptimizer method `name` (the one loss_scale replaced) while the block runs."""
     cls = keras.optimizers.LossScaleOptimizer
-    ours = cls._tf_apply
-    cls._tf_apply = loss_scale._original["_tf_apply"]
+    ours = getattr(cls, name)
+    setattr(cls, name, loss_scale._original[name])
     try:
         yield
     finally:
-        cls._tf_apply = ours
+        setattr(cls, name, ours)
+
+
+def keras_loss_scaling():
+    """Keras' own LossScaleOptimizer step (its original _tf_apply) while the block runs."""
+    return keras_method("_tf_apply")
 
 
 def mlp():
@@ -244,16 +249,9 @@ def test_other_optimizers_are_untouched():
 # Keras' own finite check, with a sparse gradient checked on its values
 
 
-@contextlib.contextmanager
 def keras_check_finite():
     """Keras' own LossScaleOptimizer.check_finite while the block runs."""
-    cls = keras.optimizers.LossScaleOptimizer
-    ours = cls.check_finite
-    cls.check_finite = loss_scale._original["check_finite"]
-    try:
-        yield
-    finally:
-        cls.check_finite = ours
+    return keras_method("check_finite")
 
 
 def embedding_fit(steps=12, batch_size=8, inf_at=None):

@@ -55,32 +55,27 @@ struct tfm_gap_reverse_sequence_params {
   uint32_t pad[2];
 };
 
-// The input element that output `index` reads (ReverseV2). A mirrored
-// source can lie anywhere in the tensor, so the 32-bit branch is taken only
-// for tensors below 2^32 elements (p.wide == 0), whatever the index.
-TFM_INLINE uint64_t gap_reverse_source(TFM_CONSTANT const tfm_gap_reverse_params& p, uint64_t index) {
-  if (p.wide == 0) {
-    uint32_t i = static_cast<uint32_t>(index), src = 0, stride = 1;
-    for (int d = static_cast<int>(p.rank) - 1; d >= 0; --d) {
-      const uint32_t size = p.dims[d];
-      uint32_t coord = i % size;
-      i /= size;
-      if ((p.reversed >> d) & 1u) coord = size - 1u - coord;
-      src += coord * stride;
-      stride *= size;
-    }
-    return src;
-  }
-  uint64_t src = 0, stride = 1;
+// The mirrored source of output `i`, in index type I (uint32_t or uint64_t).
+template <typename I>
+TFM_INLINE I gap_reverse_source_in(TFM_CONSTANT const tfm_gap_reverse_params& p, I i) {
+  I src = 0, stride = 1;
   for (int d = static_cast<int>(p.rank) - 1; d >= 0; --d) {
-    const uint64_t size = p.dims[d];
-    uint64_t coord = index % size;
-    index /= size;
+    const I size = static_cast<I>(p.dims[d]);
+    I coord = i % size;
+    i /= size;
     if ((p.reversed >> d) & 1u) coord = size - 1u - coord;
     src += coord * stride;
     stride *= size;
   }
   return src;
+}
+
+// The input element that output `index` reads (ReverseV2). A mirrored
+// source can lie anywhere in the tensor, so the 32-bit arithmetic is used
+// only for tensors below 2^32 elements (p.wide == 0), whatever the index.
+TFM_INLINE uint64_t gap_reverse_source(TFM_CONSTANT const tfm_gap_reverse_params& p, uint64_t index) {
+  if (p.wide == 0) return gap_reverse_source_in<uint32_t>(p, static_cast<uint32_t>(index));
+  return gap_reverse_source_in<uint64_t>(p, index);
 }
 
 // The input element that output `index` reads (ReverseSequence); `length` is
