@@ -170,6 +170,7 @@ void LikeCompute(const ElementwiseKernel& kernel, TF_OpKernelContext* ctx, TF_St
     case TF_FLOAT: bits = ones ? 0x3f800000u : 0u; break;
     case TF_HALF: bits = ones ? 0x3c00u : 0u; break;
     case TF_BFLOAT16: bits = ones ? 0x3f80u : 0u; break;
+    case TF_INT8: bits = ones ? 0x01u : 0u; break;
     default:
       SetStatus(status, TF_INVALID_ARGUMENT, std::string(ones ? "OnesLike" : "ZerosLike") +
                                                  ": unsupported dtype " + DtypeName(dtype));

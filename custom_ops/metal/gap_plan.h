@@ -72,6 +72,7 @@ struct Plan {
 inline int DtypeValue(const std::string& name) {
   if (name == "float32") return 1;   // TF_FLOAT
   if (name == "int32") return 3;     // TF_INT32
+  if (name == "int8") return 6;      // TF_INT8
   if (name == "int64") return 9;     // TF_INT64
   if (name == "bool") return 10;     // TF_BOOL
   if (name == "bfloat16") return 14; // TF_BFLOAT16

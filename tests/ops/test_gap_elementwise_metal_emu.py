@@ -371,6 +371,14 @@ def test_fill_zeros_ones_are_tfs_bit_for_bit(lib, dtype):
     assert f"ones ? 0x{value_bits(1.0, np_dtype):x}u : 0u" in HOST.read_text()
 
 
+def test_zeros_like_int8_is_tfs(lib):
+    # ZerosLike's int8 registration fills 1-byte zeros (LikeCompute's constant for TF_INT8).
+    x = np.arange(-50, 53, dtype=np.int8)
+    assert_same_bits(metal_fill(lib, x.size, np.int8, 0), tf_cpu(tf.zeros_like, x))
+    assert_same_bits(metal_fill(lib, x.size, np.int8, 1), tf_cpu(tf.ones_like, x))
+    assert "case TF_INT8: bits = ones ? 0x01u : 0u;" in HOST.read_text()
+
+
 def test_fill_bool_is_tfs(lib):
     for value in (True, False):
         got = metal_fill(lib, 1001, np.bool_, value)

@@ -668,13 +668,11 @@ def test_the_host_code_registers_exactly_the_planned_rows(driver, key):
     planned = {line.split()[1] for line in lines if line.startswith("combo ")}
     assert planned == {r.key for r in rows if r.registered}
     # TF_DataType numbers of the dtypes: TensorFlow's DataType enum.
-    numbers = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16, "bool": tf.bool,
-               "int32": tf.int32, "int64": tf.int64}
     for line in lines:
         if line.startswith("combo "):
             for field in line.split()[2:]:
                 name, value = field.split("=")[1].split(":")
-                assert int(value) == numbers[name].as_datatype_enum
+                assert int(value) == tf.as_dtype(name).as_datatype_enum, (name, value)
     # Each op's combinations are the cross product of its attrs' dtypes.
     for op, dtypes in gap_kernels.registered(rows).items():
         kernel = gap_kernels.GAP_KERNELS[op]

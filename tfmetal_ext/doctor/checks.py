@@ -595,7 +595,8 @@ def gap_kernels():
             input=t(rng.integers(0, 9, (3, 5)), d) if d in ("int32", "int64") else special(67, d),
             type={"float32": tf.int32, "float16": tf.bfloat16, "bfloat16": tf.float16, "int32": tf.float32,
                   "int64": tf.int32}[d])),
-        "ZerosLike": lambda d: (raw.ZerosLike, dict(x=special(67, d))),
+        "ZerosLike": lambda d: (raw.ZerosLike, dict(x=t(rng.integers(-9, 9, 67), d) if d == "int8"
+                                                   else special(67, d))),
         "OnesLike": lambda d: (raw.OnesLike, dict(x=special(67, d))),
         "Fill": lambda d: (raw.Fill, dict(dims=tf.constant([3, 41]), value=t(True if d == "bool" else -2.5, d))),
         "Pack": lambda d: (raw.Pack, dict(values=[t(rng.standard_normal((4, 9)) > 0, d) if d == "bool"
