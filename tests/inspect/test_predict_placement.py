@@ -217,6 +217,32 @@ def test_predicted_report_str_dict_and_function_input():
     assert text.startswith(f"Predicted placement (function) on {PLUGIN}") and "Einsum" in text
 
 
+def test_an_op_of_constants_is_folded_not_a_fallback():
+    # Apple's tensorflow-metal has no half MatrixDiagV3. Keras' extract_patches builds its identity kernel
+    # with tf.eye from constants: grappler folds that into a constant before the step runs, so it never
+    # falls back; the same op on a computed input does.
+    def eye_of_constants(x):
+        return tf.matmul(x, tf.eye(4, dtype=tf.float16))
+
+    def diag_of_input(x):
+        return tf.linalg.diag(x[0])
+
+    x = tf.ones((2, 4), tf.float16)
+    folded = inspect.placement_report(eye_of_constants, (x,), predict_for="tensorflow-metal")
+    assert not _entries(folded, "MatrixDiagV3"), folded
+    computed = inspect.placement_report(diag_of_input, (x,), predict_for="tensorflow-metal")
+    assert [e.outcome for e in _entries(computed, "MatrixDiagV3")] == [predict.FALLBACK], computed
+    # Grappler leaves results over 10 MiB unfolded, and so does the prediction.
+    def diag_of(n):
+        diagonal = np.ones(n, np.float16)
+        return lambda a: a + tf.linalg.diag(tf.constant(diagonal))[0, :4]
+
+    under = inspect.placement_report(diag_of(2200), (x,), predict_for="tensorflow-metal")  # 9.7 MB
+    assert not _entries(under, "MatrixDiagV3"), under
+    over = inspect.placement_report(diag_of(2400), (x,), predict_for="tensorflow-metal")  # 11.5 MB > 10 MiB
+    assert [e.outcome for e in _entries(over, "MatrixDiagV3")] == [predict.FALLBACK], over
+
+
 def test_bfloat16_contraction_chain_is_listed_float32_chain_is_fused_away():
     table = None
     with devices.assume_backend(PLUGIN):

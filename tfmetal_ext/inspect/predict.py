@@ -504,6 +504,76 @@ def _plumbing_placement(node):
     return transfers.Placement(node.op, True, tf_kernel_host_memory(node.op, _type_attrs(node), "DEFAULT"))
 
 
+# Grappler's constant folding leaves a result larger than this as it was (its default
+# max_constant_size_in_bytes, 10 MiB).
+FOLD_MAX_BYTES = 10 * 1024 * 1024
+
+
+def _source_name(ref):
+    """The producing node of a data input, in GraphDef ("n", "n:1") or FunctionDef ("n:output:0") form."""
+    return ref.split(":")[0]
+
+
+def _constant_folded(nodes):
+    """Names of the nodes TensorFlow's graph optimizer folds into constants before the step runs.
+
+    A node whose every input is a ``Const`` (no control inputs), whose op is
+    not stateful, and whose result, computed here on the CPU exactly as
+    grappler's constant folding computes it, is at most `FOLD_MAX_BYTES`
+    (say the identity matrix Keras' ``extract_patches`` builds with
+    ``MatrixDiagV3`` from constants). One level: a node fed by another folded
+    node is judged as it stands.
+    """
+    import tensorflow as tf
+
+    consts = {n.name: n for n in nodes if n.op == "Const"}
+    candidates = []
+    for n in nodes:
+        if n.op in PLUMBING_OPS or n.op == "Const" or not n.input:
+            continue
+        if any(ref.startswith("^") for ref in n.input) or not all(_source_name(r) in consts for r in n.input):
+            continue
+        op_def = transfers._op_def(n.op)  # noqa: SLF001 - the one cached OpDef lookup
+        if op_def is None or op_def.is_stateful:
+            continue
+        candidates.append(n)
+    if not candidates:
+        return set()
+    folded = _fold(candidates, consts)
+    if folded is None:  # one candidate does not import or run alone: each on its own
+        folded = set()
+        for n in candidates:
+            folded |= _fold([n], consts) or set()
+    return folded
+
+
+def _fold(candidates, consts):
+    """Of `candidates` (all fed by `consts` only), those whose results fit `FOLD_MAX_BYTES`, computed on the
+    CPU in one graph; None when the graph does not import or a candidate does not run."""
+    import tensorflow as tf
+
+    graph_def = tf.compat.v1.GraphDef()
+    for name in sorted({_source_name(r) for n in candidates for r in n.input}):
+        c = graph_def.node.add()
+        c.CopyFrom(consts[name])
+        c.device = ""
+    for n in candidates:
+        c = graph_def.node.add()
+        c.CopyFrom(n)
+        c.device = ""
+        del c.input[:]
+        c.input.extend(_source_name(r) for r in n.input)  # every source is a one-output Const
+    try:
+        with tf.Graph().as_default() as graph:
+            tf.graph_util.import_graph_def(graph_def, name="")
+            fetches = {n.name: graph.get_operation_by_name(n.name).outputs for n in candidates}
+            with tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(device_count={"GPU": 0})) as sess:
+                values = sess.run(fetches)
+    except (ValueError, TypeError, KeyError, tf.errors.OpError):
+        return None
+    return {name for name, outs in values.items() if sum(getattr(v, "nbytes", 0) for v in outs) <= FOLD_MAX_BYTES}
+
+
 def _functions(capture):
     """(node list, {name: node}) of each graph and library function of the capture."""
     for fg in capture.functions:
@@ -624,9 +694,13 @@ def build_predicted_report(capture, index, predict_for, model=None, notes=(), ma
         absorbed = _fused_chains(nodes, table, capture.mode)
         heads = {head.name for head in absorbed.values()}
         placed = {}  # node name -> transfers.Placement, or None where it runs nowhere known
+        folded = _constant_folded(nodes)
         for node in nodes:
             if node.op in PLUMBING_OPS:
                 placed[node.name] = _plumbing_placement(node)
+                continue
+            if node.name in folded:  # a constant by the time the step runs (grappler's constant folding)
+                placed[node.name] = transfers.Placement("Const", True)
                 continue
             if node.name in absorbed:
                 continue  # placed with its head, below
