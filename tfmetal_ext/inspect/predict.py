@@ -548,8 +548,9 @@ def _constant_folded(nodes):
 
 
 def _fold(candidates, consts):
-    """Of `candidates` (all fed by `consts` only), those whose results fit `FOLD_MAX_BYTES`, computed on the
-    CPU in one graph; None when the graph does not import or a candidate does not run."""
+    """Of `candidates` (all fed by `consts` only), those whose results have static shapes within
+    `FOLD_MAX_BYTES` and compute on the CPU, in one graph; None when the graph does not import or a
+    candidate does not run."""
     import tensorflow as tf
 
     graph_def = tf.compat.v1.GraphDef()
@@ -566,12 +567,22 @@ def _fold(candidates, consts):
     try:
         with tf.Graph().as_default() as graph:
             tf.graph_util.import_graph_def(graph_def, name="")
-            fetches = {n.name: graph.get_operation_by_name(n.name).outputs for n in candidates}
+            fetches = {}
+            for n in candidates:
+                outputs = graph.get_operation_by_name(n.name).outputs
+                # Sized before anything runs: shape inference sees the constants, so an unknown or larger
+                # result (which grappler leaves unfolded) is never computed here.
+                if all(t.shape.is_fully_defined() and t.dtype.is_numpy_compatible and t.dtype != tf.string
+                       for t in outputs) and \
+                        sum(t.shape.num_elements() * t.dtype.size for t in outputs) <= FOLD_MAX_BYTES:
+                    fetches[n.name] = outputs
+            if not fetches:
+                return set()
             with tf.compat.v1.Session(graph=graph, config=tf.compat.v1.ConfigProto(device_count={"GPU": 0})) as sess:
-                values = sess.run(fetches)
+                sess.run(fetches)  # each folds only if TensorFlow can compute it
     except (ValueError, TypeError, KeyError, tf.errors.OpError):
         return None
-    return {name for name, outs in values.items() if sum(getattr(v, "nbytes", 0) for v in outs) <= FOLD_MAX_BYTES}
+    return set(fetches)
 
 
 def _functions(capture):
