@@ -1,5 +1,5 @@
 // gap_host.h: host-side helpers the broadcasting gap kernels share
-// (gap_broadcast_metal.mm, gap_int_metal.mm): the broadcast plan with TF-style
+// (gap_broadcast_metal.mm, gap_int_metal.mm, gap_reverse_metal.mm): the broadcast plan with TF-style
 // errors, and one thread per element of an iteration space dispatched in
 // chunks. Objective-C++ with ARC, macOS arm64 only (uses metal_helper.h).
 #ifndef TFMETAL_METAL_GAP_HOST_H_
@@ -10,6 +10,7 @@
 
 #include "metal/metal_helper.h"
 #include "tfmetal/gap_broadcast.h"
+#include "tfmetal/gap_reverse.h"
 
 namespace tfmetal_ext {
 
@@ -31,10 +32,12 @@ inline bool GapPlan(const std::vector<int64_t>& out, const std::vector<int64_t>&
 
 // One thread per element of an n-element iteration space, in chunks of at most
 // kMaxElementsPerDispatch: for each, the chunk's count and first index go into
-// the tfm_gap_bcast_params of `params` (GapBcast(params): the params
-// themselves, or their `b` member), then `bind(start, params)` binds and the
-// chunk is dispatched.
+// the struct GapBcast(params) gives (its fields n, start_lo, start_hi: the
+// params themselves, or their `b` member), then `bind(start, params)` binds
+// and the chunk is dispatched.
 inline tfm_gap_bcast_params& GapBcast(tfm_gap_bcast_params& p) { return p; }
+inline tfm_gap_reverse_params& GapBcast(tfm_gap_reverse_params& p) { return p; }
+inline tfm_gap_reverse_sequence_params& GapBcast(tfm_gap_reverse_sequence_params& p) { return p; }
 
 template <class Params>
 auto GapBcast(Params& p) -> decltype((p.b)) {
@@ -46,7 +49,7 @@ void DispatchGapSpace(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelin
                       Params params, Bind&& bind) {
   for (int64_t start = 0; start < n; start += kMaxElementsPerDispatch) {
     const int64_t count = geometry::ChunkElements(n, start, kMaxElementsPerDispatch);
-    tfm_gap_bcast_params& b = GapBcast(params);
+    auto& b = GapBcast(params);
     b.n = static_cast<uint32_t>(count);
     b.start_lo = static_cast<uint32_t>(start);
     b.start_hi = static_cast<uint32_t>(static_cast<uint64_t>(start) >> 32);
