@@ -55,6 +55,7 @@ def _generator():
 # The generated module and its generator.
 
 
+@pytest.mark.full  # regenerates the whole table; the quick tier keeps the table's own consistency tests
 def test_generated_module_is_current():
     root = _sdist()
     _needs_generator_environment()

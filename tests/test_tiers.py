@@ -142,6 +142,7 @@ def test_a_slow_quick_test_fails_the_run_where_it_is_written(tmp_path):
     assert _run(suite, "-q", QUICK_TEST_CAP_SECONDS="0.3", TFMETAL_EXT_NO_BUDGET="1").returncode == 0
 
 
+@pytest.mark.full  # runs the sample suite three times; the per-test cap test above exercises the same budget plugin
 def test_the_total_is_checked_on_a_whole_run_only(tmp_path):
     suite = _suite(tmp_path, _SLEEPY)
     # Scale clamped to its lowest (0.5): a budget of 0.2 s against 0.65 s of sleeping, on any machine.

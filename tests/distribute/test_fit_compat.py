@@ -1,4 +1,5 @@
 import os
+import pytest
 
 from tfmetal_ext import distribute
 
@@ -19,6 +20,7 @@ def test_install_is_idempotent_and_reversible():
     assert after == before
 
 
+@pytest.mark.full  # two worker processes; the quick tier keeps the patch/unpatch test above
 def test_two_workers_fit_on_loopback():
     worker = os.path.join(os.path.dirname(__file__), "_mwms_fit_worker.py")
     codes, outs = _cluster.cluster(worker, []).wait(timeout=150)

@@ -317,6 +317,7 @@ def test_causal(lib, dtype, shape):
     assert (dk[:, :, tq:].astype(np.float32) == 0).all() and (dv[:, :, tq:].astype(np.float32) == 0).all()
 
 
+@pytest.mark.sample_axes("pattern")  # one broadcast pattern in the quick tier, all seven in the full tier
 @pytest.mark.parametrize("pattern", [(1, 1, 1, 1), (2, 1, 1, 1), (1, 3, 1, 1), (1, 1, 10, 1), (1, 1, 1, 37),
                                      (1, 1, 10, 37), (2, 3, 10, 37)], ids=shape_id)
 def test_mask_broadcast_patterns(lib, pattern):

@@ -231,6 +231,7 @@ _ISA_CASES = textwrap.dedent(
 )
 
 
+@pytest.mark.full  # compiles the kernel twice (baseline and AVX2 flags); the quick tier keeps the kernel-vs-numpy tests
 def test_baseline_and_avx2_loops_agree_bitwise(tmp_path):
     """The SSE2 baseline loops (also what arm64 runs) give the AVX2 loops' results bit for bit."""
     env = {k: v for k, v in os.environ.items() if k != "TFMETAL_EXT_REFERENCE_OPS"}

@@ -76,6 +76,7 @@ def test_cache_key_depends_on_sources_and_tf(tmp_path, monkeypatch):
     assert _loader.plan().key != base.key
 
 
+@pytest.mark.full  # two processes each importing TF (~20 s); the quick tier keeps the lock and cache-key tests of this file
 def test_two_processes_build_once_and_both_succeed(tmp_path):
     code = with_sources(_USE_OPS, small_sources(tmp_path / "src"))
     procs = [

@@ -145,6 +145,7 @@ def planted_library(directory: Path, marker: Path) -> Path:
     return evil
 
 
+@pytest.mark.full  # plants a library as another user (root, a subprocess per case); the quick tier keeps the permission checks
 @needs_root
 def test_library_planted_by_another_user_never_runs(shared_dir, monkeypatch):
     """A `.so` with a constructor, planted with a matching build.json by uid

@@ -265,6 +265,7 @@ _THREADS_CASE = textwrap.dedent(
 )
 
 
+@pytest.mark.full  # rebuilds and runs the kernel at several thread counts in subprocesses; the quick tier keeps the fixed-partition tests
 def test_results_do_not_depend_on_the_thread_count(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TFMETAL_EXT_REFERENCE_OPS"}
     env["TF_CPP_MIN_LOG_LEVEL"] = "2"

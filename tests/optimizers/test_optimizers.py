@@ -78,6 +78,7 @@ def assert_same_training(stock, ours, steps=100, rtol=1e-5, **kw):
 # Equivalence: 100 steps of a real model, f32.
 
 
+@pytest.mark.sample_axes("kwargs")  # one configuration per optimizer in the quick tier, every one in the full tier
 @pytest.mark.parametrize(
     "name, kwargs",
     [

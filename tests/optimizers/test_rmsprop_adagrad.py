@@ -64,6 +64,7 @@ def layout(opt):
 # Equivalence: 100 steps of a real model, f32.
 
 
+@pytest.mark.sample_axes("kwargs")  # one configuration per optimizer in the quick tier, every one in the full tier
 @pytest.mark.parametrize("name, kwargs", CASES, ids=CASE_IDS)
 def test_matches_keras_after_100_steps(name, kwargs):
     got, want = assert_same_training(make(name, kwargs, "stock"), make(name, kwargs, "ours"))
