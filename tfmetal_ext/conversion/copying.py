@@ -113,6 +113,24 @@ def _is_stock_class(cls):
     return cls.__module__.startswith("keras.")
 
 
+def same_class(stock, copy):
+    """True when `copy` is of `stock`'s class, or of a tfmetal_ext subclass of it (a retyped copy)."""
+    return type(copy) is type(stock) or (
+        type(copy).__module__.startswith("tfmetal_ext.") and isinstance(copy, type(stock)))
+
+
+def retype(layer, cls):
+    """`layer` (a copy, built or not) made an instance of `cls`, a method-only subclass of its class.
+
+    A ``retype`` plan's fusion-first subclasses add methods and no state, so the
+    copy keeps its constructor arguments, sublayers and variables as they are.
+    """
+    if not (isinstance(cls, type) and isinstance(layer, cls.__mro__[1])):
+        raise TypeError(f"{cls!r} is not a subclass of {type(layer).__name__}. Received: cls={cls!r}")
+    object.__setattr__(layer, "__class__", cls)
+    return layer
+
+
 # Attributes Keras and TF set on a layer or model after its base __init__ (training, tracking, build):
 # not the user's own state, never copied by `_shell_copy`.
 _INTERNAL = frozenset((
@@ -258,10 +276,15 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
             if not isinstance(x, keras.layers.Layer) or id(x) in seen:
                 continue
             seen.add(id(x))
-            if y is None or type(y) is not type(x):
+            if y is None or not same_class(x, y):
                 raise NotCopyable(f"{label}/{p}: the copy has {type(y).__name__} where the stock layer has "
                                   f"{type(x).__name__}")
             plan = plan_fn(x, f"{label}/{p}")
+            if plan is not None and plan.kind == "retype":  # the copy's own sublayer, as the subclass
+                retype(y, plan.make)
+                report.rewrites.append(plan.rewrite)
+                walk(x, y, p)
+                continue
             if plan is not None:
                 new = plan.make()
                 plan.made = new
@@ -370,7 +393,7 @@ def transfer_state(stock, new, pairs, swaps=None, label=""):
             build_like(a, b)
             swaps[id(a)].copy(b, pairs)
             return
-        if b is None or type(a) is not type(b):
+        if b is None or not same_class(a, b):
             raise NotCopyable(f"{label}/{path}: the copy has {type(b).__name__} where the stock layer has "
                               f"{type(a).__name__}")
         if isinstance(a, keras.layers.Layer):

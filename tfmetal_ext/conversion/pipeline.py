@@ -235,6 +235,9 @@ def _phase(model, what):
 def prepare(model, opts):
     """``(report, converter, reference)``: an unbuilt subclassed model built on ``inputs``, an empty
     `ConversionReport`, the `Converter`, and (in place, verified) the stock outputs before conversion."""
+    from tfmetal_ext import integrations
+
+    integrations.load_available()  # planners for the layers of libraries in use (keras-hub)
     if opts.subclassed and not model.built:
         model(opts.inputs, training=False)
     report = ConversionReport(model=model.name, inference=opts.inference)

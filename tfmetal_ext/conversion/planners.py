@@ -97,9 +97,9 @@ def fused_class(stock):
 
 @dataclasses.dataclass
 class Plan:
-    kind: str  # "replace" | "keep" (a copy) | "model" (nested) | "op" (keras.ops)
+    kind: str  # "replace" | "retype" (a copy as a subclass) | "keep" (a copy) | "model" (nested) | "op" (keras.ops)
     nodes: list  # the head node, then absorbed nodes
-    make: object = None  # () -> new layer (replace)
+    make: object = None  # () -> new layer (replace); the subclass to copy the layer as (retype)
     copy: object = None  # (new_layer, pairs) -> None, after the new layer is built
     rewrite: Rewrite | None = None
     layer_key: int | None = None  # id of the stock layer whose new layer is shared between calls
@@ -129,6 +129,24 @@ class PlanContext:
 
 def keep(node, reason):
     return Plan("keep", [node], layer_key=id(node.operation)), reason
+
+
+def retype(ctx, node, cls, note=""):
+    """A ``retype`` plan: `node`'s layer copied as `cls`, a method-only tfmetal_ext subclass of its class.
+
+    For layers whose structure stays and whose computation changes (a keras-hub
+    attention layer whose ``_compute_attention`` runs the attention op): the copy
+    is a kept layer's copy (same constructor arguments, sublayers and state; its
+    own sublayers swapped for fusion-first ones where they have planners) whose
+    class is then `cls` (`copying.retype`). Reported as a rewrite.
+    """
+    layer = node.operation
+    if not (isinstance(cls, type) and cls.__mro__[1] is type(layer)):
+        raise ValueError(f"a retype needs a subclass of {type(layer).__name__}. Received: cls={cls!r}")
+    calls = ctx.calls(layer)
+    note = note or (f"shared: called {calls} times, converted once" if calls > 1 else "")
+    rw = Rewrite((ctx.label(layer.name),), ctx.label(layer.name), cls.__name__, note)
+    return Plan("retype", [node], make=cls, rewrite=rw, layer_key=id(layer)), None
 
 
 def plan(ctx, node):
@@ -242,7 +260,7 @@ def plan_sublayer(layer, path, inference, calls=None):
     if planned is None:
         return None, None
     plan_, reason = planned
-    if plan_.kind != "replace" or len(plan_.nodes) != 1:
+    if plan_.kind not in ("replace", "retype") or len(plan_.nodes) != 1:
         return None, reason
     plan_.rewrite.source = (path,)
     plan_.rewrite.name = path

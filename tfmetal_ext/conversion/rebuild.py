@@ -155,9 +155,15 @@ class Converter:
             self.report.notes.append(f"{self._label(layer.name)}: Keras operation {type(layer).__name__} reused as is")
             return layer, plan.kind
         # keep: an independent copy (same constructor arguments; state copied once built), whose
-        # sublayers with fusion-first drop-ins are swapped when it is a subclass.
+        # sublayers with fusion-first drop-ins are swapped when it is a subclass; retype: the same
+        # copy, made an instance of the plan's method-only subclass.
         label = self._label(layer.name)
         new, kind, swaps = self.copy_deep(layer, label)
+        if plan.kind == "retype":
+            copying.retype(new, plan.make)
+            self.swaps[id(layer)] = swaps
+            self.report.rewrites.append(plan.rewrite)
+            return new, kind
         self.swaps[id(layer)] = swaps
         if swaps:
             reason += f"; copied with {len(swaps)} sublayer(s) swapped for fusion-first ones (listed as rewrites)"

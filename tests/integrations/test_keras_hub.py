@@ -1,0 +1,299 @@
+"""The keras-hub integration: fusion-first subclasses of keras-hub's RMS norms and attention layers.
+
+References are keras-hub's own layers (the stock code path of the same weights); tolerances are
+derived in each test. Tiny configurations built from the constructors (no presets, no network).
+"""
+
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is not installed (extra [hub])")
+
+import tfmetal_ext  # noqa: E402
+from tfmetal_ext import inspect  # noqa: E402
+from tfmetal_ext.conversion import planners  # noqa: E402
+from tfmetal_ext.integrations import keras_hub as kh  # noqa: E402
+
+U32 = 2.0 ** -24  # float32 unit roundoff
+
+
+def _class(path):
+    module, name = path.split(":")
+    return getattr(__import__(f"keras_hub.src.{module}", fromlist=[name]), name)
+
+
+def _retyped_copy(layer, build_input):
+    """A fresh layer of `layer`'s class with its weights, then made its fusion-first subclass."""
+    copy = type(layer).from_config(layer.get_config()) if type(layer).__name__ != "LlamaAttention" \
+        else type(layer)(num_query_heads=layer.num_query_heads, num_key_value_heads=layer.num_key_value_heads,
+                         dtype=layer.dtype_policy)
+    copy(*build_input)
+    copy.set_weights(layer.get_weights())
+    object.__setattr__(copy, "__class__", kh.FUSED[type(layer)])
+    return copy
+
+
+def _half_ulp(y):
+    """One float16 ulp at |y| (normal range; the subnormal spacing below it)."""
+    return np.spacing(np.abs(y).astype(np.float16)).astype(np.float32)
+
+
+# ----------------------------------------------------------------------------
+# The tables.
+
+
+def test_every_table_row_resolves_and_has_a_registered_subclass():
+    for spec in kh.HUB_RMS_NORMS + kh.HUB_ATTENTION:
+        base = _class(spec.path)
+        fused = kh.FUSED[base]
+        assert fused.__name__ == spec.fused and fused.__mro__[1] is base
+        assert planners.planner_for(base) is not None
+        assert keras.saving.get_registered_object(f"tfmetal_ext>{spec.fused}") is fused
+    assert not kh.MISSING
+
+
+def test_integration_loads_only_when_keras_hub_is_imported(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys, tfmetal_ext, tfmetal_ext.integrations as I; "
+            "print('keras_hub' in sys.modules, I.load_available()); import keras_hub; print(I.load_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2] == "False []"
+    assert lines[-1] == "['tfmetal_ext.integrations.keras_hub']"
+
+
+def test_a_retype_needs_a_direct_subclass():
+    layer = keras.layers.Dense(2)
+    node = planners.SyntheticNode.of(layer, ())
+    ctx = planners.PlanContext(planners.NoGraph(), False)
+    with pytest.raises(ValueError, match="subclass of Dense"):
+        planners.retype(ctx, node, keras.layers.EinsumDense)
+
+
+# ----------------------------------------------------------------------------
+# RMS norms.
+
+
+@pytest.mark.parametrize("spec", kh.HUB_RMS_NORMS, ids=lambda s: s.fused)
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_rms_norm_matches_the_stock_layer(spec, policy):
+    base = _class(spec.path)
+    rng = np.random.default_rng(0)
+    d = 48
+    stock = base(dtype=policy) if "head_dim" not in base.__init__.__code__.co_varnames else base(dtype=policy)
+    x = (rng.standard_normal((3, 5, d)) * 3).astype("float32")
+    stock(x)
+    w = getattr(stock, spec.weight)
+    w.assign(rng.uniform(-1, 2, w.shape).astype("float32"))
+    fused = _retyped_copy(stock, (x,))
+
+    def run(layer):
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            y = layer(xt)
+            loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.cast(tf.range(d), tf.float32))
+        return y, tape.gradient(loss, [xt, getattr(layer, spec.weight)])
+
+    y_s, g_s = run(stock)
+    y_f, g_f = run(fused)
+    assert y_f.dtype == y_s.dtype
+    y_s, y_f = np.asarray(y_s, np.float32), np.asarray(y_f, np.float32)
+    if policy == "float32":
+        # Both compute in float32; they differ in the order of the d-term mean square (at most
+        # d roundings of relative size u), in rsqrt (2 ulps) and the two products: |dy| <= (d + 6) u |y|.
+        assert np.all(np.abs(y_f - y_s) <= (d + 6) * U32 * np.abs(y_s))
+    else:
+        # The same float32 values (within the bound above) rounded to float16: at most one half ulp apart.
+        assert np.all(np.abs(y_f - y_s) <= _half_ulp(y_s))
+    for a, b in zip(g_f, g_s):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        # Gradients: the same terms in another order (the op's backward sums each row and column once).
+        tol = (8 * d * U32 if policy == "float32" else 2.0 ** -9) * np.max(np.abs(b))
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol)
+
+
+def test_rms_norm_subclass_is_one_op_each_way_and_serializes():
+    base = _class("models.llama.llama_layernorm:LlamaLayerNorm")
+    layer = kh.FUSED[base](epsilon=1e-5, name="norm")
+    x = tf.random.normal((2, 4, 8))
+    layer(x)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x)
+        return tape.gradient(y, [x, layer.scale])
+
+    ops = {op.type for op in step.get_concrete_function(x).graph.get_operations()}
+    assert "TfmetalExt>RMSNorm" in ops and "TfmetalExt>RMSNormGrad" in ops
+    assert "Rsqrt" not in ops
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(layer))
+    assert type(again) is type(layer) and again.epsilon == 1e-5
+
+
+def test_gemma_rms_norm_uses_one_plus_scale():
+    base = _class("models.gemma.rms_normalization:RMSNormalization")
+    stock = base(epsilon=1e-6)
+    x = np.array([[3.0, 4.0]], "float32")
+    stock(x)
+    stock.scale.assign([0.5, -1.0])
+    fused = _retyped_copy(stock, (x,))
+    # rms = sqrt((9 + 16) / 2); y = x / rms * (1 + scale), from the definition.
+    rms = math.sqrt(12.5 + 1e-6)
+    np.testing.assert_allclose(np.asarray(fused(x)), [[3 / rms * 1.5, 0.0]], rtol=2e-7, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------
+# Attention.
+
+
+def _llama_attention(policy="float32"):
+    base = _class("models.llama.llama_attention:LlamaAttention")
+    return base(num_query_heads=4, num_key_value_heads=2, dtype=policy)
+
+
+def test_llama_attention_matches_stock_in_training_and_cached_decoding():
+    keras.utils.set_random_seed(0)
+    b, t, d = 2, 7, 32
+    stock = _llama_attention()
+    x = np.random.default_rng(1).standard_normal((b, t, d)).astype("float32")
+    mask = np.tril(np.ones((t, t), bool))[None].repeat(b, 0)
+    mask[1, :, 5:] = False  # padding: keys 5, 6 of the second sequence
+    mask[1, 0, :] = False  # a query row that attends no key (stock: zeros, from its masked Softmax layer)
+    stock(x, attention_mask=mask)
+    fused = _retyped_copy(stock, (x,))
+    fused(x, attention_mask=mask)
+    y_s, y_f = stock(x, attention_mask=mask), fused(x, attention_mask=mask)
+    # float32 both ways, t <= 7 terms per softmax row and output: (2t + 8) u of the largest value.
+    scale = float(np.max(np.abs(y_s)))
+    np.testing.assert_allclose(np.asarray(y_f), np.asarray(y_s), rtol=0, atol=(2 * t + 8) * U32 * scale * 4)
+
+    # Cached decoding, as generate() calls it: one new token at index 3 against a cache of 7.
+    head = d // 4
+    cache = np.random.default_rng(2).standard_normal((b, 2, t, 2, head)).astype("float32")
+    step_mask = np.zeros((b, 1, t), bool)
+    step_mask[:, :, :4] = True
+    xs = x[:, 3:4]
+    out_s, cache_s = stock(xs, attention_mask=step_mask, cache=cache, cache_update_index=3)
+    out_f, cache_f = fused(xs, attention_mask=step_mask, cache=cache, cache_update_index=3)
+    np.testing.assert_array_equal(np.asarray(cache_f), np.asarray(cache_s))
+    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_s), rtol=0,
+                               atol=(2 * t + 8) * U32 * float(np.max(np.abs(out_s))) * 4)
+
+
+def test_attention_subclass_runs_the_op_and_no_score_matrix():
+    stock = _llama_attention()
+    x = tf.random.normal((2, 6, 32))
+    stock(x)
+    fused = _retyped_copy(stock, (x,))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = fused(x, training=True)
+        return tape.gradient(y, fused.trainable_variables)
+
+    ops = [op.type for op in step.get_concrete_function(x).graph.get_operations()]
+    assert "TfmetalExt>Attention" in ops and "TfmetalExt>AttentionGrad" in ops
+    assert "Softmax" not in ops  # the (q, kv) probabilities are never materialized
+
+
+def test_cached_multi_head_attention_dropout_draws_the_stock_mask():
+    base = _class("layers.modeling.cached_multi_head_attention:CachedMultiHeadAttention")
+    keras.utils.set_random_seed(3)
+    stock = base(num_heads=2, key_dim=8, dropout=0.5)
+    x = np.random.default_rng(4).standard_normal((2, 5, 16)).astype("float32")
+    mask = np.tril(np.ones((5, 5), bool))[None].repeat(2, 0)
+    stock(x, x, attention_mask=mask)
+    fused = _retyped_copy(stock, (x, x))
+    state = stock._dropout_layer.seed_generator.state.numpy()
+    fused._dropout_layer.seed_generator.state.assign(state)
+    y_s = stock(x, x, attention_mask=mask, training=True)
+    y_f = fused(x, x, attention_mask=mask, training=True)
+    # Same dropped probabilities (else entries differ by O(1)); float32 rounding otherwise.
+    np.testing.assert_allclose(np.asarray(y_f), np.asarray(y_s), rtol=0,
+                               atol=32 * U32 * 4 * float(np.max(np.abs(y_s))))
+
+
+def test_gemma_soft_capping_is_kept_with_the_reason():
+    base = _class("models.gemma.gemma_attention:CachedGemmaAttention")
+    layer = base(head_dim=8, num_query_heads=2, num_key_value_heads=1, logit_soft_cap=50.0)
+    layer(np.zeros((1, 3, 16), "float32"), attention_mask=np.ones((1, 3, 3), bool))
+    node = planners.SyntheticNode.of(layer, (1, 3, 16))
+    plan, reason = planners.planner_for(base)(planners.PlanContext(planners.NoGraph(), False), node)
+    assert plan.kind == "keep" and "soft-capping" in reason
+
+
+# ----------------------------------------------------------------------------
+# convert() on backbones.
+
+
+def _ids(vocab=1000, b=2, t=16):
+    rng = np.random.default_rng(0)
+    pm = np.ones((b, t), "int32")
+    pm[1, t - 4:] = 0
+    return {"token_ids": rng.integers(1, vocab, (b, t)).astype("int32"), "padding_mask": pm}
+
+
+def test_llama_backbone_converts_and_verifies():
+    keras.utils.set_random_seed(1)
+    bb = keras_hub.models.LlamaBackbone(vocabulary_size=1000, num_layers=2, num_query_heads=4,
+                                        num_key_value_heads=2, hidden_dim=64, intermediate_dim=128)
+    x = _ids()
+    new = tfmetal_ext.convert(bb, inputs=x)
+    report = new.conversion_report
+    made = {r.new_class for r in report.rewrites}
+    assert {"FusedLlamaAttention", "FusedLlamaLayerNorm"} <= made
+    assert sum(r.new_class == "FusedLlamaAttention" for r in report.rewrites) == 2
+    assert report.verified  # outputs and training gradients against the stock backbone
+    ops = inspect.fusion_report(new, mode="train", inputs=x,
+                                targets=np.zeros((2, 16, 64), "float32")).ops_by_type
+    assert ops.get("TfmetalExt>Attention") == 2 and ops.get("TfmetalExt>RMSNorm") == 5
+    assert "Softmax" not in ops
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen", "bert"])
+def test_backbones_convert_and_verify(family):
+    keras.utils.set_random_seed(1)
+    M = keras_hub.models
+    small = dict(vocabulary_size=1000, num_layers=2, hidden_dim=64, intermediate_dim=128)
+    x = _ids()
+    if family == "gpt2":
+        bb, fused = M.GPT2Backbone(num_heads=2, max_sequence_length=64, **small), "FusedCachedMultiHeadAttention"
+    elif family == "mistral":
+        bb = M.MistralBackbone(num_query_heads=4, num_key_value_heads=2, sliding_window=8, **small)
+        fused = "FusedCachedMistralAttention"
+    elif family == "qwen":
+        bb, fused = M.QwenBackbone(num_query_heads=4, num_key_value_heads=2, **small), "FusedQwenAttention"
+    else:
+        bb = M.BertBackbone(num_heads=2, max_sequence_length=64, **small)
+        x["segment_ids"] = np.zeros((2, 16), "int32")
+        fused = None  # BERT's encoder holds Keras' own MultiHeadAttention: FusedMultiHeadAttention
+    new = tfmetal_ext.convert(bb, inputs=x)
+    report = new.conversion_report
+    assert report.verified
+    made = [r.new_class for r in report.rewrites]
+    assert made.count(fused or "FusedMultiHeadAttention") == 2, made
+
+
+def test_converted_backbone_saves_and_loads(tmp_path):
+    keras.utils.set_random_seed(2)
+    # Mistral: keras-hub 0.32's Llama decoder cannot save (its get_config reads an attribute it never sets).
+    bb = keras_hub.models.MistralBackbone(vocabulary_size=500, num_layers=1, num_query_heads=2,
+                                          num_key_value_heads=1, hidden_dim=32, intermediate_dim=64)
+    x = _ids(500, t=8)
+    new = tfmetal_ext.convert(bb, inputs=x, verify=False, count_ops=False)
+    path = tmp_path / "mistral.keras"
+    new.save(path)
+    again = keras.saving.load_model(path)
+    assert type(again.get_layer("sequence_output_layernorm")).__name__ == "FusedMistralLayerNormalization"
+    np.testing.assert_allclose(np.asarray(again(x)), np.asarray(new(x)), rtol=0, atol=1e-5)

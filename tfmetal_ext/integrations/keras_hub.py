@@ -1,0 +1,344 @@
+"""keras-hub integration: its transformers' RMS norms and attention on tfmetal_ext's ops (extra ``[hub]``).
+
+keras-hub's models (``LlamaCausalLM``, ``GPT2CausalLM``, ``GemmaCausalLM``, ...)
+keep their own layer classes, which `convert()` otherwise keeps whole. This
+module registers conversion planners for them, keyed by class like every
+planner. Each maps a keras-hub class to a **fusion-first subclass** of it
+(a ``retype`` plan): the same constructor arguments, sublayers, weights,
+config and cache handling, with only the computation that has a fused op
+replaced:
+
+* RMS norms (`HUB_RMS_NORMS`): ``call`` is one ``TfmetalExt>RMSNorm`` op
+  forward and one ``TfmetalExt>RMSNormGrad`` backward
+  (`tfmetal_ext.ops.rms_norm`), with each class's convention: the scale as
+  stored (Llama, Mistral, Qwen, Phi-3, ...) or ``1 + scale`` (Gemma), the
+  result in the compute dtype or the input's (Qwen 3).
+* Attention (`HUB_ATTENTION`): ``_compute_attention`` is the flash-style
+  ``TfmetalExt>Attention`` op (`tfmetal_ext.ops.attention`), which never
+  stores the query x key score matrix. Projections, rotary embedding, the KV
+  cache of ``generate()`` and grouped-query head sharing stay the layer's own
+  code, so training and cached decoding both take the op.
+
+Where a layer is configured in a way the op does not compute (Gemma's logit
+soft-capping), the planner keeps it and says why; where a call is (an input
+dtype or head size the op does not take), the subclass runs the stock code
+for that call. A query row that attends no key gives what the stock layer
+gives (zeros from keras-hub's masked softmax; the values' mean from Keras'
+``dot_product_attention``).
+
+The subclasses are registered Keras serializables (``tfmetal_ext>Fused...``),
+so a converted model's ``.keras`` file loads back with tfmetal_ext (and this
+module) imported. `convert()` imports this module when keras-hub is
+imported (`tfmetal_ext.integrations.load_available`).
+
+Usage::
+
+    import keras_hub, tfmetal_ext
+    causal_lm = keras_hub.models.LlamaCausalLM(backbone=..., preprocessor=None)
+    fused, report = tfmetal_ext.convert(causal_lm)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import types
+
+import keras
+import keras_hub  # noqa: F401  (this module is only imported with keras-hub installed)
+import numpy as np
+import tensorflow as tf
+
+from tfmetal_ext.conversion import planners
+from tfmetal_ext.ops._common import FLOAT_DTYPES
+from tfmetal_ext.ops.attention import attention
+from tfmetal_ext.ops.rms_norm import rms_norm
+
+# The attention op's head and value dims (tfmetal_ext.ops.attention).
+_MAX_HEAD_DIM = 256
+
+
+# ----------------------------------------------------------------------------
+# The data: which keras-hub class maps to which fused subclass, with its convention.
+
+
+@dataclasses.dataclass(frozen=True)
+class HubRMSNorm:
+    """A keras-hub RMS-norm class: ``y = x / sqrt(mean(x^2) + epsilon) * g`` over the last axis, in float32.
+
+    Attributes:
+        path: the class, ``module:ClassName`` under ``keras_hub.src``.
+        fused: the fusion-first subclass's name (registered as ``tfmetal_ext>{fused}``).
+        weight: the attribute holding the scale variable.
+        offset: ``g = offset + scale`` (0 for most, 1 for Gemma's zero-initialized scale).
+        output: ``"compute"`` (cast to the layer's compute dtype) or ``"input"`` (to the input's).
+    """
+
+    path: str
+    fused: str
+    weight: str = "scale"
+    offset: float = 0.0
+    output: str = "compute"
+
+
+@dataclasses.dataclass(frozen=True)
+class HubAttention:
+    """A keras-hub attention class whose ``_compute_attention`` the attention op replaces.
+
+    Attributes:
+        path: the class, ``module:ClassName`` under ``keras_hub.src``.
+        fused: the fusion-first subclass's name.
+        form: which ``_compute_attention`` signature the class has:
+            ``"qkv_mask"`` (query, key, value, attention_mask; key/value heads already
+            repeated; scale ``_inv_norm_factor``), ``"qkv_mask_window"`` (the same plus
+            ``cache_update_index`` and Qwen's optional sliding window), ``"gemma"``
+            (Gemma's: key/value heads not repeated, its query normalization, sliding
+            window and probability dropout; logit soft-capping is kept stock),
+            ``"keras_mha"`` (Keras MultiHeadAttention's, returning ``(output, scores)``).
+    """
+
+    path: str
+    fused: str
+    form: str
+
+
+HUB_RMS_NORMS = (
+    HubRMSNorm("models.llama.llama_layernorm:LlamaLayerNorm", "FusedLlamaLayerNorm"),
+    HubRMSNorm("models.mistral.mistral_layer_norm:MistralLayerNormalization", "FusedMistralLayerNormalization"),
+    HubRMSNorm("models.mixtral.mixtral_layer_norm:MixtralLayerNormalization", "FusedMixtralLayerNormalization"),
+    HubRMSNorm("models.qwen.qwen_layernorm:QwenLayerNorm", "FusedQwenLayerNorm"),
+    HubRMSNorm("models.qwen_moe.qwen_moe_layernorm:QwenMoeLayerNorm", "FusedQwenMoeLayerNorm"),
+    HubRMSNorm("models.qwen3.qwen3_layernorm:Qwen3LayerNorm", "FusedQwen3LayerNorm", output="input"),
+    HubRMSNorm("models.phi3.phi3_layernorm:Phi3LayerNorm", "FusedPhi3LayerNorm"),
+    HubRMSNorm("models.gemma.rms_normalization:RMSNormalization", "FusedGemmaRMSNormalization", offset=1.0),
+)
+
+HUB_ATTENTION = (
+    HubAttention("models.llama.llama_attention:LlamaAttention", "FusedLlamaAttention", "qkv_mask"),
+    HubAttention("models.mistral.mistral_attention:CachedMistralAttention", "FusedCachedMistralAttention",
+                 "qkv_mask"),
+    HubAttention("models.mixtral.mixtral_attention:CachedMixtralAttention", "FusedCachedMixtralAttention",
+                 "qkv_mask"),
+    HubAttention("models.phi3.phi3_attention:Phi3Attention", "FusedPhi3Attention", "qkv_mask"),
+    HubAttention("models.qwen.qwen_attention:QwenAttention", "FusedQwenAttention", "qkv_mask_window"),
+    HubAttention("models.qwen3.qwen3_attention:Qwen3Attention", "FusedQwen3Attention", "qkv_mask_window"),
+    HubAttention("models.gemma.gemma_attention:CachedGemmaAttention", "FusedCachedGemmaAttention", "gemma"),
+    HubAttention("layers.modeling.cached_multi_head_attention:CachedMultiHeadAttention",
+                 "FusedCachedMultiHeadAttention", "keras_mha"),
+)
+
+# Classes of the tables that this keras-hub does not have: path -> why (ops.status-style facts).
+MISSING = {}
+# keras-hub class -> its fusion-first subclass (filled below from the tables).
+FUSED = {}
+
+
+def _resolve(path):
+    module, name = path.split(":")
+    try:
+        return getattr(importlib.import_module(f"keras_hub.src.{module}"), name)
+    except (ImportError, AttributeError) as e:
+        MISSING[path] = f"not in this keras-hub ({type(e).__name__}: {e})"
+        return None
+
+
+def _subclass(base, name, namespace, doc):
+    """`name`, a subclass of `base` with `namespace`'s methods, registered as ``tfmetal_ext>{name}``."""
+    cls = types.new_class(name, (base,), exec_body=lambda ns: ns.update(namespace))
+    cls.__module__ = __name__
+    cls.__qualname__ = name
+    cls.__doc__ = doc
+    globals()[name] = cls
+    return keras.saving.register_keras_serializable(package="tfmetal_ext", name=name)(cls)
+
+
+# ----------------------------------------------------------------------------
+# RMS norms.
+
+
+def _epsilon_reason(eps):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return f"epsilon={eps!r}: the RMS-norm op takes a finite float > 0"
+    with np.errstate(over="ignore", under="ignore"):
+        e32 = float(np.float32(eps))  # the op's float32 attribute
+    if not (math.isfinite(e32) and e32 > 0.0):
+        return f"epsilon={eps!r}: the RMS-norm op takes a finite float > 0 (in float32)"
+    return None
+
+
+def _rms_norm_class(spec, base):
+    def call(self, x):
+        x = tf.convert_to_tensor(x)
+        if x.dtype not in FLOAT_DTYPES or x.shape.rank == 0 \
+                or _epsilon_reason(getattr(self, "epsilon", None)) is not None:
+            return base.call(self, x)
+        # The scale as the stock call reads it (autocast to the compute dtype under a mixed
+        # policy), then float32, the stock computation's dtype.
+        gamma = tf.cast(getattr(self, spec.weight), tf.float32)
+        if spec.offset:
+            gamma = gamma + tf.constant(spec.offset, tf.float32)
+        y = rms_norm(x, gamma, epsilon=self.epsilon)
+        out = self.compute_dtype if spec.output == "compute" else x.dtype
+        return tf.cast(y, out) if y.dtype != tf.as_dtype(out) else y
+
+    doc = (f"`{base.__module__}.{base.__name__}` whose call is one RMS-norm op each way "
+           f"(`tfmetal_ext.ops.rms_norm`, scale {'1 + ' if spec.offset else ''}`{spec.weight}`); "
+           "the same constructor, weight, config and outputs.")
+    return _subclass(base, spec.fused, {"call": call}, doc)
+
+
+# ----------------------------------------------------------------------------
+# Attention.
+
+
+def _call_reason(query, key, value, mask):
+    """Why the op cannot take this call (the stock code runs), or None."""
+    if any(t.shape.rank != 4 for t in (query, key, value)):
+        return "inputs of rank other than 4"
+    if query.dtype not in FLOAT_DTYPES or not (query.dtype == key.dtype == value.dtype):
+        return f"{query.dtype.name} inputs"
+    dims = (query.shape[-1], value.shape[-1])
+    if any(d is None or d > _MAX_HEAD_DIM for d in dims):
+        return f"head/value dims {dims}: the attention op takes 1 to {_MAX_HEAD_DIM}"
+    if query.shape[2] is None or key.shape[2] is None or query.shape[2] % key.shape[2]:
+        return f"{query.shape[2]} query heads over {key.shape[2]} key heads"
+    if mask is not None and mask.shape.rank != 3:
+        return f"an attention mask of rank {mask.shape.rank} (the layer's masks are (batch, q, kv))"
+    return None
+
+
+def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_rows="zero"):
+    """keras-hub's attention on the attention op: ``(batch, seq, heads, dim)`` in and out.
+
+    Key/value heads that are fewer than the query heads (grouped-query
+    attention) are shared by consecutive query heads, as keras-hub's layers
+    repeat them. `mask` is keras-hub's ``(batch, q, kv)`` attend mask (any
+    dtype, nonzero = attend) or None. A query row that attends no key gives
+    ``empty_rows``: ``"zero"`` (the op's own result; what Keras' masked
+    ``Softmax`` layer gives, which keras-hub's layers use) or ``"mean"`` (the
+    mean of the values: Keras' ``dot_product_attention``, which Keras'
+    MultiHeadAttention uses when it has no dropout).
+    """
+    groups = query.shape[2] // key.shape[2]
+    if groups > 1:
+        key = tf.repeat(key, groups, axis=2)
+        value = tf.repeat(value, groups, axis=2)
+    q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in (query, key, value))
+    attend_mask = None
+    if mask is not None:
+        attend_mask = tf.expand_dims(tf.cast(mask, tf.bool), 1)  # (batch, 1, q, kv)
+    kwargs = {"dropout_rate": dropout_rate, "seed": seed} if dropout_rate > 0 else {}
+    out = attention(q, k, v, mask=attend_mask, scale=float(scale), **kwargs)
+    if attend_mask is not None and empty_rows == "mean":
+        attended = tf.reduce_any(attend_mask, axis=-1, keepdims=True)
+        mean = tf.cast(tf.reduce_mean(tf.cast(v, tf.float32), axis=-2, keepdims=True), v.dtype)
+        out = tf.where(attended, out, mean)
+    return tf.transpose(out, [0, 2, 1, 3])
+
+
+def _attention_class(spec, base):
+    def run(self, query, key, value, attention_mask):
+        out = attend(query, key, value, attention_mask, self._inv_norm_factor)
+        return tf.cast(out, self.compute_dtype)
+
+    if spec.form == "qkv_mask":
+
+        def _compute_attention(self, query, key, value, attention_mask=None):
+            if _call_reason(query, key, value, attention_mask) is not None:
+                return base._compute_attention(self, query, key, value, attention_mask)
+            return run(self, query, key, value, attention_mask)
+
+    elif spec.form == "qkv_mask_window":
+
+        def _compute_attention(self, query, key, value, attention_mask=None, cache_update_index=None):
+            if _call_reason(query, key, value, attention_mask) is not None:
+                return base._compute_attention(self, query, key, value, attention_mask, cache_update_index)
+            if self.use_sliding_window_attention and attention_mask is not None:
+                # The band the stock (unfused) path applies, made by the layer's own method.
+                attention_mask = self._mask_sliding_window(
+                    attention_mask, cache_update_index=cache_update_index if cache_update_index else 0)
+            return run(self, query, key, value, attention_mask)
+
+    elif spec.form == "gemma":
+
+        def _compute_attention(self, q, k, v, attention_mask, training=False, cache_update_index=0):
+            rate = float(self.dropout) if training and self.dropout else 0.0
+            if self.logit_soft_cap is not None or rate >= 1.0 \
+                    or _call_reason(q, k, v, attention_mask) is not None:
+                return base._compute_attention(self, q, k, v, attention_mask, training=training,
+                                               cache_update_index=cache_update_index)
+            width = self.head_dim if self.query_head_dim_normalize else self.hidden_dim // self.num_query_heads
+            if self.use_sliding_window_attention and attention_mask is not None:
+                attention_mask = self._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
+            # Gemma drops the probabilities (its dropout_layer, on (batch, kv heads, groups, q, kv):
+            # the (batch, heads, q, kv) order the op draws in).
+            seed = self.dropout_layer.seed_generator if rate > 0 else None
+            out = attend(q, k, v, attention_mask, 1.0 / np.sqrt(width), rate, seed)
+            return tf.cast(out, self.compute_dtype)
+
+    else:  # keras_mha
+
+        def _compute_attention(self, query, key, value, attention_mask=None, training=None,
+                               return_attention_scores=False, **kwargs):
+            if return_attention_scores or kwargs.get("use_causal_mask") \
+                    or _call_reason(query, key, value, attention_mask) is not None \
+                    or tuple(getattr(self, "_attention_axes", None) or (1,)) != (1,):
+                return base._compute_attention(
+                    self, query, key, value, attention_mask=attention_mask, training=training,
+                    return_attention_scores=return_attention_scores, **kwargs)
+            # Attention dropout inside the op, at the rate of the stock sublayer that drops the
+            # probabilities and from its generator: the same mask.
+            layer_rate = float(getattr(self._dropout_layer, "rate", 0.0))
+            rate = layer_rate if training and layer_rate > 0 else 0.0
+            if rate >= 1.0:
+                return base._compute_attention(
+                    self, query, key, value, attention_mask=attention_mask, training=training,
+                    return_attention_scores=return_attention_scores, **kwargs)
+            seed = self._dropout_layer.seed_generator if rate > 0 else None
+            # Keras' MultiHeadAttention takes dot_product_attention (rows attending no key: the
+            # values' mean) unless it was made with dropout (its masked Softmax layer: zeros).
+            empty = "mean" if self._dropout == 0 else "zero"
+            out = attend(query, key, value, attention_mask, self._inverse_sqrt_key_dim, rate, seed, empty)
+            return tf.cast(out, self.compute_dtype), None
+
+    doc = (f"`{base.__module__}.{base.__name__}` whose `_compute_attention` runs the flash-style "
+           "attention op (`tfmetal_ext.ops.attention`); projections, rotary embedding and KV cache are "
+           "the layer's own. The same constructor, weights, config and outputs.")
+    return _subclass(base, spec.fused, {"_compute_attention": _compute_attention}, doc)
+
+
+# ----------------------------------------------------------------------------
+# Planners.
+
+
+def _plan_rms_norm(ctx, node):
+    layer = node.operation
+    why = _epsilon_reason(getattr(layer, "epsilon", None))
+    if why:
+        return planners.keep(node, f"{why}: the stock computation is kept")
+    return planners.retype(ctx, node, FUSED[type(layer)])
+
+
+def _plan_attention(ctx, node):
+    layer = node.operation
+    if getattr(layer, "logit_soft_cap", None) is not None:
+        return planners.keep(node, "logit soft-capping (tanh of the scores) is not computed by the attention op: "
+                                   "the stock attention is kept")
+    return planners.retype(ctx, node, FUSED[type(layer)])
+
+
+def _register():
+    for spec in HUB_RMS_NORMS:
+        base = _resolve(spec.path)
+        if base is not None:
+            FUSED[base] = _rms_norm_class(spec, base)
+            planners.register_planner(base)(_plan_rms_norm)
+    for spec in HUB_ATTENTION:
+        base = _resolve(spec.path)
+        if base is not None:
+            FUSED[base] = _attention_class(spec, base)
+            planners.register_planner(base)(_plan_attention)
+
+
+_register()
