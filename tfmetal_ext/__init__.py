@@ -12,7 +12,7 @@ the import loads nothing.
 """
 
 from tfmetal_ext import backends, callbacks, devices, inspect, layers, ops, optimizers, precision
-from tfmetal_ext import distribute, doctor
+from tfmetal_ext import distribute, doctor, integrations
 from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
 from tfmetal_ext import conversion

@@ -33,3 +33,11 @@ def load_available():
             importlib.import_module(module)
             loaded.append(module)
     return loaded
+
+
+def __getattr__(name):
+    """``tfmetal_ext.integrations.keras_hub`` imports the integration (and its library) on first access."""
+    module = INTEGRATIONS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return importlib.import_module(module)
