@@ -155,7 +155,7 @@ def test_selftest_str_and_json(healthy):
 def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
         "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
-        "rms_norm", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion", "multi_tensor_rmsprop",
+        "rms_norm", "rope", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion", "multi_tensor_rmsprop",
         "dropout", "attention", "cpu_fallback", "gap_kernels",
     )
     for name, check in checks.REGISTRY.items():

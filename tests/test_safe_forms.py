@@ -82,6 +82,7 @@ def test_safe_forms_names():
         "int8_matmul",
         "int8_conv2d",
         "dropout",
+        "rope",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

@@ -513,6 +513,36 @@ def np_rms_norm_grad(dy, x, gamma, epsilon):
     return dx, (dy * xhat).sum(tuple(range(x.ndim - 1)))
 
 
+def np_rope_rotate(x, cos, sin, inverse=False):
+    """The rotation of TfmetalExt>Rope (tfmetal/rope.h) in numpy, in the dtype of its operands.
+
+    x is [..., features] (halves x1 | x2); cos and sin broadcast against one
+    half, or against all features (then each output uses its own position's
+    value, as keras-hub's layer does with its repeated embedding). Each product
+    and the sum are rounded separately (float32 operands: the kernels' exact
+    sequence; float64: the exact rotation). ``inverse`` turns back (the gradient).
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    if half > 0 and cos.shape[-1] == 2 * half:
+        c1, c2, s1, s2 = cos[..., :half], cos[..., half:], sin[..., :half], sin[..., half:]
+    else:
+        c1 = c2 = cos
+        s1 = s2 = sin
+    if inverse:
+        return np.concatenate([x1 * c1 + x2 * s2, x2 * c2 - x1 * s1], -1)
+    return np.concatenate([x1 * c1 - x2 * s1, x2 * c2 + x1 * s2], -1)
+
+
+def np_rope(x, positions, inv_freq, scale=1.0, inverse=False):
+    """TfmetalExt>Rope in float64 from its definition: x [batch, seq, ..., features],
+    positions [seq] or [batch, seq], angle = float32(position * inv_freq) (one float32 product)."""
+    positions = np.asarray(positions, np.float32).reshape(-1, x.shape[1])
+    angle = (positions[:, :, None] * np.asarray(inv_freq, np.float32)).astype(np.float64)
+    angle = angle.reshape(angle.shape[:2] + (1,) * (x.ndim - 3) + angle.shape[2:])
+    return np_rope_rotate(x.astype(np.float64), scale * np.cos(angle), scale * np.sin(angle), inverse)
+
+
 # ----------------------------------------------------------------------------
 # Philox-4x32-10 and TensorFlow's stateless random numbers, in numpy uint64
 # arithmetic (Salmon et al. 2011; TensorFlow's constants), written from the

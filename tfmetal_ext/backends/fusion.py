@@ -197,6 +197,8 @@ CUSTOM_OPS = types.MappingProxyType(
         "int8_conv2d": CustomOp("TfmetalExt>Int8Conv2D", None, "int8_conv2d"),
         # Dropout with a counter-based (Philox) mask the gradient op regenerates from the seed.
         "dropout": CustomOp("TfmetalExt>Dropout", "TfmetalExt>DropoutGrad", "dropout"),
+        # Rotary position embedding (keras-hub's RotaryEmbedding); the gradient turns dy back.
+        "rope": CustomOp("TfmetalExt>Rope", "TfmetalExt>RopeGrad", "rope"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -216,6 +218,8 @@ INT8_MATMUL_OP = CUSTOM_OPS["int8_matmul"].name
 INT8_CONV2D_OP = CUSTOM_OPS["int8_conv2d"].name
 DROPOUT_OP = CUSTOM_OPS["dropout"].name
 DROPOUT_GRAD_OP = CUSTOM_OPS["dropout"].grad
+ROPE_OP = CUSTOM_OPS["rope"].name
+ROPE_GRAD_OP = CUSTOM_OPS["rope"].grad
 
 # The `activation` attribute of the int8 ops, in the order of the TFM_INT8_* codes of
 # custom_ops/include/tfmetal/int8.h (Keras activation names; "linear" is none).
@@ -447,6 +451,13 @@ SAFE_FORMS = _safe_forms(
         f"of {DROPOUT_OP}",
         implies=CUSTOM_OPS["dropout"].op_names,
         custom_op="dropout",
+    ),
+    SafeForm(
+        "rope",
+        "tfmetal_ext.ops.rope runs its pure-TF reference (Cos, Sin, Mul, Sub, AddV2 on the halves; the same "
+        f"float32 math) instead of {ROPE_OP}",
+        implies=CUSTOM_OPS["rope"].op_names,
+        custom_op="rope",
     ),
 )
 

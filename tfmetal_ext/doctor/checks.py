@@ -267,6 +267,28 @@ def rms_norm(dtype):
     return fused, (x, gamma, dy), (y,) + tuple(grads)
 
 
+ROPE_POSITIONS_START = 3.0
+
+
+@register("rope", op=fusion.CUSTOM_OPS["rope"])
+def rope(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(8)
+    x = tf.constant(rng.standard_normal((2, 9, 3, 16)) * 1.5, dtype)
+    dy = tf.constant(rng.standard_normal((2, 9, 3, 16)), dtype)
+    positions = tf.constant(np.arange(9, dtype=np.float32) + ROPE_POSITIONS_START)
+    inv_freq = tf.constant((10000.0 ** -(np.arange(0, 16, 2) / 16.0)).astype(np.float32))
+
+    def fused(x, dy):
+        return lib.tfmetal_ext_rope(x, positions, inv_freq), lib.tfmetal_ext_rope_grad(dy, positions, inv_freq)
+
+    reference = (testing.np_rope(_f64(x), positions.numpy(), inv_freq.numpy()),
+                 testing.np_rope(_f64(dy), positions.numpy(), inv_freq.numpy(), inverse=True))
+    return fused, (x, dy), reference
+
+
 # The int8 contractions: numpy float64 of Keras' convention (w = q / scale), the TF conv padding rules.
 
 def _np_int8_activate(z, activation, alpha=fusion.LEAKY_RELU_ALPHA):

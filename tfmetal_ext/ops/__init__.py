@@ -25,6 +25,9 @@
   ``TfmetalExt>Int8MatMul`` / ``TfmetalExt>Int8Conv2D``, weight-only int8 contractions (float
   activations, an int8 kernel with Keras' per-output-channel scale, bias and activation in the same
   op); `quantize_int8(kernel, axis)` quantizes a float kernel the way Keras does.
+- `rope(x, positions=None, max_wavelength=10000, scaling_factor=1.0, *, start_index=0, ...)`:
+  ``TfmetalExt>Rope`` (+ ``TfmetalExt>RopeGrad``), keras-hub's rotary position embedding
+  (linear, dynamic, YaRN and Llama 3 frequency scaling) in one op each way.
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
@@ -32,7 +35,7 @@ Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
-``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``).
+``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``).
 """
 
 from __future__ import annotations
@@ -47,9 +50,10 @@ from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
 from tfmetal_ext.ops.multi_tensor_lion import multi_tensor_lion
 from tfmetal_ext.ops.multi_tensor_rmsprop import multi_tensor_rmsprop
 from tfmetal_ext.ops.rms_norm import rms_norm
+from tfmetal_ext.ops.rope import rope
 from tfmetal_ext.ops.softshrink import softshrink
 from tfmetal_ext.ops.status import OpsStatus, build, status
 
 __all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "dropout", "int8_conv2d", "int8_matmul",
            "layer_norm", "multi_tensor_adam", "quantize_int8",
-           "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "softshrink", "status"]
+           "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "rope", "softshrink", "status"]

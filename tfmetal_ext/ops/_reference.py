@@ -184,3 +184,26 @@ def multi_tensor_rmsprop(var_handles, ms_handles, mom_handles, mg_handles, grads
     if tf.executing_eagerly():
         return None
     return tf.group(*updates)
+
+
+def rope(x, positions, inv_freq, scale=1.0, inverse=False):
+    """The kernels' float32 rotation (tfmetal/rope.h), rounded once to x's dtype.
+
+    x is [batch, seq, ..., features]; positions [seq] or [batch, seq] float32;
+    `inverse` turns back (the gradient).
+    """
+    xf = tf.cast(x, tf.float32)
+    positions = tf.reshape(positions, [-1, tf.shape(positions)[-1]])  # [1 or batch, seq]
+    angle = positions[:, :, None] * inv_freq  # one float32 product, as keras-hub's einsum
+    c, s = tf.cos(angle), tf.sin(angle)
+    if scale != 1.0:
+        c, s = c * scale, s * scale
+    inner = tf.rank(xf) - 3
+    shape = tf.concat([tf.shape(c)[:2], tf.ones([inner], tf.int32), tf.shape(c)[2:]], 0)
+    c, s = tf.reshape(c, shape), tf.reshape(s, shape)
+    x1, x2 = tf.split(xf, 2, axis=-1)
+    if inverse:
+        y1, y2 = x1 * c + x2 * s, x2 * c - x1 * s
+    else:
+        y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
+    return tf.cast(tf.concat([y1, y2], -1), x.dtype)

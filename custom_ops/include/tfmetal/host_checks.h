@@ -71,6 +71,45 @@ inline std::string NormRowsAndChannels(const int64_t* dims, int rank, int64_t* r
   return "";
 }
 
+// TfmetalExt>Rope's and TfmetalExt>RopeGrad's operands: x [batch, sequence,
+// inner..., features] (rank >= 3, features even), positions [sequence] or
+// [1 or batch, sequence], inv_freq [features / 2]. `x` is any tensor of x's
+// shape (dy for the gradient). Fills the geometry both kernels index with.
+struct RopeGeometry {
+  int64_t batch = 0;
+  int64_t sequence = 0;
+  int64_t inner = 1;       // the product of the dimensions between sequence and features (heads)
+  int64_t half = 0;        // features / 2: pairs per row
+  int64_t position_batch_stride = 0;  // sequence when positions has a batch dimension > 1, else 0
+};
+
+inline std::string RopeShapeError(const char* x_name, const int64_t* x, int x_rank, const int64_t* positions,
+                                  int positions_rank, const int64_t* inv_freq, int inv_freq_rank,
+                                  RopeGeometry* g) {
+  if (x_rank < 3) {
+    return std::string(x_name) + " must have rank >= 3 ([batch, sequence, ..., features]), got shape " +
+           ShapeText(x, x_rank);
+  }
+  const int64_t features = x[x_rank - 1];
+  if (features % 2 != 0) {
+    return std::string("the last dimension of ") + x_name +
+           " (features) must be even: its halves are rotated together, got shape " + ShapeText(x, x_rank);
+  }
+  g->batch = x[0];
+  g->sequence = x[1];
+  g->inner = 1;
+  for (int i = 2; i + 1 < x_rank; ++i) g->inner *= x[i];
+  g->half = features / 2;
+  const bool batched = positions_rank == 2 && (positions[0] == 1 || positions[0] == g->batch);
+  if (!((positions_rank == 1 && positions[0] == g->sequence) || (batched && positions[1] == g->sequence))) {
+    return "positions must have shape [sequence] = [" + std::to_string(g->sequence) + "] or [batch, sequence] = [" +
+           std::to_string(g->batch) + "," + std::to_string(g->sequence) + "] (batch may be 1), got shape " +
+           ShapeText(positions, positions_rank) + " for " + x_name + " of shape " + ShapeText(x, x_rank);
+  }
+  g->position_batch_stride = (batched && positions[0] > 1) ? g->sequence : 0;
+  return VectorShapeError("inv_freq", inv_freq, inv_freq_rank, g->half, "half the last dimension of x");
+}
+
 // A stateless-random seed (StatelessRandomGetKeyCounter's, the dropout ops'):
 // "" if it is a vector of 2, else TensorFlow's InvalidArgument message.
 inline std::string SeedShapeError(const int64_t* dims, int rank) {

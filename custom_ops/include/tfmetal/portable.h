@@ -15,7 +15,7 @@
 //   int32_t uint32_t int64_t ...    fixed-width integers
 //   tfm_sqrt tfm_rsqrt tfm_abs tfm_max tfm_min tfm_clamp tfm_isnan tfm_isinf
 //   tfm_isfinite tfm_select tfm_exp tfm_log tfm_tanh tfm_pow tfm_floor tfm_ceil
-//   tfm_fma                          math on float (and double in C++, half in
+//   tfm_fma tfm_sin tfm_cos          math on float (and double in C++, half in
 //                                    Metal/emulation), identical semantics in
 //                                    every mode: tfm_max/tfm_min return the
 //                                    other argument when one is NaN (C fmax);
@@ -113,7 +113,9 @@ using namespace metal;
   TFM_INLINE T tfm_pow(T x, T y) { return metal::pow(x, y); }             \
   TFM_INLINE T tfm_floor(T x) { return metal::floor(x); }                 \
   TFM_INLINE T tfm_ceil(T x) { return metal::ceil(x); }                   \
-  TFM_INLINE T tfm_fma(T a, T b, T c) { return metal::fma(a, b, c); }
+  TFM_INLINE T tfm_fma(T a, T b, T c) { return metal::fma(a, b, c); }     \
+  TFM_INLINE T tfm_sin(T x) { return metal::sin(x); }                     \
+  TFM_INLINE T tfm_cos(T x) { return metal::cos(x); }
 TFM_MATH_PRIMITIVES(float)
 TFM_MATH_PRIMITIVES(half)
 #undef TFM_MATH_PRIMITIVES
@@ -131,6 +133,8 @@ TFM_INLINE float tfm_pow(float x, float y) { return powf(x, y); }
 TFM_INLINE float tfm_floor(float x) { return floorf(x); }
 TFM_INLINE float tfm_ceil(float x) { return ceilf(x); }
 TFM_INLINE float tfm_fma(float a, float b, float c) { return fmaf(a, b, c); }
+TFM_INLINE float tfm_sin(float x) { return sinf(x); }
+TFM_INLINE float tfm_cos(float x) { return cosf(x); }
 TFM_INLINE double tfm_sqrt(double x) { return sqrt(x); }
 TFM_INLINE double tfm_rsqrt(double x) { return 1.0 / sqrt(x); }
 TFM_INLINE double tfm_abs(double x) { return fabs(x); }
@@ -144,6 +148,8 @@ TFM_INLINE double tfm_pow(double x, double y) { return pow(x, y); }
 TFM_INLINE double tfm_floor(double x) { return floor(x); }
 TFM_INLINE double tfm_ceil(double x) { return ceil(x); }
 TFM_INLINE double tfm_fma(double a, double b, double c) { return fma(a, b, c); }
+TFM_INLINE double tfm_sin(double x) { return sin(x); }
+TFM_INLINE double tfm_cos(double x) { return cos(x); }
 #endif
 
 // Built from the primitives above: one definition for every mode and type.
