@@ -47,7 +47,7 @@ def _half_ulp(y):
 
 
 def test_every_table_row_resolves_and_has_a_registered_subclass():
-    for spec in kh.HUB_RMS_NORMS + kh.HUB_ATTENTION:
+    for spec in kh.HUB_RMS_NORMS + kh.HUB_ROPES + kh.HUB_ATTENTION:
         base = _class(spec.path)
         fused = kh.FUSED[base]
         assert fused.__name__ == spec.fused and fused.__mro__[1] is base
@@ -149,6 +149,42 @@ def test_gemma_rms_norm_uses_one_plus_scale():
     # rms = sqrt((9 + 16) / 2); y = x / rms * (1 + scale), from the definition.
     rms = math.sqrt(12.5 + 1e-6)
     np.testing.assert_allclose(np.asarray(fused(x)), [[3 / rms * 1.5, 0.0]], rtol=2e-7, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------
+# Rotary embeddings.
+
+
+@pytest.mark.parametrize("path, kwargs", [
+    ("layers.modeling.rotary_embedding:RotaryEmbedding", {}),
+    ("layers.modeling.rotary_embedding:RotaryEmbedding", {"max_wavelength": 500, "scaling_factor": 4.0}),
+    ("layers.modeling.rotary_embedding:RotaryEmbedding", {"rope_type": "yarn", "scaling_factor": 4.0,
+                                                          "original_max_position_embeddings": 64}),
+    ("models.llama.llama_rotary_embedding:LlamaRotaryEmbedding", {}),
+    ("models.llama.llama_rotary_embedding:LlamaRotaryEmbedding", {
+        "frequency_adjustment_factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "pretraining_sequence_length": 64}),
+], ids=["rotary", "rotary_scaled", "yarn", "llama", "llama3"])
+def test_rope_matches_the_stock_layer(path, kwargs):
+    base = _class(path)
+    stock = base(**kwargs)
+    fused = kh.FUSED[base](**kwargs)
+    x = np.random.default_rng(5).standard_normal((2, 9, 3, 16)).astype("float32")
+    for call in ({}, {"start_index": 5}, {"positions": np.arange(3, 12, dtype="float32")}):
+        y_s, y_f = np.asarray(stock(x, **call)), np.asarray(fused(x, **call))
+        # y = x1 cos - x2 sin (and x2 cos + x1 sin) in float32: cos and sin may differ by an ulp (2u)
+        # between TF's and the op's, plus the products' and the sum's roundings: <= 10 u max|x|.
+        np.testing.assert_allclose(y_f, y_s, rtol=0, atol=10 * U32 * 2 * float(np.max(np.abs(x))))
+
+
+def test_llama3_rope_with_a_position_scale_is_kept():
+    base = _class("models.llama.llama_rotary_embedding:LlamaRotaryEmbedding")
+    layer = base(position_scaling_factor=2.0, frequency_adjustment_factor=8.0, low_freq_factor=1.0,
+                 high_freq_factor=4.0, pretraining_sequence_length=64)
+    layer(np.zeros((1, 2, 4), "float32"))
+    node = planners.SyntheticNode.of(layer, (1, 2, 4))
+    plan, reason = planners.planner_for(base)(planners.PlanContext(planners.NoGraph(), False), node)
+    assert plan.kind == "keep" and "position_scaling_factor" in reason
 
 
 # ----------------------------------------------------------------------------
@@ -257,7 +293,8 @@ def test_llama_backbone_converts_and_verifies():
     ops = inspect.fusion_report(new, mode="train", inputs=x,
                                 targets=np.zeros((2, 16, 64), "float32")).ops_by_type
     assert ops.get("TfmetalExt>Attention") == 2 and ops.get("TfmetalExt>RMSNorm") == 5
-    assert "Softmax" not in ops
+    assert ops.get("TfmetalExt>Rope") == 4  # query and key of each layer
+    assert not {"Softmax", "Einsum", "Cos", "Sin"} & set(ops)
 
 
 @pytest.mark.full

@@ -13,6 +13,10 @@ replaced:
   (`tfmetal_ext.ops.rms_norm`), with each class's convention: the scale as
   stored (Llama, Mistral, Qwen, Phi-3, ...) or ``1 + scale`` (Gemma), the
   result in the compute dtype or the input's (Qwen 3).
+* Rotary embeddings (`HUB_ROPES`): ``call`` is one ``TfmetalExt>Rope`` op
+  forward and one ``TfmetalExt>RopeGrad`` backward (`tfmetal_ext.ops.rope`):
+  keras-hub's ``RotaryEmbedding`` (linear, dynamic, YaRN) and Llama's
+  (Llama 3 frequency scaling), where the stock layer is a dozen ops each way.
 * Attention (`HUB_ATTENTION`): ``_compute_attention`` is the flash-style
   ``TfmetalExt>Attention`` op (`tfmetal_ext.ops.attention`), which never
   stores the query x key score matrix. Projections, rotary embedding, the KV
@@ -54,6 +58,7 @@ from tfmetal_ext.conversion import planners
 from tfmetal_ext.ops._common import FLOAT_DTYPES
 from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.rms_norm import rms_norm
+from tfmetal_ext.ops.rope import rope
 
 # The attention op's head and value dims (tfmetal_ext.ops.attention).
 _MAX_HEAD_DIM = 256
@@ -103,6 +108,23 @@ class HubAttention:
     form: str
 
 
+@dataclasses.dataclass(frozen=True)
+class HubRope:
+    """A keras-hub rotary-embedding class whose ``call`` the rope op replaces.
+
+    Attributes:
+        path: the class, ``module:ClassName`` under ``keras_hub.src``.
+        fused: the fusion-first subclass's name.
+        form: ``"rotary"`` (keras-hub's ``RotaryEmbedding``: linear, dynamic and
+            YaRN scaling) or ``"llama"`` (``LlamaRotaryEmbedding``: Llama 3's
+            frequency scaling when its four factors are set).
+    """
+
+    path: str
+    fused: str
+    form: str
+
+
 HUB_RMS_NORMS = (
     HubRMSNorm("models.llama.llama_layernorm:LlamaLayerNorm", "FusedLlamaLayerNorm"),
     HubRMSNorm("models.mistral.mistral_layer_norm:MistralLayerNormalization", "FusedMistralLayerNormalization"),
@@ -126,6 +148,11 @@ HUB_ATTENTION = (
     HubAttention("models.gemma.gemma_attention:CachedGemmaAttention", "FusedCachedGemmaAttention", "gemma"),
     HubAttention("layers.modeling.cached_multi_head_attention:CachedMultiHeadAttention",
                  "FusedCachedMultiHeadAttention", "keras_mha"),
+)
+
+HUB_ROPES = (
+    HubRope("layers.modeling.rotary_embedding:RotaryEmbedding", "FusedRotaryEmbedding", "rotary"),
+    HubRope("models.llama.llama_rotary_embedding:LlamaRotaryEmbedding", "FusedLlamaRotaryEmbedding", "llama"),
 )
 
 # Classes of the tables that this keras-hub does not have: path -> why (ops.status-style facts).
@@ -185,6 +212,46 @@ def _rms_norm_class(spec, base):
     doc = (f"`{base.__module__}.{base.__name__}` whose call is one RMS-norm op each way "
            f"(`tfmetal_ext.ops.rms_norm`, scale {'1 + ' if spec.offset else ''}`{spec.weight}`); "
            "the same constructor, weight, config and outputs.")
+    return _subclass(base, spec.fused, {"call": call}, doc)
+
+
+# ----------------------------------------------------------------------------
+# Rotary embeddings.
+
+
+def _rope_arguments(layer, form):
+    """`tfmetal_ext.ops.rope`'s keyword arguments for `layer`'s configuration, or None (stock runs)."""
+    common = dict(max_wavelength=layer.max_wavelength, sequence_axis=layer.sequence_axis,
+                  feature_axis=layer.feature_axis)
+    if form == "llama":
+        factors = dict(frequency_adjustment_factor=layer.frequency_adjustment_factor,
+                       low_freq_factor=layer.low_freq_factor, high_freq_factor=layer.high_freq_factor,
+                       pretraining_sequence_length=layer.pretraining_sequence_length)
+        if layer.low_freq_factor is None:
+            return dict(common, scaling_factor=layer.scaling_factor, rope_type="linear")
+        if layer.position_scaling_factor != 1.0:
+            return None  # Llama 3 scaling with a position scale: left to the stock layer
+        return dict(common, rope_type="llama3", **factors)
+    return dict(common, scaling_factor=layer.scaling_factor, rope_type=layer.rope_type,
+                beta_fast=layer.beta_fast, beta_slow=layer.beta_slow,
+                original_max_position_embeddings=layer.original_max_position_embeddings,
+                truncate=layer.truncate, denominator_dim=layer.denominator_dim)
+
+
+def _rope_class(spec, base):
+    def call(self, inputs, start_index=0, positions=None):
+        x = tf.convert_to_tensor(inputs)
+        kwargs = _rope_arguments(self, spec.form)
+        if kwargs is None or x.dtype not in FLOAT_DTYPES:
+            return base.call(self, inputs, start_index=start_index, positions=positions)
+        try:
+            y = rope(x, positions, start_index=start_index, **kwargs)
+        except ValueError:  # a configuration the op does not take: the stock layer's result (or error)
+            return base.call(self, inputs, start_index=start_index, positions=positions)
+        return y
+
+    doc = (f"`{base.__module__}.{base.__name__}` whose call is one rope op each way "
+           "(`tfmetal_ext.ops.rope`); the same constructor, config and outputs.")
     return _subclass(base, spec.fused, {"call": call}, doc)
 
 
@@ -320,6 +387,15 @@ def _plan_rms_norm(ctx, node):
     return planners.retype(ctx, node, FUSED[type(layer)])
 
 
+def _plan_rope(ctx, node):
+    layer = node.operation
+    spec = next(r for r in HUB_ROPES if FUSED.get(type(layer)) is not None and r.fused == FUSED[type(layer)].__name__)
+    if _rope_arguments(layer, spec.form) is None:
+        return planners.keep(node, "Llama 3 frequency scaling with position_scaling_factor != 1: the stock "
+                                   "rotary embedding is kept")
+    return planners.retype(ctx, node, FUSED[type(layer)])
+
+
 def _plan_attention(ctx, node):
     layer = node.operation
     if getattr(layer, "logit_soft_cap", None) is not None:
@@ -334,6 +410,11 @@ def _register():
         if base is not None:
             FUSED[base] = _rms_norm_class(spec, base)
             planners.register_planner(base)(_plan_rms_norm)
+    for spec in HUB_ROPES:
+        base = _resolve(spec.path)
+        if base is not None:
+            FUSED[base] = _rope_class(spec, base)
+            planners.register_planner(base)(_plan_rope)
     for spec in HUB_ATTENTION:
         base = _resolve(spec.path)
         if base is not None:
