@@ -269,7 +269,9 @@ def _quantize_layer(layer):
     if type(layer).quantize is keras.layers.Layer.quantize:
         return f"no int8 form ({type(layer).__name__} has no quantize())"
     config = None
-    if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense):
+    from tfmetal_ext.layers import FusedEinsumDense
+
+    if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense, FusedEinsumDense):
         # Keras' default int8 config also quantizes the inputs per call; the scheme is weight-only.
         config = keras.quantizers.Int8QuantizationConfig(weight_quantizer=None, activation_quantizer=None)
     try:
