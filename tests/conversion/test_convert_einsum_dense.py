@@ -164,3 +164,28 @@ def test_sublayers_of_a_subclassed_layer_are_swapped():
     assert type(b) is Attention and type(b.q) is fl.FusedEinsumDense and type(b.o) is fl.FusedEinsumDense
     x = np.random.default_rng(3).standard_normal((2, 5, 8)).astype("float32")
     _assert_close(stock, new, x)
+
+
+@pytest.mark.full
+def test_keras_hub_gpt2_projections_become_fused_einsum_dense():
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is not installed (pip install keras-hub)")
+    keras.utils.set_random_seed(4)
+    stock = keras_hub.models.GPT2Backbone(vocabulary_size=50, num_layers=2, num_heads=2, hidden_dim=16,
+                                          intermediate_dim=32, max_sequence_length=16)
+    rng = np.random.default_rng(4)
+    x = {"token_ids": rng.integers(1, 50, (2, 8)), "padding_mask": np.ones((2, 8), "int32")}
+    new = tfmetal_ext.convert(stock, inputs=x, count_ops=False)
+    assert new.conversion_report.verified
+    projections = [l for l in new._flatten_layers() if isinstance(l, L.EinsumDense)]
+    assert len(projections) == 8 and all(type(l) is fl.FusedEinsumDense for l in projections)
+    assert all(l.unfused_reason is None for l in projections)
+    np.testing.assert_allclose(_np(new(x)), _np(stock(x)), atol=1e-5, rtol=0)
+
+    @tf.function(input_signature=[{"token_ids": tf.TensorSpec([None, None], tf.int32),
+                                   "padding_mask": tf.TensorSpec([None, None], tf.int32)}])
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(new(x, training=True))
+        return tape.gradient(loss, new.trainable_weights)
+
+    assert "Einsum" not in {op.type for op in step.get_concrete_function().graph.get_operations()}
