@@ -197,6 +197,20 @@ def test_every_equation_matches_stock_eagerly():
                                      2 * _gamma(x.size) * (scale + 10) + 1e-30, err_msg=case[0])
 
 
+def test_unknown_dimensions_when_traced():
+    # Batch and sequence unknown at trace time (keras-hub's generate, a retrace): the same outputs,
+    # and the symbolic shapes keep what is known.
+    for i in (3, 4, 19, len(EQUATIONS) - 1):
+        eq, output_shape, bias_axes, shape = EQUATIONS[i]
+        stock, ours, x = _pair(eq, output_shape, bias_axes, shape, seed=i)
+        spec = tf.TensorSpec([None] * (len(shape) - 1) + [shape[-1]] if eq != "abc,bd->acd" else [None, 6, None])
+        fn = tf.function(lambda t: ours(t), input_signature=[spec])
+        out = fn.get_concrete_function().outputs[0]
+        assert out.shape.rank == len(stock(x).shape)
+        assert out.shape[-1] == stock(x).shape[-1], eq
+        np.testing.assert_allclose(np.asarray(fn(x)), np.asarray(stock(x)), rtol=1e-5, atol=1e-5, err_msg=eq)
+
+
 @pytest.mark.parametrize(
     "eq, output_shape, bias_axes, shape",
     [

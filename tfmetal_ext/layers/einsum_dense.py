@@ -124,10 +124,10 @@ class FusedEinsumDense(_STOCK):
     def _product(self, x, kernel):
         """``einsum(equation, x, kernel)`` as a MatMul / BatchMatMulV2 of reshapes.
 
-        Returns ``(flat, out_shape, static, free)``: the product, ``(rows, N)``
-        (MatMul) or ``(rows, trailing, N)`` (BatchMatMulV2) with `N` the
-        kernel's free axes flattened in output order; the output's dynamic and
-        static shapes; the free axes' sizes.
+        Returns ``(flat, static, free)``: the product, ``(rows, N)`` (MatMul)
+        or ``(rows, trailing, N)`` (BatchMatMulV2) with `N` the kernel's free
+        axes flattened in output order; the output's static shape; the free
+        axes' sizes (`_reshape` makes the output).
         """
         p = self._plan
         k = tf.convert_to_tensor(kernel)
@@ -141,15 +141,15 @@ class FusedEinsumDense(_STOCK):
             k = tf.reshape(k, [depth, math.prod(free)])
         after = p.rows + p.contracted  # the first trailing axis
         static = x.shape[: p.rows].concatenate(x.shape[after:]).concatenate(free)
-        shape = tf.shape(x)
-        out_shape = tf.concat([shape[: p.rows], shape[after:], free], axis=0)
         if p.op == MATMUL:
             flat = x if (x.shape.rank, p.rows) == (2, 1) else tf.reshape(x, [-1, depth])
-            return tf.matmul(flat, k), out_shape, static, free
+            return tf.matmul(flat, k), static, free
         trailing = x.shape[after:]
-        width = trailing.num_elements() if trailing.is_fully_defined() else tf.reduce_prod(shape[after:])
-        x3 = tf.reshape(x, tf.stack([-1, depth, width]) if tf.is_tensor(width) else [-1, depth, width])
-        return tf.matmul(x3, k, adjoint_a=True), out_shape, static, free
+        if trailing.is_fully_defined():
+            x3 = tf.reshape(x, [-1, depth, trailing.num_elements()])
+        else:
+            x3 = tf.reshape(x, tf.stack([-1, depth, tf.reduce_prod(tf.shape(x)[after:])]))
+        return tf.matmul(x3, k, adjoint_a=True), static, free
 
     def _flat_bias(self, free):
         """The bias as one vector over the flattened free kernel axes (tiled where its shape has 1s)."""
@@ -164,10 +164,16 @@ class FusedEinsumDense(_STOCK):
             b = tf.tile(b, multiples)
         return b if b.shape.rank == 1 else tf.reshape(b, [-1])
 
-    def _reshape(self, y, out_shape, static):
-        if self._plan.op == MATMUL and self._plan.rows == 1 and static.rank == 2:  # (rows, N) is the output
+    def _reshape(self, y, x, static, free):
+        """The product `y` of input `x` in the output's shape ``rows + trailing + free`` (`static` statically)."""
+        p = self._plan
+        if p.op == MATMUL and p.rows == 1 and static.rank == 2:  # (rows, N) is the output already
             return y
-        y = tf.reshape(y, out_shape)
+        if static.is_fully_defined():
+            y = tf.reshape(y, static)
+        else:
+            shape = tf.shape(x)
+            y = tf.reshape(y, tf.concat([shape[: p.rows], shape[p.rows + p.contracted:], free], axis=0))
         y.set_shape(static)
         return y
 
@@ -176,12 +182,12 @@ class FusedEinsumDense(_STOCK):
         if p is None:
             return super().call(inputs, training=training)
         fn, name = C.resolve_activation(self.activation)
-        y, out_shape, static, free = self._product(inputs, self.kernel)
+        y, static, free = self._product(inputs, self.kernel)
         if p.bias == BIAS_ADD:
             # MatMul -> BiasAdd -> activation adjacent (the remapper's pattern), then the reshape.
             y = _ops.bias_add(y, self._flat_bias(free), "matmul_bias_relu")
-            return self._reshape(C.apply_activation(y, fn, name), out_shape, static)
-        y = self._reshape(y, out_shape, static)
+            return self._reshape(C.apply_activation(y, fn, name), inputs, static, free)
+        y = self._reshape(y, inputs, static, free)
         if p.bias == BIAS_AFTER:
             y = keras.ops.add(y, self.bias)
         return C.apply_activation(y, fn, name)
@@ -197,8 +203,8 @@ class FusedEinsumDense(_STOCK):
         return super().quantize(mode, type_check=False, config=config)
 
     def _einsum(self, x, kernel):
-        y, out_shape, static, _ = self._product(x, kernel)
-        return self._reshape(y, out_shape, static)
+        y, static, free = self._product(x, kernel)
+        return self._reshape(y, x, static, free)
 
     def _int8_call(self, inputs, training=None):
         if getattr(self, "_plan", None) is None or not self._weight_only_int8():
