@@ -1,4 +1,4 @@
-"""convert(): EinsumDense -> FusedEinsumDense (same weights, LoRA carried), kept with the reason where it would not fuse."""
+"""convert(): EinsumDense -> FusedEinsumDense (same weights, LoRA carried over), or kept with the reason."""
 
 import keras
 import numpy as np

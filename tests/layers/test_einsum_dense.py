@@ -272,9 +272,9 @@ def test_lora_matches_stock_and_trains_only_the_adapters(when):
         stock, ours, x = _pair(*LORA_CASE)
         stock.enable_lora(2, lora_alpha=3)
         ours.enable_lora(2, lora_alpha=3)
-    rng = np.random.default_rng(5)
+    a = np.random.default_rng(5).standard_normal(stock.lora_kernel_a.shape).astype("float32")
     for layer in (stock, ours):  # b starts at zero (a gets no gradient then): give both adapters values
-        layer.lora_kernel_a.assign(np.random.default_rng(5).standard_normal(layer.lora_kernel_a.shape).astype("float32"))
+        layer.lora_kernel_a.assign(a)
         layer.lora_kernel_b.assign(np.linspace(-1, 1, math.prod(layer.lora_kernel_b.shape), dtype="float32")
                                    .reshape(layer.lora_kernel_b.shape))
     names = [w.path.split("/")[-1] for w in ours.trainable_weights]
