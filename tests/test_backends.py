@@ -126,6 +126,7 @@ def test_callback_replacement_views_keep_their_published_values():
         "Conv1D": "tfmetal_ext.layers.FusedConv1D (or ConvBNAct1D before a batch norm)",
         "SeparableConv2D": "tfmetal_ext.layers.FusedSeparableConv2D",
         "Dense": "tfmetal_ext.layers.FusedDense",
+        "EinsumDense": "tfmetal_ext.layers.FusedEinsumDense",
         "BatchNormalization": "tfmetal_ext.layers.FusedBatchNorm (or ConvBNAct after a conv)",
         "LayerNormalization": "tfmetal_ext.layers.FusedLayerNorm",
         "LSTM": "tfmetal_ext.layers.FusedLSTM",

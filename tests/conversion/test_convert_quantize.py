@@ -13,6 +13,7 @@ import keras
 import tfmetal_ext
 from tfmetal_ext import conversion
 from tfmetal_ext.conversion import quantize as Q
+from tfmetal_ext import layers as fl
 
 L = keras.layers
 
@@ -216,14 +217,15 @@ def test_embedding_model():
     _assert_close(twin(tokens), new(tokens), 1e-5)
 
 
-def test_a_kept_einsum_dense_quantizes_weight_only():
-    # EinsumDense has no fusion-first counterpart: kept, then quantized with Keras' own int8, inputs left float.
+def test_an_einsum_dense_quantizes_weight_only():
+    # EinsumDense becomes FusedEinsumDense, then takes Keras' int8 weights, inputs left float.
     inp = keras.Input((5, 8))
     x = L.EinsumDense("abc,cd->abd", (5, 6), bias_axes="d", name="ein")(inp)
     stock = keras.Model(inp, x)
     new = tfmetal_ext.convert(stock, inference=True, quantize="int8", count_ops=False)
     layer = new.get_layer("ein")
-    assert type(layer) is L.EinsumDense and layer.quantization_mode == "int8"
+    assert type(layer) is fl.FusedEinsumDense and layer.quantization_mode == "int8"
+    assert layer.unfused_reason is None  # the weight-only int8 product, no Einsum
     assert layer.inputs_quantizer is None  # weight-only: Keras' default would quantize the inputs too
     w = _np(stock.get_layer("ein").kernel)
     x = _x((5, 8))

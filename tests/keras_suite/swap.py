@@ -101,6 +101,7 @@ SUITES = types.MappingProxyType(
             Suite("LayerNormalization", "layers/normalization/layer_normalization_test.py", _LAYER_HOMES),
             Suite("RMSNormalization", "layers/normalization/rms_normalization_test.py", _LAYER_HOMES),
             Suite("Dense", "layers/core/dense_test.py", _LAYER_HOMES),
+            Suite("EinsumDense", "layers/core/einsum_dense_test.py", _LAYER_HOMES),
             Suite("Conv2D", "layers/convolutional/conv_test.py", _LAYER_HOMES),
             Suite("DepthwiseConv2D", "layers/convolutional/depthwise_conv_test.py", _LAYER_HOMES),
             Suite("Conv1D", "layers/convolutional/conv_test.py", _LAYER_HOMES),

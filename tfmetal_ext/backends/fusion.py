@@ -282,6 +282,7 @@ STOCK_TO_FUSED = _table(
     ),
     Replacement("SeparableConv2D", "FusedSeparableConv2D"),
     Replacement("Dense", "FusedDense"),
+    Replacement("EinsumDense", "FusedEinsumDense"),
     Replacement(
         "BatchNormalization", "FusedBatchNorm",
         advice="tfmetal_ext.layers.FusedBatchNorm (or ConvBNAct after a conv)",

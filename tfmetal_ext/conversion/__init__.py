@@ -16,6 +16,7 @@ trainable flags, dtype policies and weights:
 | Conv2D (+ Activation/ReLU) | `FusedConv2D` (activation folded in) |
 | DepthwiseConv2D (+ Activation/ReLU) | `FusedDepthwiseConv2D` |
 | Dense (+ Activation/ReLU) | `FusedDense` |
+| EinsumDense (an equation that is a reshaped matrix product: every one Keras' MultiHeadAttention and keras-hub build) | `FusedEinsumDense` (same weights, LoRA carried over) |
 | Conv2D -> BatchNormalization (-> Activation/ReLU) | `ConvBNAct` (conv bias moved into the moving mean) |
 | Conv2D/DepthwiseConv2D -> BatchNormalization (-> act), ``inference=True`` | `FusedConv2D`/`FusedDepthwiseConv2D` with the batch norm folded in |
 | BatchNormalization (last axis, input rank >= 2: 3-D/5-D reshaped to NHWC around the fused op) | `FusedBatchNorm` |

@@ -18,6 +18,10 @@ DENSE_KEYS = (
     "units", "activation", "use_bias", "kernel_initializer", "bias_initializer", "kernel_regularizer",
     "bias_regularizer", "kernel_constraint", "bias_constraint",
 )
+EINSUM_DENSE_KEYS = (
+    "equation", "output_shape", "activation", "bias_axes", "kernel_initializer", "bias_initializer",
+    "kernel_regularizer", "bias_regularizer", "activity_regularizer", "kernel_constraint", "bias_constraint",
+)
 BN_KEYS = (
     "axis", "momentum", "epsilon", "center", "scale", "beta_initializer", "gamma_initializer",
     "moving_mean_initializer", "moving_variance_initializer", "beta_regularizer", "gamma_regularizer",

@@ -93,7 +93,7 @@ def convert(model, inference=False, verify=True, *, quantize=None, count_ops=Tru
 
     Walks the layer graph of a Functional or Sequential model (nested models
     recursively; a subclassed model or layer is copied and its tracked
-    sublayers are swapped one to one, see below) and rewrites Conv2D, DepthwiseConv2D, Dense,
+    sublayers are swapped one to one, see below) and rewrites Conv2D, DepthwiseConv2D, Dense, EinsumDense,
     Conv2D -> BatchNormalization (-> Activation) chains, BatchNormalization,
     LayerNormalization, RMSNormalization, MultiHeadAttention, LSTM and GRU
     into `tfmetal_ext.layers`, folding
@@ -130,8 +130,8 @@ def convert(model, inference=False, verify=True, *, quantize=None, count_ops=Tru
             kernel and bias (the deployment form; not for training).
         quantize: None, or ``"int8"`` (needs ``inference=True``): then every
             leaf layer of the inference form whose ``quantize("int8")`` works
-            (`FusedDense`, `FusedConv2D`, `FusedDepthwiseConv2D`, and the
-            stock Dense, EinsumDense and Embedding that were kept; nested and
+            (`FusedDense`, `FusedEinsumDense`, `FusedConv2D`, `FusedDepthwiseConv2D`, and
+            the stock Dense, EinsumDense and Embedding that were kept; nested and
             subclassed ones included) gets weight-only int8 weights (Keras'
             abs-max, a float32 scale per output channel, float activations);
             the others are listed in ``report.quantize_skipped`` with the

@@ -393,6 +393,26 @@ def _dense(ctx, node):
     return plan_contraction(ctx, node, L.Dense, configs.DENSE_KEYS, DENSE_ACTIVATIONS)
 
 
+@register_planner(L.EinsumDense)
+def _einsum_dense(ctx, node):
+    """EinsumDense as FusedEinsumDense (same weights, LoRA carried over) where its equation is a matrix product.
+
+    Kept, with FusedEinsumDense's own `unfused_reason`, where it would run
+    stock's einsum anyway (an equation that is no reshaped MatMul /
+    BatchMatMulV2 at this input rank); quantized layers are kept (their
+    variables are the quantized form's).
+    """
+    layer = node.operation
+    cls = fused_class(L.EinsumDense)
+    reason = configs.unsupported(layer, cls, configs.EINSUM_DENSE_KEYS)
+    if reason:
+        return keep(node, reason)
+    why = _probe_reason(cls, layer, configs.EINSUM_DENSE_KEYS)
+    if why:
+        return keep(node, f"{cls.__name__} would run the stock computation: {why}")
+    return plan_same_weights(ctx, node, L.EinsumDense, configs.EINSUM_DENSE_KEYS)
+
+
 @register_planner(L.Conv2D)
 def _conv2d(ctx, node):
     if node.operation.groups != 1:  # a grouped conv: the Conv1D/SeparableConv2D/grouped section at the end

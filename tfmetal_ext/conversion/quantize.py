@@ -2,10 +2,10 @@
 
 After the batch norms are folded, every leaf layer of the converted model (nested models and
 the sublayers of subclassed layers included) whose ``quantize("int8")`` works is quantized in
-place: `FusedDense`, `FusedConv2D`, `FusedDepthwiseConv2D` and the stock `Dense`,
+place: `FusedDense`, `FusedEinsumDense`, `FusedConv2D`, `FusedDepthwiseConv2D` and the stock `Dense`,
 `EinsumDense` and `Embedding` the converter kept. The scheme is weight-only (Keras' abs-max
 int8 weights, one float32 scale per output channel, float activations): the stock Dense and
-EinsumDense are given ``Int8QuantizationConfig(activation_quantizer=None)``, as Keras' default
+EinsumDense and FusedEinsumDense are given ``Int8QuantizationConfig(activation_quantizer=None)``, as Keras' default
 int8 config would also quantize their inputs on the fly. A layer with weights whose quantize
 raises (no int8 form, or a form it does not take, e.g. a grouped convolution) is left in float
 and listed with the reason.
@@ -269,7 +269,9 @@ def _quantize_layer(layer):
     if type(layer).quantize is keras.layers.Layer.quantize:
         return f"no int8 form ({type(layer).__name__} has no quantize())"
     config = None
-    if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense):
+    from tfmetal_ext.layers import FusedEinsumDense
+
+    if type(layer) in (keras.layers.Dense, keras.layers.EinsumDense, FusedEinsumDense):
         # Keras' default int8 config also quantizes the inputs per call; the scheme is weight-only.
         config = keras.quantizers.Int8QuantizationConfig(weight_quantizer=None, activation_quantizer=None)
     try:

@@ -9,6 +9,7 @@ from tfmetal_ext.layers.conv import FusedConv2D, FusedDepthwiseConv2D
 from tfmetal_ext.layers.conv1d import FusedConv1D
 from tfmetal_ext.layers.separable import FusedSeparableConv2D
 from tfmetal_ext.layers.dense import FusedDense
+from tfmetal_ext.layers.einsum_dense import FusedEinsumDense
 from tfmetal_ext.layers.conv_bn import ConvBNAct, ConvBNAct1D
 from tfmetal_ext.layers.residual import FoldedResidualBlock, ResidualBlock
 from tfmetal_ext.layers.normalization import FusedBatchNorm, FusedLayerNorm
@@ -28,6 +29,7 @@ __all__ = [
     "FusedDense",
     "FusedDepthwiseConv2D",
     "FusedDropout",
+    "FusedEinsumDense",
     "FusedGRU",
     "FusedLayerNorm",
     "FusedLSTM",
