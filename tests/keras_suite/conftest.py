@@ -10,7 +10,8 @@ From `baseline.json` (regenerate with ``python -m tests.keras_suite.make_baselin
 - a test Keras' own class does not pass here: skipped or xfail (not
   strict), with Keras' own reason;
 - every other test, including tests the baseline has not seen (a newer
-  Keras), must pass.
+  Keras), must pass; tests of the quantization modes our classes hand to
+  the stock layer's own code (`STOCK_CALL_MODES`) run in the full tier only.
 """
 
 import warnings
@@ -19,6 +20,11 @@ import keras
 import pytest
 
 from tests.keras_suite import swap
+
+
+# Quantization modes in which our layers call the stock layer's own quantized code (only int8 and
+# LoRA take our fused path): Keras' tests of them run in the full tier only (make test-full, CI).
+STOCK_CALL_MODES = ("int4", "float8", "gptq", "awq")
 
 
 def pytest_configure(config):
@@ -56,6 +62,9 @@ def pytest_collection_modifyitems(config, items):
     deselected = []
     for item in mine:
         suite, name = _key(item)
+        if any(mode in name for mode in STOCK_CALL_MODES):
+            # Our classes run stock's own quantized call in these modes: the full tier checks them.
+            item.add_marker(pytest.mark.full)
         data = baseline["suites"].get(suite, {})
         if name in data.get("not_applicable", ()):
             deselected.append(item)
