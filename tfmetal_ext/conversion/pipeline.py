@@ -279,11 +279,42 @@ def compile_like(model, new, report):
         fused = fused_optimizer(getattr(model, "optimizer", None), report)
         if fused is not None:
             config = {**config, "optimizer": keras.saving.serialize_keras_object(fused)}
-        new.compile_from_config(config)
+        _compile_from_config(new, config)
         report.notes.append("compiled with the source model's compile config (fresh optimizer state)")
     except Exception as e:  # custom losses / metrics may not deserialize
         report.optimizer = None
         report.notes.append(f"not compiled: the compile config could not be applied ({e})")
+
+
+def _compile_from_config(new, config):
+    """``new.compile_from_config(config)``, also for a class whose ``compile()`` is its own (a
+    keras-hub task), which Keras' method skips with a warning: then its ``compile`` is called with
+    the deserialized config, and what that ``compile`` sets besides Keras' own compile state (a
+    CausalLM's sampler) keeps the value carried over from the stock model."""
+    from keras.src.saving import serialization_lib
+
+    if getattr(type(new), "compile", None) is keras.Model.compile:
+        new.compile_from_config(config)
+        return
+    before = dict(vars(new))
+    new.compile(**serialization_lib.deserialize_keras_object(config))
+    for k, v in before.items():
+        if k not in _keras_compile_state() and vars(new).get(k) is not v:
+            object.__setattr__(new, k, v) if k.startswith("_") else setattr(new, k, v)
+
+
+_KERAS_COMPILE_STATE = []
+
+
+def _keras_compile_state():
+    """The attributes Keras' own ``Model.compile`` sets (found once, on a one-layer model)."""
+    if not _KERAS_COMPILE_STATE:
+        i = keras.Input((1,))
+        probe = keras.Model(i, keras.layers.Dense(1)(i))
+        before = dict(vars(probe))
+        probe.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+        _KERAS_COMPILE_STATE.append(frozenset(k for k, v in vars(probe).items() if before.get(k, None) is not v))
+    return _KERAS_COMPILE_STATE[0]
 
 
 def fused_optimizer(optimizer, report):
