@@ -123,6 +123,25 @@ def convert(model, inference=False, verify=True, *, quantize=None, count_ops=Tru
     come out equal. The result never shares a variable with `model` (unless
     ``in_place=True``).
 
+    Keras operations in the graph (``keras.ops.*`` and ``keras.activations.*``
+    applied to a KerasTensor: ``Silu``, ``Add``, ``GetItem``, ...) are kept,
+    re-made from their config, and listed in ``report.kept`` with the reason;
+    an activation operation right after a Dense (`planners.OP_ACTIVATIONS`)
+    folds into it like an activation layer. A layer reachable along two paths
+    (called in a nested model and again around it, like a keras-hub CausalLM's
+    tied ``token_embedding``; or held by a kept layer and called in the graph)
+    stays one object in the result, with its variables. A Functional subclass
+    (a keras-hub backbone or task, a ``class Net(keras.Model)`` built from
+    inputs and outputs) comes back as its own class over the new graph, its
+    attributes pointing at the new layers (`copying.functional_copy`); a
+    weightless layer attribute outside the graph (a task's preprocessor) is
+    the same object. A ``.keras`` file of such a result loads back through
+    the class's ``from_config``, i.e. rebuilt with stock layers: it loads
+    where the replaced layers are addressed by attribute (sublayers of kept
+    layers), and Keras refuses it where a graph-level layer of the subclass
+    was replaced (its weights are keyed by class name); ``save_weights`` /
+    ``load_weights`` between converted models always round-trip.
+
     Args:
         model: a built `keras.Model`: functional, `keras.Sequential`, or a
             subclassed model (built, or with ``inputs=``).
