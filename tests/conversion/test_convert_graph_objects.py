@@ -76,6 +76,32 @@ def test_every_activation_operation_has_a_reason_or_a_mapping():
     assert all(k.reason for k in new.conversion_report.kept)
 
 
+def test_multi_output_and_keyword_operations():
+    """Operations with several outputs (split, unstack), keyword arguments and tensor lists."""
+    keras.utils.set_random_seed(2)
+    i = keras.Input((6, 4))
+    a, b = keras.ops.split(i, 2, axis=-1)
+    s = keras.ops.sum(a, axis=1)
+    u = keras.ops.unstack(b, axis=1)
+    m = keras.ops.where(s > 0, s, keras.ops.zeros_like(s))
+    t = keras.ops.reshape(keras.ops.stack(u[:2], axis=1), (-1, 4))
+    o = L.Dense(3, name="head")(keras.ops.concatenate([m, t], -1))
+    stock = keras.Model(i, [o, keras.ops.softmax(o)])
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    ops = {op.name for op in stock.operations if not isinstance(op, keras.layers.Layer)}
+    kept = {k.name: k.reason for k in new.conversion_report.kept}
+    assert ops <= set(kept) and all("Keras operation" in kept[n] for n in ops)
+    x = np.random.default_rng(1).standard_normal((3, 6, 4)).astype("float32")
+    xa, xb = x[..., :2], x[..., 2:]
+    sm = xa.sum(axis=1)
+    feat = np.concatenate([np.where(sm > 0, sm, 0), xb[:, :2].reshape(-1, 4)], -1).astype("float64")
+    logits = _dense_np(stock.get_layer("head"), feat)
+    soft = np.exp(logits - logits.max(-1, keepdims=True))
+    got = new(x)
+    np.testing.assert_allclose(_np(got[0]), logits, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(_np(got[1]), soft / soft.sum(-1, keepdims=True), rtol=1e-4, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------
 # Identity: a layer reachable along two paths stays one object.
 
