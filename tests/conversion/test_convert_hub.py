@@ -187,7 +187,7 @@ def test_enable_lora_before_and_after_convert(when):
     stock = _gpt2()
     if when == "before":
         stock.backbone.enable_lora(4)
-    new = tfmetal_ext.convert(stock, count_ops=False, verify=(when == "after"))
+    new = tfmetal_ext.convert(stock, count_ops=False)
     if when == "after":
         new.backbone.enable_lora(4)
     trainable, changed = _lora_trained(new, x, y)
