@@ -231,3 +231,27 @@ def test_swish_model_op_counts():
     assert r.ops_before["train"] > 0 and r.ops_after["train"] > 0
     assert 0 < r.ops_after["predict"] <= r.ops_before["predict"]
     assert not any("not counted" in n for n in r.notes)
+
+
+class VariableTied(L.Layer):
+    """A projection holding another layer's variable itself (not the layer): a variable-level tie."""
+
+    def __init__(self, table, **kwargs):
+        super().__init__(**kwargs)
+        self.table = table
+
+    def call(self, h):
+        return keras.ops.matmul(h, keras.ops.transpose(self.table))
+
+
+def test_variable_shared_by_two_layers_is_one_variable():
+    keras.utils.set_random_seed(6)
+    ids = keras.Input((4,), dtype="int32")
+    emb = L.Embedding(30, 6, name="emb")
+    h = L.LayerNormalization(name="norm")(emb(ids))
+    stock = keras.Model(ids, VariableTied(emb.embeddings, name="tied")(h))
+    new = tfmetal_ext.convert(stock, count_ops=False)  # the gradient check sums both uses of the table
+    assert new.conversion_report.verified
+    assert new.get_layer("tied").table is new.get_layer("emb").embeddings
+    assert new.get_layer("tied").table is not emb.embeddings
+    assert len({id(v) for v in new.weights}) == len({id(v) for v in stock.weights})

@@ -511,6 +511,8 @@ def transfer_state(stock, new, pairs, swaps=None, label="", copies=None):
         for d in assets:
             shutil.rmtree(d, ignore_errors=True)
     layers = [(a, visited[id(a)]) for a in _walked(stock, visited) if isinstance(a, keras.layers.Layer)]
+    if copies is not None:
+        _share_variables(layers, swaps, copies, pairs)
     for a, b in layers:  # top-down: a parent's setter sets its sublayers, which then get their own flag
         if b.trainable != a.trainable:
             b.trainable = a.trainable
@@ -523,6 +525,35 @@ def transfer_state(stock, new, pairs, swaps=None, label="", copies=None):
     if copies is not None:
         for a, b in layers:
             copies.setdefault(id(a), b)
+
+
+def _share_variables(layers, swaps, copies, pairs):
+    """A stock variable held by two layers (a tied projection holding an embedding's table) is one
+    variable in the copies too: the first copy made of it (`copies`, id of a stock variable -> its
+    copy) replaces the others, in their layers and in `pairs`."""
+    for a, b in layers:
+        if id(a) in swaps:
+            continue
+        for va, vb in zip(_own_vars(a), _own_vars(b)):
+            first = copies.setdefault(id(va), vb)
+            if first is not vb:
+                _use_variable(b, vb, first)
+                pairs[:] = [(x, first if y is vb else y) for x, y in pairs]
+    seen = set()
+    pairs[:] = [(x, y) for x, y in pairs if not (id(y) in seen or seen.add(id(y)))]
+
+
+def _use_variable(layer, old, new):
+    """`layer` holds `new` wherever it held `old` (its variable lists and attributes)."""
+    for name in ("_trainable_variables", "_non_trainable_variables"):
+        held = getattr(layer, name, None)
+        if isinstance(held, list):
+            for i, v in enumerate(held):
+                if v is old:
+                    held[i] = new
+    for k, v in list(vars(layer).items()):
+        if v is old:
+            object.__setattr__(layer, k, new)
 
 
 def _walked(stock, visited):

@@ -245,7 +245,10 @@ class Converter:
     def _after_build(self, plan, kind, new_layer):
         layer = plan.nodes[0].operation
         if kind == "replace":
+            start = len(self.pairs)
             plan.copy(new_layer, self.pairs)
+            for a, b in self.pairs[start:]:  # a kept layer holding one of these variables shares the copy
+                self.new_layers.setdefault(id(a), b)
         elif kind == "keep":
             copying.transfer_state(layer, new_layer, self.pairs, self.swaps.get(id(layer)), self._label(layer.name),
                                    copies=self.new_layers)
