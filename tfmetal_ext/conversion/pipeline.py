@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 
@@ -322,18 +323,14 @@ def _compile_from_config(new, config):
             object.__setattr__(new, k, v) if k.startswith("_") else setattr(new, k, v)
 
 
-_KERAS_COMPILE_STATE = []
-
-
+@functools.lru_cache(maxsize=None)
 def _keras_compile_state():
     """The attributes Keras' own ``Model.compile`` sets (found once, on a one-layer model)."""
-    if not _KERAS_COMPILE_STATE:
-        i = keras.Input((1,))
-        probe = keras.Model(i, keras.layers.Dense(1)(i))
-        before = dict(vars(probe))
-        probe.compile(optimizer="sgd", loss="mse", metrics=["mae"])
-        _KERAS_COMPILE_STATE.append(frozenset(k for k, v in vars(probe).items() if before.get(k, None) is not v))
-    return _KERAS_COMPILE_STATE[0]
+    i = keras.Input((1,))
+    probe = keras.Model(i, keras.layers.Dense(1)(i))
+    before = dict(vars(probe))
+    probe.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return frozenset(k for k, v in vars(probe).items() if before.get(k, None) is not v)
 
 
 def fused_optimizer(optimizer, report):

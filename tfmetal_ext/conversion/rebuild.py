@@ -41,10 +41,11 @@ class Converter:
 
     Attributes:
         pairs: ``(stock variable, new variable)`` pairs whose gradients must match.
-        new_layers: id of a stock layer -> its new layer, over the whole conversion (nested
-            models and the sublayers of kept copies included): a layer reachable along two paths
-            (called in a backbone and again in the task around it, or held by a kept layer and
-            called in the graph) is made once, so the copy keeps the stock model's identities.
+        new_layers: id of a stock layer (or variable) -> its new one, over the whole conversion
+            (nested models, the sublayers and variables of kept copies included): a layer
+            reachable along two paths (called in a backbone and again in the task around it, or
+            held by a kept layer and called in the graph) is made once, and a variable two layers
+            hold is copied once, so the copy keeps the stock model's identities.
         graph: after `convert_model`, ``(new inputs, correspondences)``: per new layer call,
             ``(label, class name, stock output tensor, new output tensor)``, for verification.
     """
