@@ -102,6 +102,11 @@ def test_llama_causal_lm_generates_counts_and_round_trips(tmp_path):
     loaded = keras.saving.load_model(path)
     assert type(loaded) is keras_hub.models.LlamaCausalLM
     np.testing.assert_allclose(loaded.predict(x, verbose=0), stock.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
+    # save_to_preset() / from_preset(): a local preset directory (no network).
+    preset = os.path.join(tmp_path, "llama_preset")
+    new.save_to_preset(preset)
+    again = keras_hub.models.LlamaCausalLM.from_preset(preset, preprocessor=None)
+    np.testing.assert_allclose(again.predict(x, verbose=0), stock.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
     # save_weights() / load_weights() between two converted tasks.
     weights = os.path.join(tmp_path, "llama.weights.h5")
     new.save_weights(weights)
