@@ -42,8 +42,10 @@ def _covered(report):
 
 
 def _assert_report_complete(stock, report):
-    """Every stock layer is either rewritten (possibly absorbed) or kept with a reason."""
-    names = {l.name for l in stock.layers if not isinstance(l, L.InputLayer)}
+    """Every stock layer (and Keras operation of the graph) is either rewritten (possibly absorbed) or
+    kept with a reason."""
+    fn = getattr(stock, "_functional", None) or stock
+    names = {l.name for l in fn.operations if not isinstance(l, L.InputLayer)}
     assert _covered(report) == names
     assert all(k.reason for k in report.kept)
     assert len(report.absorbed) == len(set(report.absorbed))

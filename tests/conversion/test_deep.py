@@ -447,7 +447,8 @@ def test_activations_given_as_any_callable():
     assert new.get_layer("tf_swish").get_config()["activation"] in ("silu", "swish")
     assert new.get_layer("pre").get_config()["activation"] == "relu"  # tf.nn.relu is the Relu op: folded
     assert new.conversion_report.rewrite_for("tf_relu_layer").name == "pre"
-    assert any("Add reused" in n for n in new.conversion_report.notes)  # keras.ops between layers
+    # keras.ops between layers: kept, with the reason.
+    assert any(k.class_name == "Add" and "Keras operation" in k.reason for k in new.conversion_report.kept)
     x = _x((6,))
     _assert_same_outputs(stock, new, x)
     _assert_no_shared_state(stock, new, x)

@@ -24,6 +24,7 @@ A kept layer (and every subclassed layer or model) is copied in three steps:
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import shutil
 import tempfile
@@ -192,6 +193,92 @@ def _shell_copy(layer, base, label):
     return new
 
 
+def functional_copy(stock, inputs, outputs, copies, label, pairs):
+    """A model of `stock`'s own class (a Functional subclass) over the new graph ``inputs -> outputs``.
+
+    The subclass's ``__init__`` is not run (it would build its graph from fresh stock layers):
+    the instance is made the way Keras makes a functional model (``keras.Model.__init__`` with
+    the inputs and outputs), then each attribute the subclass set is carried over, in its order:
+
+    - a layer the conversion made a new one for (`copies`: a graph call, a nested model, a
+      sublayer of a kept copy) becomes that new layer, so an attribute and the graph keep
+      pointing at one object (a backbone's ``token_embedding``, a task's ``backbone``);
+    - a layer outside the graph that holds no variables (a keras-hub task's preprocessor, a
+      tokenizer) is the same object: nothing in it is converted or trained, and sharing it
+      keeps its vocabulary and assets as they are;
+    - a layer outside the graph with variables is an independent copy (`construct`, its state
+      copied; its trainable variables added to `pairs`);
+    - a set of ids of stock layers (keras-hub's ``_functional_layer_ids``) becomes their copies' ids
+      (ids of objects with no copy, the stock graph's input layers, are dropped);
+    - containers are walked; plain values are kept (immutable ones, functions) or deep-copied.
+
+    What ``compile()`` set is left out (the pipeline compiles the copy afresh).
+
+    Raises:
+        NotCopyable: an attribute that cannot be carried over (the message says which).
+    """
+    import copy as pycopy
+
+    from keras.src.models.functional import Functional
+    from keras.src.trainers.trainer import Trainer
+
+    cls = type(stock)
+    new = cls.__new__(cls)
+    try:  # what keras.Model.__init__ does for inputs and outputs (the class already has Functional in its MRO)
+        Trainer.__init__(new)
+        Functional.__init__(new, inputs, outputs, name=stock.name, trainable=stock.trainable)
+    except Exception as e:  # a subclass whose tracking refuses the bare functional init
+        raise NotCopyable(f"{cls.__name__} could not be made from the new graph ({type(e).__name__}: "
+                          f"{_first_line(e)})") from e
+    internal = set(vars(new)) | _INTERNAL | _COMPILE_STATE | {"compiled", "_compile_config", "_loss_tracker",
+                                                            "_compile_metrics", "_compile_loss", "_tracker"}
+    memo = {}
+
+    def layer_of(v, where):
+        if id(v) in copies:
+            return copies[id(v)]
+        if not v.weights:
+            return v
+        out = construct(v, where)
+        build_like(v, out)
+        transfer_state(v, out, pairs, label=where, copies=copies)
+        return out
+
+    def clone(v, where):
+        if id(v) in memo:
+            return memo[id(v)]
+        if isinstance(v, keras.layers.Layer):
+            out = layer_of(v, where)
+        elif isinstance(v, collections.abc.Set) and v and all(isinstance(i, int) for i in v) \
+                and any(i in copies for i in v):
+            out = {id(copies[i]) for i in v if i in copies}  # the others (input layers) are no more
+        elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
+            out = [clone(x, f"{where}/{i}") for i, x in enumerate(v)]
+            out = out if isinstance(v, list) else tuple(out)
+        elif isinstance(v, dict):
+            out = {k: clone(x, f"{where}/{k}") for k, x in v.items()}
+        elif v is None or isinstance(v, (str, bytes, int, float, bool, complex, type)) or callable(v):
+            out = v
+        elif isinstance(v, keras.Variable):
+            raise NotCopyable(f"attribute {where!r} is a variable outside the graph's layers")
+        else:
+            try:
+                out = pycopy.deepcopy(v)
+            except Exception as e:
+                raise NotCopyable(f"attribute {where!r} ({type(v).__name__}) cannot be copied: "
+                                  f"{type(e).__name__}") from e
+        memo[id(v)] = out
+        return out
+
+    for k, v in vars(stock).items():
+        if k in internal or k.startswith("_self_") or k.startswith("_keras"):
+            continue
+        setattr(new, k, clone(v, f"{label}/{k}"))
+    if new.dtype_policy.name != stock.dtype_policy.name:
+        new.dtype_policy = stock.dtype_policy
+    return new
+
+
 def _first_line(e):
     return str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
 
@@ -295,8 +382,37 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
             elif not _is_stock(x) and not _is_graph_model(x):
                 walk(x, y, p)
 
+    if isinstance(stock, keras.layers.Layer) and _made_below(stock, copy):
+        # A sublayer makes its own sublayers in build(), and the layer around it builds it from its
+        # own build() (keras-hub's decoder blocks build their attention): building that sublayer
+        # alone first would have the parent build it again, adding state to a built layer. Build
+        # the whole copy first; the swapped sublayers are then built from their stock build shapes.
+        build_like(stock, copy)
     walk(stock, copy, "")
     return swaps
+
+
+def _made_below(stock, copy, depth=0):
+    """True when some sublayer (below `stock` itself) of unbuilt `copy` is `_made_in_build`."""
+    if copy.built or not stock.built or depth > 8:
+        return False
+
+    def leaves(x, y):
+        if isinstance(x, (list, tuple, dict)):
+            for _, u, v in _pairs_of(x, y, ""):
+                yield from leaves(u, v)
+        else:
+            yield x, y
+
+    try:
+        for _, x, y in _pairs_of(stock, copy, ""):
+            for u, v in leaves(x, y):
+                if isinstance(u, keras.layers.Layer) and type(u) is type(v) and not _is_graph_model(u) and (
+                        _made_in_build(u, v) or (not _is_stock(u) and _made_below(u, v, depth + 1))):
+                    return True
+    except NotCopyable:  # mismatched trees: swap_sublayers says where
+        return False
+    return False
 
 
 def _made_in_build(stock, copy):
@@ -371,11 +487,14 @@ def build_like(stock, new):
 # State transfer.
 
 
-def transfer_state(stock, new, pairs, swaps=None, label=""):
+def transfer_state(stock, new, pairs, swaps=None, label="", copies=None):
     """Copies all of `stock`'s state into its copy `new` (built), Keras' own save/load per object.
 
     Appends trainable ``(stock, new)`` variable pairs to `pairs`; swapped sublayers
-    (``swaps``: id -> `Plan`) get their plan's weight copy.
+    (``swaps``: id -> `Plan`) get their plan's weight copy. Trainable flags (each layer's and
+    each variable's: a LoRA layer's frozen kernel) end as the stock object's. `copies` (id of a
+    stock layer -> its copy) gets every layer of the walk, so a later reference to one of them
+    (a graph call, an attribute of a Functional subclass) finds the same copy.
     """
     swaps = swaps or {}
     visited = {}
@@ -414,6 +533,59 @@ def transfer_state(stock, new, pairs, swaps=None, label=""):
     finally:
         for d in assets:
             shutil.rmtree(d, ignore_errors=True)
+    layers = [(a, visited[id(a)]) for a in _walked(stock, visited) if isinstance(a, keras.layers.Layer)]
+    if copies is not None:
+        _share_variables(layers, swaps, copies, pairs)
+    for a, b in layers:  # top-down: a parent's setter sets its sublayers, which then get their own flag
+        if b.trainable != a.trainable:
+            b.trainable = a.trainable
+    for a, b in layers:
+        if id(a) in swaps:
+            continue
+        for va, vb in zip(_own_vars(a), _own_vars(b)):
+            if vb.trainable != va.trainable:
+                vb.trainable = va.trainable
+    if copies is not None:
+        for a, b in layers:
+            copies.setdefault(id(a), b)
+
+
+def _share_variables(layers, swaps, copies, pairs):
+    """A stock variable held by two layers (a tied projection holding an embedding's table) is one
+    variable in the copies too: the first copy made of it (`copies`, id of a stock variable -> its
+    copy) replaces the others, in their layers and in `pairs`."""
+    for a, b in layers:
+        if id(a) in swaps:
+            continue
+        for va, vb in zip(_own_vars(a), _own_vars(b)):
+            first = copies.setdefault(id(va), vb)
+            if first is not vb:
+                _use_variable(b, vb, first)
+                pairs[:] = [(x, first if y is vb else y) for x, y in pairs]
+    seen = set()
+    pairs[:] = [(x, y) for x, y in pairs if not (id(y) in seen or seen.add(id(y)))]
+
+
+def _use_variable(layer, old, new):
+    """`layer` holds `new` wherever it held `old` (its variable lists and attributes)."""
+    for name in ("_trainable_variables", "_non_trainable_variables"):
+        held = getattr(layer, name, None)
+        if isinstance(held, list):
+            for i, v in enumerate(held):
+                if v is old:
+                    held[i] = new
+    for k, v in list(vars(layer).items()):
+        if v is old:
+            object.__setattr__(layer, k, new)
+
+
+def _walked(stock, visited):
+    """The stock objects of `visited` (id -> copy), in walk order (parents before their sublayers)."""
+    by_id = {id(stock): stock}
+    for layer in stock._flatten_layers(include_self=False, recursive=True) if isinstance(
+            stock, keras.layers.Layer) else ():
+        by_id.setdefault(id(layer), layer)
+    return [by_id[i] for i in visited if i in by_id]
 
 
 def _own_state(a, b, pairs, assets, where):
@@ -441,7 +613,7 @@ def _own_state(a, b, pairs, assets, where):
                                   f"{_first_line(e)})") from e
     if hasattr(a, "save_own_variables"):
         for va, vb in zip(getattr(a, "_trainable_variables", ()), getattr(b, "_trainable_variables", ())):
-            if va.trainable and vb.trainable:
+            if va.trainable and not any(vb is y for _, y in pairs):  # flags: set after the walk
                 pairs.append((va, vb))
         for va, vb in zip(_own_vars(a), _own_vars(b)):
             if not weights.same_bits(va, vb):

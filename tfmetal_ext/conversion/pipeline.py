@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 
@@ -122,6 +123,25 @@ def convert(model, inference=False, verify=True, *, quantize=None, count_ops=Tru
     TextVectorization, Discretization, ...) and random layers' seed state
     come out equal. The result never shares a variable with `model` (unless
     ``in_place=True``).
+
+    Keras operations in the graph (``keras.ops.*`` and ``keras.activations.*``
+    applied to a KerasTensor: ``Silu``, ``Add``, ``GetItem``, ...) are kept,
+    re-made from their config, and listed in ``report.kept`` with the reason;
+    an activation operation right after a Dense (`planners.OP_ACTIVATIONS`)
+    folds into it like an activation layer. A layer reachable along two paths
+    (called in a nested model and again around it, like a keras-hub CausalLM's
+    tied ``token_embedding``; or held by a kept layer and called in the graph)
+    stays one object in the result, with its variables. A Functional subclass
+    (a keras-hub backbone or task, a ``class Net(keras.Model)`` built from
+    inputs and outputs) comes back as its own class over the new graph, its
+    attributes pointing at the new layers (`copying.functional_copy`); a
+    weightless layer attribute outside the graph (a task's preprocessor) is
+    the same object. A ``.keras`` file of such a result loads back through
+    the class's ``from_config``, i.e. rebuilt with stock layers: it loads
+    where the replaced layers are addressed by attribute (sublayers of kept
+    layers), and Keras refuses it where a graph-level layer of the subclass
+    was replaced (its weights are keyed by class name); ``save_weights`` /
+    ``load_weights`` between converted models always round-trip.
 
     Args:
         model: a built `keras.Model`: functional, `keras.Sequential`, or a
@@ -282,11 +302,38 @@ def compile_like(model, new, report):
         fused = fused_optimizer(getattr(model, "optimizer", None), report)
         if fused is not None:
             config = {**config, "optimizer": keras.saving.serialize_keras_object(fused)}
-        new.compile_from_config(config)
+        _compile_from_config(new, config)
         report.notes.append("compiled with the source model's compile config (fresh optimizer state)")
     except Exception as e:  # custom losses / metrics may not deserialize
         report.optimizer = None
         report.notes.append(f"not compiled: the compile config could not be applied ({e})")
+
+
+def _compile_from_config(new, config):
+    """``new.compile_from_config(config)``, also for a class whose ``compile()`` is its own (a
+    keras-hub task), which Keras' method skips with a warning: then its ``compile`` is called with
+    the deserialized config, and what that ``compile`` sets besides Keras' own compile state (a
+    CausalLM's sampler) keeps the value carried over from the stock model."""
+    from keras.src.saving import serialization_lib
+
+    if getattr(type(new), "compile", None) is keras.Model.compile:
+        new.compile_from_config(config)
+        return
+    before = dict(vars(new))
+    new.compile(**serialization_lib.deserialize_keras_object(config))
+    for k, v in before.items():
+        if k not in _keras_compile_state() and vars(new).get(k) is not v:
+            object.__setattr__(new, k, v) if k.startswith("_") else setattr(new, k, v)
+
+
+@functools.lru_cache(maxsize=None)
+def _keras_compile_state():
+    """The attributes Keras' own ``Model.compile`` sets (found once, on a one-layer model)."""
+    i = keras.Input((1,))
+    probe = keras.Model(i, keras.layers.Dense(1)(i))
+    before = dict(vars(probe))
+    probe.compile(optimizer="sgd", loss="mse", metrics=["mae"])
+    return frozenset(k for k, v in vars(probe).items() if before.get(k, None) is not v)
 
 
 def fused_optimizer(optimizer, report):

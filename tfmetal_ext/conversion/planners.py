@@ -161,7 +161,13 @@ def plan(ctx, node):
             return Plan("model", [node], layer_key=id(layer)), None
         return keep(node, f"subclassed model ({type(layer).__name__}): no layer graph to walk")
     if not isinstance(layer, keras.layers.Layer):  # a keras.ops operation in the graph: stateless
-        return Plan("op", [node], layer_key=id(layer)), None
+        act = activation_of(layer)
+        why = (f"activation {act!r} applied as a Keras operation: no fusable layer right before it (or the "
+               "pre-activation tensor has other consumers, or it is a model output)") if act in DENSE_ACTIVATIONS \
+            else "no fusion-first counterpart"
+        return Plan("op", [node], layer_key=id(layer)), (
+            f"Keras operation {type(layer).__module__}.{type(layer).__name__}, not a layer (no weights): "
+            f"kept as the same computation; {why}")
     planner = planner_for(type(layer))
     planned = planner(ctx, node) if planner is not None else None
     if planned is not None:
@@ -271,8 +277,30 @@ def plan_sublayer(layer, path, inference, calls=None):
 # Activations.
 
 
+def _op_activations():
+    """Keras operation classes (what ``keras.ops.relu(x)`` and ``keras.activations.*`` on a
+    KerasTensor put in a graph) -> ``fn(op) -> activation name or None``."""
+    from keras.src.ops import nn, numpy as knp
+
+    return {
+        nn.Relu: lambda op: "relu",
+        nn.Relu6: lambda op: "relu6",
+        nn.Sigmoid: lambda op: "sigmoid",
+        knp.Tanh: lambda op: "tanh",
+        nn.Gelu: lambda op: None if getattr(op, "approximate", True) else "gelu",
+        nn.Elu: lambda op: "elu" if float(getattr(op, "alpha", 0.0)) == 1.0 else None,
+        nn.Silu: lambda op: "silu",
+    }
+
+
+OP_ACTIVATIONS = _op_activations()
+
+
 def activation_of(layer):
-    """The activation name a standalone activation layer computes, or None if it is not one we fold."""
+    """The activation name a standalone activation layer (or Keras activation operation, `OP_ACTIVATIONS`)
+    computes, or None if it is not one we fold."""
+    if type(layer) in OP_ACTIVATIONS:
+        return OP_ACTIVATIONS[type(layer)](layer)
     if type(layer) is L.Activation:
         return activation_name(layer)
     if type(layer) is L.ReLU:

@@ -7,7 +7,7 @@ import inspect
 import keras
 
 from tfmetal_ext.conversion import copying, planners, weights
-from tfmetal_ext.conversion.graph import Graph
+from tfmetal_ext.conversion.graph import Graph, call_counts
 from tfmetal_ext.conversion.report import Kept
 
 
@@ -36,21 +36,28 @@ class Converter:
         inference: make the inference form (batch norms folded).
         report: the `ConversionReport` every rewrite, kept layer and note goes to.
         prefix: the ``outer/`` prefix of a nested model's layer labels.
+        new_layers: the map a nested model's `Converter` shares with the one around it.
+        calls: the call counts of the whole model (`graph.call_counts`) a nested `Converter` shares.
 
     Attributes:
         pairs: ``(stock variable, new variable)`` pairs whose gradients must match.
-        new_layers: id of a stock layer -> its new layer (a shared layer is made once).
+        new_layers: id of a stock layer (or variable) -> its new one, over the whole conversion
+            (nested models, the sublayers and variables of kept copies included): a layer
+            reachable along two paths (called in a backbone and again in the task around it, or
+            held by a kept layer and called in the graph) is made once, and a variable two layers
+            hold is copied once, so the copy keeps the stock model's identities.
         graph: after `convert_model`, ``(new inputs, correspondences)``: per new layer call,
             ``(label, class name, stock output tensor, new output tensor)``, for verification.
     """
 
-    def __init__(self, inference, report, prefix="", in_place=False):
+    def __init__(self, inference, report, prefix="", in_place=False, new_layers=None, calls=None):
         self.inference = inference
         self.report = report
         self.prefix = prefix
         self.in_place = in_place
         self.pairs = []
-        self.new_layers = {}
+        self.new_layers = new_layers if new_layers is not None else {}
+        self.calls = calls
         self.swaps = {}  # id of a stock layer -> the sublayer swaps of its copy
         self.graph = None
 
@@ -72,10 +79,12 @@ class Converter:
             fn = model
         else:
             raise _not_walkable(model)
+        if self.calls is None:
+            self.calls = call_counts(model)
         ins, outs, corr = self.convert_functional(fn)
         self.graph = (ins, corr)
         if fn is model:
-            return keras.Model(ins, outs, name=model.name, trainable=model.trainable)
+            return self._functional_like(model, ins, outs)
         inp = fn.inputs[0]._keras_history.operation
         layers = [type(inp).from_config(inp.get_config())]
         seen = set()
@@ -86,10 +95,28 @@ class Converter:
                 layers.append(new_layer)
         return keras.Sequential(layers, name=model.name, trainable=model.trainable)
 
+    def _functional_like(self, model, ins, outs):
+        """The new graph as a model of `model`'s own class when that is a Functional subclass (a
+        keras-hub backbone or task, a user's ``class Net(keras.Model)`` built from inputs and
+        outputs), with its attributes carried over (`copying.functional_copy`); else a plain
+        Functional model."""
+        from keras.src.models.functional import Functional
+
+        if type(model) in (Functional, keras.Model) or copying._is_stock(model):
+            return keras.Model(ins, outs, name=model.name, trainable=model.trainable)
+        label = self.prefix.rstrip("/") or model.name
+        try:
+            return copying.functional_copy(model, ins, outs, self.new_layers, label, self.pairs)
+        except copying.NotCopyable as e:
+            self.report.notes.append(f"{label}: returned as a plain Functional model, not "
+                                     f"{type(model).__name__}: {e}")
+            return keras.Model(ins, outs, name=model.name, trainable=model.trainable)
+
     def convert_functional(self, fn):
         """Rebuilds functional graph `fn`; returns (new inputs struct, new outputs struct, correspondences)."""
         # A nested model's output names are invisible to the outer graph: only the top level keeps them.
-        ctx = planners.PlanContext(Graph(fn, keep_output_names=not self.prefix), self.inference, self.prefix)
+        ctx = planners.PlanContext(Graph(fn, keep_output_names=not self.prefix, calls=self.calls), self.inference,
+                                   self.prefix)
         tensors = {}
         new_inputs = []
         for kt in fn.inputs:
@@ -147,13 +174,13 @@ class Converter:
             return plan.make(), plan.kind
         if plan.kind == "model":
             sub = Converter(self.inference, self.report, prefix=f"{self.prefix}{layer.name}/",
-                            in_place=self.in_place)
+                            in_place=self.in_place, new_layers=self.new_layers, calls=self.calls)
             new = sub.convert_model(layer)
             self.pairs += sub.pairs
             return new, plan.kind
         if plan.kind == "op":
-            self.report.notes.append(f"{self._label(layer.name)}: Keras operation {type(layer).__name__} reused as is")
-            return layer, plan.kind
+            self.report.kept.append(Kept(self._label(layer.name), type(layer).__name__, reason))
+            return _copy_operation(layer), plan.kind
         # keep: an independent copy (same constructor arguments; state copied once built), whose
         # sublayers with fusion-first drop-ins are swapped when it is a subclass; retype: the same
         # copy, made an instance of the plan's method-only subclass.
@@ -197,6 +224,10 @@ class Converter:
         calls = _sublayer_calls(stock)
 
         def plan_fn(sub, path):
+            made = self.new_layers.get(id(sub))
+            if made is not None:  # already made for another path to it: the copy holds that one too
+                return planners.Plan("replace", [], make=lambda: made, copy=lambda new_, pairs: None,
+                                     rewrite=None, layer_key=id(sub))
             if copying._is_graph_model(sub):
                 return self._graph_swap(sub, path)
             plan_, reason = planners.plan_sublayer(sub, path, self.inference, calls)
@@ -211,7 +242,8 @@ class Converter:
         (its graph is visible, so merges apply inside it); a plan whose weight copy is already done."""
         if not sub.built or (isinstance(sub, keras.Sequential) and getattr(sub, "_functional", None) is None):
             return None
-        inner = Converter(self.inference, self.report, prefix=f"{path}/", in_place=self.in_place)
+        inner = Converter(self.inference, self.report, prefix=f"{path}/", in_place=self.in_place,
+                          new_layers=self.new_layers)
         new = inner.convert_model(sub)
         self.pairs += inner.pairs
         return planners.Plan("replace", [], make=lambda: new, copy=lambda new_, pairs: None,
@@ -220,12 +252,26 @@ class Converter:
     def _after_build(self, plan, kind, new_layer):
         layer = plan.nodes[0].operation
         if kind == "replace":
+            start = len(self.pairs)
             plan.copy(new_layer, self.pairs)
+            for a, b in self.pairs[start:]:  # a kept layer holding one of these variables shares the copy
+                self.new_layers.setdefault(id(a), b)
         elif kind == "keep":
-            copying.transfer_state(layer, new_layer, self.pairs, self.swaps.get(id(layer)), self._label(layer.name))
-            new_layer.trainable = layer.trainable
+            copying.transfer_state(layer, new_layer, self.pairs, self.swaps.get(id(layer)), self._label(layer.name),
+                                   copies=self.new_layers)
         elif kind in ("reuse", "in_place"):
             self.pairs += [(w, w) for w in layer.trainable_weights if not any(w is b for _, b in self.pairs)]
+
+
+def _copy_operation(op):
+    """A Keras operation of the graph (stateless: no weights, no seed) re-made from its config, so the
+    result shares no object with the stock model; the operation itself where its config does not
+    re-make it (constructor arguments Keras could not record)."""
+    try:
+        new = type(op).from_config(op.get_config())
+    except Exception:  # arbitrary constructor: the stateless operation itself computes the same
+        return op
+    return new if type(new) is type(op) else op
 
 
 def _sublayer_calls(layer):

@@ -61,6 +61,10 @@ DEFAULT_LENGTHS = (32, 64, 128, 224)
 # Lengths convert() tries, in order, for an input dimension the model leaves open (None sequence or
 # spatial dims); each is checked by running the model on one row.
 OPEN_DIM_LENGTHS = (32, 64, 128, 224, 16, 8)
+# Integer inputs of convert()'s verification data are drawn from [0, high) with the first of these the
+# model runs with: token ids and masks take [0, 10); an index input with fewer rows (BERT's two
+# segment ids) takes [0, 2).
+INT_INPUT_HIGHS = (10, 2)
 # Layer attributes that declare the sequence length a model expects.
 _LENGTH_ATTRIBUTES = ("sequence_length", "input_length", "maxlen", "max_length", "output_sequence_length")
 
@@ -91,22 +95,22 @@ def fill_shape(shape, batch_size, length, keep_batch=True):
     return tuple((batch_size if i == 0 else length) if d is None else int(d) for i, d in enumerate(shape))
 
 
-def random_array(shape, dtype, rng, widen_float16=False):
-    """Random values of `dtype`: integers in [0, 10), booleans, else standard normal floats
+def random_array(shape, dtype, rng, widen_float16=False, int_high=10):
+    """Random values of `dtype`: integers in [0, `int_high`), booleans, else standard normal floats
     (bfloat16, and float16 when `widen_float16`, made float32)."""
     wide = ("bfloat16", "float16") if widen_float16 else ("bfloat16",)
     dtype = np.dtype("float32" if dtype in wide else dtype)
     if np.issubdtype(dtype, np.integer):
-        return rng.integers(0, 10, size=shape).astype(dtype)
+        return rng.integers(0, int_high, size=shape).astype(dtype)
     if np.issubdtype(dtype, np.bool_):
         return rng.integers(0, 2, size=shape).astype(bool)
     return rng.standard_normal(shape).astype(dtype)
 
 
-def random_batch(specs, batch_size, length, seed, keep_batch=True, widen_float16=False):
+def random_batch(specs, batch_size, length, seed, keep_batch=True, widen_float16=False, int_high=10):
     """One batch for ``[(shape, dtype)]`` `specs`: an array, or a list of them for several inputs."""
     rng = np.random.default_rng(seed)
-    values = [random_array(fill_shape(shape, batch_size, length, keep_batch), dtype, rng, widen_float16)
+    values = [random_array(fill_shape(shape, batch_size, length, keep_batch), dtype, rng, widen_float16, int_high)
               for shape, dtype in specs]
     return values[0] if len(values) == 1 else values
 
@@ -163,7 +167,18 @@ def synthetic_inputs(model, batch_size=8, seed=0):
                 f"Cannot choose a length for the None dimensions of the model's inputs: it accepts none of "
                 f"{tried}. Pass inputs= (a batch the model accepts). Received: input shapes={shapes}"
             )
-    return random_batch(specs, batch_size, length, seed)
+    return in_input_structure(model, random_batch(specs, batch_size, length, seed))
+
+
+def in_input_structure(model, values):
+    """A batch from `random_batch` (one array, or a list in input order) in the structure `model`'s
+    functional inputs were given in (a dict for ``{"token_ids": ..., "padding_mask": ...}``)."""
+    import keras
+
+    struct = getattr(model, "_inputs_struct", None) if not is_subclassed(model) else None
+    if struct is None or not isinstance(struct, dict):
+        return values
+    return keras.tree.pack_sequence_as(struct, values if isinstance(values, list) else [values])
 
 
 def input_specs(model):
@@ -209,11 +224,15 @@ def make_inputs(model, batch_size, seed, inputs=None):
             "pass representative data with convert(..., inputs=x). Received: inputs=None"
         )
     if not has_open_dims(shape for shape, _ in specs):
-        return random_batch(specs, batch_size, None, seed, keep_batch=False, widen_float16=True)
-    for length in OPEN_DIM_LENGTHS:
-        x = random_batch(specs, batch_size, length, seed, keep_batch=False, widen_float16=True)
-        if runs_on_one_row(model, x):
-            return x
+        return in_input_structure(model, random_batch(specs, batch_size, None, seed, keep_batch=False,
+                                                      widen_float16=True))
+    ints = any(np.issubdtype(np.dtype(d), np.integer) for _, d in specs if d not in ("bfloat16",))
+    for int_high in INT_INPUT_HIGHS if ints else INT_INPUT_HIGHS[:1]:
+        for length in OPEN_DIM_LENGTHS:
+            x = in_input_structure(model, random_batch(specs, batch_size, length, seed, keep_batch=False,
+                                                       widen_float16=True, int_high=int_high))
+            if runs_on_one_row(model, x):
+                return x
     raise ValueError(
         f"convert() found no length for the open (None) input dimensions of {model.name!r} that the model "
         f"accepts (tried {', '.join(map(str, OPEN_DIM_LENGTHS))}); pass verification data with "
@@ -283,9 +302,12 @@ def synthetic_targets(model, batch_size=8, loss=None, seed=1, inputs=None):
 
     outputs = getattr(model, "outputs", None) or []
     struct = getattr(model, "_outputs_struct", None)
-    if not outputs and inputs is not None:
+    if inputs is not None and (not outputs or has_open_dims(o.shape for o in outputs)):
+        # No symbolic outputs, or outputs with open dims besides the batch (a sequence model's
+        # [B, T, V] logits): their shapes for these inputs.
         try:
-            struct = model.compute_output_spec(inputs)
+            struct = model.compute_output_spec(keras.tree.map_structure(
+                lambda v: keras.KerasTensor(tuple(v.shape), dtype=keras.backend.standardize_dtype(v.dtype)), inputs))
             outputs = keras.tree.flatten(struct)
         except Exception as e:  # arbitrary user code
             raise ValueError(
