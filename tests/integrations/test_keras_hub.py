@@ -50,7 +50,8 @@ def test_every_table_row_resolves_and_has_a_registered_subclass():
     for spec in kh.HUB_RMS_NORMS + kh.HUB_ROPES + kh.HUB_ATTENTION:
         base = _class(spec.path)
         fused = kh.FUSED[base]
-        assert fused.__name__ == spec.fused and fused.__mro__[1] is base
+        assert fused.fused_name == fused.__qualname__ == spec.fused and fused.__mro__[1] is base
+        assert fused.__name__ == base.__name__  # weights saved under the stock class's paths
         assert planners.planner_for(base) is not None
         assert keras.saving.get_registered_object(f"tfmetal_ext>{spec.fused}") is fused
     assert not kh.MISSING
@@ -332,5 +333,9 @@ def test_converted_backbone_saves_and_loads(tmp_path):
     path = tmp_path / "mistral.keras"
     new.save(path)
     again = keras.saving.load_model(path)
-    assert type(again.get_layer("sequence_output_layernorm")).__name__ == "FusedMistralLayerNormalization"
+    # The backbone is re-made from its constructor arguments, so its layers load as keras-hub's own
+    # (convert() again for the fused ones), with the converted model's weights and outputs.
+    assert type(again) is keras_hub.models.MistralBackbone
     np.testing.assert_allclose(np.asarray(again(x)), np.asarray(new(x)), rtol=0, atol=1e-5)
+    fused_again = tfmetal_ext.convert(again, inputs=x, count_ops=False)
+    assert "FusedMistralLayerNormalization" in {r.new_class for r in fused_again.conversion_report.rewrites}

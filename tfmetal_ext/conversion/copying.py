@@ -476,11 +476,28 @@ def _replace_everywhere(root, old, new):
 
 
 def build_like(stock, new):
-    """Builds the unbuilt layers of `new` whose stock counterparts are built (same build shapes)."""
+    """Builds the unbuilt layers of `new` whose stock counterparts are built (same build shapes).
+
+    Inside the name scopes `stock` was built in, so the copy's variables get the stock
+    variables' paths (``block/attention/query/kernel``, not ``query/kernel``): what
+    ``exclude_from_weight_decay``, checkpoints by path and users' filters match on.
+    """
     if not new.built and stock.built:
         config = stock.get_build_config()
         if config:
-            new.build_from_config(config)
+            with contextlib.ExitStack() as scopes:
+                for part in _parent_scopes(stock):
+                    scopes.enter_context(keras.name_scope(part))
+                new.build_from_config(config)
+
+
+def _parent_scopes(layer):
+    """The name scopes around `layer`'s own variables when it built them (``[]`` if it has none)."""
+    for v in list(getattr(layer, "_trainable_variables", ())) + list(getattr(layer, "_non_trainable_variables", ())):
+        parts = str(getattr(v, "path", "")).split("/")
+        if len(parts) >= 2 and parts[-2] == layer.name:
+            return parts[:-2]
+    return []
 
 
 # ----------------------------------------------------------------------------
@@ -540,10 +557,9 @@ def transfer_state(stock, new, pairs, swaps=None, label="", copies=None):
         if b.trainable != a.trainable:
             b.trainable = a.trainable
     for a, b in layers:
-        if id(a) in swaps:
-            continue
         for va, vb in zip(_own_vars(a), _own_vars(b)):
-            if vb.trainable != va.trainable:
+            # A swapped sublayer's variables are matched by name (a fused class may hold others).
+            if (id(a) not in swaps or va.name == vb.name) and vb.trainable != va.trainable:
                 vb.trainable = va.trainable
     if copies is not None:
         for a, b in layers:

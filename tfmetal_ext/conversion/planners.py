@@ -145,7 +145,7 @@ def retype(ctx, node, cls, note=""):
         raise ValueError(f"a retype needs a subclass of {type(layer).__name__}. Received: cls={cls!r}")
     calls = ctx.calls(layer)
     note = note or (f"shared: called {calls} times, converted once" if calls > 1 else "")
-    rw = Rewrite((ctx.label(layer.name),), ctx.label(layer.name), cls.__name__, note)
+    rw = Rewrite((ctx.label(layer.name),), ctx.label(layer.name), getattr(cls, "fused_name", cls.__name__), note)
     return Plan("retype", [node], make=cls, rewrite=rw, layer_key=id(layer)), None
 
 

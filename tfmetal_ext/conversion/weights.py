@@ -26,7 +26,8 @@ def _check_copied(a, b):
 def copy_identical(src, dst, pairs):
     """Copies `src`'s weights into `dst` one by one (same count, names, shapes); asserts bitwise equality.
 
-    Appends the trainable ``(stock, new)`` variable pairs to `pairs` (their gradients must match).
+    Each variable's own ``trainable`` flag is copied too. Appends the trainable ``(stock, new)``
+    variable pairs to `pairs` (their gradients must match).
     """
     sw, dw = src.weights, dst.weights
     if len(sw) != len(dw):
@@ -38,6 +39,8 @@ def copy_identical(src, dst, pairs):
             raise RuntimeError(f"weight {a.path} {tuple(a.shape)} != {b.path} {tuple(b.shape)}")
         b.assign(a.value if hasattr(a, "value") else a)
         _check_copied(a, b)
+        if b.trainable != a.trainable:  # a variable frozen on its own (LoRA's kernel) stays frozen
+            b.trainable = a.trainable
         if a.trainable and b.trainable:
             pairs.append((a, b))
 

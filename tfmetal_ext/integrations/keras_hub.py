@@ -171,8 +171,15 @@ def _resolve(path):
 
 
 def _subclass(base, name, namespace, doc):
-    """`name`, a subclass of `base` with `namespace`'s methods, registered as ``tfmetal_ext>{name}``."""
-    cls = types.new_class(name, (base,), exec_body=lambda ns: ns.update(namespace))
+    """`name`, a subclass of `base` with `namespace`'s methods, registered as ``tfmetal_ext>{name}``.
+
+    Its ``__name__`` stays the base class's: Keras names a model's weights by class name
+    (``layers/llama_layer_norm``), so a converted model's file holds the stock model's
+    weight paths and loads into either; its ``__qualname__`` and ``fused_name`` are `name`,
+    its registered name ``tfmetal_ext>{name}`` and its module this one.
+    """
+    namespace = dict(namespace, fused_name=name)
+    cls = types.new_class(base.__name__, (base,), exec_body=lambda ns: ns.update(namespace))
     cls.__module__ = __name__
     cls.__qualname__ = name
     cls.__doc__ = doc
@@ -389,7 +396,7 @@ def _plan_rms_norm(ctx, node):
 
 def _plan_rope(ctx, node):
     layer = node.operation
-    spec = next(r for r in HUB_ROPES if FUSED.get(type(layer)) is not None and r.fused == FUSED[type(layer)].__name__)
+    spec = next(r for r in HUB_ROPES if FUSED.get(type(layer)) is not None and r.fused == FUSED[type(layer)].fused_name)
     if _rope_arguments(layer, spec.form) is None:
         return planners.keep(node, "Llama 3 frequency scaling with position_scaling_factor != 1: the stock "
                                    "rotary embedding is kept")
