@@ -344,14 +344,87 @@ struct AttnDropout {
 };
 
 // keep[j] (1 kept, 0 dropped) for the n consecutive mask elements from flat
-// index `first`: one Philox block per 4 of them.
+// index `first`: one Philox block per 4 of them. The blocks are computed
+// kAttnPhiloxLanes at a time, word by word across the lanes (structure of
+// arrays), so the compiler turns the rounds' 32 x 32 -> 64-bit products into
+// vector multiplies; each lane is tfm_philox4x32 (tfmetal/philox.h) exactly.
+constexpr int kAttnPhiloxLanes = 8;
+
+#ifdef TFMETAL_ATTN_X86
+// The 10 rounds of 8 Philox blocks with AVX2: _mm256_mul_epu32 multiplies the
+// even 32-bit lanes into 64-bit products (the odd lanes shifted down first),
+// and the products' low and high words are blended back into 8 lanes.
+TFMETAL_ATTN_AVX2 void AttnPhilox8Avx2(uint32_t* c0, uint32_t* c1, uint32_t* c2, uint32_t* c3, uint32_t k0,
+                                       uint32_t k1) {
+  __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0));
+  __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1));
+  __m256i w2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c2));
+  __m256i w3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c3));
+  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  for (int round = 0; round < 10; ++round) {
+    const __m256i e0 = _mm256_mul_epu32(w0, m0), o0 = _mm256_mul_epu32(_mm256_srli_epi64(w0, 32), m0);
+    const __m256i e1 = _mm256_mul_epu32(w2, m1), o1 = _mm256_mul_epu32(_mm256_srli_epi64(w2, 32), m1);
+    const __m256i lo0 = _mm256_blend_epi32(e0, _mm256_slli_epi64(o0, 32), 0xAA);
+    const __m256i hi0 = _mm256_blend_epi32(_mm256_srli_epi64(e0, 32), o0, 0xAA);
+    const __m256i lo1 = _mm256_blend_epi32(e1, _mm256_slli_epi64(o1, 32), 0xAA);
+    const __m256i hi1 = _mm256_blend_epi32(_mm256_srli_epi64(e1, 32), o1, 0xAA);
+    const __m256i n0 = _mm256_xor_si256(_mm256_xor_si256(hi1, w1), _mm256_set1_epi32(static_cast<int>(k0)));
+    const __m256i n2 = _mm256_xor_si256(_mm256_xor_si256(hi0, w3), _mm256_set1_epi32(static_cast<int>(k1)));
+    w0 = n0;
+    w1 = lo1;
+    w2 = n2;
+    w3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0), w0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1), w1);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c2), w2);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3), w3);
+}
+#endif
+
 TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first, int64_t n, float* keep) {
-  uint64_t at = first;
-  int64_t j = 0;
-  while (j < n) {
-    const tfm_philox_block block = dropout_block(d.stream, at / 4u);
-    for (uint32_t w = static_cast<uint32_t>(at % 4u); w < 4u && j < n; ++w, ++j, ++at) {
-      keep[j] = attention_dropout_keeps(block.w[w], d.bits, d.rate) ? 1.0f : 0.0f;
+  if (n <= 0) return;
+  const uint64_t end = first + static_cast<uint64_t>(n);
+  for (uint64_t g = first / 4u; g * 4u < end; g += kAttnPhiloxLanes) {
+    uint32_t c0[kAttnPhiloxLanes], c1[kAttnPhiloxLanes], c2[kAttnPhiloxLanes], c3[kAttnPhiloxLanes];
+    for (int l = 0; l < kAttnPhiloxLanes; ++l) {
+      const tfm_philox_block ctr = tfm_philox_skip(d.stream.counter, g + static_cast<uint64_t>(l));
+      c0[l] = ctr.w[0];
+      c1[l] = ctr.w[1];
+      c2[l] = ctr.w[2];
+      c3[l] = ctr.w[3];
+    }
+    uint32_t k0 = d.stream.key[0], k1 = d.stream.key[1];
+#ifdef TFMETAL_ATTN_X86
+    if (AttnHasAvx2()) {
+      AttnPhilox8Avx2(c0, c1, c2, c3, k0, k1);
+    } else
+#endif
+    for (int round = 0; round < 10; ++round) {
+      for (int l = 0; l < kAttnPhiloxLanes; ++l) {
+        const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0[l];
+        const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2[l];
+        const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
+        const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
+        c1[l] = static_cast<uint32_t>(p1);
+        c3[l] = static_cast<uint32_t>(p0);
+        c0[l] = n0;
+        c2[l] = n2;
+      }
+      k0 += 0x9E3779B9u;
+      k1 += 0xBB67AE85u;
+    }
+    for (int l = 0; l < kAttnPhiloxLanes; ++l) {
+      const uint32_t words[4] = {c0[l], c1[l], c2[l], c3[l]};
+      for (uint32_t w = 0; w < 4u; ++w) {
+        const uint64_t at = (g + static_cast<uint64_t>(l)) * 4u + w;
+        if (at >= first && at < end) {
+          keep[at - first] = attention_dropout_keeps(words[w], d.bits, d.rate) ? 1.0f : 0.0f;
+        }
+      }
     }
   }
 }
