@@ -299,7 +299,7 @@ def test_llama_backbone_converts_and_verifies():
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "mistral", "qwen", "bert", "gemma"])
 def test_backbones_convert_and_verify(family):
     keras.utils.set_random_seed(1)
     M = keras_hub.models
@@ -312,6 +312,9 @@ def test_backbones_convert_and_verify(family):
         fused = "FusedCachedMistralAttention"
     elif family == "qwen":
         bb, fused = M.QwenBackbone(num_query_heads=4, num_key_value_heads=2, **small), "FusedQwenAttention"
+    elif family == "gemma":
+        bb = M.GemmaBackbone(num_query_heads=4, num_key_value_heads=1, head_dim=16, **small)
+        fused = "FusedCachedGemmaAttention"
     else:
         bb = M.BertBackbone(num_heads=2, max_sequence_length=64, **small)
         x["segment_ids"] = np.zeros((2, 16), "int32")
