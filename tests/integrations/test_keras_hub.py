@@ -57,6 +57,7 @@ def test_every_table_row_resolves_and_has_a_registered_subclass():
     assert not kh.MISSING
 
 
+@pytest.mark.full  # a fresh interpreter importing TF and keras-hub (~8 s); the table test above loads it here
 def test_integration_loads_only_when_keras_hub_is_imported(tmp_path):
     import subprocess
     import sys
