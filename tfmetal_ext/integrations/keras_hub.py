@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import math
 import types
 
 import keras
@@ -57,7 +56,7 @@ import tensorflow as tf
 from tfmetal_ext.conversion import planners
 from tfmetal_ext.ops._common import FLOAT_DTYPES
 from tfmetal_ext.ops.attention import attention
-from tfmetal_ext.ops.rms_norm import rms_norm
+from tfmetal_ext.ops.rms_norm import epsilon_reason, rms_norm
 from tfmetal_ext.ops.rope import rope
 
 # The attention op's head and value dims (tfmetal_ext.ops.attention).
@@ -191,21 +190,11 @@ def _subclass(base, name, namespace, doc):
 # RMS norms.
 
 
-def _epsilon_reason(eps):
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        return f"epsilon={eps!r}: the RMS-norm op takes a finite float > 0"
-    with np.errstate(over="ignore", under="ignore"):
-        e32 = float(np.float32(eps))  # the op's float32 attribute
-    if not (math.isfinite(e32) and e32 > 0.0):
-        return f"epsilon={eps!r}: the RMS-norm op takes a finite float > 0 (in float32)"
-    return None
-
-
 def _rms_norm_class(spec, base):
     def call(self, x):
         x = tf.convert_to_tensor(x)
         if x.dtype not in FLOAT_DTYPES or x.shape.rank == 0 \
-                or _epsilon_reason(getattr(self, "epsilon", None)) is not None:
+                or epsilon_reason(getattr(self, "epsilon", None)) is not None:
             return base.call(self, x)
         # The scale as the stock call reads it (autocast to the compute dtype under a mixed
         # policy), then float32, the stock computation's dtype.
@@ -388,7 +377,7 @@ def _attention_class(spec, base):
 
 def _plan_rms_norm(ctx, node):
     layer = node.operation
-    why = _epsilon_reason(getattr(layer, "epsilon", None))
+    why = epsilon_reason(getattr(layer, "epsilon", None))
     if why:
         return planners.keep(node, f"{why}: the stock computation is kept")
     return planners.retype(ctx, node, FUSED[type(layer)])

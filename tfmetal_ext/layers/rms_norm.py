@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 
 import keras
 import numpy as np
@@ -11,7 +10,7 @@ import tensorflow as tf
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
 from tfmetal_ext.ops._common import FLOAT_DTYPES
-from tfmetal_ext.ops.rms_norm import RMS_NORM_OP, rms_norm, uses_kernel
+from tfmetal_ext.ops.rms_norm import RMS_NORM_OP, epsilon_reason, rms_norm, uses_kernel
 
 _STOCK = keras.layers.RMSNormalization
 
@@ -66,13 +65,9 @@ class FusedRMSNorm(_STOCK):
         return self._reason(getattr(self, "_input_rank", None))
 
     def _reason(self, rank, dtype=None):
-        eps = self.epsilon
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-            return f"epsilon={eps!r}: the RMS-norm op takes a finite float > 0; the stock computation runs"
-        with np.errstate(over="ignore", under="ignore"):
-            eps32 = float(np.float32(eps))  # the kernel's float32 attr
-        if not (math.isfinite(eps32) and eps32 > 0.0):
-            return f"epsilon={eps!r}: the RMS-norm op takes a finite float > 0 (in float32); the stock computation runs"
+        why = epsilon_reason(self.epsilon)
+        if why is not None:
+            return f"{why}; the stock computation runs"
         if rank is not None:
             axes = self.axis if isinstance(self.axis, (list, tuple)) else [self.axis]
             if sorted(a + rank if a < 0 else a for a in axes) != [rank - 1]:

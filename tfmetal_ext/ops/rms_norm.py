@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
@@ -10,6 +13,17 @@ from tfmetal_ext.ops.layer_norm import _check_epsilon, _parameter
 
 RMS_NORM_OP = fusion.RMS_NORM_OP
 RMS_NORM_GRAD_OP = fusion.RMS_NORM_GRAD_OP
+
+
+def epsilon_reason(epsilon):
+    """Why `epsilon` is not an epsilon the RMS-norm op takes (a finite float > 0, also in float32), or None."""
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)):
+        return f"epsilon={epsilon!r}: the RMS-norm op takes a finite float > 0"
+    with np.errstate(over="ignore", under="ignore"):
+        eps32 = float(np.float32(epsilon))  # the kernel's float32 attr
+    if not (math.isfinite(eps32) and eps32 > 0.0):
+        return f"epsilon={epsilon!r}: the RMS-norm op takes a finite float > 0 (in float32)"
+    return None
 
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
