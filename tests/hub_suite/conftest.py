@@ -2,9 +2,10 @@
 
 (regenerate it with ``TFMETAL_EXT_KERAS_HUB_SRC=... python -m tests.hub_suite.make_baseline``):
 
-- keras-hub's own marks skip as its conftest.py skips them (``large``,
-  ``extra_large``: their options are off; ``kaggle_key_required`` without
-  a key);
+- keras-hub's own marks: ``large`` tests run (as with keras-hub's
+  ``--run_large``; here they are model saving round trips);
+  ``extra_large`` ones (presets) skip, and ``kaggle_key_required`` ones
+  without a key, as keras-hub's conftest.py skips them;
 - a test keras-hub's own classes do not pass here: skipped or xfail (not
   strict), with keras-hub's own reason;
 - a test listed under the file's ``explained`` (ours fails where stock
@@ -39,6 +40,10 @@ def pytest_collection_modifyitems(config, items):
     mine = [i for i in items if _MINE in i.nodeid]
     if not mine:
         return
+    # `large` tests run (keras-hub's --run_large: in these files, .keras save/load round trips, seconds in
+    # all); `extra_large` ones (presets from the network) only with TFMETAL_EXT_KERAS_HUB_RUN=extra_large,
+    # by hand: the baseline is made without them.
+    run_marked = {"large", *filter(None, os.environ.get("TFMETAL_EXT_KERAS_HUB_RUN", "").split(","))}
     kaggle = all(os.environ.get(k) for k in ("KAGGLE_USERNAME", "KAGGLE_KEY"))
     # The gates apply to our classes; make_baseline runs both variants ungated.
     gated = swap.variant() == "ours" and os.environ.get("TFMETAL_EXT_HUB_SUITE_UNGATED") != "1"
@@ -55,7 +60,7 @@ def pytest_collection_modifyitems(config, items):
         if key not in QUICK_FILES:
             item.add_marker(pytest.mark.full)
         for mark in ("large", "extra_large"):
-            if item.get_closest_marker(mark) is not None:
+            if item.get_closest_marker(mark) is not None and mark not in run_marked:
                 item.add_marker(pytest.mark.skip(reason=swap.KERAS_HUB_MARKS[mark]))
         if item.get_closest_marker("kaggle_key_required") is not None and not kaggle:
             item.add_marker(pytest.mark.skip(reason=swap.KERAS_HUB_MARKS["kaggle_key_required"]))

@@ -63,7 +63,8 @@ TEST_FILES = (
 
 # keras-hub's pytest marks (its conftest.py, which is not in the wheel) and when they skip.
 KERAS_HUB_MARKS = {
-    "large": "keras-hub's `large` mark (slow or needs a network): keras-hub runs it with --run_large",
+    "large": "keras-hub's `large` mark (slow or needs a network): keras-hub runs it with --run_large, "
+             "this suite always",
     "extra_large": "keras-hub's `extra_large` mark (presets, too large to run continuously): "
                    "keras-hub runs it with --run_extra_large",
     "kaggle_key_required": "keras-hub's `kaggle_key_required` mark: needs a Kaggle API key",
