@@ -4,6 +4,7 @@
 #   make test                 # the quick tier, TensorFlow 2.21 in .venv (2 test processes; PYTEST_WORKERS=N
 #                             # to change); at most 10 minutes on a 2-core box, or it fails (tests/_tiers.py)
 #   make test-full            # every test and every parametrized case, fuzz and slow tests included (CI)
+#                             # (TFMETAL_EXT_KERAS_HUB_SRC=<keras-hub checkout>: keras-hub's own tests too)
 #   make test TF=2.19.1       # the same against TensorFlow 2.19.1 in .venv-tf2.19.1
 #   make demo                 # examples/quickstart.py
 

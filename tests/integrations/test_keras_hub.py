@@ -261,6 +261,31 @@ def test_cached_multi_head_attention_dropout_draws_the_stock_mask():
                                atol=32 * U32 * 4 * float(np.max(np.abs(y_s))))
 
 
+def _traced_ops(fn, *args):
+    return {op.type for op in fn.get_concrete_function(*args).graph.get_operations()}
+
+
+def test_functions_compiled_with_xla_run_the_stock_code():
+    # The ops have no XLA kernels: under jit_compile=True (keras-hub's own layer tests train that
+    # way) each subclass runs its stock computation, which XLA compiles; the same values as stock.
+    x = np.random.default_rng(6).standard_normal((2, 6, 32)).astype("float32")
+    norm = _class("models.llama.llama_layernorm:LlamaLayerNorm")(epsilon=1e-5)
+    rotary = _class("layers.modeling.rotary_embedding:RotaryEmbedding")()
+    attention = _llama_attention()
+    cases = [(norm, (x,)), (rotary, (x.reshape(2, 6, 4, 8),)), (attention, (x,))]
+    for stock, args in cases:
+        stock(*args)
+        fused = _retyped_copy(stock, args)
+        graph_fn = tf.function(lambda *a, layer=fused: layer(*a))
+        xla_fn = tf.function(lambda *a, layer=fused: layer(*a), jit_compile=True)
+        assert any(t.startswith("TfmetalExt>") for t in _traced_ops(graph_fn, *args)), type(fused).__name__
+        assert not any(t.startswith("TfmetalExt>") for t in _traced_ops(xla_fn, *args)), type(fused).__name__
+        y_s = np.asarray(stock(*args))
+        # XLA compiles the stock code: the stock result up to XLA's own reassociation (float32, <= 32 terms).
+        np.testing.assert_allclose(np.asarray(xla_fn(*args)), y_s, rtol=0,
+                                   atol=64 * U32 * float(np.max(np.abs(y_s))))
+
+
 def test_gemma_soft_capping_is_kept_with_the_reason():
     base = _class("models.gemma.gemma_attention:CachedGemmaAttention")
     layer = base(head_dim=8, num_query_heads=2, num_key_value_heads=1, logit_soft_cap=50.0)

@@ -26,7 +26,8 @@ replaced:
 Where a layer is configured in a way the op does not compute (Gemma's logit
 soft-capping), the planner keeps it and says why; where a call is (an input
 dtype or head size the op does not take), the subclass runs the stock code
-for that call. A query row that attends no key gives what the stock layer
+for that call, and so does a call traced for XLA (``jit_compile=True``, as
+keras-hub's own layer tests compile), which has no kernels for the ops. A query row that attends no key gives what the stock layer
 gives (zeros from keras-hub's masked softmax; the values' mean from Keras'
 ``dot_product_attention``).
 
@@ -54,7 +55,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmetal_ext.conversion import planners
-from tfmetal_ext.ops._common import FLOAT_DTYPES
+from tfmetal_ext.ops._common import FLOAT_DTYPES, in_xla_context
 from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.rms_norm import epsilon_reason, rms_norm
 from tfmetal_ext.ops.rope import rope
@@ -193,7 +194,7 @@ def _subclass(base, name, namespace, doc):
 def _rms_norm_class(spec, base):
     def call(self, x):
         x = tf.convert_to_tensor(x)
-        if x.dtype not in FLOAT_DTYPES or x.shape.rank == 0 \
+        if x.dtype not in FLOAT_DTYPES or x.shape.rank == 0 or in_xla_context() \
                 or epsilon_reason(getattr(self, "epsilon", None)) is not None:
             return base.call(self, x)
         # The scale as the stock call reads it (autocast to the compute dtype under a mixed
@@ -238,7 +239,7 @@ def _rope_class(spec, base):
     def call(self, inputs, start_index=0, positions=None):
         x = tf.convert_to_tensor(inputs)
         kwargs = _rope_arguments(self, spec.form)
-        if kwargs is None or x.dtype not in FLOAT_DTYPES:
+        if kwargs is None or x.dtype not in FLOAT_DTYPES or in_xla_context():
             return base.call(self, inputs, start_index=start_index, positions=positions)
         try:
             y = rope(x, positions, start_index=start_index, **kwargs)
@@ -257,6 +258,8 @@ def _rope_class(spec, base):
 
 def _call_reason(query, key, value, mask):
     """Why the op cannot take this call (the stock code runs), or None."""
+    if in_xla_context():
+        return "a function compiled with XLA (the op has no XLA kernel)"
     if any(t.shape.rank != 4 for t in (query, key, value)):
         return "inputs of rank other than 4"
     if query.dtype not in FLOAT_DTYPES or not (query.dtype == key.dtype == value.dtype):

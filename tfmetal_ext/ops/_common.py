@@ -103,6 +103,15 @@ def op_avoided(op_name) -> bool:
     return SAFE_FORM_OF_OP.get(op_name) in _env.current().avoided
 
 
+def in_xla_context() -> bool:
+    """True while tracing a function XLA compiles (``jit_compile=True``): the custom ops have no XLA kernels."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # pragma: no cover - TF moved it
+        return False
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 def uses_kernel(op_name) -> bool:
     """`op_name` runs as the custom op here (else its pure-TF reference)."""
     return not op_avoided(op_name) and library() is not None and kernel_for_visible_devices(op_name)

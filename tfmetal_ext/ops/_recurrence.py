@@ -99,7 +99,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfmetal_ext.ops import _cudnn_params
+from tfmetal_ext.ops import _common, _cudnn_params
 
 # Static sequence lengths up to this are unrolled on the CPU path.
 MAX_UNROLL = 100
@@ -108,13 +108,6 @@ MAX_UNROLL = 100
 FORMS = ("cudnn", "loop", "stock")
 
 
-def _in_xla_context():
-    """True while tracing a function compiled with XLA (no LSTMBlockCellGrad kernel there)."""
-    try:
-        from tensorflow.python.ops import control_flow_util
-    except ImportError:  # pragma: no cover - TF moved it
-        return False
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 
@@ -513,7 +506,7 @@ def _lstm_loop(x, h0, c0, kernel, recurrent_kernel, bias, mask, go_backwards, re
     mask_tm = _mask_time_major(mask, lists)
     xw = _project(x_tm, _icfo(kernel, units), None if bias is None else _icfo(bias, units))
     # LSTMBlockCellGrad has CPU kernels for float32 and float16 (none on tensorflow-metal, none in XLA).
-    fused_grad = cpu and state in (tf.float32, tf.float16) and not _in_xla_context()
+    fused_grad = cpu and state in (tf.float32, tf.float16) and not _common.in_xla_context()
     rec = _LSTM(x.shape[1], go_backwards, mask_tm, fused_grad=fused_grad)
     rec.matmul_dtype, rec.state_dtype, rec.lists = x.dtype, state, lists
     first, c_t = rec.run(

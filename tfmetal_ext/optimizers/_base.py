@@ -25,7 +25,8 @@ import logging
 
 import tensorflow as tf
 from keras.src import backend as keras_backend
-from tensorflow.python.ops import control_flow_util
+
+from tfmetal_ext.ops._common import in_xla_context
 
 logger = logging.getLogger("tfmetal_ext")
 
@@ -347,7 +348,7 @@ class MultiTensorMixin:
         safe_form = getattr(fusion.CUSTOM_OPS.get(self._multi_tensor_key), "safe_form", self._multi_tensor_key)
         if safe_form in precision.avoided_fusions():
             return f"configure(avoid_fusions=[{safe_form!r}]) avoids {op_name}"
-        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        if in_xla_context():
             return f"the step is XLA-compiled and {op_name} has no XLA kernel"
         why = composite_reason("ResourceApplyAdam", "float32")
         if why is not None:

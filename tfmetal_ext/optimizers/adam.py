@@ -8,9 +8,8 @@ import math
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
 
-from tfmetal_ext.ops._common import check_nonnegative
+from tfmetal_ext.ops._common import check_nonnegative, in_xla_context
 from tfmetal_ext.optimizers._base import (
     FusedUpdateMixin,
     MultiTensorMixin,
@@ -222,7 +221,7 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
             grad=grad,
         )
         if self.amsgrad:
-            if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            if in_xla_context():
                 return self._amsgrad_for_xla(grad, variable, scalars)
             return tf.raw_ops.ResourceApplyAdamWithAmsgrad(
                 vhat=self._slot_handle(self._velocity_hats, variable), **args
