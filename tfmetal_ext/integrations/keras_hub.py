@@ -27,20 +27,24 @@ Where a layer is configured in a way the op does not compute (Gemma's logit
 soft-capping), the planner keeps it and says why; where a call is (an input
 dtype or head size the op does not take), the subclass runs the stock code
 for that call, and so does a call traced for XLA (``jit_compile=True``, as
-keras-hub's own layer tests compile), which has no kernels for the ops. A query row that attends no key gives what the stock layer
-gives (zeros from keras-hub's masked softmax; the values' mean from Keras'
+keras-hub's own layer tests compile), which has no kernels for the ops. A
+query row that attends no key gives what the stock layer gives (zeros from
+keras-hub's masked softmax; the values' mean from Keras'
 ``dot_product_attention``).
 
-The subclasses are registered Keras serializables (``tfmetal_ext>Fused...``),
-so a converted model's ``.keras`` file loads back with tfmetal_ext (and this
-module) imported. `convert()` imports this module when keras-hub is
-imported (`tfmetal_ext.integrations.load_available`).
+The subclasses are registered Keras serializables (``tfmetal_ext>Fused...``)
+that keep their base class's ``__name__``, so a converted model's weights are
+saved under the stock model's paths: a saved converted backbone or task, which
+keras-hub re-makes from its constructor arguments, loads with keras-hub's own
+layers and the trained weights (``convert()`` it again for the fused form).
+`convert()` imports this module when keras-hub is imported
+(`tfmetal_ext.integrations.load_available`).
 
 Usage::
 
     import keras_hub, tfmetal_ext
     causal_lm = keras_hub.models.LlamaCausalLM(backbone=..., preprocessor=None)
-    fused, report = tfmetal_ext.convert(causal_lm)
+    fused = tfmetal_ext.convert(causal_lm)   # fused.conversion_report: what changed
 """
 
 from __future__ import annotations
