@@ -150,36 +150,19 @@ def _shell_copy(layer, base, label):
     The attributes are set in the order the subclass set them, so sublayers and weights keep
     their order.
     """
-    import copy as pycopy
-
     cls = type(layer)
     new = cls.__new__(cls)
     base.__init__(new, name=layer.name, trainable=layer.trainable, dtype=layer.dtype_policy)
     internal = set(vars(new)) | _INTERNAL
-    memo = {}
 
-    def clone(v, where):
-        if id(v) in memo:
-            return memo[id(v)]
+    def special(v, where):
         if isinstance(v, keras.layers.Layer):
-            out = construct(v, where)
-        elif isinstance(v, keras.Variable):
-            out = keras.Variable(v.value, dtype=v.dtype, trainable=v.trainable, name=v.name)
-        elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
-            out = [clone(x, f"{where}/{i}") for i, x in enumerate(v)]
-            out = out if isinstance(v, list) else tuple(out)
-        elif isinstance(v, dict):
-            out = {k: clone(x, f"{where}/{k}") for k, x in v.items()}
-        elif v is None or isinstance(v, (str, bytes, int, float, bool, complex, type)) or callable(v):
-            out = v  # immutable, or a function / class: stateless
-        else:
-            try:
-                out = pycopy.deepcopy(v)
-            except Exception as e:
-                raise NotCopyable(f"attribute {where!r} ({type(v).__name__}) cannot be copied: "
-                                  f"{type(e).__name__}") from e
-        memo[id(v)] = out
-        return out
+            return construct(v, where)
+        if isinstance(v, keras.Variable):
+            return keras.Variable(v.value, dtype=v.dtype, trainable=v.trainable, name=v.name)
+        return _PLAIN
+
+    clone = _attribute_cloner(special)
 
     for k, v in vars(layer).items():
         if k in internal or k.startswith("_self_") or k.startswith("_keras"):
@@ -217,8 +200,6 @@ def functional_copy(stock, inputs, outputs, copies, label, pairs):
     Raises:
         NotCopyable: an attribute that cannot be carried over (the message says which).
     """
-    import copy as pycopy
-
     from keras.src.models.functional import Functional
     from keras.src.trainers.trainer import Trainer
 
@@ -232,7 +213,6 @@ def functional_copy(stock, inputs, outputs, copies, label, pairs):
                           f"{_first_line(e)})") from e
     internal = set(vars(new)) | _INTERNAL | _COMPILE_STATE | {"compiled", "_compile_config", "_loss_tracker",
                                                             "_compile_metrics", "_compile_loss", "_tracker"}
-    memo = {}
 
     def layer_of(v, where):
         if id(v) in copies:
@@ -244,23 +224,52 @@ def functional_copy(stock, inputs, outputs, copies, label, pairs):
         transfer_state(v, out, pairs, label=where, copies=copies)
         return out
 
+    def special(v, where):
+        if isinstance(v, keras.layers.Layer):
+            return layer_of(v, where)
+        if isinstance(v, collections.abc.Set) and v and all(isinstance(i, int) for i in v) \
+                and any(i in copies for i in v):
+            return {id(copies[i]) for i in v if i in copies}  # the others (input layers) are no more
+        if isinstance(v, keras.Variable):
+            raise NotCopyable(f"attribute {where!r} is a variable outside the graph's layers")
+        return _PLAIN
+
+    clone = _attribute_cloner(special)
+
+    for k, v in vars(stock).items():
+        if k in internal or k.startswith("_self_") or k.startswith("_keras"):
+            continue
+        setattr(new, k, clone(v, f"{label}/{k}"))
+    if new.dtype_policy.name != stock.dtype_policy.name:
+        new.dtype_policy = stock.dtype_policy
+    return new
+
+
+_PLAIN = object()  # `_attribute_cloner`'s `special` hook: not a special value, copy it the plain way
+
+
+def _attribute_cloner(special):
+    """``clone(value, where)`` for a copy's attributes: `special(value, where)` first (sublayers,
+    variables: the caller's rule), else containers element by element, immutable values and
+    functions as they are, anything else deep-copied. Each object is cloned once (shared stays shared).
+    """
+    import copy as pycopy
+
+    memo = {}
+
     def clone(v, where):
         if id(v) in memo:
             return memo[id(v)]
-        if isinstance(v, keras.layers.Layer):
-            out = layer_of(v, where)
-        elif isinstance(v, collections.abc.Set) and v and all(isinstance(i, int) for i in v) \
-                and any(i in copies for i in v):
-            out = {id(copies[i]) for i in v if i in copies}  # the others (input layers) are no more
+        out = special(v, where)
+        if out is not _PLAIN:
+            pass
         elif isinstance(v, (list, tuple)) and not hasattr(v, "_fields"):
             out = [clone(x, f"{where}/{i}") for i, x in enumerate(v)]
             out = out if isinstance(v, list) else tuple(out)
         elif isinstance(v, dict):
             out = {k: clone(x, f"{where}/{k}") for k, x in v.items()}
         elif v is None or isinstance(v, (str, bytes, int, float, bool, complex, type)) or callable(v):
-            out = v
-        elif isinstance(v, keras.Variable):
-            raise NotCopyable(f"attribute {where!r} is a variable outside the graph's layers")
+            out = v  # immutable, or a function / class: stateless
         else:
             try:
                 out = pycopy.deepcopy(v)
@@ -270,13 +279,7 @@ def functional_copy(stock, inputs, outputs, copies, label, pairs):
         memo[id(v)] = out
         return out
 
-    for k, v in vars(stock).items():
-        if k in internal or k.startswith("_self_") or k.startswith("_keras"):
-            continue
-        setattr(new, k, clone(v, f"{label}/{k}"))
-    if new.dtype_policy.name != stock.dtype_policy.name:
-        new.dtype_policy = stock.dtype_policy
-    return new
+    return clone
 
 
 def _first_line(e):
