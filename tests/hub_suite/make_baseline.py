@@ -28,6 +28,8 @@ import sys
 import tempfile
 import time
 
+from tests.keras_suite.make_baseline import _one_line  # the same reporting as Keras' suites
+
 UNGATED_ENV = "TFMETAL_EXT_HUB_SUITE_UNGATED"
 
 
@@ -48,16 +50,6 @@ class _Recorder:
                 return  # keep the first failure (a teardown error after a failed call)
             reason = _one_line(report) if report.outcome != "passed" else ""
             self.outcomes[key] = [report.outcome, reason, previous[2] if previous else []]
-
-
-def _one_line(report):
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple):  # a skip: (path, line, message)
-        return str(longrepr[2])
-    crash = getattr(longrepr, "reprcrash", None)
-    text = crash.message if crash is not None else str(longrepr)
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line[:300]
 
 
 def run_variant(variant, out_path, argv):
