@@ -30,7 +30,10 @@ def test_quick_run_writes_rows_with_verified_conversions():
     assert os.path.exists(os.path.join(ROOT, "benchmarks", "results", "bench_hub.png"))
 
 
-def test_unknown_family_is_a_usage_error():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_hub.py"), "--families", "nope"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "unknown families/cases ['nope']" in proc.stderr
+def test_unknown_family_is_a_usage_error(capsys):
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import bench_hub
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_hub.main(["--families", "nope"])
+    assert exit_info.value.code == 2 and "unknown families/cases ['nope']" in capsys.readouterr().err
