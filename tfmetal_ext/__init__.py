@@ -2,7 +2,7 @@
 
 Public API: `configure`, `Config`, `convert` (returns a converted model whose
 `conversion_report` is a `ConversionReport`), and the submodules `callbacks`, `devices`,
-`backends` (what each backend has and fuses, as data), `conversion`, `distribute`
+`backends` (what each backend has and fuses, as data), `conversion`, `deploy` (`export`: SavedModel, LiteRT, ONNX, OpenVINO, Core ML), `distribute`
 (multi-worker `fit_compat`), `doctor`, `precision`, `inspect`, `layers`, `ops` and `optimizers`.
 
 Importing it on macOS arm64 with a Metal plugin installed loads the op library, which registers
@@ -17,6 +17,8 @@ from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
 from tfmetal_ext import conversion
 from tfmetal_ext.conversion import ConversionReport, convert
+from tfmetal_ext import deploy
+from tfmetal_ext.deploy import export
 
 # On a Mac, the import registers the GPU kernels our op library has for standard ops the
 # Metal backend lacks (tfmetal_ext.backends.gap_kernels): stock Keras models get them too.
@@ -31,9 +33,11 @@ __all__ = [
     "configure",
     "conversion",
     "convert",
+    "deploy",
     "devices",
     "distribute",
     "doctor",
+    "export",
     "inspect",
     "layers",
     "ops",

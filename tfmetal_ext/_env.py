@@ -9,6 +9,9 @@ beyond a layer's own arguments:
   names) whose safe unfused form ``configure(avoid_fusions=...)`` switched on;
 * `rnn_form`: a recurrent form forced on CPU (``"fused"`` / ``"stock"``; None:
   the backend table's rule decides);
+* `portable`: emit stock TensorFlow ops only (every custom op's pure-TF
+  reference), for a graph that leaves this package (`tfmetal_ext.export`,
+  `tfmetal_ext.deploy.portable_forms`);
 * `capabilities`: the host's `tfmetal_ext.devices.Capabilities` (or the
   assumed Mac's), probed once and cached until `invalidate_capabilities()`.
 
@@ -42,6 +45,7 @@ class Environment:
         assumed_plugin: the Metal plugin being assumed, or None.
         avoided: frozenset of avoided fusion pattern names.
         rnn_form: ``"fused"`` or ``"stock"`` to force a CPU recurrent form, or None.
+        portable: True while tracing a graph for export: no custom op is emitted.
         pinned_capabilities: a `Capabilities` to report instead of probing
             (tests that describe another host); None: probe (cached).
     """
@@ -49,6 +53,7 @@ class Environment:
     assumed_plugin: str | None = None
     avoided: frozenset = frozenset()
     rnn_form: str | None = None
+    portable: bool = False
     pinned_capabilities: object = None
     # assumed plugin (None: this host) -> Capabilities; shared by every environment derived from this one.
     _cache: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)

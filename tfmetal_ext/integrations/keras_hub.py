@@ -59,7 +59,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfmetal_ext.conversion import planners
-from tfmetal_ext.ops._common import FLOAT_DTYPES, in_xla_context
+from tfmetal_ext.ops._common import FLOAT_DTYPES, stock_code_reason
 from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.rms_norm import epsilon_reason, rms_norm
 from tfmetal_ext.ops.rope import rope
@@ -198,7 +198,7 @@ def _subclass(base, name, namespace, doc):
 def _rms_norm_class(spec, base):
     def call(self, x):
         x = tf.convert_to_tensor(x)
-        if x.dtype not in FLOAT_DTYPES or x.shape.rank == 0 or in_xla_context() \
+        if x.dtype not in FLOAT_DTYPES or x.shape.rank == 0 or stock_code_reason() \
                 or epsilon_reason(getattr(self, "epsilon", None)) is not None:
             return base.call(self, x)
         # The scale as the stock call reads it (autocast to the compute dtype under a mixed
@@ -243,7 +243,7 @@ def _rope_class(spec, base):
     def call(self, inputs, start_index=0, positions=None):
         x = tf.convert_to_tensor(inputs)
         kwargs = _rope_arguments(self, spec.form)
-        if kwargs is None or x.dtype not in FLOAT_DTYPES or in_xla_context():
+        if kwargs is None or x.dtype not in FLOAT_DTYPES or stock_code_reason():
             return base.call(self, inputs, start_index=start_index, positions=positions)
         try:
             y = rope(x, positions, start_index=start_index, **kwargs)
@@ -262,8 +262,9 @@ def _rope_class(spec, base):
 
 def _call_reason(query, key, value, mask):
     """Why the op cannot take this call (the stock code runs), or None."""
-    if in_xla_context():
-        return "a function compiled with XLA (the op has no XLA kernel)"
+    reason = stock_code_reason()
+    if reason:
+        return reason
     if any(t.shape.rank != 4 for t in (query, key, value)):
         return "inputs of rank other than 4"
     if query.dtype not in FLOAT_DTYPES or not (query.dtype == key.dtype == value.dtype):

@@ -8,6 +8,7 @@ from keras.src import backend as keras_backend
 from keras.src.layers.core.einsum_dense import EinsumDense
 
 from tfmetal_ext.layers import _ops
+from tfmetal_ext.ops._common import stock_code_reason
 from tfmetal_ext.ops.attention import MAX_HEAD_DIM, attention
 
 _STOCK = keras.layers.MultiHeadAttention
@@ -218,6 +219,9 @@ class FusedMultiHeadAttention(_STOCK):
 
     def _call_reason(self, query, value, key, return_attention_scores, training):
         """Why this call runs the exact stock path, or None for the fast path."""
+        reason = stock_code_reason()
+        if reason:
+            return reason
         if return_attention_scores:
             return "return_attention_scores=True: the scores are the matrix the attention op never stores"
         ranks = (len(query.shape), len(value.shape), len(key.shape))

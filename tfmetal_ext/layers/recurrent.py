@@ -289,7 +289,8 @@ class _FusedRNN(keras.layers.Layer):
             keep = keras.random.dropout(tf.ones_like(x[:, 0, :]), self.dropout, seed=self.seed_generator)
             x = x * keep[:, None, :]
         backend = _env.current().backend
-        if self.use_cudnn is True and _implementation(backend, self.compute_dtype) != "cudnn":
+        if self.use_cudnn is True and not _env.current().portable \
+                and _implementation(backend, self.compute_dtype) != "cudnn":
             raise ValueError(
                 f"`use_cudnn=True` needs a backend with a CudnnRNNV3 kernel for {self.compute_dtype} (CUDA, "
                 f"Apple's tensorflow-metal); this one is {_rnn_table(backend).label}. "
@@ -331,6 +332,8 @@ class _FusedRNN(keras.layers.Layer):
         """
         if self.unroll:
             return "unroll=True: Keras' unrolled loop"
+        if _env.current().portable:
+            return "traced for export: Keras' own loop, which every converter knows"
         if self.recurrent_dropout > 0:
             return f"recurrent_dropout={self.recurrent_dropout}: no fused kernel masks the recurrent state"
         backend = backend or _env.current().backend

@@ -23,8 +23,14 @@ def use_reference() -> bool:
 
 @tf.autograph.experimental.do_not_convert  # first use may be inside a tf.function
 def library():
-    """The loaded op module, or None when the references must be used."""
-    if use_reference():
+    """The loaded op module, or None when the references must be used.
+
+    None also while a graph is traced for export (`tfmetal_ext.deploy.portable_forms`): the
+    references are stock TensorFlow ops, which every runtime and converter knows.
+    """
+    from tfmetal_ext import _env
+
+    if use_reference() or _env.current().portable:
         return None
     return _loader.load()
 
@@ -110,6 +116,22 @@ def in_xla_context() -> bool:
     except ImportError:  # pragma: no cover - TF moved it
         return False
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
+def stock_code_reason():
+    """Why a layer that can run its stock parent's code must run it now, or None.
+
+    While a graph is traced for export (`tfmetal_ext.deploy.portable_forms`): the stock layer's
+    own graph is what converters and runtimes know best. In a function XLA compiles: the custom
+    ops have no XLA kernels.
+    """
+    from tfmetal_ext import _env
+
+    if _env.current().portable:
+        return "traced for export: the stock layer's code (portable forms)"
+    if in_xla_context():
+        return "a function compiled with XLA (the op has no XLA kernel)"
+    return None
 
 
 def uses_kernel(op_name) -> bool:
