@@ -14,10 +14,10 @@ DEFAULT_TF := 2.21.0
 ifeq ($(TF),$(DEFAULT_TF))
 VENV ?= .venv
 # keras-hub's tensorflow-text follows TensorFlow's minor: only beside the default TensorFlow.
-EXTRAS ?= test,examples,gen,hub
+EXTRAS ?= test,examples,gen,hub,export
 else
 VENV ?= .venv-tf$(TF)
-EXTRAS ?= test,examples,gen
+EXTRAS ?= test,examples,gen,export
 endif
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=

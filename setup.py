@@ -67,6 +67,13 @@ setup(
         # built for: install it beside the TensorFlow it matches).
         "hub": ["keras-hub>=0.32,<0.33"],
         "examples": ["scikit-learn>=1.2", "matplotlib>=3.5"],
+        # tfmetal_ext.export's converters and the runtimes its check reloads artifacts with
+        # (tfmetal_ext.deploy.formats.FORMATS). All install beside TensorFlow 2.19 and 2.21; coremltools
+        # states TF 2.12 as its last tested version, and converts the portable graphs of TF 2.21 here.
+        "export": [
+            "tf2onnx>=1.16,<2", "onnx>=1.16,<2", "onnxruntime>=1.18,<2", "ai-edge-litert>=1.2,<3",
+            "openvino>=2024.4,<2027", "coremltools>=8.0,<10",
+        ],
     },
     entry_points={"console_scripts": ["tfmetal-ext=tfmetal_ext.cli:main"]},
     classifiers=[
