@@ -1,4 +1,4 @@
-"""The `tfmetal-ext` command line: `version`, `report`, `build-ops`, `doctor` and `convert`.
+"""The `tfmetal-ext` command line: `version`, `report`, `build-ops`, `doctor`, `convert`, `export`, `to-stock`.
 
 `doctor [--selftest] [--json]`: environment, configure() choice, custom-op status
 and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL).
@@ -6,6 +6,10 @@ and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL
 predicted placement on a Metal backend (tensorflow-metal-plugin, tensorflow-metal).
 `convert IN.keras OUT.keras [--inference [--quantize int8]]`: a fusion-first, verified copy of a saved
 model (with --quantize int8: int8 weights, checked against the float inference form).
+`export MODEL.keras OUT --format litert|onnx|tf_saved_model|openvino|coreml [--int8]`: a deployable artifact
+that needs no tfmetal_ext, reloaded with the format's runtime and compared with the model (exit 1 if it differs).
+`to-stock IN.keras OUT.keras`: the same model built from stock Keras layers, verified; its file loads where
+tfmetal_ext is not installed (checked in a process without it).
 """
 
 from __future__ import annotations
@@ -205,6 +209,102 @@ def _reload_problem(converted, path, batch):
     return None
 
 
+def _cmd_export(args):
+    from tfmetal_ext import deploy
+
+    fmt = deploy.FORMATS.get(args.format)
+    if os.path.isdir(args.model) or (os.path.exists(args.model) and not args.model.endswith(".keras")):
+        return _usage_error("export", f"the input must be a .keras file; received: {args.model}")
+    parent = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(parent):
+        return _usage_error("export", f"the output's directory does not exist: {parent} (create it first)")
+    if fmt.suffix and not args.output.endswith(fmt.suffix):
+        return _usage_error("export", f"a {fmt.name} export is a {fmt.suffix} file; received: {args.output} "
+                            f"(add the {fmt.suffix} suffix)")
+    if os.path.exists(args.output):
+        return _usage_error("export", f"{args.output} exists; remove it or choose another path")
+    missing = deploy.formats.missing_modules(fmt)
+    if missing:
+        return _usage_error("export", f"--format {fmt.name} needs {', '.join(fmt.pip)} "
+                            "(pip install 'tfmetal-ext[export]'); not importable: " + "; ".join(missing))
+    model = _load_model(args.model, "export")
+    if model is None:
+        return 2
+    try:
+        report = deploy.export(model, args.output, format=fmt.name, int8=args.int8, verify=not args.no_verify,
+                               batch_size=args.batch)
+    except (ValueError, deploy.ExportError) as e:
+        print(f"tfmetal-ext export: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except ImportError as e:
+        return _usage_error("export", " ".join(str(e).split()))
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report)
+    return 0
+
+
+def _cmd_to_stock(args):
+    from tfmetal_ext import conversion
+
+    if os.path.isdir(args.input) or (os.path.exists(args.input) and not args.input.endswith(".keras")):
+        return _usage_error("to-stock", f"the input must be a .keras file; received: {args.input}")
+    problem = _output_problem(args.output)
+    if problem:
+        return _usage_error("to-stock", problem)
+    model = _load_model(args.input, "to-stock")
+    if model is None:
+        return 2
+    try:
+        stock = conversion.to_stock(model, verify=not args.no_verify, batch_size=args.batch)
+    except (ValueError, conversion.VerificationError) as e:
+        print(f"tfmetal-ext to-stock: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    try:
+        stock.save(args.output)
+    except (OSError, ValueError) as e:
+        return _usage_error("to-stock", f"cannot save {args.output}: {' '.join(str(e).split())} (choose another path)")
+    problem = None if args.no_verify else _isolated_reload_problem(stock, args.output, args.batch)
+    if problem:
+        os.remove(args.output)
+        print(f"tfmetal-ext to-stock: {problem}; {args.output} removed", file=sys.stderr)
+        return 1
+    report = getattr(stock, "conversion_report", None)
+    if report is not None:
+        print(report)
+    print(f"saved {args.output}" + ("" if args.no_verify else " (loaded in a process without tfmetal_ext: "
+                                                              "predicts the same)"))
+    return 0
+
+
+def _isolated_reload_problem(model, path, batch):
+    """Why the .keras file at `path` does not load without tfmetal_ext and predict what `model` does, or None."""
+    import keras
+    import numpy as np
+
+    from tfmetal_ext.conversion.verify import as_numpy_list, make_inputs
+    from tfmetal_ext.deploy import runtimes
+
+    try:
+        x = make_inputs(model, batch, 0)
+    except ValueError:  # no synthetic data for it (string inputs): loading is what can be checked
+        x = None
+    flat, structure = runtimes.input_structure(keras.tree.map_structure(np.asarray, x)) if x is not None \
+        else ([], {"kind": "list", "keys": None})
+    try:
+        outs, _, _ = runtimes.run_without_tfmetal_ext("keras", path, flat, structure)
+    except runtimes.RuntimeRefused as e:
+        return str(e)
+    if x is None:
+        return None
+    from tfmetal_ext.conversion.verify import rel_diff
+    from tfmetal_ext.deploy import output_tolerance
+
+    expected = as_numpy_list(model(x, training=False))
+    worst = max((rel_diff(a, b) for a, b in zip(expected, outs)), default=0.0)
+    if len(outs) != len(expected) or not worst <= output_tolerance(model):
+        return f"the file loads without tfmetal_ext but predicts differently (max relative error {worst:.3g})"
+    return None
+
+
 def _positive_int(text):
     value = int(text)
     if value < 1:
@@ -263,6 +363,25 @@ def build_parser():
     p.add_argument("--no-verify", action="store_true", help="skip comparing outputs and gradients with the stock model")
     p.add_argument("--no-ops", action="store_true", help="skip counting ops per train step and inference call")
     p.set_defaults(func=_cmd_convert)
+    from tfmetal_ext.deploy.formats import FORMATS  # data only: no TensorFlow import
+
+    p = sub.add_parser("export", help="a deployable artifact of a .keras model that needs no tfmetal_ext, checked")
+    p.add_argument("model", help="path to a .keras file (tfmetal_ext layers or stock)")
+    p.add_argument("output", help="where to write it (a directory for tf_saved_model and coreml)")
+    p.add_argument("--format", required=True, choices=tuple(FORMATS), help="the export format")
+    p.add_argument("--int8", action="store_true",
+                   help="export the int8 deployment form (convert --inference --quantize int8 first)")
+    p.add_argument("--batch", type=_positive_int, default=2, help="batch size of the check's inputs")
+    p.add_argument("--no-verify", action="store_true", help="skip reloading it with the format's runtime")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_export)
+    p = sub.add_parser("to-stock", help="a .keras model rebuilt from stock Keras layers (loads without tfmetal_ext)")
+    p.add_argument("input", help="path to a .keras file with tfmetal_ext layers")
+    p.add_argument("output", help="where to save the stock .keras file")
+    p.add_argument("--batch", type=_positive_int, default=2, help="batch size of the verification inputs")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip verifying outputs and gradients, and loading the file without tfmetal_ext")
+    p.set_defaults(func=_cmd_to_stock)
     return parser
 
 

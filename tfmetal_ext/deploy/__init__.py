@@ -253,19 +253,29 @@ def _np(t):
     return np.asarray(t)
 
 
+def output_tolerance(model):
+    """The relative bound an exported or reloaded `model` is held to (see `formats`)."""
+    import keras
+
+    from tfmetal_ext.conversion.verify import OUTPUT_RTOL
+
+    policy = getattr(model, "dtype_policy", None)
+    compute = keras.mixed_precision.Policy(policy.name).compute_dtype if policy is not None else "float32"
+    return FLOAT32_RTOL if compute == "float32" else OUTPUT_RTOL.get(compute, FLOAT32_RTOL)
+
+
 def _check(model, fmt, path, x, expected, tolerance, report):
     import keras
     import numpy as np
 
-    from tfmetal_ext.conversion.verify import OUTPUT_RTOL, rel_diff
+    from tfmetal_ext.conversion.verify import rel_diff
     from tfmetal_ext.deploy import runtimes
 
     flat, structure = runtimes.input_structure(keras.tree.map_structure(_np, x))
-    names = [getattr(t, "name", f"input_{i}") for i, t in enumerate(keras.tree.flatten(model.inputs))]
-    compute = keras.mixed_precision.Policy(model.dtype_policy.name).compute_dtype \
-        if hasattr(model, "dtype_policy") else "float32"
-    report.tolerance = float(tolerance) if tolerance is not None else (
-        FLOAT32_RTOL if compute == "float32" else OUTPUT_RTOL.get(compute, FLOAT32_RTOL))
+    # The runtimes name their inputs after the Keras inputs: a dict's keys, else the model's input names.
+    names = structure["keys"] if structure["kind"] == "dict" else \
+        [getattr(t, "name", f"input_{i}") for i, t in enumerate(keras.tree.flatten(model.inputs))]
+    report.tolerance = float(tolerance) if tolerance is not None else output_tolerance(model)
     try:
         outs, ops, note = runtimes.run(fmt.name, path, flat, structure, names)
     except runtimes.RuntimeRefused as e:

@@ -18,7 +18,7 @@ import tempfile
 
 import numpy as np
 
-_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_saved_model_runner.py")
+_RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_isolated_runner.py")
 # Seconds the SavedModel subprocess may take (interpreter + TensorFlow start, load, one call).
 SUBPROCESS_TIMEOUT = 600
 
@@ -47,6 +47,17 @@ def run(fmt, path, flat, structure, input_names):
 
 
 def _saved_model(path, flat, structure, input_names):
+    return run_without_tfmetal_ext("saved_model", path, flat, structure)
+
+
+def run_without_tfmetal_ext(mode, path, flat, structure):
+    """``(outputs, ops, note)`` of the model at `path` loaded in a Python process without tfmetal_ext.
+
+    `mode`: ``"saved_model"`` (``tf.saved_model.load``, its ``serve`` endpoint) or ``"keras"``
+    (``keras.saving.load_model`` of a .keras file). Raises `RuntimeRefused` with the last line of
+    the process's error when it cannot load or run it.
+    """
+    what = "tf.saved_model.load" if mode == "saved_model" else "keras.saving.load_model"
     with tempfile.TemporaryDirectory(prefix="tfmetal_ext_export_") as tmp:
         src, dst = os.path.join(tmp, "inputs.npz"), os.path.join(tmp, "outputs.npz")
         np.savez(src, **{f"in_{i}": a for i, a in enumerate(flat)})
@@ -54,16 +65,16 @@ def _saved_model(path, flat, structure, input_names):
         env["TF_CPP_MIN_LOG_LEVEL"] = "2"
         try:
             proc = subprocess.run(
-                [sys.executable, "-I", _RUNNER, os.path.abspath(path), src, dst, json.dumps(structure)],
+                [sys.executable, "-I", _RUNNER, mode, os.path.abspath(path), src, dst, json.dumps(structure)],
                 capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT, env=env, cwd=tmp,
             )
         except subprocess.TimeoutExpired:
-            raise RuntimeRefused(f"tf.saved_model.load did not finish within {SUBPROCESS_TIMEOUT} s") from None
+            raise RuntimeRefused(f"{what} did not finish within {SUBPROCESS_TIMEOUT} s") from None
         if proc.returncode != 0:
             lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
             raise RuntimeRefused(
-                "tf.saved_model.load in a process without tfmetal_ext failed: " + (lines[-1] if lines else
-                                                                                   f"exit {proc.returncode}")
+                f"{what} in a process without tfmetal_ext failed: " + (lines[-1] if lines else
+                                                                       f"exit {proc.returncode}")
             )
         data = np.load(dst)
         outs = [data[f"out_{i}"] for i in range(len(data.files) - 1)]

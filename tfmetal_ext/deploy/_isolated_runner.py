@@ -1,13 +1,17 @@
-"""Loads a SavedModel and runs its ``serve`` endpoint in a Python process WITHOUT tfmetal_ext.
+"""Loads a saved model and runs it in a Python process WITHOUT tfmetal_ext.
 
 Run as a script (never imported by the package):
 
-    python _saved_model_runner.py SAVED_MODEL_DIR INPUTS.npz OUTPUTS.npz STRUCTURE_JSON
+    python _isolated_runner.py saved_model SAVED_MODEL_DIR INPUTS.npz OUTPUTS.npz STRUCTURE_JSON
+    python _isolated_runner.py keras MODEL.keras INPUTS.npz OUTPUTS.npz STRUCTURE_JSON
+
+``saved_model``: ``tf.saved_model.load`` and its ``serve`` endpoint (Keras' export); ``keras``:
+``keras.saving.load_model`` and a call in inference mode.
 
 `tfmetal_ext` is made unimportable before TensorFlow is imported (``sys.modules['tfmetal_ext'] =
 None`` and every ``sys.path`` entry holding a ``tfmetal_ext`` package dropped), so neither its
 Python code nor its op library can register anything: the SavedModel loads here only if it holds
-stock TensorFlow ops, as in TF Serving. Writes the flat outputs ``out_0 ... out_{n-1}`` and the op
+stock TensorFlow ops (as in TF Serving), a .keras file only if it holds stock Keras objects. Writes the flat outputs ``out_0 ... out_{n-1}`` and the op
 types of the loaded graph (``__ops__``); on failure exits 3 with the error on stderr.
 """
 
@@ -37,7 +41,7 @@ def _op_types(fn):
 
 
 def main(argv):
-    path, inputs_path, outputs_path, structure = argv
+    mode, path, inputs_path, outputs_path, structure = argv
     _block_tfmetal_ext()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import numpy as np
@@ -53,13 +57,19 @@ def main(argv):
     else:
         args = list(flat)
     try:
-        loaded = tf.saved_model.load(path)
-        result = loaded.serve(args)
+        if mode == "keras":
+            import keras
+
+            loaded = keras.saving.load_model(path)
+            result, fn = loaded(args, training=False), None
+        else:
+            loaded = tf.saved_model.load(path)
+            result, fn = loaded.serve(args), loaded.serve
     except Exception as e:  # report the runtime's own error, whatever its type
         print(f"{type(e).__name__}: {' '.join(str(e).split())[:800]}", file=sys.stderr)
         return 3
     outs = [np.asarray(t) for t in tf.nest.flatten(result)]
-    np.savez(outputs_path, __ops__=np.array(_op_types(loaded.serve), dtype=str),
+    np.savez(outputs_path, __ops__=np.array(_op_types(fn) if fn is not None else [], dtype=str),
              **{f"out_{i}": o for i, o in enumerate(outs)})
     return 0
 

@@ -1,0 +1,292 @@
+"""`tfmetal_ext.export`: portable forms (stock TF ops only) and each format's artifact, run by its runtime.
+
+The references here are independent of the package's checking code: each format's runtime is called
+directly in the test (onnxruntime, the LiteRT interpreter, OpenVINO) and compared with numpy to the
+Keras model's own outputs.
+"""
+
+import os
+import platform
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfmetal_ext
+from tfmetal_ext import deploy, layers as fl
+from tfmetal_ext.deploy import formats, runtimes
+from tfmetal_ext.ops import _common
+
+L = keras.layers
+
+
+def _fused_model(seq=6, width=16):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((seq, width), name="tokens")
+    x = fl.FusedLayerNorm(name="ln")(inp)
+    x = fl.FusedMultiHeadAttention(num_heads=2, key_dim=8, name="mha")(x, x)
+    x = fl.FusedRMSNorm(name="rms")(x)
+    x = fl.FusedDense(8, activation="relu", name="dense")(x)
+    return keras.Model(inp, x)
+
+
+def _x(seq=6, width=16, batch=3, seed=1):
+    return np.random.default_rng(seed).standard_normal((batch, seq, width)).astype("float32")
+
+
+def _op_types(concrete):
+    gd = concrete.graph.as_graph_def()
+    return {n.op for n in gd.node} | {n.op for f in gd.library.function for n in f.node_def}
+
+
+def _rel(expected, got):
+    expected = np.asarray(expected, "float64")
+    return float(np.max(np.abs(expected - np.asarray(got, "float64"))) / np.max(np.abs(expected)))
+
+
+def _requires(fmt):
+    missing = formats.missing_modules(formats.FORMATS[fmt])
+    return pytest.mark.skipif(bool(missing), reason=f"{fmt} needs {missing} (pip install 'tfmetal-ext[export]')")
+
+
+# ----------------------------------------------------------------------------
+# Portable forms.
+
+
+def test_portable_forms_trace_no_custom_op():
+    model = _fused_model()
+    spec = tf.TensorSpec([None, 6, 16], tf.float32)
+    with deploy.portable_forms():
+        inside = _op_types(tf.function(lambda x: model(x, training=False)).get_concrete_function(spec))
+    outside = _op_types(tf.function(lambda x: model(x, training=False)).get_concrete_function(spec))
+    assert not [o for o in inside if o.startswith("TfmetalExt>")]
+    # The stock forms where the custom ops were: MHA's own Softmax, the norms' Rsqrt.
+    assert {"Softmax", "Rsqrt", "MatMul", "Relu"} <= inside
+    if _common.library() is not None:  # the same trace outside the block does hold the custom ops
+        assert {"TfmetalExt>LayerNorm", "TfmetalExt>Attention", "TfmetalExt>RMSNorm"} <= outside
+
+
+def test_portable_forms_is_scoped():
+    from tfmetal_ext import _env
+
+    with deploy.portable_forms():
+        assert _env.current().portable and _common.library() is None
+    assert not _env.current().portable
+
+
+def test_portable_recurrent_layer_runs_keras_loop():
+    keras.utils.set_random_seed(0)
+    lstm = fl.FusedLSTM(4, name="lstm")
+    lstm.build((None, 5, 3))
+    with deploy.portable_forms():
+        y = lstm(_x(5, 3))
+        assert lstm.form == "stock"
+    ref = L.LSTM(4)
+    ref.build((None, 5, 3))
+    ref.set_weights(lstm.get_weights())
+    np.testing.assert_allclose(y, ref(_x(5, 3)), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------
+# Arguments.
+
+
+def test_bad_arguments_get_clear_errors(tmp_path):
+    model = _fused_model()
+    with pytest.raises(ValueError, match="format="):
+        tfmetal_ext.export(model, tmp_path / "m.onnx", format="tflite")
+    with pytest.raises(ValueError, match=r"\.onnx file.*Received: path="):
+        tfmetal_ext.export(model, tmp_path / "m.tflite", format="onnx")
+    with pytest.raises(ValueError, match="Received: model="):
+        tfmetal_ext.export("model.keras", tmp_path / "m.onnx", format="onnx")
+    with pytest.raises(ValueError, match="must be built"):
+        tfmetal_ext.export(keras.Sequential([L.Dense(2)]), tmp_path / "m.onnx", format="onnx")
+    with pytest.raises(ValueError, match="does not exist"):
+        tfmetal_ext.export(model, tmp_path / "nowhere" / "m.onnx", format="onnx")
+
+
+def test_missing_converter_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setattr(formats, "missing_modules", lambda fmt: ["tf2onnx (ImportError: No module named 'tf2onnx')"])
+    with pytest.raises(ImportError, match=r"tfmetal-ext\[export\]"):
+        tfmetal_ext.export(_fused_model(), tmp_path / "m.onnx", format="onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_every_format_has_a_runtime_and_a_cli_choice():
+    from tfmetal_ext import cli
+
+    assert set(runtimes._RUNNERS) == set(formats.FORMATS)
+    export = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["export"]._actions
+                  if a.dest == "format")
+    assert tuple(export.choices) == tuple(formats.FORMATS)
+
+
+# ----------------------------------------------------------------------------
+# The artifacts, run by their runtimes in the test.
+
+
+@_requires("onnx")
+def test_onnx_export_runs_in_onnxruntime_as_keras(tmp_path):
+    import onnx
+    import onnxruntime as ort
+
+    model, x = _fused_model(), _x()
+    path = str(tmp_path / "m.onnx")
+    report = tfmetal_ext.export(model, path, format="onnx")
+    assert report.max_rel_error is not None and report.max_rel_error <= formats.FLOAT32_RTOL
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {sess.get_inputs()[0].name: x})
+    assert _rel(model.predict(x, verbose=0), got) <= 1e-5
+    ops = {n.op_type for n in onnx.load(path).graph.node}
+    assert "Softmax" in ops and not any("Tfmetal" in o for o in ops)
+
+
+@_requires("litert")
+def test_litert_export_runs_in_the_interpreter_as_keras(tmp_path):
+    from ai_edge_litert import interpreter as litert
+
+    model, x = _fused_model(), _x()
+    path = str(tmp_path / "m.tflite")
+    report = tfmetal_ext.export(model, path, format="litert")
+    assert report.max_rel_error <= formats.FLOAT32_RTOL and report.size_bytes == os.path.getsize(path)
+    runner = litert.Interpreter(model_path=path).get_signature_runner()
+    (got,) = runner(**{next(iter(runner.get_input_details())): x}).values()
+    assert _rel(model.predict(x, verbose=0), got) <= 1e-5
+    # TFLite fused the Dense's BiasAdd + Relu into its FULLY_CONNECTED (the target's own fusion).
+    assert "FULLY_CONNECTED" in report.ops and "RELU" not in report.ops
+
+
+@pytest.mark.full  # a Python process that starts TensorFlow (about 8 s)
+def test_saved_model_loads_in_a_process_without_tfmetal_ext(tmp_path):
+    model = _fused_model()
+    report = tfmetal_ext.export(model, tmp_path / "sm", format="tf_saved_model")
+    assert "without tfmetal_ext" in report.note
+    assert report.max_rel_error <= formats.FLOAT32_RTOL
+    assert "Softmax" in report.ops and not any(o.startswith("TfmetalExt") for o in report.ops)
+
+
+@pytest.mark.full
+@pytest.mark.skipif(_common.library() is None, reason="needs the op library to write a graph with a custom op")
+def test_the_isolated_process_really_lacks_tfmetal_ext(tmp_path):
+    """A SavedModel holding a TfmetalExt op does not load there (so a passing load proves portability)."""
+    from tfmetal_ext.ops.layer_norm import layer_norm
+
+    module = tf.Module()
+    module.serve = tf.function(lambda x: layer_norm(x, epsilon=1e-3),
+                               input_signature=[tf.TensorSpec([None, 4], tf.float32)])
+    tf.saved_model.save(module, str(tmp_path / "custom"))
+    with pytest.raises(runtimes.RuntimeRefused, match="TfmetalExt>LayerNorm"):
+        runtimes.run_without_tfmetal_ext("saved_model", str(tmp_path / "custom"),
+                                         [np.ones((2, 4), "float32")], {"kind": "single", "keys": None})
+
+
+@pytest.mark.full
+@_requires("openvino")
+def test_openvino_export_runs_as_keras(tmp_path):
+    import openvino as ov
+
+    model, x = _fused_model(), _x()
+    path = str(tmp_path / "m.xml")
+    report = tfmetal_ext.export(model, path, format="openvino")
+    assert report.max_rel_error <= formats.FLOAT32_RTOL
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(path), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    got = compiled([x])[compiled.outputs[0]]
+    assert _rel(model.predict(x, verbose=0), got) <= 1e-5
+
+
+@pytest.mark.full
+@_requires("coreml")
+def test_coreml_export_reads_back_its_program(tmp_path):
+    report = tfmetal_ext.export(_fused_model(), tmp_path / "m.mlpackage", format="coreml")
+    assert {"softmax", "matmul", "rsqrt"} <= set(report.ops)
+    if platform.system() != "Darwin":
+        assert report.max_rel_error is None and "needs a Mac" in report.note
+    else:
+        assert report.max_rel_error <= formats.FLOAT32_RTOL
+
+
+@pytest.mark.metal
+@_requires("coreml")
+def test_coreml_export_predicts_as_keras_on_a_mac(tmp_path):
+    if platform.system() != "Darwin":
+        pytest.skip("Core ML predicts on macOS only")
+    report = tfmetal_ext.export(_fused_model(), tmp_path / "m.mlpackage", format="coreml")
+    assert report.max_rel_error is not None and report.max_rel_error <= formats.FLOAT32_RTOL
+
+
+# ----------------------------------------------------------------------------
+# The check itself.
+
+
+@_requires("onnx")
+def test_an_artifact_that_differs_is_refused_and_removed(tmp_path, monkeypatch):
+    real = runtimes.run
+
+    def off_by_a_little(*a, **k):
+        outs, ops, note = real(*a, **k)
+        return [o * 1.001 for o in outs], ops, note
+
+    monkeypatch.setattr(runtimes, "run", off_by_a_little)
+    path = tmp_path / "m.onnx"
+    with pytest.raises(deploy.ExportError, match="differs from the Keras model") as info:
+        tfmetal_ext.export(_fused_model(), path, format="onnx")
+    assert not path.exists() and info.value.report.max_rel_error > formats.FLOAT32_RTOL
+
+
+@_requires("onnx")
+def test_int8_export_is_dequantize_and_matmul(tmp_path):
+    import onnxruntime as ort
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((12,))
+    model = keras.Model(inp, L.Dense(5, name="out")(L.Dense(16, activation="relu", name="hidden")(inp)))
+    x = np.random.default_rng(2).standard_normal((4, 12)).astype("float32")
+    path = str(tmp_path / "m.onnx")
+    report = tfmetal_ext.export(model, path, format="onnx", int8=True, inputs=x)
+    assert report.int8 and report.max_rel_error <= formats.FLOAT32_RTOL
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {sess.get_inputs()[0].name: x})
+    # Independent reference: Keras' own weight-only int8 quantization of the stock model (its
+    # default would also quantize the activations; ours are float).
+    ref = keras.models.clone_model(model)
+    ref.set_weights(model.get_weights())
+    ref.quantize("int8", config=keras.quantizers.Int8QuantizationConfig(activation_quantizer=None))
+    np.testing.assert_allclose(got, ref.predict(x, verbose=0), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(got, model.predict(x, verbose=0), rtol=1e-6, atol=0)  # it is the int8 model
+
+
+@pytest.mark.full
+@_requires("onnx")
+def test_mixed_precision_model_is_held_to_its_compute_dtype_bound(tmp_path):
+    from tfmetal_ext.conversion.verify import OUTPUT_RTOL
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _fused_model()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    report = tfmetal_ext.export(model, tmp_path / "m.onnx", format="onnx")
+    assert report.tolerance == OUTPUT_RTOL["float16"] and report.max_rel_error <= report.tolerance
+
+
+@pytest.mark.full
+@_requires("onnx")
+def test_converted_keras_hub_model_exports_its_stock_code(tmp_path):
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is not installed (pip install 'tfmetal-ext[hub]')")
+    import onnxruntime as ort
+
+    keras.utils.set_random_seed(1)
+    backbone = keras_hub.models.LlamaBackbone(vocabulary_size=100, num_layers=1, num_query_heads=4,
+                                              num_key_value_heads=2, hidden_dim=32, intermediate_dim=64)
+    converted = tfmetal_ext.convert(backbone, count_ops=False)
+    ids = np.random.default_rng(0).integers(1, 100, (2, 8)).astype("int32")
+    x = {"token_ids": ids, "padding_mask": np.ones((2, 8), "int32")}
+    path = str(tmp_path / "llama.onnx")
+    report = tfmetal_ext.export(converted, path, format="onnx", inputs=x)
+    assert report.max_rel_error <= formats.FLOAT32_RTOL
+    sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    feed = {i.name: x["token_ids" if "token" in i.name else "padding_mask"] for i in sess.get_inputs()}
+    (got,) = sess.run(None, feed)
+    assert _rel(backbone.predict(x, verbose=0), got) <= 1e-4  # against the stock backbone itself
