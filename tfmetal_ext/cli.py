@@ -6,7 +6,7 @@ and, with --selftest, each fused pattern checked on the device (exit 1 on a FAIL
 predicted placement on a Metal backend (tensorflow-metal-plugin, tensorflow-metal).
 `convert IN.keras OUT.keras [--inference [--quantize int8]]`: a fusion-first, verified copy of a saved
 model (with --quantize int8: int8 weights, checked against the float inference form).
-`export MODEL.keras OUT --format litert|onnx|tf_saved_model|openvino|coreml [--int8]`: a deployable artifact
+`export MODEL.keras OUT --format litert|onnx|tf_saved_model|openvino|coreml [--int8] [--float16]`: a deployable artifact
 that needs no tfmetal_ext, reloaded with the format's runtime and compared with the model (exit 1 if it differs).
 `to-stock IN.keras OUT.keras`: the same model built from stock Keras layers, verified; its file loads where
 tfmetal_ext is not installed (checked in a process without it).
@@ -231,8 +231,8 @@ def _cmd_export(args):
     if model is None:
         return 2
     try:
-        report = deploy.export(model, args.output, format=fmt.name, int8=args.int8, verify=not args.no_verify,
-                               batch_size=args.batch)
+        report = deploy.export(model, args.output, format=fmt.name, int8=args.int8, float16=args.float16,
+                               verify=not args.no_verify, batch_size=args.batch)
     except (ValueError, deploy.ExportError) as e:
         print(f"tfmetal-ext export: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
@@ -371,6 +371,8 @@ def build_parser():
     p.add_argument("--format", required=True, choices=tuple(FORMATS), help="the export format")
     p.add_argument("--int8", action="store_true",
                    help="export the int8 deployment form (convert --inference --quantize int8 first)")
+    p.add_argument("--float16", action="store_true",
+                   help="litert: float16 weights; coreml: float16 compute (checked within the float16 bound)")
     p.add_argument("--batch", type=_positive_int, default=2, help="batch size of the check's inputs")
     p.add_argument("--no-verify", action="store_true", help="skip reloading it with the format's runtime")
     p.add_argument("--json", action="store_true")

@@ -290,3 +290,49 @@ def test_converted_keras_hub_model_exports_its_stock_code(tmp_path):
     feed = {i.name: x["token_ids" if "token" in i.name else "padding_mask"] for i in sess.get_inputs()}
     (got,) = sess.run(None, feed)
     assert _rel(backbone.predict(x, verbose=0), got) <= 1e-4  # against the stock backbone itself
+
+
+def _zero_bias_mlp():
+    """Dense -> relu with the bias all zeros (a fresh model): the case the TFLite converter mishandles
+    for a kernel computed in the graph (see `tfmetal_ext.ops.int8.portable_int8_matmul`). The hidden
+    kernel is big enough that the converter keeps it int8 rather than folding it to float32."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((256,))
+    return keras.Model(inp, L.Dense(4, name="out")(L.Dense(512, activation="relu", name="hidden")(inp)))
+
+
+@_requires("litert")
+def test_litert_int8_keeps_int8_weights_and_the_activation(tmp_path):
+    from ai_edge_litert import interpreter as litert
+
+    model = _zero_bias_mlp()
+    x = np.random.default_rng(3).standard_normal((5, 256)).astype("float32")
+    path = str(tmp_path / "m.tflite")
+    report = tfmetal_ext.export(model, path, format="litert", int8=True, inputs=x)
+    # The kernels stay int8 (a CAST where they are read): about a quarter of the float32 file's weights.
+    float_report = tfmetal_ext.export(model, str(tmp_path / "f.tflite"), format="litert", inputs=x)
+    assert "CAST" in report.ops and report.size_bytes < 0.5 * float_report.size_bytes
+    runner = litert.Interpreter(model_path=path).get_signature_runner()
+    (got,) = runner(**{next(iter(runner.get_input_details())): x}).values()
+    # Independent reference in numpy, from the definition: Keras' abs-max int8 per output column.
+    h = x
+    for layer in (model.get_layer("hidden"), model.get_layer("out")):
+        w, b = layer.get_weights()
+        scale = 127.0 / (np.max(np.abs(w), axis=0) + keras.backend.epsilon())
+        q = np.clip(np.round(w * scale), -127, 127)
+        h = (h.astype("float64") @ q) / scale + b
+        if layer.name == "hidden":
+            h = np.maximum(h, 0.0)
+    assert _rel(h, got) <= 1e-5 and report.max_rel_error <= formats.FLOAT32_RTOL
+
+
+@_requires("litert")
+def test_litert_float16_weights_within_the_float16_bound(tmp_path):
+    from tfmetal_ext.conversion.verify import OUTPUT_RTOL
+
+    model = _zero_bias_mlp()
+    report = tfmetal_ext.export(model, tmp_path / "m.tflite", format="litert", float16=True)
+    assert report.float16 and report.tolerance == OUTPUT_RTOL["float16"]
+    assert "DEQUANTIZE" in report.ops and 0 < report.max_rel_error <= report.tolerance
+    with pytest.raises(ValueError, match="float16"):
+        tfmetal_ext.export(model, tmp_path / "m.onnx", format="onnx", float16=True)

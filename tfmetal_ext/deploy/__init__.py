@@ -3,8 +3,9 @@ runs without tfmetal_ext, and checks it with the format's own runtime in the sam
 
 While the export traces the model (`portable_forms()`), every tfmetal_ext layer emits stock
 TensorFlow ops only: the custom ops' pure-TF references, Keras' own code where the layer has a stock
-parent (attention, the keras-hub layers), Keras' own recurrent loop, and the int8 layers' de-quantize
-+ matmul. What the custom ops fused in training is left to the target's own compiler to fuse again
+parent (attention, the keras-hub layers), Keras' own recurrent loop, and the int8 layers' matmul
+by the int8 kernel with the accumulator de-quantized (Keras' own weight-only int8 form; the kernel
+stays int8 in the artifact). What the custom ops fused in training is left to the target's own compiler to fuse again
 (TFLite's FULLY_CONNECTED with its fused activation, ONNX Runtime's and OpenVINO's graph fusions,
 Core ML's MIL passes). The formats, their runtimes and tolerances are data: `formats.FORMATS`.
 
@@ -21,6 +22,8 @@ import shutil
 from tfmetal_ext.deploy import formats as _formats
 from tfmetal_ext.deploy.formats import FLOAT32_RTOL, FORMATS, Format
 
+# The formats `export(float16=True)` applies to.
+FLOAT16_FORMATS = ("litert", "coreml")
 # The largest batch a Core ML export takes (its flexible batch axis needs an upper bound).
 COREML_MAX_BATCH = 1024
 
@@ -53,6 +56,7 @@ class ExportReport:
         tolerance: the bound `max_rel_error` was held to.
         ops: the op types the artifact holds (as its runtime lists them).
         int8: the export was of the int8 deployment form.
+        float16: the artifact holds float16 weights (LiteRT) or computes in float16 (Core ML).
         note: what else the check says (e.g. that the numeric check needs a Mac).
     """
 
@@ -64,6 +68,7 @@ class ExportReport:
     tolerance: float | None = None
     ops: list = dataclasses.field(default_factory=list)
     int8: bool = False
+    float16: bool = False
     note: str = ""
 
     @property
@@ -76,7 +81,7 @@ class ExportReport:
     def __str__(self):
         err = "not run here" if self.max_rel_error is None else f"{self.max_rel_error:.3g} (bound {self.tolerance:g})"
         lines = [
-            f"exported {self.format}{' (int8)' if self.int8 else ''}: {self.path} ({_human(self.size_bytes)})",
+            f"exported {self.format}{' (int8)' if self.int8 else ''}{' (float16)' if self.float16 else ''}: {self.path} ({_human(self.size_bytes)})",
             f"  checked with {self.checked_with}: max relative error {err}",
             f"  ops ({len(self.ops)}): {', '.join(self.ops)}",
         ]
@@ -98,7 +103,7 @@ def portable_forms():
         yield
 
 
-def export(model, path, format="tf_saved_model", *, int8=False, verify=True, inputs=None, batch_size=2, seed=0,
+def export(model, path, format="tf_saved_model", *, int8=False, float16=False, verify=True, inputs=None, batch_size=2, seed=0,
            tolerance=None, verbose=False, **kwargs):
     """Exports `model` (built from tfmetal_ext layers or not) to `path` in `format`, checked.
 
@@ -119,7 +124,14 @@ def export(model, path, format="tf_saved_model", *, int8=False, verify=True, inp
         format: a `formats.FORMATS` name.
         int8: export the int8 deployment form: ``convert(model, inference=True,
             quantize="int8")`` (verified against the float inference form there), whose int8
-            layers export as de-quantize + matmul; the check compares with that int8 model.
+            layers export as a matmul by the int8 kernel with the accumulator de-quantized; the
+            check compares with that int8 model.
+        float16: LiteRT: float16 weights (the converter's float16 quantization: half the size,
+            float32 compute); Core ML: float16 compute precision (Core ML's default for ML
+            programs; without it the export computes in float32). Checked within
+            `tfmetal_ext.conversion.verify.OUTPUT_RTOL` of float16, the bound a model computing
+            in float16 is verified to, which covers rounding the weights alone. Other formats:
+            ValueError.
         verify: run the artifact and compare (default); False only writes it.
         inputs: the inputs to compare on (the model's input structure); default: synthetic inputs
             of `batch_size` rows drawn with `seed` (`tfmetal_ext.conversion.verify.make_inputs`).
@@ -153,6 +165,16 @@ def export(model, path, format="tf_saved_model", *, int8=False, verify=True, inp
             f"format={fmt.name!r} needs {', '.join(fmt.pip)}; not importable here: {'; '.join(missing)}. "
             "Install them with: pip install 'tfmetal-ext[export]'"
         )
+    if float16 and fmt.name not in FLOAT16_FORMATS:
+        raise ValueError(f"`float16` applies to {' and '.join(FLOAT16_FORMATS)} exports. "
+                         f"Received: float16={float16!r}, format={fmt.name!r}")
+    if float16 and fmt.name == "litert":
+        import tensorflow as tf
+
+        kwargs = {"optimizations": [tf.lite.Optimize.DEFAULT], "target_spec": {"supported_types": [tf.float16]},
+                  **kwargs}
+    if fmt.name == "coreml":
+        kwargs = {"compute_precision": "float16" if float16 else "float32", **kwargs}
     if int8:
         from tfmetal_ext.conversion import convert
 
@@ -160,7 +182,11 @@ def export(model, path, format="tf_saved_model", *, int8=False, verify=True, inp
                         batch_size=batch_size, seed=seed)
     x = _inputs(model, inputs, batch_size, seed)
     expected = _keras_outputs(model, x)  # also calls the model once (the ONNX route needs a called model)
-    report = ExportReport(fmt.name, path, checked_with=fmt.runtime, int8=bool(int8))
+    report = ExportReport(fmt.name, path, checked_with=fmt.runtime, int8=bool(int8), float16=bool(float16))
+    if float16 and tolerance is None:
+        from tfmetal_ext.conversion.verify import OUTPUT_RTOL
+
+        tolerance = OUTPUT_RTOL["float16"]
     _write(model, fmt, path, x, verbose, kwargs)
     report.size_bytes = _size(path)
     if not verify:
@@ -242,7 +268,10 @@ def _write_coreml(model, path, x, kwargs):
     types_ = [ct.TensorType(name=n, shape=ct.Shape([ct.RangeDim(1, COREML_MAX_BATCH, default=int(s.shape[0] or 1)),
                                                      *[int(d) for d in s.shape[1:]]]))
               for n, s in zip(names, (_np(t) for t in flat))]
-    kw = {"convert_to": "mlprogram", "minimum_deployment_target": ct.target.macOS13, "inputs": types_, **kwargs}
+    precision = {"float16": ct.precision.FLOAT16, "float32": ct.precision.FLOAT32}.get(
+        kwargs.get("compute_precision"), kwargs.get("compute_precision"))
+    kw = {"convert_to": "mlprogram", "minimum_deployment_target": ct.target.macOS13, "inputs": types_,
+          **kwargs, "compute_precision": precision}
     mlmodel = ct.convert([fn], source="tensorflow", **kw)
     mlmodel.save(path)
 

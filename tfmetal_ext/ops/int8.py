@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tfmetal_ext import _env
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common
 
@@ -104,7 +105,9 @@ def int8_matmul(x, kernel, kernel_scale, bias=None, activation=None, name=None):
     n = kernel.shape[1]
     rank = x.shape.rank
     x2 = x if rank == 2 else tf.reshape(x, [-1, tf.shape(x)[-1]])
-    if uses_kernel("matmul"):
+    if _env.current().portable:
+        y = portable_int8_matmul(x2, kernel, kernel_scale, bias, act)
+    elif uses_kernel("matmul"):
         y = _wrapper("matmul")(x2, kernel, kernel_scale, _bias_or_empty(bias, x.dtype), activation=act,
                                leaky_relu_alpha=LEAKY_RELU_ALPHA, has_bias=bias is not None, name=name)
     else:
@@ -165,6 +168,8 @@ def int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), padding="val
         return _wrapper("conv2d")(x, kernel, kernel_scale, _bias_or_empty(bias, x.dtype), activation=act,
                                   leaky_relu_alpha=LEAKY_RELU_ALPHA, has_bias=bias is not None,
                                   strides=list(strides), dilations=list(dilations), padding=pad, name=name)
+    if _env.current().portable:
+        return portable_int8_conv2d(x, kernel, kernel_scale, bias, strides, pad, dilations, act)
     _check_scale_values(kernel_scale)
     return reference_int8_conv2d(x, kernel, kernel_scale, bias, strides, pad, dilations, act)
 
@@ -335,6 +340,36 @@ def reference_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), pa
     y = tf.nn.conv2d(xf, w, strides=list(strides), padding=padding.upper())
     if bias is not None:
         y = tf.nn.bias_add(y, tf.cast(bias, tf.float32))
+    return tf.cast(_activate(y, activation, alpha), x.dtype)
+
+
+# Portable forms (traced for export, `tfmetal_ext.deploy.portable_forms`): the op's own definition,
+# ``activation(acc / kernel_scale + bias)`` with ``acc = x @ float(kernel)``, as stock ops (Keras'
+# weight-only int8 layers compute the same). The int8 kernel stays int8 in the artifact (a Cast
+# where it is read). Not `reference_int8_*` (the kernel de-quantized before the product): the TFLite
+# converter (TF 2.21) turns MatMul by a computed kernel + BiasAdd + Relu into a BATCH_MATMUL and
+# drops the Relu when the bias is all zeros (measured; tests/deploy/test_export.py).
+
+
+def portable_int8_matmul(x, kernel, kernel_scale, bias=None, activation=None, alpha=LEAKY_RELU_ALPHA):
+    """`int8_matmul`'s portable form for 2-D `x`: the accumulator de-quantized, in float32."""
+    y = tf.linalg.matmul(tf.cast(x, tf.float32), tf.cast(kernel, tf.float32)) / tf.cast(kernel_scale, tf.float32)
+    if bias is not None:
+        y = y + tf.cast(bias, tf.float32)
+    return tf.cast(_activate(y, activation, alpha), x.dtype)
+
+
+def portable_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), padding="VALID", dilations=(1, 1),
+                         activation=None, alpha=LEAKY_RELU_ALPHA):
+    """`int8_conv2d`'s portable form: the accumulator de-quantized, in float32."""
+    empty = _empty_conv_output(x, kernel, strides, padding, dilations)
+    if empty is not None:
+        return tf.zeros(empty, x.dtype)
+    y = tf.nn.conv2d(tf.cast(x, tf.float32), tf.cast(kernel, tf.float32), strides=list(strides),
+                     padding=padding.upper(), dilations=list(dilations))
+    y = y / tf.cast(kernel_scale, tf.float32)
+    if bias is not None:
+        y = y + tf.cast(bias, tf.float32)
     return tf.cast(_activate(y, activation, alpha), x.dtype)
 
 
