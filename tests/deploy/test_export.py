@@ -336,3 +336,12 @@ def test_litert_float16_weights_within_the_float16_bound(tmp_path):
     assert "DEQUANTIZE" in report.ops and 0 < report.max_rel_error <= report.tolerance
     with pytest.raises(ValueError, match="float16"):
         tfmetal_ext.export(model, tmp_path / "m.onnx", format="onnx", float16=True)
+
+
+def test_readme_deploying_names_every_format():
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read()
+    section = readme.split("### Deploying", 1)[1].split("\n### ", 1)[0]
+    for name, fmt in formats.FORMATS.items():
+        assert f"`{name}`" in section, name
+        for pip_name in fmt.pip:
+            assert pip_name in section, pip_name
