@@ -17,6 +17,7 @@ from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
 from tfmetal_ext import conversion
 from tfmetal_ext.conversion import ConversionReport, convert
+from tfmetal_ext.conversion import to_stock
 
 # On a Mac, the import registers the GPU kernels our op library has for standard ops the
 # Metal backend lacks (tfmetal_ext.backends.gap_kernels): stock Keras models get them too.
@@ -39,4 +40,5 @@ __all__ = [
     "ops",
     "optimizers",
     "precision",
+    "to_stock",
 ]

@@ -115,9 +115,18 @@ def _is_stock_class(cls):
 
 
 def same_class(stock, copy):
-    """True when `copy` is of `stock`'s class, or of a tfmetal_ext subclass of it (a retyped copy)."""
-    return type(copy) is type(stock) or (
-        type(copy).__module__.startswith("tfmetal_ext.") and isinstance(copy, type(stock)))
+    """True when `copy` is of `stock`'s class, or of a tfmetal_ext subclass of it (a retyped copy); or,
+    for a tfmetal_ext `stock` (`to_stock`'s direction), of the stock class it stands for: its
+    `planners.stock_class`, or the keras-hub class a retype subclass (``fused_name``) extends."""
+    if type(copy) is type(stock) or (
+            type(copy).__module__.startswith("tfmetal_ext.") and isinstance(copy, type(stock))):
+        return True
+    if not type(stock).__module__.startswith("tfmetal_ext."):
+        return False
+    from tfmetal_ext.conversion import planners
+
+    return type(copy) is planners.stock_class(type(stock)) or (
+        hasattr(type(stock), "fused_name") and type(copy) is type(stock).__mro__[1])
 
 
 def retype(layer, cls):
@@ -410,7 +419,7 @@ def _made_below(stock, copy, depth=0):
     try:
         for _, x, y in _pairs_of(stock, copy, ""):
             for u, v in leaves(x, y):
-                if isinstance(u, keras.layers.Layer) and type(u) is type(v) and not _is_graph_model(u) and (
+                if isinstance(u, keras.layers.Layer) and same_class(u, v) and not _is_graph_model(u) and (
                         _made_in_build(u, v) or (not _is_stock(u) and _made_below(u, v, depth + 1))):
                     return True
     except NotCopyable:  # mismatched trees: swap_sublayers says where
