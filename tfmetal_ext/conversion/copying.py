@@ -367,7 +367,9 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
 
     def walk(a, b, path):
         if isinstance(a, keras.layers.Layer) and _made_in_build(a, b):
+            before = list(getattr(b, "_layers", None) or ())
             build_like(a, b)  # sublayers its build() creates: build the copy first, then swap them
+            _drop_replaced(b, before)
         for p, x, y in _pairs_of(a, b, path):
             if isinstance(x, (list, tuple, dict)):
                 walk(x, y, p)
@@ -399,9 +401,25 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
         # own build() (keras-hub's decoder blocks build their attention): building that sublayer
         # alone first would have the parent build it again, adding state to a built layer. Build
         # the whole copy first; the swapped sublayers are then built from their stock build shapes.
+        before = list(getattr(copy, "_layers", None) or ())
         build_like(stock, copy)
+        _drop_replaced(copy, before)
     walk(stock, copy, "")
     return swaps
+
+
+def _drop_replaced(layer, before):
+    """Sublayers `layer` tracked before its build() that the build replaced (a shell copy's copies of
+    sublayers its build() makes again: unbuilt, no attribute holds them) are no longer tracked."""
+    tracked = getattr(layer, "_layers", None)
+    if not isinstance(tracked, list):
+        return
+    attrs = [v for k, v in vars(layer).items() if k != "_layers"]
+    held = {id(v) for v in attrs}
+    held |= {id(x) for v in attrs if isinstance(v, (list, tuple)) for x in v}
+    held |= {id(x) for v in attrs if isinstance(v, dict) for x in v.values()}
+    stale = {id(x) for x in before if not x.built and id(x) not in held}
+    tracked[:] = [x for x in tracked if id(x) not in stale]
 
 
 def _made_below(stock, copy, depth=0):

@@ -26,10 +26,13 @@ class Source:
             call order (each called on the output of the one before).
         head_bias: the head's bias as it was (numpy), when the new layer holds none (its value
             moved into the moving mean); else None.
+        call_kwargs: the keyword arguments each layer was called with in the stock graph (plain
+            values only), or None where one was a tensor.
     """
 
     layers: tuple
     head_bias: np.ndarray | None = None
+    call_kwargs: tuple | None = None
 
     @property
     def names(self):
@@ -48,7 +51,10 @@ def record(new_layer, plan):
     if getattr(head, "use_bias", False) and getattr(head, "bias", None) is not None \
             and getattr(new_layer, "use_bias", None) is None:
         bias = np.array(keras.ops.convert_to_numpy(head.bias))
-    object.__setattr__(new_layer, ATTRIBUTE, Source(layers, bias))
+    kwargs = tuple(dict(getattr(getattr(n, "arguments", None), "kwargs", {}) or {}) for n in plan.nodes)
+    if any(isinstance(v, keras.KerasTensor) for kw in kwargs for v in keras.tree.flatten(kw)):
+        kwargs = None
+    object.__setattr__(new_layer, ATTRIBUTE, Source(layers, bias, kwargs))
 
 
 def of(layer):

@@ -72,12 +72,13 @@ def _call(layer, x, training):
     return layer(x)
 
 
-def chain(name, new_layers, fill):
-    """An `Expansion` calling `new_layers` one after the other."""
+def chain(name, new_layers, fill, call_kwargs=None):
+    """An `Expansion` calling `new_layers` one after the other (with `call_kwargs`, one dict per layer,
+    the keyword arguments each stock layer was called with, where known)."""
 
     def forward(x, training):
-        for layer in new_layers:
-            x = _call(layer, x, training)
+        for i, layer in enumerate(new_layers):
+            x = layer(x, **call_kwargs[i]) if call_kwargs is not None else _call(layer, x, training)
         return x
 
     return Expansion(name, list(new_layers), all(isinstance(x, keras.layers.Layer) for x in new_layers),
@@ -125,10 +126,12 @@ def _from_source(source, layer):
 
 
 def _assign(dst, value, pairs=None, src=None):
-    """`dst` set to `value` (reshaped where only the layout differs); the pair recorded when trainable."""
+    """`dst` set to `value` (reshaped where only the layout differs); the pair recorded when trainable
+    (not for a reshaped one: its gradients differ in layout only)."""
     value = np.asarray(keras.ops.convert_to_numpy(value))
     dst.assign(value.reshape(tuple(dst.shape)))
-    if pairs is not None and src is not None and src.trainable and dst.trainable:
+    if pairs is not None and src is not None and src.trainable and dst.trainable \
+            and tuple(src.shape) == tuple(dst.shape):
         pairs.append((src, dst))
 
 
@@ -165,6 +168,7 @@ def _conv_bn_act(layer, source, name=None):
         if layer.activation != "linear":
             made.append(L.Activation(layer.activation, **_common(layer, f"{name}_act")))
         bias = None
+    kwargs = source.call_kwargs if source is not None and len(source.layers) >= 2 else None
 
     def fill(pairs):
         _assign(conv.kernel, layer.kernel.value, pairs, layer.kernel)
@@ -178,7 +182,7 @@ def _conv_bn_act(layer, source, name=None):
         _assign(bn.moving_mean, mean.astype("float32"))
         _assign(bn.moving_variance, layer.moving_variance.value)
 
-    return chain(name, made, fill)
+    return chain(name, made, fill, kwargs)
 
 
 def _residual(layer, conv_expansion, name):
@@ -240,7 +244,7 @@ def _with_source(layer, source):
     def fill(pairs):
         _fill_one(layer, made[0], pairs)
 
-    return chain(layer.name, made, fill)
+    return chain(layer.name, made, fill, source.call_kwargs)
 
 
 def expansion_of(layer):
@@ -249,9 +253,24 @@ def expansion_of(layer):
     fn = EXPANDERS.get(type(layer))
     if fn is not None:
         return fn(layer, source)
-    if source is not None and len(source.layers) > 1 and planners.stock_class(type(layer)) is source.layers[0][0]:
+    if source is not None and len(source.layers) > 1 and _recorded_stock(source):
         return _with_source(layer, source)
     return None
+
+
+def _recorded_stock(source):
+    """The stock Keras class of `source`'s head (the layer convert replaced), or None."""
+    cls = source.layers[0][0] if source is not None else None
+    return cls if cls is not None and cls.__module__.startswith("keras.") else None
+
+
+def stock_class_of(layer):
+    """The stock class tfmetal_ext `layer` becomes one to one: the recorded one (a grouped Conv2D that
+    convert made a depthwise conv), else `planners.stock_class`; None when it has none."""
+    source = provenance.of(layer)
+    if source is not None and len(source.layers) == 1 and _recorded_stock(source):
+        return source.layers[0][0]
+    return planners.stock_class(type(layer))
 
 
 # ----------------------------------------------------------------------------
@@ -265,14 +284,15 @@ def _base_keys():
 def stock_layer(layer, source=None, name=None):
     """The unbuilt stock layer tfmetal_ext `layer` stands for (`planners.stock_class`), same config.
 
-    With a one-layer `source` of that class, its recorded config (the stock layer convert
-    replaced); else the layer's config restricted to what the stock constructor takes.
+    With a one-layer `source`, its recorded class and config (the stock layer convert replaced,
+    whose weights are this layer's, reshaped where convert changed the layout); else the layer's
+    config restricted to what the stock constructor takes.
 
     Raises:
         ValueError: `layer`'s class has no stock counterpart, or its config does not make one
             (the message says which).
     """
-    cls = planners.stock_class(type(layer))
+    cls = planners.stock_class(type(layer)) if source is None else stock_class_of(layer)
     if cls is None:
         raise ValueError(f"{type(layer).__name__} has no stock Keras counterpart. Received: layer={layer.name!r}")
     if source is not None and len(source.layers) == 1 and source.layers[0][0] is cls:
@@ -282,19 +302,44 @@ def stock_layer(layer, source=None, name=None):
         accepted = set(inspect.signature(cls.__init__).parameters) | _base_keys()
         config = {k: v for k, v in layer.get_config().items() if k in accepted}
         config["name"] = name or layer.name
+    policy = layer.dtype_policy
+    if _dequantize(layer, cls):
+        policy = keras.dtype_policies.get(policy.name.split("_from_", 1)[1])
+        config["dtype"] = keras.saving.serialize_keras_object(policy)
+        config.pop("quantization_config", None)
     try:
         new = cls.from_config(config)
     except Exception as e:
         raise ValueError(f"{layer.name!r} ({type(layer).__name__}) has no stock {cls.__name__} form: its config "
                          f"does not make one ({type(e).__name__}: {e}). Received: layer={layer.name!r}") from e
-    if new.dtype_policy.name != layer.dtype_policy.name:
-        new.dtype_policy = layer.dtype_policy
+    if new.dtype_policy.name != policy.name:
+        new.dtype_policy = policy
     return new
+
+
+def _dequantize(layer, cls):
+    """True for an int8 `layer` whose stock class has no int8 form of its own (Keras' Conv2D and
+    DepthwiseConv2D have no ``quantize``): the stock layer is float, its kernel de-quantized."""
+    return getattr(layer, "quantization_mode", None) == "int8" and getattr(cls, "quantize", None) in (
+        None, keras.layers.Layer.quantize)
+
+
+def _dequantized_kernel(layer):
+    """``q / kernel_scale`` per output channel (the last axis; a depthwise kernel's last two), float32:
+    what the int8 ops' reference computes with (Cast, RealDiv)."""
+    q = np.asarray(keras.ops.convert_to_numpy(layer._kernel)).astype("float32")
+    scale = np.asarray(keras.ops.convert_to_numpy(layer.kernel_scale)).astype("float32")
+    return (q.reshape(-1, scale.size) / scale).reshape(q.shape)
 
 
 def _fill_one(layer, new, pairs):
     """`layer`'s weights into its stock `new` (built): one to one by order, bitwise (a grouped conv's
     depthwise kernel reshaped back); a dropout's or attention's seed state carried over."""
+    if _dequantize(layer, type(new)):
+        _assign(new.kernel, _dequantized_kernel(layer).reshape(tuple(new.kernel.shape)))
+        if getattr(layer, "use_bias", False):
+            _assign(new.bias, layer.bias.value, pairs, layer.bias)
+        return
     old_w, new_w = layer.weights, new.weights
     if len(old_w) != len(new_w) or any(int(np.prod(a.shape)) != int(np.prod(b.shape)) for a, b in zip(old_w, new_w)):
         raise RuntimeError(f"weight layouts differ: {layer.name} has {[(w.name, tuple(w.shape)) for w in old_w]}, "
@@ -342,7 +387,7 @@ class _StockPlanning:
             rw = Rewrite((label,), label, what, "as " + ", ".join(getattr(x, "name", "?") for x in expansion.layers))
             return planners.Plan("expand", [node], make=lambda: expansion_of(layer),
                                  copy=lambda new, pairs: new.fill(pairs), rewrite=rw, layer_key=id(layer)), None
-        cls = planners.stock_class(type(layer))
+        cls = stock_class_of(layer)
         if cls is not None:
             source = provenance.of(layer)
             return ctx.replace([node], cls.__name__, lambda: stock_layer(layer, source),
@@ -370,7 +415,7 @@ class _StockPlanning:
                          "as a nested model of " + " + ".join(type(x).__name__ for x in expansion.layers))
             return planners.Plan("replace", [], make=lambda: expansion.as_model(shape),
                                  copy=lambda new, pairs: expansion.fill(pairs), rewrite=rw), None
-        cls = planners.stock_class(type(layer))
+        cls = stock_class_of(layer)
         if cls is None:
             return None, f"tfmetal_ext class {type(layer).__name__} has no stock counterpart: kept"
         rw = Rewrite((path,), path, cls.__name__)
