@@ -58,10 +58,12 @@ def _vision():
     h = L.ELU(name="elu")(h)
     h = L.BatchNormalization(name="bn2")(h)  # alone: FusedBatchNorm
     h = L.GlobalAveragePooling2D(name="gap")(h)
-    h = L.Dense(16, name="fc")(h)
-    h = L.Activation("gelu", name="fc_act")(h)
+    h = L.Dense(16, name="fc", dtype="mixed_float16")(h)
+    h = L.Activation("gelu", name="fc_act", dtype="mixed_float16")(h)
     h = L.Dropout(0.1, name="drop")(h)
-    return keras.Model(i, L.Dense(3, name="head")(h), name="vision")
+    m = keras.Model(i, L.Dense(3, name="head")(h), name="vision")
+    m.compile(optimizer=keras.optimizers.Adam(2e-3, beta_1=0.8), loss="mse", metrics=["mae"])
+    return m
 
 
 def _sequence():
@@ -114,12 +116,14 @@ def _exercised(m, converted, classes):
             f"convert rewrote no {cls.__name__} of the case: {report}"
 
 
-def _assert_same_layers(m, s):
-    """Layer by layer: names, classes, configs (dtype policies, trainable flags) and weights."""
+def _assert_same_layers(m, s, paths=True):
+    """Layer by layer: names, classes, configs (dtype policies, trainable flags) and weights (their
+    paths unless `paths` is False: a nested model's rebuilt layers lose its name scope, as in convert)."""
     assert [(x.name, type(x)) for x in s.layers] == [(x.name, type(x)) for x in m.layers]
+    key = (lambda w: w.path) if paths else (lambda w: w.name)
     for a, b in zip(m.layers, s.layers):
         assert b.get_config() == a.get_config(), a.name
-        assert [w.path for w in b.weights] == [w.path for w in a.weights]
+        assert [key(w) for w in b.weights] == [key(w) for w in a.weights]
         for wa, wb in zip(a.weights, b.weights):
             va, vb = np.asarray(wa.numpy()), np.asarray(wb.numpy())
             if "moving_mean" in wa.path and any(x.name == "bias" for x in _feeding_conv(m, a)):
@@ -147,6 +151,9 @@ def test_to_stock_of_convert_is_the_stock_model(case):
     _assert_same_layers(m, s)
     assert s.get_config() == m.get_config()
     assert s.conversion_report.verified
+    if m.compiled:  # convert made the optimizer FusedAdam; to_stock makes it Adam again
+        assert type(converted.optimizer).__name__ == "FusedAdam" and type(s.optimizer) is keras.optimizers.Adam
+        assert s.get_compile_config() == m.get_compile_config()
     stock_ids = {id(v) for v in converted.weights}
     assert not any(id(v) in stock_ids for v in s.weights)
 
@@ -222,7 +229,8 @@ def test_our_model_becomes_stock_with_its_optimizer_state(tmp_path):
     slot = next(k for k in fused_slots if k.endswith("_momentum") and fused_slots[k].shape == kernel.shape)
     mine = next(v for k, v in stock_slots.items() if k.endswith("_momentum") and v.shape == kernel.shape)
     assert np.any(fused_slots[slot].numpy() != 0) and np.array_equal(mine.numpy(), fused_slots[slot].numpy())
-    np.testing.assert_allclose(s.predict(x, verbose=0), m.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    want = np.asarray(m(x, training=False))
+    np.testing.assert_allclose(np.asarray(s(x, training=False)), want, rtol=1e-5, atol=1e-6)
     # Its .keras file names no tfmetal_ext class and loads back with Keras alone.
     path = str(tmp_path / "stock.keras")
     s.save(path)
@@ -230,7 +238,7 @@ def test_our_model_becomes_stock_with_its_optimizer_state(tmp_path):
         assert "tfmetal_ext" not in z.read("config.json").decode()
     loaded = keras.saving.load_model(path)
     assert int(loaded.optimizer.iterations) == 1
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), m.predict(x, verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(loaded(x, training=False)), want, rtol=1e-5, atol=1e-6)
 
 
 _NO_TFMETAL = r"""
@@ -312,6 +320,39 @@ class _Block(L.Layer):
     def call(self, x, training=False):
         h = keras.ops.mean(self.conv(x, training=training), axis=(1, 2))
         return self.dense[1](self.dense[0](h))
+
+
+class _StockBlock(L.Layer):
+    """A stock subclassed layer: convert swaps its sublayers one to one, to_stock swaps them back."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.proj = L.Dense(6, name="proj")
+        self.norms = [L.LayerNormalization(axis=2, epsilon=1e-5, name="norm")]
+
+    def call(self, x):
+        return self.norms[0](self.proj(x))
+
+
+def test_subclass_and_nested_model_round_trip():
+    inner = keras.Sequential([keras.Input((6, 6, 3)), L.Conv2D(4, 3, name="c"), L.BatchNormalization(name="b"),
+                              L.ReLU(name="r"), L.GlobalAveragePooling2D(name="g")], name="inner")
+    img, seq = keras.Input((6, 6, 3), name="img"), keras.Input((5, 4), name="seq")
+    m = keras.Model([img, seq], [inner(img), _StockBlock(name="blk")(seq)], name="outer")
+    _randomize(m)
+    converted = tfmetal_ext.convert(m, count_ops=False)
+    blk = converted.get_layer("blk")
+    assert type(blk.proj).__name__ == "FusedDense" and type(blk.norms[0]).__name__ == "FusedLayerNorm"
+    assert blk.norms[0].get_config()["axis"] in (-1, [-1])  # convert's FusedLayerNorm: the last axis
+    assert [type(x).__name__ for x in converted.get_layer("inner").layers] == ["ConvBNAct", "GlobalAveragePooling2D"]
+    s = tfmetal_ext.to_stock(converted)
+    assert not _ours(s)
+    _assert_same_layers(m.get_layer("inner"), s.get_layer("inner"), paths=False)
+    assert type(s.get_layer("inner")) is keras.Sequential
+    a, b = m.get_layer("blk"), s.get_layer("blk")
+    for x, y in ((a.proj, b.proj), (a.norms[0], b.norms[0])):  # the stock configs (axis=2), the same weights
+        assert type(y) is type(x) and y.get_config() == x.get_config()
+        assert all(np.array_equal(u.numpy(), v.numpy()) for u, v in zip(x.weights, y.weights))
 
 
 def test_subclassed_sublayers_and_sequential():

@@ -250,6 +250,9 @@ class Converter:
             plan_, reason = self.planning.plan_sublayer(sub, path, self.inference, calls)
             if plan_ is None and reason:
                 self.report.kept.append(Kept(path, type(sub).__name__, reason))
+            if plan_ is not None and plan_.kind == "replace" and plan_.nodes and self.planning is planners \
+                    and not self.inference:
+                plan_.make = _recording(plan_)
             return plan_
 
         return copying.swap_sublayers(stock, copy, label, plan_fn, self.report)
@@ -278,6 +281,18 @@ class Converter:
                                    copies=self.new_layers)
         elif kind in ("reuse", "in_place"):
             self.pairs += [(w, w) for w in layer.trainable_weights if not any(w is b for _, b in self.pairs)]
+
+
+def _recording(plan):
+    """`plan`'s make, the new layer recording the stock layer it replaced (`provenance`)."""
+    make = plan.make
+
+    def make_and_record():
+        new = make()
+        provenance.record(new, plan)
+        return new
+
+    return make_and_record
 
 
 def _copy_operation(op):
