@@ -372,6 +372,23 @@ def test_subclassed_sublayers_and_sequential():
     assert t.get_layer("c").get_config()["activation"] == "soft_shrink"
 
 
+def test_loss_scale_optimizer_keeps_wrapping_the_stock_class_with_its_state():
+    i = keras.Input((4,))
+    m = keras.Model(i, fl.FusedDense(2, name="d")(i))
+    m.compile(optimizer=keras.optimizers.LossScaleOptimizer(fo.FusedSGD(momentum=0.9)), loss="mse")
+    m.optimizer.build(m.trainable_variables)
+    m.optimizer.apply([keras.ops.ones_like(v) for v in m.trainable_variables], m.trainable_variables)
+    s = tfmetal_ext.to_stock(m, verify=False)
+    outer, inner = s.optimizer, s.optimizer.inner_optimizer
+    assert type(outer) is keras.optimizers.LossScaleOptimizer and type(inner) is keras.optimizers.SGD
+    assert inner.momentum == pytest.approx(0.9) and int(inner.iterations) == int(m.optimizer.inner_optimizer.iterations)
+    assert float(outer.dynamic_scale) == float(m.optimizer.dynamic_scale)
+    theirs = [v.numpy() for v in m.optimizer.inner_optimizer.variables if "momentum" in v.name]
+    mine = [v.numpy() for v in inner.variables if "momentum" in v.name]
+    assert len(mine) == 2 and all(np.array_equal(a, b) for a, b in zip(mine, theirs))
+    assert any(np.any(a != 0) for a in theirs)
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="Received: model="):
         tfmetal_ext.to_stock(object())
