@@ -5,7 +5,6 @@ and weights), the model of tfmetal_ext layers it is made from (outputs), and a f
 where tfmetal_ext cannot be imported (the saved result loads and trains there).
 """
 
-import json
 import os
 import subprocess
 import sys

@@ -367,6 +367,11 @@ def _retype_base(layer):
     return cls.__mro__[1] if _is_ours(layer) and hasattr(cls, "fused_name") else None
 
 
+def _retype_rewrite(layer, label):
+    base = _retype_base(layer)
+    return Rewrite((label,), label, base.__name__, f"{type(layer).fused_name} -> {base.__module__}.{base.__name__}")
+
+
 class _StockPlanning:
     """`Converter`'s planning for `to_stock`: what replaces each call and each sublayer."""
 
@@ -385,7 +390,7 @@ class _StockPlanning:
         if expansion is not None:
             what = " + ".join(type(x).__name__ for x in expansion.layers)
             rw = Rewrite((label,), label, what, "as " + ", ".join(getattr(x, "name", "?") for x in expansion.layers))
-            return planners.Plan("expand", [node], make=lambda: expansion_of(layer),
+            return planners.Plan("expand", [node], make=lambda: expansion,
                                  copy=lambda new, pairs: new.fill(pairs), rewrite=rw, layer_key=id(layer)), None
         cls = stock_class_of(layer)
         if cls is not None:
@@ -394,8 +399,8 @@ class _StockPlanning:
                                lambda new, pairs: _fill_one(layer, new, pairs))
         base = _retype_base(layer)
         if base is not None:
-            rw = Rewrite((label,), label, base.__name__, f"{type(layer).fused_name} -> {base.__module__}.{base.__name__}")
-            return planners.Plan("retype", [node], make=base, rewrite=rw, layer_key=id(layer)), None
+            return planners.Plan("retype", [node], make=base, rewrite=_retype_rewrite(layer, label),
+                                 layer_key=id(layer)), None
         return planners.keep(node, f"tfmetal_ext class {type(layer).__name__} has no stock counterpart: kept")
 
     @staticmethod
@@ -404,8 +409,7 @@ class _StockPlanning:
             return None, None
         base = _retype_base(layer)
         if base is not None:
-            rw = Rewrite((path,), path, base.__name__, f"{type(layer).fused_name} -> {base.__module__}.{base.__name__}")
-            return planners.Plan("retype", [], make=base, rewrite=rw), None
+            return planners.Plan("retype", [], make=base, rewrite=_retype_rewrite(layer, path)), None
         expansion = expansion_of(layer)
         if expansion is not None:
             shape = planners.build_input_shape(layer)
@@ -442,8 +446,8 @@ def _wrapper(ctx, node):
     def copy(new, pairs):
         weights.copy_identical(w, new, pairs)
 
-    return ctx.replace([node], f"{type(w).__name__}({', '.join(type(planners.stock_class(type(x)) or x).__name__ for x in inner)})",
-                       make, copy)
+    inner_names = ", ".join((planners.stock_class(type(x)) or type(x)).__name__ for x in inner)
+    return ctx.replace([node], f"{type(w).__name__}({inner_names})", make, copy)
 
 
 # ----------------------------------------------------------------------------
@@ -599,16 +603,22 @@ def to_stock(model, verify=True, *, inputs=None, batch_size=2, seed=0, tolerance
     conv = Converter(False, report, planning=STOCK)
     if opts.subclassed:
         new, kind, swaps = conv.copy_deep(model, model.name)
-        report.kept.append(Kept(model.name, type(model).__name__,
-                                f"subclassed model: its call is its own; {len(swaps)} sublayer(s) swapped for stock ones"))
+        report.kept.append(Kept(model.name, type(model).__name__, "subclassed model: its call is its own; "
+                                f"{len(swaps)} sublayer(s) swapped for stock ones"))
         x = make_inputs(model, batch_size, seed, inputs)
         new(keras.tree.map_structure(lambda v: np.asarray(v)[:1], x), training=False)
         copying.transfer_state(model, new, conv.pairs, swaps, model.name)
     else:
         new = conv.convert_model(model)
-    report.notes.append(STOCK_NOTE)
+    left = sorted({type(x).__name__ for x in new._flatten_layers(include_self=True, recursive=True) if _is_ours(x)})
+    report.notes.append(STOCK_NOTE if not left else
+                        f"to_stock: tfmetal_ext classes with no stock form are left ({', '.join(left)}): "
+                        "the result still needs tfmetal_ext")
     _compile_stock(model, new, conv, report)
     if opts.verify:
         pipeline.check(model, new, conv, report, opts, None)
     object.__setattr__(new, "conversion_report", report)
     return new
+
+
+to_stock.__module__ = "tfmetal_ext.conversion"  # its documented home, which re-exports it
