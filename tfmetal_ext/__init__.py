@@ -17,6 +17,7 @@ from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
 from tfmetal_ext import conversion
 from tfmetal_ext.conversion import ConversionReport, convert
+from tfmetal_ext.conversion import to_stock
 from tfmetal_ext import deploy
 from tfmetal_ext.deploy import export
 
@@ -43,4 +44,5 @@ __all__ = [
     "ops",
     "optimizers",
     "precision",
+    "to_stock",
 ]

@@ -44,7 +44,9 @@ model and its check against the float one), `copying` (independent
 copies of kept and subclassed layers: construction, sublayer swaps, state
 moved by Keras' own save/load methods), `verify` (outputs and gradients
 against the stock model, `VerificationError`), `report`
-(`ConversionReport`) and `pipeline` (`convert` as its list of stages, `ConvertOptions`).
+(`ConversionReport`), `pipeline` (`convert` as its list of stages, `ConvertOptions`),
+`provenance` (the stock layers a converted layer replaced, recorded for `to_stock`) and
+`to_stock` (the inverse of `convert`: tfmetal_ext layers as stock Keras layers, `register_expander`).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from tfmetal_ext.conversion import quantize  # noqa: F401  (a documented module)
 from tfmetal_ext.conversion.pipeline import ConvertOptions, convert, logger  # noqa: F401
 from tfmetal_ext.conversion.planners import register_planner
 from tfmetal_ext.conversion.rebuild import Converter  # noqa: F401
+from tfmetal_ext.conversion.to_stock import register_expander, to_stock
 from tfmetal_ext.conversion.report import NO_COUNTERPART, ConversionReport, Kept, Rewrite
 from tfmetal_ext.conversion.verify import (  # noqa: F401  (importable here as before)
     GRAD_RTOL,
@@ -76,5 +79,7 @@ __all__ = [
     "Rewrite",
     "VerificationError",
     "convert",
+    "register_expander",
     "register_planner",
+    "to_stock",
 ]

@@ -115,9 +115,18 @@ def _is_stock_class(cls):
 
 
 def same_class(stock, copy):
-    """True when `copy` is of `stock`'s class, or of a tfmetal_ext subclass of it (a retyped copy)."""
-    return type(copy) is type(stock) or (
-        type(copy).__module__.startswith("tfmetal_ext.") and isinstance(copy, type(stock)))
+    """True when `copy` is of `stock`'s class, or of a tfmetal_ext subclass of it (a retyped copy); or,
+    for a tfmetal_ext `stock` (`to_stock`'s direction), of the stock class it stands for: its
+    `planners.stock_class`, or the keras-hub class a retype subclass (``fused_name``) extends."""
+    if type(copy) is type(stock) or (
+            type(copy).__module__.startswith("tfmetal_ext.") and isinstance(copy, type(stock))):
+        return True
+    if not type(stock).__module__.startswith("tfmetal_ext."):
+        return False
+    from tfmetal_ext.conversion import planners
+
+    return type(copy) is planners.stock_class(type(stock)) or (
+        hasattr(type(stock), "fused_name") and type(copy) is type(stock).__mro__[1])
 
 
 def retype(layer, cls):
@@ -358,7 +367,9 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
 
     def walk(a, b, path):
         if isinstance(a, keras.layers.Layer) and _made_in_build(a, b):
+            before = list(getattr(b, "_layers", None) or ())
             build_like(a, b)  # sublayers its build() creates: build the copy first, then swap them
+            _drop_replaced(b, before)
         for p, x, y in _pairs_of(a, b, path):
             if isinstance(x, (list, tuple, dict)):
                 walk(x, y, p)
@@ -390,9 +401,25 @@ def swap_sublayers(stock, copy, label, plan_fn, report):
         # own build() (keras-hub's decoder blocks build their attention): building that sublayer
         # alone first would have the parent build it again, adding state to a built layer. Build
         # the whole copy first; the swapped sublayers are then built from their stock build shapes.
+        before = list(getattr(copy, "_layers", None) or ())
         build_like(stock, copy)
+        _drop_replaced(copy, before)
     walk(stock, copy, "")
     return swaps
+
+
+def _drop_replaced(layer, before):
+    """Sublayers `layer` tracked before its build() that the build replaced (a shell copy's copies of
+    sublayers its build() makes again: unbuilt, no attribute holds them) are no longer tracked."""
+    tracked = getattr(layer, "_layers", None)
+    if not isinstance(tracked, list):
+        return
+    attrs = [v for k, v in vars(layer).items() if k != "_layers"]
+    held = {id(v) for v in attrs}
+    held |= {id(x) for v in attrs if isinstance(v, (list, tuple)) for x in v}
+    held |= {id(x) for v in attrs if isinstance(v, dict) for x in v.values()}
+    stale = {id(x) for x in before if not x.built and id(x) not in held}
+    tracked[:] = [x for x in tracked if id(x) not in stale]
 
 
 def _made_below(stock, copy, depth=0):
@@ -410,7 +437,7 @@ def _made_below(stock, copy, depth=0):
     try:
         for _, x, y in _pairs_of(stock, copy, ""):
             for u, v in leaves(x, y):
-                if isinstance(u, keras.layers.Layer) and type(u) is type(v) and not _is_graph_model(u) and (
+                if isinstance(u, keras.layers.Layer) and same_class(u, v) and not _is_graph_model(u) and (
                         _made_in_build(u, v) or (not _is_stock(u) and _made_below(u, v, depth + 1))):
                     return True
     except NotCopyable:  # mismatched trees: swap_sublayers says where

@@ -91,6 +91,14 @@ def fused_class(stock):
     return getattr(importlib.import_module(replacement.module), replacement.fused)
 
 
+def stock_class(fused):
+    """The stock Keras class that tfmetal_ext class `fused` replaces (`STOCK_TO_FUSED` read in reverse), or None."""
+    for row in STOCK_TO_FUSED.values():
+        if fused.__name__ == row.fused and fused.__module__.startswith(row.module):
+            return getattr(keras.layers, row.stock)
+    return None
+
+
 # ----------------------------------------------------------------------------
 # Plans.
 

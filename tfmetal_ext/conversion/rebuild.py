@@ -6,7 +6,7 @@ import inspect
 
 import keras
 
-from tfmetal_ext.conversion import copying, planners, weights
+from tfmetal_ext.conversion import copying, planners, provenance, weights
 from tfmetal_ext.conversion.graph import Graph, call_counts
 from tfmetal_ext.conversion.report import Kept
 
@@ -38,6 +38,11 @@ class Converter:
         prefix: the ``outer/`` prefix of a nested model's layer labels.
         new_layers: the map a nested model's `Converter` shares with the one around it.
         calls: the call counts of the whole model (`graph.call_counts`) a nested `Converter` shares.
+        planning: what plans each call and each sublayer: an object with ``plan(ctx, node)`` and
+            ``plan_sublayer(layer, path, inference, calls)`` (default: the `planners` module, the
+            stock -> fused direction; `to_stock` passes the reverse one). A plan of kind
+            ``"expand"`` makes a callable `Expansion`-like object (``name``, ``layers``, ``chain``)
+            that calls several new layers on the node's inputs.
 
     Attributes:
         pairs: ``(stock variable, new variable)`` pairs whose gradients must match.
@@ -50,8 +55,9 @@ class Converter:
             ``(label, class name, stock output tensor, new output tensor)``, for verification.
     """
 
-    def __init__(self, inference, report, prefix="", in_place=False, new_layers=None, calls=None):
+    def __init__(self, inference, report, prefix="", in_place=False, new_layers=None, calls=None, planning=None):
         self.inference = inference
+        self.planning = planning if planning is not None else planners
         self.report = report
         self.prefix = prefix
         self.in_place = in_place
@@ -60,6 +66,7 @@ class Converter:
         self.calls = calls
         self.swaps = {}  # id of a stock layer -> the sublayer swaps of its copy
         self.graph = None
+        self.made = []  # the new layer (or expansion) of each call of the last graph walked, in order
 
     def _label(self, name):
         return f"{self.prefix}{name}"
@@ -88,11 +95,16 @@ class Converter:
         inp = fn.inputs[0]._keras_history.operation
         layers = [type(inp).from_config(inp.get_config())]
         seen = set()
-        for _, _, _, t in corr:
-            new_layer = t._keras_history.operation
-            if id(new_layer) not in seen:
-                seen.add(id(new_layer))
-                layers.append(new_layer)
+        for made in self.made:
+            for new_layer in getattr(made, "layers", None) or [made]:
+                if id(new_layer) not in seen:
+                    seen.add(id(new_layer))
+                    layers.append(new_layer)
+        if not all(getattr(m, "chain", True) for m in self.made):
+            # An expansion that is no chain of layers (a residual block's add): a Sequential cannot hold it.
+            self.report.notes.append(f"{self._label(model.name)}: returned as a Functional model, not a "
+                                     "Sequential (an expanded layer is no chain of layers)")
+            return keras.Model(ins, outs, name=model.name, trainable=model.trainable)
         return keras.Sequential(layers, name=model.name, trainable=model.trainable)
 
     def _functional_like(self, model, ins, outs):
@@ -126,16 +138,18 @@ class Converter:
             new_inputs.append(clone.output)
         absorbed = set()
         corr = []
+        self.made = []
         for node in ctx.graph.nodes:
             if id(node) in absorbed:
                 continue
-            plan, reason = planners.plan(ctx, node)
+            plan, reason = self.planning.plan(ctx, node)
             if plan.kind == "replace":
                 why = _call_kwargs_reason(node, type(plan.make()))
                 if why:
                     plan, reason = planners.keep(node, why)
             absorbed.update(id(n) for n in plan.nodes[1:])
             out, new_layer = self._call(plan, reason, node, tensors)
+            self.made.append(new_layer)
             last = plan.nodes[-1]
             for old, new in zip(last.outputs, keras.tree.flatten(out)):
                 tensors[id(old)] = new
@@ -153,6 +167,8 @@ class Converter:
         first = new_layer is None
         if first:
             new_layer, kind = self._instantiate(plan, reason)
+            if kind == "replace" and self.planning is planners and not self.inference:
+                provenance.record(new_layer, plan)
             self.new_layers[plan.layer_key] = new_layer
         args, kwargs = node.arguments.fill_in(tensors)
         if plan.kind == "replace":
@@ -169,12 +185,13 @@ class Converter:
     def _instantiate(self, plan, reason):
         """The new layer of `plan` and how its weights are set: the plan's kind, or ``"reuse"``."""
         layer = plan.nodes[0].operation
-        if plan.kind == "replace":
+        if plan.kind in ("replace", "expand"):
             self.report.rewrites.append(plan.rewrite)
             return plan.make(), plan.kind
         if plan.kind == "model":
             sub = Converter(self.inference, self.report, prefix=f"{self.prefix}{layer.name}/",
-                            in_place=self.in_place, new_layers=self.new_layers, calls=self.calls)
+                            in_place=self.in_place, new_layers=self.new_layers, calls=self.calls,
+                            planning=self.planning)
             new = sub.convert_model(layer)
             self.pairs += sub.pairs
             return new, plan.kind
@@ -230,9 +247,12 @@ class Converter:
                                      rewrite=None, layer_key=id(sub))
             if copying._is_graph_model(sub):
                 return self._graph_swap(sub, path)
-            plan_, reason = planners.plan_sublayer(sub, path, self.inference, calls)
+            plan_, reason = self.planning.plan_sublayer(sub, path, self.inference, calls)
             if plan_ is None and reason:
                 self.report.kept.append(Kept(path, type(sub).__name__, reason))
+            if plan_ is not None and plan_.kind == "replace" and plan_.nodes and self.planning is planners \
+                    and not self.inference:
+                plan_.make = _recording(plan_)
             return plan_
 
         return copying.swap_sublayers(stock, copy, label, plan_fn, self.report)
@@ -243,7 +263,7 @@ class Converter:
         if not sub.built or (isinstance(sub, keras.Sequential) and getattr(sub, "_functional", None) is None):
             return None
         inner = Converter(self.inference, self.report, prefix=f"{path}/", in_place=self.in_place,
-                          new_layers=self.new_layers)
+                          new_layers=self.new_layers, planning=self.planning)
         new = inner.convert_model(sub)
         self.pairs += inner.pairs
         return planners.Plan("replace", [], make=lambda: new, copy=lambda new_, pairs: None,
@@ -251,7 +271,7 @@ class Converter:
 
     def _after_build(self, plan, kind, new_layer):
         layer = plan.nodes[0].operation
-        if kind == "replace":
+        if kind in ("replace", "expand"):
             start = len(self.pairs)
             plan.copy(new_layer, self.pairs)
             for a, b in self.pairs[start:]:  # a kept layer holding one of these variables shares the copy
@@ -261,6 +281,18 @@ class Converter:
                                    copies=self.new_layers)
         elif kind in ("reuse", "in_place"):
             self.pairs += [(w, w) for w in layer.trainable_weights if not any(w is b for _, b in self.pairs)]
+
+
+def _recording(plan):
+    """`plan`'s make, the new layer recording the stock layer it replaced (`provenance`)."""
+    make = plan.make
+
+    def make_and_record():
+        new = make()
+        provenance.record(new, plan)
+        return new
+
+    return make_and_record
 
 
 def _copy_operation(op):
