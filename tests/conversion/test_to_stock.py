@@ -22,7 +22,6 @@ from tfmetal_ext import optimizers as fo
 from tfmetal_ext.conversion import planners
 
 L = keras.layers
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _randomize(model, seed=0):
@@ -254,7 +253,9 @@ def test_our_model_becomes_stock_with_its_optimizer_state(tmp_path):
 _NO_TFMETAL = r"""
 import sys
 sys.modules["tfmetal_ext"] = None  # importing it fails
-sys.path = [p for p in sys.path if p not in ("", {repo!r}) and not p.startswith({repo!r})]
+import os
+# Every entry holding the package goes (the repo, an editable install's path); site-packages stays.
+sys.path = [p for p in sys.path if p and not os.path.isdir(os.path.join(p, "tfmetal_ext"))]
 try:
     import tfmetal_ext
 except ImportError:
@@ -282,7 +283,7 @@ def test_saved_stock_model_loads_and_trains_without_tfmetal_ext(tmp_path):
     path = str(tmp_path / "stock.keras")
     s.save(path)
     env = dict(os.environ, PYTHONPATH="")
-    code = _NO_TFMETAL.format(repo=REPO, path=path, **files)
+    code = _NO_TFMETAL.format(path=path, **files)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=str(tmp_path),
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
