@@ -61,3 +61,31 @@ def test_export_names_the_extra_when_a_converter_is_missing(saved_model, tmp_pat
     assert cli.main(["export", str(saved_model), str(tmp_path / "m.onnx"), "--format", "onnx"]) == 2
     assert "pip install 'tfmetal-ext[export]'" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "m.onnx")
+
+
+def test_to_stock_usage_errors_are_one_line(saved_model, tmp_path, capsys):
+    cases = [
+        (["to-stock", str(tmp_path / "missing.keras"), str(tmp_path / "s.keras")], "no such file"),
+        (["to-stock", str(saved_model), str(tmp_path / "s.h5")], ".keras"),
+        (["to-stock", str(saved_model), str(tmp_path / "no" / "s.keras")], "does not exist"),
+    ]
+    for argv, text in cases:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert text in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.full  # loads the result in a Python process without tfmetal_ext (TensorFlow starts there)
+def test_to_stock_saves_a_file_that_loads_without_tfmetal_ext(saved_model, tmp_path, capsys):
+    import zipfile
+
+    out = tmp_path / "stock.keras"
+    assert cli.main(["to-stock", str(saved_model), str(out)]) == 0
+    assert "loaded in a process without tfmetal_ext" in capsys.readouterr().out
+    with zipfile.ZipFile(out) as z:
+        config = z.read("config.json").decode()
+    assert "tfmetal_ext" not in config and "LayerNormalization" in config
+    x = np.random.default_rng(0).standard_normal((2, 6, 8)).astype("float32")
+    ref = keras.saving.load_model(saved_model).predict(x, verbose=0)
+    # Stock LayerNormalization's ops against our kernel's: float rounding apart.
+    np.testing.assert_allclose(keras.saving.load_model(out).predict(x, verbose=0), ref, rtol=1e-5, atol=1e-6)
