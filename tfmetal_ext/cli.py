@@ -149,38 +149,54 @@ def _cmd_doctor(args):
 def _cmd_convert(args):
     from tfmetal_ext import conversion
 
-    if os.path.isdir(args.input) or (os.path.exists(args.input) and not args.input.endswith(".keras")):
-        return _usage_error("convert", f"the input must be a .keras file; received: {args.input}")
     if args.quantize and not args.inference:
         return _usage_error("convert", f"--quantize {args.quantize} needs --inference: the quantized model is "
                             "the deployment form (batch norms folded); add --inference")
-    problem = _output_problem(args.output)  # before the conversion, which takes a while
+    return _rewrite_file(
+        "convert", args,
+        lambda model: conversion.convert(model, inference=args.inference, verify=not args.no_verify,
+                                         count_ops=not args.no_ops, batch_size=args.batch, quantize=args.quantize),
+        (lambda new: _reload_problem(new, args.output, args.batch)) if args.quantize else None,
+        " (loaded back: predicts the same)",
+    )
+
+
+def _rewrite_file(command, args, make, reload_problem, checked):
+    """`convert` and `to-stock`: IN.keras -> ``make(model)`` -> OUT.keras, then ``reload_problem(new)``.
+
+    Exit 2 for an unusable IN or OUT (OUT checked before the work, which takes a while), 1 when
+    `make` fails verification or the saved file fails `reload_problem` (then it is removed).
+    """
+    from tfmetal_ext import conversion
+
+    if os.path.isdir(args.input) or (os.path.exists(args.input) and not args.input.endswith(".keras")):
+        return _usage_error(command, f"the input must be a .keras file; received: {args.input}")
+    problem = _output_problem(args.output)
     if problem:
-        return _usage_error("convert", problem)
-    model = _load_model(args.input, "convert")
+        return _usage_error(command, problem)
+    model = _load_model(args.input, command)
     if model is None:
         return 2
     try:
-        converted = conversion.convert(
-            model, inference=args.inference, verify=not args.no_verify, count_ops=not args.no_ops,
-            batch_size=args.batch, quantize=args.quantize,
-        )
+        new = make(model)
     except (ValueError, conversion.VerificationError) as e:
-        print(f"tfmetal-ext convert: {e}", file=sys.stderr)
+        print(f"tfmetal-ext {command}: {e}", file=sys.stderr)
         return 1
     try:
-        converted.save(args.output)
+        new.save(args.output)
     except (OSError, ValueError) as e:
-        return _usage_error("convert", f"cannot save {args.output}: {' '.join(str(e).split())} (choose another path)")
-    if args.quantize:
-        problem = _reload_problem(converted, args.output, args.batch)
-        if problem:
-            os.remove(args.output)
-            print(converted.conversion_report)
-            print(f"tfmetal-ext convert: {problem}; {args.output} removed", file=sys.stderr)
-            return 1
-    print(converted.conversion_report)
-    print(f"saved {args.output}" + (" (loaded back: predicts the same)" if args.quantize else ""))
+        return _usage_error(command, f"cannot save {args.output}: {' '.join(str(e).split())} (choose another path)")
+    report = getattr(new, "conversion_report", None)
+    problem = reload_problem(new) if reload_problem is not None else None
+    if problem:
+        os.remove(args.output)
+        if report is not None:
+            print(report)
+        print(f"tfmetal-ext {command}: {problem}; {args.output} removed", file=sys.stderr)
+        return 1
+    if report is not None:
+        print(report)
+    print(f"saved {args.output}" + (checked if reload_problem is not None else ""))
     return 0
 
 
@@ -245,34 +261,12 @@ def _cmd_export(args):
 def _cmd_to_stock(args):
     from tfmetal_ext import conversion
 
-    if os.path.isdir(args.input) or (os.path.exists(args.input) and not args.input.endswith(".keras")):
-        return _usage_error("to-stock", f"the input must be a .keras file; received: {args.input}")
-    problem = _output_problem(args.output)
-    if problem:
-        return _usage_error("to-stock", problem)
-    model = _load_model(args.input, "to-stock")
-    if model is None:
-        return 2
-    try:
-        stock = conversion.to_stock(model, verify=not args.no_verify, batch_size=args.batch)
-    except (ValueError, conversion.VerificationError) as e:
-        print(f"tfmetal-ext to-stock: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
-    try:
-        stock.save(args.output)
-    except (OSError, ValueError) as e:
-        return _usage_error("to-stock", f"cannot save {args.output}: {' '.join(str(e).split())} (choose another path)")
-    problem = None if args.no_verify else _isolated_reload_problem(stock, args.output, args.batch)
-    if problem:
-        os.remove(args.output)
-        print(f"tfmetal-ext to-stock: {problem}; {args.output} removed", file=sys.stderr)
-        return 1
-    report = getattr(stock, "conversion_report", None)
-    if report is not None:
-        print(report)
-    print(f"saved {args.output}" + ("" if args.no_verify else " (loaded in a process without tfmetal_ext: "
-                                                              "predicts the same)"))
-    return 0
+    return _rewrite_file(
+        "to-stock", args,
+        lambda model: conversion.to_stock(model, verify=not args.no_verify, batch_size=args.batch),
+        None if args.no_verify else (lambda new: _isolated_reload_problem(new, args.output, args.batch)),
+        " (loaded in a process without tfmetal_ext: predicts the same)",
+    )
 
 
 def _isolated_reload_problem(model, path, batch):
