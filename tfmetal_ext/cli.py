@@ -357,7 +357,7 @@ def build_parser():
     p.add_argument("--no-verify", action="store_true", help="skip comparing outputs and gradients with the stock model")
     p.add_argument("--no-ops", action="store_true", help="skip counting ops per train step and inference call")
     p.set_defaults(func=_cmd_convert)
-    from tfmetal_ext.deploy.formats import FORMATS  # data only: no TensorFlow import
+    from tfmetal_ext.deploy.formats import FORMATS
 
     p = sub.add_parser("export", help="a deployable artifact of a .keras model that needs no tfmetal_ext, checked")
     p.add_argument("model", help="path to a .keras file (tfmetal_ext layers or stock)")
