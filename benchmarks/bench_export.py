@@ -53,6 +53,8 @@ QUICK_FORMATS = ("tf_saved_model", "onnx")
 # Rows of each model's synthetic batch the exports are compared on.
 VERIFY_ROWS = 2
 CELL_TIMEOUT = 600.0
+# How often the driver reads a worker's records.
+POLL_SECONDS = 1.0
 # What the table cell keeps of a failure's one-line reason (the Failures list keeps all of it).
 SHORT_REASON = 110
 
@@ -259,7 +261,7 @@ def drive_model(name, args, cells, log=print):
                 os.killpg(proc.pid, 9)
                 proc.wait()
                 break
-            time.sleep(1.0)
+            time.sleep(POLL_SECONDS)
         with open(err_path) as f:
             tail = " | ".join(ln.strip() for ln in f.read().strip().splitlines()[-3:])
         os.unlink(out)
