@@ -56,7 +56,7 @@ CELL_TIMEOUT = 600.0
 # How often the driver reads a worker's records.
 POLL_SECONDS = 1.0
 # What the table cell keeps of a failure's one-line reason (the Failures list keeps all of it).
-SHORT_REASON = 110
+SHORT_REASON = 130
 
 
 def model_tables(app_size=None):
@@ -296,8 +296,31 @@ def _human(n):
     return human(n)
 
 
+# Boilerplate of the routes' and runtimes' messages, dropped from the table's short reasons.
+_NOISE = (
+    (r"^ExportError: ", ""),
+    (r"\. The working route: .*$", ""),
+    (r" \(\S+ removed\)$", ""),
+    (r"^keras model\.export\(format='\w+'\) failed on TensorFlow [\w.]+: ", "model.export failed: "),
+    (r"^coremltools\.convert .*? failed on TensorFlow [\w.]+: ", "coremltools.convert failed: "),
+    (r"Select TensorFlow op\(s\), included in the given model, is\(are\) not supported by this interpreter\..*$",
+     "Select TF ops (Flex delegate) not supported"),
+    (r"Model wasn't fully converted\. Summary: -- No conversion rule found for operations:", "no conversion rule for"),
+    (r"( not implemented\.) name: .*$", r"\1"),
+    (r" Input x=\".*?\" expects", " expects"),
+    (r"\[ONNXRuntimeError\] : \d+ : \w+ : Load model from \S+ failed:", ""),
+    (r"This is an invalid model\. In Node, \(.*?\) , Error ", ""),
+    (r"Check 'false' failed at \S+ FrontEnd API failed with OpConversionFailure: ", ""),
+    (r" To facilitate the conversion of unsupported operations.*$", ""),
+)
+
+
 def _short(text, n=SHORT_REASON):
-    text = text.split(". The working route:")[0]
+    """The gist of a one-line reason (the Failures list keeps it whole)."""
+    import re
+
+    for pattern, repl in _NOISE:
+        text = re.sub(pattern, repl, text)
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
@@ -353,7 +376,13 @@ def render(cells, infos, args, env):
         label = f"{m} ({inf['input']}, {inf['params']:,} params)" if inf.get("params") else m
         for f in fmts:
             lines.append(f"| {label} | {f} | " + " | ".join(cell_text(index.get((m, f, v))) for v in variants) + " |")
-    lines += ["", *summary_lines(cells), ""]
+    lines += ["", *summary_lines(cells), "", "Cells that pass, per format:", "",
+              "| format | " + " | ".join(variants) + " |", "|---|" + "---|" * len(variants)]
+    for f in fmts:
+        row = [[c for c in cells if c["format"] == f and c["variant"] == v] for v in variants]
+        lines.append(f"| {f} | " + " | ".join(f"{sum(c['status'] == 'pass' for c in cs)} of {len(cs)}"
+                                               for cs in row) + " |")
+    lines.append("")
     fails = [c for c in cells if c["status"] != "pass"]
     if fails:
         lines += ["## Cells that did not pass (full one-line reasons)", ""]
@@ -410,6 +439,7 @@ def _parse(argv):
     parser.add_argument("--in-process", action="store_true", help="run here (no worker processes, no timeout)")
     parser.add_argument("--out", default=None, help="write the Markdown report here too")
     parser.add_argument("--json", default=None, help="write the cells as JSON here")
+    parser.add_argument("--from-json", default=None, help="render the report of an earlier run's --json file")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-cells", default=None, help=argparse.SUPPRESS)
@@ -438,6 +468,16 @@ def _parse(argv):
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     args, table, names, fmts, variants = _parse(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            data = json.load(f)
+        run_args = _parse(data["command"][1:])[0]
+        text = render(data["cells"], data["models"], run_args, data["environment"])
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return data["cells"]
 
     if args.worker:  # one model's cells, each record appended to --worker-out as a JSON line
         cells = [tuple(c.split(":")) for c in args.worker_cells.split(",")]

@@ -72,12 +72,33 @@ def test_summary_counts_cells_where_stock_passes_and_ours_fails(monkeypatch, cap
     text = capsys.readouterr().out
     assert "cells where stock passes and ours fails: 1 (must be 0); converted 1, int8 0; " \
            "stock passes 3 of 3 cells" in text
-    assert "- tiny / litert / converted: ExportError: Custom ops: TfmetalExt>LayerNorm" in text
+    assert "- tiny / litert / converted: Custom ops: TfmetalExt>LayerNorm" in text
     rows = {ln.split(" | ")[1]: ln for ln in text.splitlines() if ln.startswith("| tiny")}
     assert set(rows) == {"litert", "onnx", "coreml"}
-    assert "**FAIL**: ExportError: Custom ops" in rows["litert"] and "working route" not in rows["litert"]
+    assert "**FAIL**: Custom ops: TfmetalExt>LayerNorm · 1.0 s" in rows["litert"]
+    assert "working route" not in rows["litert"] and "ExportError" not in rows["litert"]
     assert "not run here (4 MIL ops)" in rows["coreml"] and "err 3e-07" in rows["onnx"]
     assert "n/a: quantize refused" in rows["onnx"]
+
+
+@pytest.mark.parametrize("reason, short", [
+    ("ExportError: keras model.export(format='openvino') failed on TensorFlow 2.21.0: OpConversionFailure: Check "
+     "'false' failed at src/frontends/common_translators/src/unconverted_ops_report.cpp:151: FrontEnd API failed with "
+     "OpConversionFailure: Model wasn't fully converted. Summary: -- No conversion rule found for operations: "
+     "TensorList To facilitate the conversion of unsupported operations, refer to Frontend Extension documentation: "
+     "https://docs.openvino.ai/x.html. The working route: export format='tf_saved_model' (checked the same way)",
+     "model.export failed: OpConversionFailure: no conversion rule for TensorList"),
+    ("ExportError: onnxruntime refused it: [ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model from /tmp/a.onnx "
+     "failed:This is an invalid model. In Node, (\"g/Erfc\", Erfc, \"\", -1) : (\"t:0\": tensor(float),) -> "
+     "(\"g/Erfc:0\",) , Error No Op registered for Erfc with domain_version of 15 (/tmp/a.onnx removed)",
+     "onnxruntime refused it: No Op registered for Erfc with domain_version of 15"),
+    ("ExportError: coremltools.convert on the serving function (ML program) failed on TensorFlow 2.21.0: "
+     "NotImplementedError: Conversion for TF op 'Erfc' not implemented. name: \"g/Erfc\" op: \"Erfc\"",
+     "coremltools.convert failed: NotImplementedError: Conversion for TF op 'Erfc' not implemented."),
+])
+def test_short_reason_keeps_the_gist(reason, short):
+    assert bench_export._short(reason) == short
+    assert len(bench_export._short("x" * 500)) == bench_export.SHORT_REASON
 
 
 def test_usage_errors(capsys):
@@ -126,3 +147,19 @@ def test_driver_records_a_timeout_and_a_crash_then_carries_on(monkeypatch, tmp_p
     assert [(r["variant"], r["format"]) for r in recs] == cells
     assert [r["status"] for r in recs] == ["pass", "timeout", "fail", "pass"]
     assert "timed out" in recs[1]["reason"] and "exit 7" in recs[2]["reason"]
+
+
+@pytest.mark.full  # one benchmark model in a worker process, three variants, two formats (~40 s)
+def test_worker_run_of_a_benchmark_model(tmp_path, capsys):
+    cells = bench_export.main(["--models", "mnist_convnet", "--formats", "onnx,litert", "--json",
+                               str(tmp_path / "r.json")])
+    assert {(c["variant"], c["format"]) for c in cells} == {(v, f) for v in bench_export.VARIANTS
+                                                            for f in ("onnx", "litert")}
+    for c in cells:
+        assert c["status"] == "pass" and c["max_rel_error"] <= 1e-5 and c["size_bytes"] > 0, c
+    sizes = {(c["variant"], c["format"]): c["size_bytes"] for c in cells}
+    assert sizes[("int8", "litert")] < 0.5 * sizes[("stock", "litert")]  # LiteRT keeps the int8 kernels
+    assert "cells where stock passes and ours fails: 0 (must be 0)" in capsys.readouterr().out
+    data = json.loads((tmp_path / "r.json").read_text())
+    # 3*3*1*32 + 32 + 3*3*32*64 + 64 + 5*5*64*10 + 10: the two convolutions and the Dense head
+    assert data["models"]["mnist_convnet"]["params"] == 34826
