@@ -345,3 +345,10 @@ def test_readme_deploying_names_every_format():
         assert f"`{name}`" in section, name
         for pip_name in fmt.pip:
             assert pip_name in section, pip_name
+
+
+def test_a_model_without_synthetic_inputs_asks_for_inputs(tmp_path):
+    inp = keras.Input((), dtype="string")
+    model = keras.Model(inp, L.StringLookup(vocabulary=["a", "b"])(inp))
+    with pytest.raises(ValueError, match=r"export\(\.\.\., inputs=x\).*Received: inputs=None"):
+        tfmetal_ext.export(model, tmp_path / "m.onnx", format="onnx")

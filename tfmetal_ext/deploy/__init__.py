@@ -216,7 +216,13 @@ def _inputs(model, inputs, batch_size, seed):
         return inputs
     from tfmetal_ext.conversion.verify import make_inputs
 
-    return make_inputs(model, batch_size, seed)
+    try:
+        return make_inputs(model, batch_size, seed)
+    except ValueError as e:  # no synthetic batch for this model (strings, unknown shapes)
+        raise ValueError(
+            f"export() needs a batch to check the artifact with and cannot make one ({e}); pass "
+            "export(..., inputs=x), a batch the model accepts. Received: inputs=None"
+        ) from None
 
 
 def _keras_outputs(model, x):
