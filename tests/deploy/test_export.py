@@ -352,3 +352,27 @@ def test_a_model_without_synthetic_inputs_asks_for_inputs(tmp_path):
     model = keras.Model(inp, L.StringLookup(vocabulary=["a", "b"])(inp))
     with pytest.raises(ValueError, match=r"export\(\.\.\., inputs=x\).*Received: inputs=None"):
         tfmetal_ext.export(model, tmp_path / "m.onnx", format="onnx")
+
+
+@_requires("onnx")
+def test_exact_gelu_of_our_layers_exports_to_onnx_where_keras_gelu_does_not(tmp_path):
+    """Keras' exact GELU traces to Erfc, which onnxruntime refuses; our layers' portable GELU is erf-based."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    ours = keras.Model(inp, fl.FusedDense(4, activation="gelu")(inp))
+    x = np.random.default_rng(4).standard_normal((6, 8)).astype("float32") * 3
+    report = tfmetal_ext.export(ours, tmp_path / "ours.onnx", format="onnx", inputs=x)
+    assert "Erf" in report.ops and "Erfc" not in report.ops and report.max_rel_error <= formats.FLOAT32_RTOL
+    w, b = ours.get_weights()
+    z = x.astype("float64") @ w + b
+    from math import erf
+
+    ref = 0.5 * z * (1 + np.vectorize(erf)(z / np.sqrt(2)))  # the definition, in float64
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(tmp_path / "ours.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {sess.get_inputs()[0].name: x})
+    assert _rel(ref, got) <= 1e-5
+    stock = keras.Model(inp, L.Dense(4, activation="gelu")(inp))
+    with pytest.raises(deploy.ExportError, match="Erfc"):  # the peer's own result, for comparison
+        tfmetal_ext.export(stock, tmp_path / "stock.onnx", format="onnx", inputs=x)
