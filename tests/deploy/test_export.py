@@ -376,3 +376,17 @@ def test_exact_gelu_of_our_layers_exports_to_onnx_where_keras_gelu_does_not(tmp_
     stock = keras.Model(inp, L.Dense(4, activation="gelu")(inp))
     with pytest.raises(deploy.ExportError, match="Erfc"):  # the peer's own result, for comparison
         tfmetal_ext.export(stock, tmp_path / "stock.onnx", format="onnx", inputs=x)
+
+
+@pytest.mark.full
+@_requires("coreml")
+def test_coreml_int8_embedding_names_the_working_route(tmp_path):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((5,), dtype="int32")
+    model = keras.Model(inp, L.Dense(3)(L.Flatten()(L.Embedding(50, 8)(inp))))
+    x = np.random.default_rng(0).integers(0, 50, (2, 5)).astype("int32")
+    with pytest.raises(deploy.ExportError, match="int8 table.*float16=True"):
+        tfmetal_ext.export(model, tmp_path / "m.mlpackage", format="coreml", int8=True, inputs=x)
+    assert not (tmp_path / "m.mlpackage").exists()
+    report = tfmetal_ext.export(model, tmp_path / "f.mlpackage", format="coreml", float16=True, inputs=x)
+    assert "gather" in report.ops

@@ -250,6 +250,11 @@ def _route_failed(fmt, e):
     import tensorflow as tf
 
     text = " ".join(str(e).split())[:600]
+    if fmt.name == "coreml" and "gather" in text and "int8" in text:
+        return (f"{fmt.route} failed: coremltools' gather takes no int8 table, so an int8 Embedding (Keras' "
+                f"own, which convert(quantize='int8') makes) does not convert; Keras' own int8 model fails the "
+                f"same. The working route: export the float model with float16=True (half the size), or "
+                f"format='tf_saved_model' / 'onnx' with int8. ({type(e).__name__}: {text[:300]})")
     other = "tf_saved_model" if fmt.name != "tf_saved_model" else "onnx"
     return (f"{fmt.route} failed on TensorFlow {tf.__version__}: {type(e).__name__}: {text}. The working route: "
             f"export format={other!r} (checked the same way) and convert that artifact with the target's tools")
