@@ -97,25 +97,20 @@ def _peer_export(stock, fmt, path, x):
     import keras
     import numpy as np
 
-    from tfmetal_ext.conversion.verify import as_numpy_list, rel_diff
-    from tfmetal_ext.deploy import _size, runtimes
+    from tfmetal_ext.conversion.verify import as_numpy_list
+    from tfmetal_ext.deploy import artifact_size, max_rel_error, runtimes
     from tfmetal_ext.deploy.formats import FLOAT32_RTOL
 
     expected = as_numpy_list(stock(x, training=False))
     stock.export(path, format=fmt, verbose=False)
-    size = _size(path)
+    size = artifact_size(path)
     flat, structure = runtimes.input_structure(keras.tree.map_structure(np.asarray, x))
-    names = [getattr(t, "name", f"input_{i}") for i, t in enumerate(keras.tree.flatten(stock.inputs))]
-    outs, ops, note = runtimes.run(fmt, path, flat, structure, names)
+    outs, ops, note = runtimes.run(fmt, path, flat, structure, runtimes.input_names(stock, structure))
     if outs is None:
         return size, None, ops, note
     if len(outs) != len(expected):
         raise AssertionError(f"the artifact gives {len(outs)} outputs, the Keras model {len(expected)}")
-    errs = []
-    for e, o in zip(expected, outs):
-        o = np.asarray(o, dtype="float64")
-        errs.append(rel_diff(e, o.reshape(e.shape) if o.shape != e.shape and o.size == e.size else o))
-    err = max(errs) if errs else 0.0
+    err = max_rel_error(expected, outs)
     if not err <= FLOAT32_RTOL:
         raise AssertionError(f"max relative error {err:.3g} > {FLOAT32_RTOL:g} ({runtimes.__name__}.run)")
     return size, err, ops, note

@@ -188,7 +188,7 @@ def export(model, path, format="tf_saved_model", *, int8=False, float16=False, v
 
         tolerance = OUTPUT_RTOL["float16"]
     _write(model, fmt, path, x, verbose, kwargs)
-    report.size_bytes = _size(path)
+    report.size_bytes = artifact_size(path)
     if not verify:
         report.note = "not checked (verify=False)"
         return report
@@ -306,15 +306,11 @@ def output_tolerance(model):
 
 def _check(model, fmt, path, x, expected, tolerance, report):
     import keras
-    import numpy as np
 
-    from tfmetal_ext.conversion.verify import rel_diff
     from tfmetal_ext.deploy import runtimes
 
     flat, structure = runtimes.input_structure(keras.tree.map_structure(_np, x))
-    # The runtimes name their inputs after the Keras inputs: a dict's keys, else the model's input names.
-    names = structure["keys"] if structure["kind"] == "dict" else \
-        [getattr(t, "name", f"input_{i}") for i, t in enumerate(keras.tree.flatten(model.inputs))]
+    names = runtimes.input_names(model, structure)
     report.tolerance = float(tolerance) if tolerance is not None else output_tolerance(model)
     try:
         outs, ops, note = runtimes.run(fmt.name, path, flat, structure, names)
@@ -328,8 +324,7 @@ def _check(model, fmt, path, x, expected, tolerance, report):
         _remove(path)
         raise ExportError(f"the {fmt.name} artifact gives {len(outs)} outputs, the Keras model {len(expected)} "
                           f"({path} removed)", report)
-    errs = [rel_diff(e, _same_shape(np.asarray(o, dtype="float64"), e)) for e, o in zip(expected, outs)]
-    report.max_rel_error = max(errs) if errs else 0.0
+    report.max_rel_error = max_rel_error(expected, outs)
     if not report.max_rel_error <= report.tolerance:  # NaN fails too
         _remove(path)
         raise ExportError(
@@ -337,9 +332,18 @@ def _check(model, fmt, path, x, expected, tolerance, report):
             f"{report.max_rel_error:.3g} > {report.tolerance:g} ({path} removed)", report)
 
 
-def _same_shape(o, e):
-    """`o` in `e`'s shape where only unit axes differ (Core ML and OpenVINO may keep or drop them)."""
-    return o.reshape(e.shape) if o.shape != e.shape and o.size == e.size else o
+def max_rel_error(expected, outs):
+    """Max over outputs of max |keras - artifact| / max |keras| (`verify.rel_diff`); the artifact's
+    outputs reshaped where only unit axes differ (Core ML and OpenVINO may keep or drop them)."""
+    import numpy as np
+
+    from tfmetal_ext.conversion.verify import rel_diff
+
+    errs = []
+    for e, o in zip(expected, outs):
+        o = np.asarray(o, dtype="float64")
+        errs.append(rel_diff(e, o.reshape(e.shape) if o.shape != e.shape and o.size == e.size else o))
+    return max(errs) if errs else 0.0
 
 
 def _remove(path):
@@ -352,7 +356,8 @@ def _remove(path):
         os.remove(path[:-4] + ".bin")
 
 
-def _size(path):
+def artifact_size(path):
+    """Bytes on disk of an artifact (a directory's files; an OpenVINO .xml with its .bin)."""
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
     total = os.path.getsize(path) if os.path.exists(path) else 0

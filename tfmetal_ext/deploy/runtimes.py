@@ -37,6 +37,16 @@ def input_structure(x):
     return [np.asarray(x)], {"kind": "single", "keys": None}
 
 
+def input_names(model, structure):
+    """The names the runtimes give the inputs of `structure` (`input_structure`'s): a dict's keys, else
+    the Keras model's input names, in `flat`'s order."""
+    import keras
+
+    if structure["kind"] == "dict":
+        return list(structure["keys"])
+    return [getattr(t, "name", f"input_{i}") for i, t in enumerate(keras.tree.flatten(model.inputs))]
+
+
 def run(fmt, path, flat, structure, input_names):
     """Runs the artifact at `path` (format name `fmt`) on `flat` inputs; see the module docstring.
 
