@@ -390,3 +390,12 @@ def test_coreml_int8_embedding_names_the_working_route(tmp_path):
     assert not (tmp_path / "m.mlpackage").exists()
     report = tfmetal_ext.export(model, tmp_path / "f.mlpackage", format="coreml", float16=True, inputs=x)
     assert "gather" in report.ops
+
+
+@_requires("onnx")
+def test_int8_exact_gelu_exports_to_onnx(tmp_path):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    model = keras.Model(inp, L.Dense(4, activation="gelu")(inp))
+    report = tfmetal_ext.export(model, tmp_path / "m.onnx", format="onnx", int8=True)
+    assert "Erf" in report.ops and "Erfc" not in report.ops and report.max_rel_error <= formats.FLOAT32_RTOL

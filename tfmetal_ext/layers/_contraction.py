@@ -10,10 +10,10 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfmetal_ext import _env
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.layers import _ops
 from tfmetal_ext.layers._ops import FUSABLE_ACTIVATIONS
+from tfmetal_ext.ops._common import gelu_exact
 
 # Activations the layers emit as one TF op, so a remapper pattern can absorb
 # them. `linear` emits nothing.
@@ -22,23 +22,10 @@ _SINGLE_OP_ACTIVATIONS = {
     "tanh": tf.nn.tanh,
     # keras.activations.sigmoid tags the output with its logits (losses use that).
     "sigmoid": keras.activations.sigmoid,
-    "gelu": lambda x: gelu_exact(x),
+    "gelu": gelu_exact,
 }
 
 GELU_APPROXIMATE = "gelu_approximate"
-
-
-def gelu_exact(x):
-    """Exact GELU: TF's ``Gelu`` (its GeluExact pattern), or ``0.5 x (1 + erf(x / sqrt(2)))`` while
-    traced for export (`tfmetal_ext.deploy.portable_forms`).
-
-    TF's exact GELU is built on ``Erfc``, an op ONNX has no counterpart for (onnxruntime refuses the
-    file) and coremltools does not convert; ``Erf`` both have. The two forms differ by float rounding
-    (the erf form loses relative precision where GELU is tiny, far in the negative tail).
-    """
-    if _env.current().portable:
-        return 0.5 * x * (1.0 + tf.math.erf(x * 0.7071067811865476))
-    return tf.nn.gelu(x, approximate=False)
 
 
 def gelu_approximate(x):

@@ -134,6 +134,21 @@ def stock_code_reason():
     return None
 
 
+def gelu_exact(x):
+    """Exact GELU: TF's ``Gelu`` (its GeluExact pattern), or ``0.5 x (1 + erf(x / sqrt(2)))`` while
+    traced for export (`tfmetal_ext.deploy.portable_forms`).
+
+    TF's exact GELU is built on ``Erfc``, an op ONNX has no counterpart for (onnxruntime refuses the
+    file) and coremltools does not convert; ``Erf`` both have. The two forms differ by float rounding
+    (the erf form loses relative precision where GELU is tiny, far in the negative tail).
+    """
+    from tfmetal_ext import _env
+
+    if _env.current().portable:
+        return 0.5 * x * (1.0 + tf.math.erf(x * 0.7071067811865476))
+    return tf.nn.gelu(x, approximate=False)
+
+
 def uses_kernel(op_name) -> bool:
     """`op_name` runs as the custom op here (else its pure-TF reference)."""
     return not op_avoided(op_name) and library() is not None and kernel_for_visible_devices(op_name)

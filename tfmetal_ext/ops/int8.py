@@ -308,7 +308,7 @@ def _activate(z, activation, alpha=LEAKY_RELU_ALPHA):
     if activation == "leaky_relu":
         return tf.nn.leaky_relu(z, alpha=alpha)
     if activation == "gelu":
-        return tf.nn.gelu(z, approximate=False)
+        return _common.gelu_exact(z)
     if activation == "gelu_approximate":
         return tf.nn.gelu(z, approximate=True)
     if activation == "tanh":
