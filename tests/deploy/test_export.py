@@ -61,6 +61,8 @@ def test_portable_forms_trace_no_custom_op():
         inside = _op_types(tf.function(lambda x: model(x, training=False)).get_concrete_function(spec))
     outside = _op_types(tf.function(lambda x: model(x, training=False)).get_concrete_function(spec))
     assert not [o for o in inside if o.startswith("TfmetalExt>")]
+    # No custom-gradient wrapper either (its IdentityN leaves dead ends OpenVINO exposes as outputs).
+    assert "IdentityN" not in inside
     # The stock forms where the custom ops were: MHA's own Softmax, the norms' Rsqrt.
     assert {"Softmax", "Rsqrt", "MatMul", "Relu"} <= inside
     if _common.library() is not None:  # the same trace outside the block does hold the custom ops
@@ -179,6 +181,20 @@ def test_the_isolated_process_really_lacks_tfmetal_ext(tmp_path):
     with pytest.raises(runtimes.RuntimeRefused, match="TfmetalExt>LayerNorm"):
         runtimes.run_without_tfmetal_ext("saved_model", str(tmp_path / "custom"),
                                          [np.ones((2, 4), "float32")], {"kind": "single", "keys": None})
+
+
+@pytest.mark.full
+@_requires("openvino")
+def test_openvino_export_of_a_converted_gpt2_backbone(tmp_path):
+    keras_hub = pytest.importorskip("keras_hub", reason="keras-hub is not installed (pip install 'tfmetal-ext[hub]')")
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=100, num_layers=1, num_heads=2, hidden_dim=32,
+                                             intermediate_dim=64, max_sequence_length=16)
+    converted = tfmetal_ext.convert(backbone, count_ops=False)
+    x = {"token_ids": np.random.default_rng(0).integers(1, 100, (2, 8)).astype("int32"),
+         "padding_mask": np.ones((2, 8), "int32")}
+    report = tfmetal_ext.export(converted, tmp_path / "gpt2.xml", format="openvino", inputs=x)
+    assert report.max_rel_error <= formats.FLOAT32_RTOL
 
 
 @pytest.mark.full

@@ -139,12 +139,13 @@ def _openvino(path, flat, structure, input_names):
         raise RuntimeRefused(f"OpenVINO refused it: {' '.join(str(e).split())[:600]}") from None
     # The TF frontend also exposes dead-end tensors as results; the model's own outputs are the
     # serving function's `Identity`, `Identity_1`, ... tensors.
-    picked = []
+    # One result per output index: a tensor can reach several results (the same values).
+    picked = {}
     for port in compiled.outputs:
         m = [n for n in port.get_names() if re.fullmatch(r"Identity(_\d+)?(:0)?", n)]
         if m:
-            picked.append((_trailing_int(m[0].split(":")[0]), result[port]))
-    outs = [v for _, v in sorted(picked, key=lambda p: p[0])] or [result[p] for p in compiled.outputs]
+            picked.setdefault(_trailing_int(m[0].split(":")[0]), result[port])
+    outs = [picked[k] for k in sorted(picked)] or [result[p] for p in compiled.outputs]
     ops = sorted({o.get_type_name() for o in model.get_ordered_ops()} - {"Parameter", "Result", "Constant"})
     return [np.asarray(o) for o in outs], ops, ""
 

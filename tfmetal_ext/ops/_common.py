@@ -118,6 +118,18 @@ def in_xla_context() -> bool:
     return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
+def portable() -> bool:
+    """True while a graph is traced for export (`tfmetal_ext.deploy.portable_forms`).
+
+    The references then run without their `tf.custom_gradient` wrapper: an exported graph is for
+    inference, and the wrapper's ``IdentityN`` leaves dead-end tensors some converters (OpenVINO)
+    expose as extra outputs.
+    """
+    from tfmetal_ext import _env
+
+    return _env.current().portable
+
+
 def stock_code_reason():
     """Why a layer that can run its stock parent's code must run it now, or None.
 
@@ -125,9 +137,7 @@ def stock_code_reason():
     own graph is what converters and runtimes know best. In a function XLA compiles: the custom
     ops have no XLA kernels.
     """
-    from tfmetal_ext import _env
-
-    if _env.current().portable:
+    if portable():
         return "traced for export: the stock layer's code (portable forms)"
     if in_xla_context():
         return "a function compiled with XLA (the op has no XLA kernel)"
@@ -142,9 +152,7 @@ def gelu_exact(x):
     file) and coremltools does not convert; ``Erf`` both have. The two forms differ by float rounding
     (the erf form loses relative precision where GELU is tiny, far in the negative tail).
     """
-    from tfmetal_ext import _env
-
-    if _env.current().portable:
+    if portable():
         return 0.5 * x * (1.0 + tf.math.erf(x * 0.7071067811865476))
     return tf.nn.gelu(x, approximate=False)
 

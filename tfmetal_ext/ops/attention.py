@@ -325,6 +325,9 @@ def _reference_attention_grad(d_output, query, key, value, mask, output, lse, ca
 
 def _with_reference_gradient(query, key, value, mask, causal, scale, dropout=None):
     keep = _reference_keep(query, key, dropout)
+    if _common.portable():
+        output, _ = _reference_attention_f32(query, key, value, mask, causal, scale, keep)
+        return tf.cast(output, query.dtype)
 
     @tf.custom_gradient
     def fn(query, key, value):

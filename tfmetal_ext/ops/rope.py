@@ -293,6 +293,9 @@ def _attention_scale(config, dtype):
 
 
 def _with_reference_gradient(x, positions, inv_freq, scale):
+    if _common.portable():
+        return _reference.rope(x, positions, inv_freq, scale)
+
     @tf.custom_gradient
     def fn(x):
         def grad(dy):
