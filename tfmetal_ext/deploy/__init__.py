@@ -179,7 +179,7 @@ def export(model, path, format="tf_saved_model", *, int8=False, float16=False, v
         from tfmetal_ext.conversion import convert
 
         model = convert(model, inference=True, quantize="int8", verify=verify, count_ops=False,
-                        batch_size=batch_size, seed=seed)
+                        batch_size=batch_size, seed=seed, inputs=inputs)
     x = _inputs(model, inputs, batch_size, seed)
     expected = _keras_outputs(model, x)  # also calls the model once (the ONNX route needs a called model)
     report = ExportReport(fmt.name, path, checked_with=fmt.runtime, int8=bool(int8), float16=bool(float16))
