@@ -415,3 +415,10 @@ def test_int8_exact_gelu_exports_to_onnx(tmp_path):
     model = keras.Model(inp, L.Dense(4, activation="gelu")(inp))
     report = tfmetal_ext.export(model, tmp_path / "m.onnx", format="onnx", int8=True)
     assert "Erf" in report.ops and "Erfc" not in report.ops and report.max_rel_error <= formats.FLOAT32_RTOL
+
+
+@_requires("onnx")
+def test_verify_false_only_writes(tmp_path):
+    report = tfmetal_ext.export(_fused_model(), tmp_path / "m.onnx", format="onnx", verify=False)
+    assert (tmp_path / "m.onnx").exists() and report.max_rel_error is None and report.ops == []
+    assert "not checked" in str(report) and report.size_bytes == os.path.getsize(tmp_path / "m.onnx")

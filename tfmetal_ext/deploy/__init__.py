@@ -79,7 +79,10 @@ class ExportReport:
         return dataclasses.asdict(self)
 
     def __str__(self):
-        err = "not run here" if self.max_rel_error is None else f"{self.max_rel_error:.3g} (bound {self.tolerance:g})"
+        if self.max_rel_error is not None:
+            err = f"{self.max_rel_error:.3g} (bound {self.tolerance:g})"
+        else:
+            err = "not checked" if self.tolerance is None else "not run here"
         lines = [
             f"exported {self.format}{' (int8)' if self.int8 else ''}{' (float16)' if self.float16 else ''}: {self.path} ({_human(self.size_bytes)})",
             f"  checked with {self.checked_with}: max relative error {err}",
