@@ -28,9 +28,7 @@ def library():
     None also while a graph is traced for export (`tfmetal_ext.deploy.portable_forms`): the
     references are stock TensorFlow ops, which every runtime and converter knows.
     """
-    from tfmetal_ext import _env
-
-    if use_reference() or _env.current().portable:
+    if use_reference() or portable():
         return None
     return _loader.load()
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
-from tfmetal_ext import _env
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common
 
@@ -105,7 +104,7 @@ def int8_matmul(x, kernel, kernel_scale, bias=None, activation=None, name=None):
     n = kernel.shape[1]
     rank = x.shape.rank
     x2 = x if rank == 2 else tf.reshape(x, [-1, tf.shape(x)[-1]])
-    if _env.current().portable:
+    if _common.portable():
         y = portable_int8_matmul(x2, kernel, kernel_scale, bias, act)
     elif uses_kernel("matmul"):
         y = _wrapper("matmul")(x2, kernel, kernel_scale, _bias_or_empty(bias, x.dtype), activation=act,
@@ -168,7 +167,7 @@ def int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), padding="val
         return _wrapper("conv2d")(x, kernel, kernel_scale, _bias_or_empty(bias, x.dtype), activation=act,
                                   leaky_relu_alpha=LEAKY_RELU_ALPHA, has_bias=bias is not None,
                                   strides=list(strides), dilations=list(dilations), padding=pad, name=name)
-    if _env.current().portable:
+    if _common.portable():
         return portable_int8_conv2d(x, kernel, kernel_scale, bias, strides, pad, dilations, act)
     _check_scale_values(kernel_scale)
     return reference_int8_conv2d(x, kernel, kernel_scale, bias, strides, pad, dilations, act)
