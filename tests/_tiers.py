@@ -247,6 +247,7 @@ class Budget:
         self.per_file = collections.Counter()
         self.per_test = collections.Counter()
         self.calibration = None
+        self._recalibrated = False
         self.complete = False
 
     def scale(self) -> float:
@@ -297,11 +298,18 @@ class Budget:
         except OSError:
             pass
 
-    @pytest.hookimpl
-    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+    def recalibrate(self):
         # Timed again once the workers are done: load that came during the run and stayed (another
         # job on the machine) slows the tests and this loop alike. The slower of the two counts.
-        self.calibration = max(self.calibration, calibration_seconds())
+        # Once, before the verdict (pytest_sessionfinish), so the verdict and the report below
+        # use the same scale.
+        if not self._recalibrated:
+            self.calibration = max(self.calibration, calibration_seconds())
+            self._recalibrated = True
+
+    @pytest.hookimpl
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        self.recalibrate()
         total = sum(self.per_file.values())
         tr = terminalreporter
         tr.section("quick tier time budget")
@@ -318,6 +326,10 @@ class Budget:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session, exitstatus):
+        # Runs before the terminal summary (the terminal reporter writes it after every
+        # sessionfinish implementation): the recalibration must come first, or the verdict would
+        # use the start-of-run scale while the summary prints the final one.
+        self.recalibrate()
         if self.problems() and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

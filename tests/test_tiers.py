@@ -21,6 +21,9 @@ _CONFTEST = textwrap.dedent(
     for name in ("QUICK_BUDGET_SECONDS", "QUICK_TEST_CAP_SECONDS", "CALIBRATION_REFERENCE_SECONDS"):
         if name in os.environ:
             setattr(tiers, name, float(os.environ[name]))
+    if "CALIBRATION_TIMES" in os.environ:  # the loop's times, in the order it is timed
+        _times = [float(v) for v in os.environ["CALIBRATION_TIMES"].split(",")]
+        tiers.calibration_seconds = lambda repeats=3: _times.pop(0) if len(_times) > 1 else _times[0]
 
     def pytest_addoption(parser):
         tiers.add_options(parser)
@@ -159,6 +162,21 @@ def test_the_total_is_checked_on_a_whole_run_only(tmp_path):
     # Each file's time is recorded.
     times = (tmp_path / ".pytest_cache" / "tfmetal_ext" / "quick_tier_times.json").read_text()
     assert "test_suite.py" in times
+
+
+def test_the_verdict_and_the_report_use_one_scale(tmp_path):
+    # The loop is timed at the start and again at the end, the slower time counting. The verdict
+    # (the exit status) once used the start time while the report printed the end one: a run
+    # failed with no BUDGET line at all. Budget 1.0 s of reference time against ~0.65 s of sleep:
+    # over at the start's scale (0.5), within at the end's (1.0).
+    suite = _suite(tmp_path, _SLEEPY)
+    env = dict(QUICK_BUDGET_SECONDS="1.0", QUICK_TEST_CAP_SECONDS="50", CALIBRATION_REFERENCE_SECONDS="1.0")
+    result = _run(suite, "-q", CALIBRATION_TIMES="0.5,1.0", **env)
+    assert result.returncode == 0 and "BUDGET:" not in result.stdout, result.stdout
+    assert "scale 1.00" in result.stdout, result.stdout
+    # Both times fast: over budget, and the failure says so.
+    result = _run(suite, "-q", CALIBRATION_TIMES="0.5,0.5", **env)
+    assert result.returncode == 1 and "BUDGET: the quick tier took" in result.stdout, result.stdout
 
 
 def test_the_scale_is_clamped():
