@@ -513,6 +513,91 @@ def np_rms_norm_grad(dy, x, gamma, epsilon):
     return dx, (dy * xhat).sum(tuple(range(x.ndim - 1)))
 
 
+def np_activation(name, v, alpha=0.2):
+    """A Keras activation of TfmetalExt>BatchNormAct in float64 from its definition (gelu exact)."""
+    import math
+
+    if name == "relu":
+        return np.maximum(v, 0.0)
+    if name == "relu6":
+        return np.minimum(np.maximum(v, 0.0), 6.0)
+    if name == "elu":
+        return np.where(v < 0.0, np.expm1(np.minimum(v, 0.0)), v)
+    if name == "leaky_relu":
+        return np.where(v > 0.0, v, alpha * v)
+    if name == "silu":
+        return v / (1.0 + np.exp(-v))
+    if name == "gelu":
+        return 0.5 * v * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2.0)))
+    assert name == "linear", name
+    return v
+
+
+def np_activation_grad(name, v, alpha=0.2):
+    """d act / d v in float64; at the kinks the value of TensorFlow's gradient ops (relu' (0) = 0,
+    relu6' = 0 at 0 and 6, leaky_relu' (0) = alpha, elu' (0) = 1)."""
+    import math
+
+    if name == "relu":
+        return (v > 0.0).astype(np.float64)
+    if name == "relu6":
+        return ((v > 0.0) & (v < 6.0)).astype(np.float64)
+    if name == "elu":
+        return np.where(v < 0.0, np.exp(np.minimum(v, 0.0)), 1.0)
+    if name == "leaky_relu":
+        return np.where(v > 0.0, 1.0, alpha)
+    if name == "silu":
+        s = 1.0 / (1.0 + np.exp(-v))
+        return s + v * s * (1.0 - s)
+    if name == "gelu":
+        cdf = 0.5 * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2.0)))
+        return cdf + v * np.exp(-0.5 * v * v) / math.sqrt(2.0 * math.pi)
+    assert name == "linear", name
+    return np.ones_like(v)
+
+
+def np_batch_norm_act(x, gamma, beta, side=None, activation="relu", epsilon=1e-3, alpha=0.2):
+    """TfmetalExt>BatchNormAct in float64: ``(y, mean, inv_std, variance)``, statistics over every
+    axis but the last (biased variance; NaN for an empty batch)."""
+    x = np.asarray(x, np.float64)
+    axes = tuple(range(x.ndim - 1))
+    rows = int(np.prod(x.shape[:-1]))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = x.sum(axes) / rows if rows else np.full(x.shape[-1], np.nan)
+        variance = ((x - mean) ** 2).sum(axes) / rows if rows else np.full(x.shape[-1], np.nan)
+        inv_std = 1.0 / np.sqrt(variance + epsilon)
+        pre = (x - mean) * inv_std * np.asarray(gamma, np.float64) + np.asarray(beta, np.float64)
+        if side is not None:
+            pre = pre + np.asarray(side, np.float64)
+        return np_activation(activation, pre, alpha), mean, inv_std, variance
+
+
+def np_batch_norm_act_grad(dy, x, gamma, beta, side=None, activation="relu", epsilon=1e-3, alpha=0.2):
+    """``(dx, dgamma, dbeta, dside)`` of `np_batch_norm_act`'s y in float64 (dside None without a side).
+
+    With xhat = (x - mean) inv_std and dpre = dy act'(pre): y depends on x through xhat, whose
+    Jacobian over one channel's M values is inv_std (I - 1/M - xhat xhat^T / M); so
+    dx = gamma inv_std (dpre - mean(dpre) - xhat mean(dpre xhat)).
+    """
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    gamma = np.asarray(gamma, np.float64)
+    axes = tuple(range(x.ndim - 1))
+    rows = int(np.prod(x.shape[:-1]))
+    channels = x.shape[-1]
+    if rows == 0 or channels == 0:
+        return np.zeros_like(x), np.zeros(channels), np.zeros(channels), None if side is None else np.zeros_like(x)
+    _, mean, inv_std, _ = np_batch_norm_act(x, gamma, beta, side, "linear", epsilon)
+    xhat = (x - mean) * inv_std
+    pre = xhat * gamma + np.asarray(beta, np.float64)
+    if side is not None:
+        pre = pre + np.asarray(side, np.float64)
+    dpre = dy * np_activation_grad(activation, pre, alpha)
+    dbeta = dpre.sum(axes)
+    dgamma = (dpre * xhat).sum(axes)
+    dx = gamma * inv_std * (dpre - dbeta / rows - xhat * dgamma / rows)
+    return dx, dgamma, dbeta, None if side is None else dpre
+
+
 def np_rope_rotate(x, cos, sin, inverse=False):
     """The rotation of TfmetalExt>Rope (tfmetal/rope.h) in numpy, in the dtype of its operands.
 

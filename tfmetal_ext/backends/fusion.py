@@ -199,6 +199,8 @@ CUSTOM_OPS = types.MappingProxyType(
         "dropout": CustomOp("TfmetalExt>Dropout", "TfmetalExt>DropoutGrad", "dropout"),
         # Rotary position embedding (keras-hub's RotaryEmbedding); the gradient turns dy back.
         "rope": CustomOp("TfmetalExt>Rope", "TfmetalExt>RopeGrad", "rope"),
+        # Batch norm with batch statistics + optional residual add + activation; one gradient op.
+        "batch_norm_act": CustomOp("TfmetalExt>BatchNormAct", "TfmetalExt>BatchNormActGrad", "batch_norm_act"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -220,6 +222,14 @@ DROPOUT_OP = CUSTOM_OPS["dropout"].name
 DROPOUT_GRAD_OP = CUSTOM_OPS["dropout"].grad
 ROPE_OP = CUSTOM_OPS["rope"].name
 ROPE_GRAD_OP = CUSTOM_OPS["rope"].grad
+BATCH_NORM_ACT_OP = CUSTOM_OPS["batch_norm_act"].name
+BATCH_NORM_ACT_GRAD_OP = CUSTOM_OPS["batch_norm_act"].grad
+
+# The `activation` attribute of TfmetalExt>BatchNormAct, in the order of the TFM_BNA_* codes of
+# custom_ops/include/tfmetal/batch_norm_act.h (Keras activation names; "linear" is none; "gelu" is
+# the exact erf form). BATCH_NORM_ACT_ALIASES maps the other names Keras accepts for them.
+BATCH_NORM_ACT_ACTIVATIONS = ("linear", "relu", "relu6", "elu", "leaky_relu", "silu", "gelu")
+BATCH_NORM_ACT_ALIASES = types.MappingProxyType({None: "linear", "swish": "silu"})
 
 # The `activation` attribute of the int8 ops, in the order of the TFM_INT8_* codes of
 # custom_ops/include/tfmetal/int8.h (Keras activation names; "linear" is none).
@@ -459,6 +469,13 @@ SAFE_FORMS = _safe_forms(
         f"float32 math) instead of {ROPE_OP}",
         implies=CUSTOM_OPS["rope"].op_names,
         custom_op="rope",
+    ),
+    SafeForm(
+        "batch_norm_act",
+        "tfmetal_ext.ops.batch_norm_act runs its pure-TF reference (Mean, SquaredDifference, Rsqrt, Mul, "
+        f"AddV2 and the activation's ops; the same float32 statistics) instead of {BATCH_NORM_ACT_OP}",
+        implies=CUSTOM_OPS["batch_norm_act"].op_names,
+        custom_op="batch_norm_act",
     ),
 )
 

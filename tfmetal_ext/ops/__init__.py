@@ -28,6 +28,10 @@
 - `rope(x, positions=None, max_wavelength=10000, scaling_factor=1.0, *, start_index=0, ...)`:
   ``TfmetalExt>Rope`` (+ ``TfmetalExt>RopeGrad``), keras-hub's rotary position embedding
   (linear, dynamic, YaRN and Llama 3 frequency scaling) in one op each way.
+- `batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", epsilon=1e-3, alpha=0.2)`:
+  ``TfmetalExt>BatchNormAct`` (+ ``TfmetalExt>BatchNormActGrad``: dx, dgamma, dbeta and d side in
+  one op), batch normalization with batch statistics (training), an optional residual input and the
+  activation in one op; returns ``(y, mean, variance)`` for the moving averages.
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
@@ -35,7 +39,8 @@ Without a compiler, or with ``TFMETAL_EXT_REFERENCE_OPS=1``, every op runs
 its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
-``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``).
+``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``,
+``"batch_norm_act"``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from __future__ import annotations
 from tfmetal_ext.ops import _loader  # noqa: F401  (ops._loader: the library loader, reached by tests)
 from tfmetal_ext.ops._loader import BuildError, OpCacheError
 from tfmetal_ext.ops.attention import attention
+from tfmetal_ext.ops.batch_norm_act import batch_norm_act
 from tfmetal_ext.ops.dropout import dropout
 from tfmetal_ext.ops.int8 import int8_conv2d, int8_matmul, quantize_int8
 from tfmetal_ext.ops.layer_norm import layer_norm
@@ -54,6 +60,6 @@ from tfmetal_ext.ops.rope import rope
 from tfmetal_ext.ops.softshrink import softshrink
 from tfmetal_ext.ops.status import OpsStatus, build, status
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "build", "dropout", "int8_conv2d", "int8_matmul",
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "batch_norm_act", "build", "dropout", "int8_conv2d", "int8_matmul",
            "layer_norm", "multi_tensor_adam", "quantize_int8",
            "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "rope", "softshrink", "status"]
