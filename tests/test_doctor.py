@@ -155,7 +155,8 @@ def test_selftest_str_and_json(healthy):
 def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
         "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
-        "rms_norm", "rope", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion", "multi_tensor_rmsprop",
+        "rms_norm", "batch_norm_act", "rope", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion",
+        "multi_tensor_rmsprop",
         "dropout", "attention", "cpu_fallback", "gap_kernels",
     )
     for name, check in checks.REGISTRY.items():
@@ -288,6 +289,14 @@ def test_rms_norm_check_passes_and_catches_a_fault():
     assert faulty.status == "FAIL" and "avoid_fusions=['rms_norm']" in faulty.fix
 
 
+def test_batch_norm_act_check_passes_and_catches_a_fault():
+    check = doctor.selftest(checks=["batch_norm_act"]).check("batch_norm_act")
+    assert check.status == "PASS", check
+    assert fusion.BATCH_NORM_ACT_OP in check.fused and fusion.BATCH_NORM_ACT_GRAD_OP in check.fused
+    faulty = doctor.selftest(checks=["batch_norm_act"], faults=["batch_norm_act"]).check("batch_norm_act")
+    assert faulty.status == "FAIL" and "avoid_fusions=['batch_norm_act']" in faulty.fix and "report it" in faulty.fix
+
+
 def test_dropout_check_passes_and_catches_a_fault():
     check = doctor.selftest(checks=["dropout"]).check("dropout")
     assert check.status == "PASS", check
@@ -330,7 +339,7 @@ def test_custom_op_checks_skip_without_library(monkeypatch):
 
     monkeypatch.setattr(_loader, "load", lambda: None)
     result = doctor.selftest(checks=["softshrink", "layer_norm", "rms_norm", "multi_tensor_adam", "multi_tensor_lion",
-                                     "multi_tensor_rmsprop", "attention", "dropout"])
+                                     "multi_tensor_rmsprop", "attention", "dropout", "batch_norm_act"])
     for c in result.checks:
         assert c.status == "SKIP" and c.fix == "tfmetal-ext build-ops" and "not loaded" in c.detail
     assert result.passed

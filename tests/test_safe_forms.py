@@ -83,6 +83,7 @@ def test_safe_forms_names():
         "int8_conv2d",
         "dropout",
         "rope",
+        "batch_norm_act",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

@@ -270,7 +270,7 @@ void GradSumsItem(const BackwardArgs<T>& a, int64_t item) {
       const float xv = Load(x[j]);
       float pre = bna_pre(xv, mean[j], scale[j], beta[j]);
       if (kSide) pre += Load(side[j]);
-      const float dpre = Load(dy[j]) * bna_activation_grad(kAct, pre, alpha);
+      const float dpre = bna_dpre(kAct, Load(dy[j]), pre, alpha);
       if (kSide) dside[j] = static_cast<T>(dpre);
       sb[j] += dpre;
       sg[j] += dpre * bna_xhat(xv, mean[j], inv_std[j]);
@@ -303,7 +303,7 @@ void GradRows(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
       const float xv = Load(x[c]);
       float pre = bna_pre(xv, mean[c], scale[c], beta[c]);
       if (kSide) pre += Load(side[c]);
-      const float dpre = Load(dy[c]) * bna_activation_grad(kAct, pre, alpha);
+      const float dpre = bna_dpre(kAct, Load(dy[c]), pre, alpha);
       dx[c] = static_cast<T>(
           bna_dx(dpre, bna_xhat(xv, mean[c], inv_std[c]), scale[c], dbeta[c], dgamma[c], inv_count));
     }

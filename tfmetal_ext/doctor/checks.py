@@ -267,6 +267,35 @@ def rms_norm(dtype):
     return fused, (x, gamma, dy), (y,) + tuple(grads)
 
 
+BATCH_NORM_ACT_EPSILON = 1e-3
+
+
+@register("batch_norm_act", op=fusion.CUSTOM_OPS["batch_norm_act"])
+def batch_norm_act(dtype):
+    import tensorflow as tf
+
+    lib, eps = custom_op_library(), BATCH_NORM_ACT_EPSILON
+    rng = _rng(9)
+    shape = (4, 5, 3, 24)
+    x = tf.constant(rng.standard_normal(shape) * 1.5 + 0.3, dtype)
+    side = tf.constant(rng.standard_normal(shape), dtype)
+    dy = tf.constant(rng.standard_normal(shape), dtype)
+    gamma = tf.constant(rng.uniform(0.5, 1.5, 24), tf.float32)
+    beta = tf.constant(rng.standard_normal(24) * 0.2, tf.float32)
+
+    def fused(x, side, gamma, beta, dy):
+        # A residual block's second batch norm: relu after the residual add, forward and gradient.
+        y, mean, inv_std, variance = lib.tfmetal_ext_batch_norm_act(x, gamma, beta, [side], activation="relu",
+                                                                    epsilon=eps)
+        dx, dgamma, dbeta, dside = lib.tfmetal_ext_batch_norm_act_grad(dy, x, y, gamma, beta, [side], mean, inv_std,
+                                                                       activation="relu", epsilon=eps)
+        return y, mean, variance, dx, dgamma, dbeta, dside[0]
+
+    y, mean, _, variance = testing.np_batch_norm_act(_f64(x), _f64(gamma), _f64(beta), _f64(side), "relu", eps)
+    grads = testing.np_batch_norm_act_grad(_f64(dy), _f64(x), _f64(gamma), _f64(beta), _f64(side), "relu", eps)
+    return fused, (x, side, gamma, beta, dy), (y, mean, variance) + tuple(grads)
+
+
 ROPE_POSITIONS_START = 3.0
 
 

@@ -69,8 +69,10 @@ TFM_INLINE float bna_activate(int32_t kind, float v, float alpha) {
       return v < 0.0f ? 0.0f : (v > 6.0f ? 6.0f : v);
     case TFM_BNA_ELU:
       return v < 0.0f ? tfm_exp(v) - 1.0f : v;
-    case TFM_BNA_LEAKY_RELU:
-      return v > 0.0f ? v : v * alpha;
+    case TFM_BNA_LEAKY_RELU: {  // selects, then arithmetic on both: no branch (vectorizes)
+      const bool positive = v > 0.0f;
+      return (positive ? v : 0.0f) + alpha * (positive ? 0.0f : v);
+    }
     case TFM_BNA_SILU:
       return v * bna_sigmoid(v);
     case TFM_BNA_GELU:
@@ -105,6 +107,28 @@ TFM_INLINE float bna_activation_grad(int32_t kind, float v, float alpha) {
     }
     default:
       return 1.0f;
+  }
+}
+
+// dpre = dy * act'(v), as TensorFlow's gradient ops compute it: the kinked
+// activations select dy or 0 (ReluGrad, Relu6Grad: a NaN dy where the unit is
+// off gives 0), leaky_relu scales by alpha there. Written as selects of loaded
+// values and constants, never a conditional multiply, so the CPU loops
+// vectorize without -fno-trapping-math.
+TFM_INLINE float bna_dpre(int32_t kind, float dy, float v, float alpha) {
+  switch (kind) {
+    case TFM_BNA_LINEAR:
+      return dy;
+    case TFM_BNA_RELU:
+      return v > 0.0f ? dy : 0.0f;
+    case TFM_BNA_RELU6:
+      return (v > 0.0f && v < 6.0f) ? dy : 0.0f;
+    case TFM_BNA_LEAKY_RELU: {
+      const bool positive = v > 0.0f;
+      return (positive ? dy : 0.0f) + alpha * (positive ? 0.0f : dy);
+    }
+    default:
+      return dy * bna_activation_grad(kind, v, alpha);
   }
 }
 
