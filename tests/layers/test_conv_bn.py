@@ -200,6 +200,7 @@ def test_float32_predict_fuses_other_activations(activation, act_op):
     assert report.row("cba").status == "fused"
 
 
+@pytest.mark.usefixtures("fused_batch_norm_v3_form")
 @pytest.mark.parametrize("policy, dtype", [("float32", "float32"), ("mixed_bfloat16", "bfloat16")])
 def test_train_step_fuses_batchnorm_relu(onednn, policy, dtype):
     report = inspect.fusion_report(_model(policy), mode="train")
@@ -213,6 +214,7 @@ def _pointwise_model():
     return keras.Model(inp, ConvBNAct(8, 1, name="cba")(inp))
 
 
+@pytest.mark.usefixtures("fused_batch_norm_v3_form")
 def test_pointwise_train_step_is_a_matmul_on_cpu():
     # Training: the 1x1 product (forward and both backward products) as MatMul, with oneDNN or
     # without; BN + Relu fuse into _FusedBatchNormEx only with oneDNN (TF's own CPU kernels have none).
@@ -240,6 +242,7 @@ def test_pointwise_matmul_with_unknown_spatial_size_matches_stock():
     assert_close(ours(x), ref(x), 1e-5)
 
 
+@pytest.mark.usefixtures("fused_batch_norm_v3_form")
 def test_train_step_other_activation_not_fused(onednn):
     report = inspect.fusion_report(_model("float32", activation="relu6"), mode="train")
     inspect.assert_not_fused(report, "cba")
@@ -369,6 +372,7 @@ def test_1d_predict_fuses_conv_batchnorm_relu(padding):
     assert report.row("cba").status == "fused"
 
 
+@pytest.mark.usefixtures("fused_batch_norm_v3_form")
 def test_1d_train_step_uses_fused_batch_norm():
     report = inspect.fusion_report(_model_1d(), mode="train")
     row = report.row("cba")

@@ -220,6 +220,7 @@ def test_float32_predict():
     assert tail.status == "partial" and "no FusedBatchNormV3 + side input kernel" in tail.reason
 
 
+@pytest.mark.usefixtures("fused_batch_norm_v3_form")
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
 def test_train_step(onednn, policy):
     report = inspect.fusion_report(_model(policy, bottleneck=True, filters=2, strides=2), mode="train")
@@ -263,6 +264,7 @@ def test_float16_on_cpu_not_fused(folded):
         assert row.status == "not fused" and row.reason == catalog.REASON_HALF_CPU, row
 
 
+@pytest.mark.usefixtures("fused_batch_norm_v3_form")
 def test_gpu_expectations_name_batchnorm_ex_with_side_input():
     """On Metal/CUDA the tail BN + Add + Relu should become _FusedBatchNormEx (catalog only: no GPU here)."""
     block = ResidualBlock(4)

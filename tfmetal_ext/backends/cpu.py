@@ -76,6 +76,19 @@ _EITHER = {
 }
 _NO_LEAKY = tuple(a for a in ACTS if a != "LeakyRelu")
 
+# Whether ConvBNAct / ResidualBlock train with TfmetalExt>BatchNormAct on this CPU configuration
+# (`tfmetal_ext.layers._ops.batch_norm_act_reason`), measured: forward + backward of batch norm +
+# Relu at 64x32x32x64 float32, 2 threads, against FusedBatchNormV3 + Relu + their gradients
+# (benchmarks/bench_ops.py batch_norm_act), and ResNet-20's train step (benchmarks/bench_layers.py).
+_BNA_ONEDNN = Fusion(
+    "training, float32: one op each way; measured 1.25x oneDNN's FusedBatchNormV3 + Relu + gradients",
+    dtypes=("float32",),
+)
+_BNA_EIGEN = Fusion(
+    "training, float32: one op each way; measured 2.26x TF's FusedBatchNormV3 + Relu + gradients",
+    dtypes=("float32",),
+)
+
 ONEDNN = backend(
     "cpu_onednn", "cpu", "CPU with oneDNN",
     {
@@ -108,6 +121,7 @@ ONEDNN = backend(
         "batchnorm_act": Fusion(
             "yes, without side input", dtypes=F32_BF16, acts=("Relu",), requires_act=("Relu",), side_input=False,
         ),
+        "custom_batch_norm_act": _BNA_ONEDNN,
         **_EITHER,
         "cudnn_rnn": never(
             "no kernel (GPU-only op); FusedLSTM/FusedGRU hoist the input projection into one _FusedMatMul[BiasAdd]",
@@ -148,6 +162,7 @@ EIGEN = backend(
         "depthwise_bias_act": never("not fused", why_not="no fused depthwise kernel"),
         "conv2d_bias_add_relu": never("only [BiasAdd]", why_not="no Conv2D+BiasAdd+Add+Relu fusion"),
         "batchnorm_act": never("not fused", why_not="no _FusedBatchNormEx kernel"),
+        "custom_batch_norm_act": _BNA_EIGEN,
         **_EITHER,
         "cudnn_rnn": never(
             "no kernel (GPU-only op); the input projection fuses as _FusedMatMul[BiasAdd] (float32)",

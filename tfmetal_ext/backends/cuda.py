@@ -42,6 +42,9 @@ CUDA = backend(
         ),
         "custom_layer_norm": never("no CUDA kernel: the pure-TF reference runs (18 ops fwd+bwd)"),
         "custom_rms_norm": never("no CUDA kernel: the pure-TF reference runs"),
+        "custom_batch_norm_act": never(
+            "no CUDA kernel: FusedBatchNormV3 runs (cuDNN; _FusedBatchNormEx with Relu in half)"
+        ),
         "custom_softshrink": never("no CUDA kernel: the op runs on the CPU (copies each way); use the reference there"),
         "custom_dropout": never("no CUDA kernel: the pure-TF reference runs (TensorFlow's stateless dropout)"),
         "custom_attention": never("no CUDA kernel: the pure-TF reference runs (the score matrix is materialized)"),

@@ -244,6 +244,21 @@ FUSED_LAYER_OPS = frozenset(
 )
 
 
+def node_fused_ops(node):
+    """What a fused node absorbed, as reports name it: a list of op or activation names.
+
+    The remapper's nodes carry it in their ``fused_ops`` attribute.
+    ``TfmetalExt>BatchNormAct`` (and its gradient) carries it in its
+    ``activation`` attribute and its side-input count: ``["relu", "side"]``
+    for batch norm + residual add + Relu. Other nodes: ``[]``.
+    """
+    if node.op in (BATCH_NORM_ACT_OP, BATCH_NORM_ACT_GRAD_OP) and "activation" in node.attr:
+        return [node.attr["activation"].s.decode()] + (["side"] if node.attr["N"].i else [])
+    if "fused_ops" in node.attr:
+        return [s.decode() for s in node.attr["fused_ops"].list.s]
+    return []
+
+
 def is_fused_op(op):
     """`op` is a fused node type: a remapper ``_Fused*`` op or one of `FUSED_LAYER_OPS`."""
     return op.startswith("_Fused") or op in FUSED_LAYER_OPS

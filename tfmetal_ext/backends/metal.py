@@ -90,6 +90,12 @@ METAL = backend(
         "custom_rms_norm": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),
+        "custom_batch_norm_act": Fusion(
+            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16), training: batch norm + "
+            "residual add + activation in one op each way (FusedBatchNormV3, Add, act and their gradients "
+            "are separate kernels otherwise)",
+            dtypes=_ALL_FLOAT,
+        ),
         "custom_softshrink": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),

@@ -219,6 +219,11 @@ METAL_PLUGIN = backend(
         ),
         "custom_layer_norm": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_rms_norm": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
+        "custom_batch_norm_act": Fusion(
+            "tfmetal_ext custom op, training: batch norm + residual add + activation in one op each way "
+            "(the plugin fuses no batch norm in training: no cuDNN)",
+            dtypes=F32_F16,
+        ),
         "custom_softshrink": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_attention": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_dropout": Fusion("tfmetal_ext custom op", dtypes=F32_F16),

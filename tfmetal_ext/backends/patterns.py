@@ -53,6 +53,12 @@ PATTERNS = types.MappingProxyType(
             Pattern("custom_layer_norm", "layer norm over the last axis (FusedLayerNorm)", _F.LAYER_NORM_OP),
             Pattern("custom_rms_norm", "RMS norm over the last axis (FusedRMSNorm)", _F.RMS_NORM_OP),
             Pattern(
+                "custom_batch_norm_act",
+                "batch norm with batch statistics [+ residual add] + activation, training (ConvBNAct, "
+                "ResidualBlock): FusedBatchNormV3, Add, act and their gradients as one op each way",
+                _F.BATCH_NORM_ACT_OP,
+            ),
+            Pattern(
                 "custom_int8_matmul",
                 "int8-weight MatMul + scale + BiasAdd + act (quantized FusedDense, 1x1 FusedConv2D)",
                 _F.INT8_MATMUL_OP,

@@ -149,7 +149,7 @@ def _fused_label(nodes):
     """The fused ops in executed graph nodes, e.g. ``"_FusedConv2D[BiasAdd, Relu]"``, or None."""
     labels = []
     for n in nodes:
-        fused_ops = [s.decode() for s in n.attr["fused_ops"].list.s] if "fused_ops" in n.attr else []
+        fused_ops = fusion.node_fused_ops(n)
         if fusion.is_fused_op(n.op) or n.op.startswith(fusion.CUSTOM_OP_PREFIX) or fused_ops:
             label = f"{n.op}[{', '.join(fused_ops)}]" if fused_ops else n.op
             if label not in labels:

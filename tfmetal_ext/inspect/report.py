@@ -515,7 +515,7 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
             fused.append(
                 FusedNode(
                     op=node.op,
-                    fused_ops=[s.decode() for s in node.attr["fused_ops"].list.s],
+                    fused_ops=fusion.node_fused_ops(node),
                     layer=layers[0].split("/")[-1] if layers else None,
                     layers=layers,
                     device=_short_device(node.device),

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from tfmetal_ext import _env
 from tfmetal_ext.backends import fusion
+from tfmetal_ext.backends._table import TRAIN
 from tfmetal_ext.ops._common import check_float32_representable
 
 # Keras activation name -> the single TF op a remapper absorbs into a
@@ -146,6 +147,62 @@ def unfused_batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon,
     inv = tf.math.rsqrt(variance + epsilon) * gamma
     y = (xf - mean) * inv + beta
     return tf.cast(y, x.dtype), updates
+
+
+BATCH_NORM_ACT_PATTERN = "custom_batch_norm_act"  # the backend tables' row (tfmetal_ext.backends)
+
+
+def batch_norm_act_reason(dtype, activation, training=True, table=None, avoided=None):
+    """Why a training step's batch norm + `activation` (+ a residual add) is not one ``TfmetalExt>BatchNormAct``.
+
+    None when it is: in a training step, the backend table's
+    ``custom_batch_norm_act`` row fuses `dtype` (measured per backend and
+    CPU configuration, see `tfmetal_ext.backends`), the op's kernel runs here
+    (op library loaded, no reference forced) and neither ``"batch_norm_act"``
+    nor ``"fused_batch_norm"`` is avoided. Inference keeps FusedBatchNormV3
+    with the moving statistics (it folds into the convolution).
+
+    `table` and `avoided` default to this process's backend table and
+    avoided set; the fusion report passes those of the backend it describes.
+    """
+    from tfmetal_ext import backends
+    from tfmetal_ext.ops.batch_norm_act import activation_name, uses_kernel
+
+    if not training:
+        return "inference: FusedBatchNormV3 with the moving statistics (folds into the convolution)"
+    avoided = _env.current().avoided if avoided is None else avoided
+    for name in ("batch_norm_act", "fused_batch_norm"):
+        if name in avoided:
+            return f"configure(avoid_fusions=[{name!r}]) is set"
+    try:
+        activation_name(activation)
+    except ValueError:
+        return f"activation {activation!r}: {fusion.BATCH_NORM_ACT_OP} has no such activation"
+    table = backends.current() if table is None else table
+    row = table.fusion(BATCH_NORM_ACT_PATTERN)
+    if dtype not in row.dtypes_in(TRAIN):
+        return f"{table.label}: {row.why_not or row.summary}"
+    if not uses_kernel():
+        return f"no {fusion.BATCH_NORM_ACT_OP} kernel here (op library not loaded, or the reference is forced)"
+    return None
+
+
+def batch_norm_act(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, activation, side=None):
+    """Training-mode batch norm + residual add + activation as one op; ``(y, (new_mean, new_variance))``.
+
+    The batch statistics come from the op (biased variance, float32); the new
+    moving values are Keras' ``moving * momentum + batch * (1 - momentum)``.
+    """
+    from tfmetal_ext.ops.batch_norm_act import batch_norm_act as op
+
+    y, mean, variance = op(
+        x, gamma, beta, side, activation=activation, epsilon=epsilon, alpha=fusion.LEAKY_RELU_ALPHA,
+    )
+    updates = (
+        moving_mean * momentum + mean * (1.0 - momentum),
+        moving_variance * momentum + variance * (1.0 - momentum),
+    )
+    return y, updates
 
 
 def batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):

@@ -263,8 +263,38 @@ class ConvBNAct(keras.layers.Layer):
             assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates)
         return y
 
+    def batch_norm_act_reason(self, training=True, activation=None):
+        """None when a training step normalizes, (adds,) and activates in one ``TfmetalExt>BatchNormAct``.
+
+        Else why it runs FusedBatchNormV3 and a separate activation: see
+        `tfmetal_ext.layers._ops.batch_norm_act_reason` (the backend table's
+        ``custom_batch_norm_act`` row decides, per backend and CPU
+        configuration, from measurements). `activation` defaults to this
+        layer's (a `ResidualBlock` passes its own for the last conv).
+        """
+        training = bool(training) and self.trainable
+        return _ops.batch_norm_act_reason(self.compute_dtype, activation or self.activation, training)
+
+    def conv_batch_norm_act(self, inputs, side=None, activation=None):
+        """Training step: conv, then batch norm + `side` + activation as one ``TfmetalExt>BatchNormAct``.
+
+        The moving statistics are updated as in `batch_norm` (Keras'
+        formula, kept on a non-finite step). Call only where
+        `batch_norm_act_reason` is None.
+        """
+        x = self.conv(inputs, training=True)
+        y, updates = _ops.batch_norm_act(
+            x, self.gamma, self.beta, self.moving_mean, self.moving_variance, epsilon=self.epsilon,
+            momentum=self.momentum, activation=activation or self.activation,
+            side=None if side is None else tf.cast(side, x.dtype),
+        )
+        assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates)
+        return y
+
     def call(self, inputs, training=False):
         training = bool(training) and self.trainable
+        if training and self.batch_norm_act_reason(training) is None:
+            return self.conv_batch_norm_act(inputs)
         y = self.batch_norm(self.conv(inputs, training=training), training=training)
         if self.activation == "linear":
             return y
@@ -437,7 +467,31 @@ class ConvBNAct1D(ConvBNAct):
 # Inspection rule: what ConvBNAct should become (measured on CPU, TF 2.21).
 
 
+def batch_norm_act_expectation(layer, ctx, activation, side=False):
+    """The fusion report's expectation when a training step runs ``TfmetalExt>BatchNormAct`` for `layer`, or None.
+
+    `layer` is a `ConvBNAct`; `activation` the one the op applies (a
+    `ResidualBlock`'s for its last conv, with `side`: the residual add).
+    Decided by `tfmetal_ext.layers._ops.batch_norm_act_reason` for the
+    backend table and avoided set of `ctx`, as the layer decides when traced.
+    """
+    from tfmetal_ext.ops.batch_norm_act import activation_name
+
+    if ctx.mode != "train" or not layer.trainable:
+        return None
+    reason = _ops.batch_norm_act_reason(
+        layer.compute_dtype, activation, True, table=catalog.table(ctx), avoided=ctx.avoided
+    )
+    if reason is not None:
+        return None
+    fused = (activation_name(activation),) + (("side",) if side else ())
+    return catalog.Expectation(_ops.BATCH_NORM_ACT_PATTERN, fusion.BATCH_NORM_ACT_OP, fused, fused)
+
+
 def _conv_bn_act_rule(layer, ctx):
+    custom = batch_norm_act_expectation(layer, ctx, layer.activation)
+    if custom is not None:
+        return custom
     act_op = catalog.ACTIVATION_OPS.get(layer.activation)  # None for linear
     dtype = layer.compute_dtype
     if ctx.mode == "predict":

@@ -162,12 +162,23 @@ class ResidualBlock(_BaseResidualBlock):
     def _tail_rule(self):
         return catalog.unless_avoided("fused_batch_norm", _tail_rule)
 
+    def batch_norm_act_reason(self, training=True):
+        """None when the last conv's batch norm, the add and the activation run as one ``TfmetalExt>BatchNormAct``.
+
+        Else why they run as FusedBatchNormV3, Add and the activation (see
+        `ConvBNAct.batch_norm_act_reason`).
+        """
+        return self.convs[-1].batch_norm_act_reason(training, activation=self.activation)
+
     def call(self, inputs, training=False):
         x = inputs
         for conv in self.convs[:-1]:
             x = conv(x, training=training)
-        y = self.convs[-1](x, training=training)
         shortcut = inputs if self.projection is None else self.projection(inputs, training=training)
+        if training and self.batch_norm_act_reason(training) is None:
+            # The add and the activation join the last batch norm: one op forward, one backward.
+            return self.convs[-1].conv_batch_norm_act(x, side=shortcut, activation=self.activation)
+        y = self.convs[-1](x, training=training)
         return _merge(y, shortcut, self.activation)
 
     def fold(self, name=None):
@@ -310,7 +321,12 @@ class FoldedResidualBlock(_BaseResidualBlock):
 
 
 def _tail_rule(layer, ctx):
-    """Last ConvBNAct of a ResidualBlock: FusedBatchNormV3 + Add(shortcut) + act."""
+    """Last ConvBNAct of a ResidualBlock: FusedBatchNormV3 + Add(shortcut) + act (or all three as one custom op)."""
+    from tfmetal_ext.layers.conv_bn import batch_norm_act_expectation
+
+    custom = batch_norm_act_expectation(layer, ctx, layer._residual_activation, side=True)
+    if custom is not None:
+        return custom
     act_op = catalog.ACTIVATION_OPS[layer._residual_activation]
     pattern = "batchnorm_act"
     ideal = ()  # _FusedBatchNormEx (num_side_inputs=1) has no fused_ops attribute
