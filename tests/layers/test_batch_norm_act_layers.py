@@ -13,6 +13,8 @@ import dataclasses
 import types
 
 import keras
+
+import tfmetal_ext
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -255,3 +257,116 @@ def test_every_table_has_a_row_with_a_reason():
             assert reason.startswith(table.label + ": "), (key, reason)
     assert registry.TABLES["metal"].fusion(ROW).fuses and registry.TABLES["metal_plugin"].fusion(ROW).fuses
     assert not registry.TABLES["cuda"].fusion(ROW).fuses
+
+
+# ----------------------------------------------------------------------------
+# FusedBatchNorm(activation=...): what convert() makes of BatchNormalization -> activation layer.
+
+
+def _stock_bn_act(layer, activation, shape):
+    bn = keras.layers.BatchNormalization(momentum=layer.momentum, epsilon=layer.epsilon)
+    bn.build(shape)
+    for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+        getattr(bn, name).assign(getattr(layer, name))
+    return bn, keras.layers.Activation(activation)
+
+
+@pytest.mark.parametrize("form", ["op", "fused_batch_norm_v3"])
+@pytest.mark.parametrize("activation, shape", [("relu", (6, 5, 5, 4)), ("gelu", (6, 7, 4)), ("silu", (9, 4)),
+                                               ("leaky_relu", (3, 4, 4, 4))])
+def test_fused_batch_norm_with_activation_trains_as_keras(monkeypatch, form, activation, shape):
+    if form == "op":
+        if not uses_kernel():
+            pytest.skip("the op library is not loaded here (no C++ compiler)")
+        _with_row(monkeypatch, Fusion("test: used", dtypes=("float32",)))
+    else:
+        _with_row(monkeypatch, never("test: not used", why_not="measured slower in this test's table"))
+    from tfmetal_ext.layers import FusedBatchNorm
+
+    layer = FusedBatchNorm(momentum=0.8, activation=activation)
+    x = tf.constant(np.random.default_rng(4).standard_normal(shape) * 2 + 0.5, tf.float32)
+    layer.build(x.shape)
+    layer.gamma.assign(np.linspace(0.5, 1.5, 4))
+    layer.beta.assign(np.linspace(-0.4, 0.4, 4))
+    bn, act = _stock_bn_act(layer, activation, x.shape)
+    assert (layer.batch_norm_act_reason() is None) == (form == "op")
+
+    @tf.function
+    def ours(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.cos(y))
+        return y, tape.gradient(loss, [x, layer.gamma, layer.beta])
+
+    def stock(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = act(bn(x, training=True))
+            loss = tf.reduce_sum(y * tf.cos(y))
+        return y, tape.gradient(loss, [x, bn.gamma, bn.beta])
+
+    names = _ops_of(ours, x)
+    assert (fusion.BATCH_NORM_ACT_OP in names) == (form == "op")
+    assert ("FusedBatchNormV3" in names) == (form != "op")
+    y, grads = ours(x)
+    y_ref, grads_ref = stock(x)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, grads_ref):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(layer.moving_mean, bn.moving_mean, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(layer.moving_variance, bn.moving_variance, rtol=1e-5, atol=1e-6)
+    # Inference: the moving statistics, then the activation.
+    np.testing.assert_allclose(layer(x, training=False), act(bn(x, training=False)), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_batch_norm_activation_argument():
+    from tfmetal_ext.layers import FusedBatchNorm
+
+    assert "activation" not in FusedBatchNorm().get_config()  # a plain drop-in keeps BatchNormalization's config
+    layer = FusedBatchNorm(activation="swish")
+    assert layer.activation == "silu"
+    assert FusedBatchNorm.from_config(layer.get_config()).activation == "silu"
+    for bad in ("tanh", 3, keras.activations.relu):
+        with pytest.raises(ValueError, match="Received: activation="):
+            FusedBatchNorm(activation=bad)
+    assert "no activation" in FusedBatchNorm().batch_norm_act_reason()
+
+
+def test_convert_folds_the_activation_after_a_batch_norm_and_to_stock_unfolds_it():
+    from tfmetal_ext.layers import FusedBatchNorm
+
+    inp = keras.Input((6, 5))
+    x = keras.layers.BatchNormalization(name="bn1")(inp)
+    x = keras.layers.Activation("gelu", name="gelu")(x)
+    x = keras.layers.BatchNormalization(name="bn2")(x)
+    x = keras.layers.ReLU(name="relu")(x)
+    x = keras.layers.BatchNormalization(name="bn3")(x)
+    x = keras.layers.Activation("tanh", name="tanh")(x)  # no such activation in the op: kept apart
+    model = keras.Model(inp, x)
+    converted = tfmetal_ext.convert(model)  # verifies outputs and gradients against the stock model
+    kinds = {layer.name: (type(layer).__name__, getattr(layer, "activation", None)) for layer in converted.layers}
+    assert kinds["bn1"] == ("FusedBatchNorm", "gelu") and kinds["bn2"] == ("FusedBatchNorm", "relu")
+    assert kinds["bn3"] == ("FusedBatchNorm", "linear") and "tanh" in kinds
+    assert "gelu" not in kinds and "relu" not in kinds
+    # inference=True keeps the activation layers (the batch norm folds into a conv there, if any).
+    inference = tfmetal_ext.convert(model, inference=True)
+    assert {"gelu", "relu"} <= {layer.name for layer in inference.layers}
+    # A hand-built FusedBatchNorm(activation=...) goes back to BatchNormalization + Activation.
+    inp = keras.Input((4, 3))
+    hand = keras.Model(inp, FusedBatchNorm(activation="relu6", name="bn")(inp))
+    back = tfmetal_ext.to_stock(hand)  # verified against `hand`
+    assert [type(layer).__name__ for layer in back.layers[1:]] == ["BatchNormalization", "Activation"]
+    assert isinstance(hand.get_layer("bn"), FusedBatchNorm)
+
+
+@NEEDS_KERNEL
+def test_fusion_report_credits_batch_norm_with_activation(fused_row):
+    from tfmetal_ext.layers import FusedBatchNorm
+
+    inp = keras.Input((5, 4))
+    model = keras.Model(inp, keras.layers.Dense(1)(FusedBatchNorm(activation="gelu", name="bn")(inp)))
+    model.compile(optimizer="sgd", loss="mse")
+    report = fusion_report(model, mode="train", inputs=np.zeros((2, 5, 4), "float32"), targets=np.zeros((2, 5, 1)))
+    row = report.row("bn")
+    assert row.status == "fused" and f"{fusion.BATCH_NORM_ACT_OP}[gelu]" in str(report), str(report)

@@ -27,7 +27,7 @@ import keras
 
 from tfmetal_ext import layers as fl
 from tfmetal_ext.backends.fusion import ACTIVATION_OPS, CONTRACTION_ACTIVATIONS, LEAKY_RELU_ALPHA, STOCK_TO_FUSED
-from tfmetal_ext.backends.fusion import STOCK_KEPT
+from tfmetal_ext.backends.fusion import BATCH_NORM_ACT_ACTIVATIONS, STOCK_KEPT
 from tfmetal_ext.conversion import configs, weights
 from tfmetal_ext.conversion.report import NO_COUNTERPART, Rewrite
 from tfmetal_ext.inspect.catalog import activation_name
@@ -537,12 +537,35 @@ def _plan_fold(ctx, node, bn_node, cls, keys):
                        lambda new, pairs: weights.copy_folded(layer, bn, new), note)
 
 
+# The activations FusedBatchNorm(activation=...) applies (those of TfmetalExt>BatchNormAct).
+BN_ACTIVATIONS = tuple(a for a in BATCH_NORM_ACT_ACTIVATIONS if a != "linear")
+
+
 @register_planner(L.BatchNormalization)
 def _batch_norm(ctx, node):
-    reason = configs.bn_reason(node.operation, configs.node_input_shape(node))
+    """BatchNormalization as FusedBatchNorm, with the activation layer after it folded in (training form).
+
+    The folded activation lets a training step run batch norm + activation
+    as one ``TfmetalExt>BatchNormAct`` where the backend table says so; the
+    layer emits FusedBatchNormV3 + the activation op elsewhere, the graph the
+    two stock layers would give. ``inference=True`` keeps them apart.
+    """
+    bn = node.operation
+    reason = configs.bn_reason(bn, configs.node_input_shape(node))
     if reason:
         return keep(node, reason)
-    return plan_same_weights(ctx, node, L.BatchNormalization, configs.BN_KEYS)
+    act_node, act = (None, None)
+    if not ctx.inference and not ctx.graph.shared(bn):
+        act_node, act = _absorb_activation(ctx, node, BN_ACTIVATIONS)
+    if act_node is None:
+        return plan_same_weights(ctx, node, L.BatchNormalization, configs.BN_KEYS)
+    cls = fused_class(L.BatchNormalization)
+    reason = configs.unsupported(bn, cls, configs.BN_KEYS, {"activation": act})
+    if reason:
+        return keep(node, reason)
+    return ctx.replace([node, act_node], cls.__name__,
+                       lambda: configs.make_layer(cls, bn, configs.BN_KEYS, activation=act),
+                       lambda new, pairs: weights.copy_identical(bn, new, pairs), f"activation {act!r} folded in")
 
 
 @register_planner(L.LayerNormalization)

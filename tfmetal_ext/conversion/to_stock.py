@@ -85,11 +85,12 @@ def chain(name, new_layers, fill, call_kwargs=None):
                      forward, fill)
 
 
-EXPANDERS = {}  # tfmetal_ext class -> fn(layer, source) -> Expansion
+EXPANDERS = {}  # tfmetal_ext class -> fn(layer, source) -> Expansion, or None: the one-to-one path
 
 
 def register_expander(*classes):
-    """Decorator: registers ``fn(layer, source) -> Expansion`` for tfmetal_ext layers of `classes`.
+    """Decorator: registers ``fn(layer, source) -> Expansion`` (or None: not an expansion after all)
+    for tfmetal_ext layers of `classes`.
 
     `source` is the layer's `provenance.Source` (None when it has none). Like
     `planners.register_planner`, one expander per class.
@@ -237,6 +238,22 @@ def _softshrink(layer, source, name=None):
     return chain(name, [SoftShrink(threshold=float(layer.lambd))], lambda pairs: None)
 
 
+@register_expander(fl.FusedBatchNorm)
+def _fused_batch_norm(layer, source, name=None):
+    """FusedBatchNorm with an activation (made by hand) -> BatchNormalization ``<name>`` + Activation ``<name>_act``.
+
+    None otherwise: without an activation it is one BatchNormalization, and one
+    convert made from a BatchNormalization and an activation layer gets those
+    recorded layers back.
+    """
+    if layer.activation == "linear" or (source is not None and len(source.layers) > 1):
+        return None
+    name = name or layer.name
+    bn = stock_layer(layer, None, name=name)
+    act = L.Activation(layer.activation, **_common(layer, f"{name}_act"))
+    return chain(name, [bn, act], lambda pairs: _fill_one(layer, bn, pairs))
+
+
 def _with_source(layer, source):
     """A layer convert merged with the layers after it (a folded activation layer): those layers again."""
     made = _from_source(source, layer)
@@ -251,8 +268,9 @@ def expansion_of(layer):
     """The `Expansion` of tfmetal_ext `layer` when it becomes several stock layers (or an operation), else None."""
     source = provenance.of(layer)
     fn = EXPANDERS.get(type(layer))
-    if fn is not None:
-        return fn(layer, source)
+    expansion = fn(layer, source) if fn is not None else None
+    if expansion is not None:
+        return expansion
     if source is not None and len(source.layers) > 1 and _recorded_stock(source):
         return _with_source(layer, source)
     return None

@@ -8,7 +8,7 @@ import tensorflow as tf
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _ops
-from tfmetal_ext.layers.normalization import assign_finite_moving_statistics
+from tfmetal_ext.layers.normalization import assign_finite_moving_statistics, batch_norm_act_expectation
 
 _ACTIVATIONS = fusion.CONTRACTION_ACTIVATIONS + ("linear",)
 _PADDINGS = ("same", "valid")
@@ -467,27 +467,6 @@ class ConvBNAct1D(ConvBNAct):
 
 # ----------------------------------------------------------------------------
 # Inspection rule: what ConvBNAct should become (measured on CPU, TF 2.21).
-
-
-def batch_norm_act_expectation(layer, ctx, activation, side=False):
-    """The fusion report's expectation when a training step runs ``TfmetalExt>BatchNormAct`` for `layer`, or None.
-
-    `layer` is a `ConvBNAct`; `activation` the one the op applies (a
-    `ResidualBlock`'s for its last conv, with `side`: the residual add).
-    Decided by `tfmetal_ext.layers._ops.batch_norm_act_reason` for the
-    backend table and avoided set of `ctx`, as the layer decides when traced.
-    """
-    from tfmetal_ext.ops.batch_norm_act import activation_name
-
-    if ctx.mode != "train" or not layer.trainable:
-        return None
-    reason = _ops.batch_norm_act_reason(
-        layer.compute_dtype, activation, True, table=catalog.table(ctx), avoided=ctx.avoided
-    )
-    if reason is not None:
-        return None
-    fused = (activation_name(activation),) + (("side",) if side else ())
-    return catalog.Expectation(_ops.BATCH_NORM_ACT_PATTERN, fusion.BATCH_NORM_ACT_OP, fused, fused)
 
 
 def _conv_bn_act_rule(layer, ctx):

@@ -43,6 +43,7 @@ from keras import constraints, initializers, regularizers
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
+from tfmetal_ext.layers import _ops
 from tfmetal_ext.layers._ops import MIN_FUSED_EPSILON, batch_norm
 from tfmetal_ext.ops._common import check_float32_representable
 from tfmetal_ext.ops.layer_norm import LAYER_NORM_OP, layer_norm, uses_kernel
@@ -116,6 +117,19 @@ def assign_finite_moving_statistics(variables, values, old_values=None):
         variable.assign(tf.where(ok, new, old))
 
 
+def _bn_activation(activation):
+    """FusedBatchNorm's activation name (``"linear"`` for None), or ValueError."""
+    if activation is None or activation == "linear":
+        return "linear"
+    names = [a for a in fusion.BATCH_NORM_ACT_ACTIVATIONS if a != "linear"]
+    name = fusion.BATCH_NORM_ACT_ALIASES.get(activation, activation) if isinstance(activation, str) else None
+    if name not in names:
+        raise ValueError(
+            f"`activation` must be None, 'linear' or one of {names} (or 'swish'). Received: activation={activation!r}"
+        )
+    return name
+
+
 def _check_axis_arg(axis):
     value = axis[0] if isinstance(axis, (list, tuple)) and len(axis) == 1 else axis
     if isinstance(value, bool) or not isinstance(value, int):
@@ -167,6 +181,15 @@ class FusedBatchNorm(keras.layers.Layer):
     the fusion report say why): a masked training call, ``renorm``,
     ``synchronized``, an axis other than the last, an epsilon below 1.001e-5.
 
+    ``activation`` (an extension; `convert()` sets it when an activation
+    layer follows a BatchNormalization): in a training step where the
+    backend table's ``custom_batch_norm_act`` row says so (both Metal
+    backends; CPU where it measured faster), the batch norm and the
+    activation run as one ``TfmetalExt>BatchNormAct`` forward and one
+    ``TfmetalExt>BatchNormActGrad`` backward (`batch_norm_act_reason` says
+    why not elsewhere); otherwise FusedBatchNormV3 then the activation op,
+    which is what a following ReLU layer would compute.
+
     At inference on CPU (float32) a preceding ``Conv2D(use_bias=False)``
     folds it into `_FusedConv2D[FusedBatchNorm(, Relu)]`. While
     ``tfmetal_ext.configure(avoid_fusions=["fused_batch_norm"])`` is in force
@@ -188,6 +211,10 @@ class FusedBatchNorm(keras.layers.Layer):
             Keras (its extra statistics, stock computation).
         synchronized: all-reduce the statistics across replicas, as Keras
             (stock computation).
+        activation: applied after the normalization: None or ``"linear"``
+            (the default: exactly `BatchNormalization`), ``"relu"``,
+            ``"relu6"``, ``"elu"``, ``"leaky_relu"`` (slope 0.2),
+            ``"silu"`` (``"swish"``) or ``"gelu"`` (exact).
         **kwargs: base layer arguments (`name`, `dtype`, `trainable`).
             Keras 2's `virtual_batch_size` is accepted as None only.
 
@@ -233,6 +260,7 @@ class FusedBatchNorm(keras.layers.Layer):
         renorm_clipping=None,
         renorm_momentum=0.99,
         synchronized=False,
+        activation=None,
         **kwargs,
     ):
         virtual_batch_size = kwargs.pop("virtual_batch_size", None)
@@ -255,6 +283,7 @@ class FusedBatchNorm(keras.layers.Layer):
         self.beta_constraint = constraints.get(beta_constraint)
         self.gamma_constraint = constraints.get(gamma_constraint)
         self.synchronized = bool(synchronized)
+        self.activation = _bn_activation(activation)
         self.renorm = bool(renorm)
         self.renorm_clipping = _check_renorm_clipping(renorm_clipping) if self.renorm else renorm_clipping
         self.renorm_momentum = renorm_momentum
@@ -359,19 +388,28 @@ class FusedBatchNorm(keras.layers.Layer):
             )
         if self.stock_form_reason(rank, bool(training), mask is not None) is not None:
             if not (training and self.trainable):
-                return keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask)
+                return self._activate(keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask))
             # The stock computation assigns its statistics itself: put the old ones back
             # when the new ones are not finite, as the fused path does.
             stats = self.non_trainable_weights
             old = [tf.identity(v.value) for v in stats]
             y = keras.layers.BatchNormalization.call(self, inputs, training=training, mask=mask)
             assign_finite_moving_statistics(stats, [v.value for v in stats], old)
-            return y
+            return self._activate(y)
         x = tf.cast(inputs, self.compute_dtype)
         channels = self.moving_mean.shape[0]
         gamma = self.gamma.value if self.scale else tf.ones([channels], tf.float32)
         beta = self.beta.value if self.center else tf.zeros([channels], tf.float32)
         training = bool(training) and self.trainable
+        if training and self.batch_norm_act_reason(training) is None:
+            # Any rank, channels last: the op needs no reshape.
+            old = (self.moving_mean.value, self.moving_variance.value)
+            y, updates = _ops.batch_norm_act(
+                x, gamma, beta, old[0], old[1], epsilon=self.epsilon, momentum=self.momentum,
+                activation=self.activation,
+            )
+            assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates, old_values=old)
+            return y
         shape = None
         if rank != 4:
             # FusedBatchNormV3 is 4-D NHWC: (N, C) -> (N, 1, 1, C), (N, T, C) -> (N, T, 1, C),
@@ -393,7 +431,24 @@ class FusedBatchNorm(keras.layers.Layer):
         if shape is not None:
             y = tf.reshape(y, shape)
             y.set_shape(inputs.shape)
-        return y
+        return self._activate(y)
+
+    def batch_norm_act_reason(self, training=True):
+        """None when a training call runs batch norm + `activation` as one ``TfmetalExt>BatchNormAct``, else why not.
+
+        The backend table's ``custom_batch_norm_act`` row decides (see
+        `tfmetal_ext.layers._ops.batch_norm_act_reason`); a layer without an
+        activation keeps FusedBatchNormV3 (one op each way already).
+        """
+        if self.activation == "linear":
+            return "no activation: FusedBatchNormV3 is already one op each way"
+        return _ops.batch_norm_act_reason(self.compute_dtype, self.activation, bool(training) and self.trainable)
+
+    def _activate(self, y):
+        if self.activation == "linear":
+            return y
+        emit = _ops.FUSABLE_ACTIVATIONS.get(self.activation)  # the op a following ReLU layer would emit
+        return emit(y) if emit is not None else keras.activations.get(self.activation)(y)
 
     def compute_output_shape(self, input_shape):
         return tuple(input_shape)
@@ -421,6 +476,8 @@ class FusedBatchNorm(keras.layers.Layer):
                 "renorm_momentum": self.renorm_momentum,
             }
         )
+        if self.activation != "linear":  # a plain drop-in keeps BatchNormalization's config
+            config["activation"] = self.activation
         return config
 
 
@@ -667,12 +724,38 @@ def _bias_free_conv_before(layer):
     return None
 
 
+def batch_norm_act_expectation(layer, ctx, activation, side=False):
+    """The fusion report's expectation when a training step runs ``TfmetalExt>BatchNormAct`` for `layer`, or None.
+
+    `layer` is a `ConvBNAct` or `FusedBatchNorm`; `activation` the one the op
+    applies (a `ResidualBlock`'s for its last conv, with `side`: the residual
+    add).
+    Decided by `tfmetal_ext.layers._ops.batch_norm_act_reason` for the
+    backend table and avoided set of `ctx`, as the layer decides when traced.
+    """
+    from tfmetal_ext.ops.batch_norm_act import activation_name
+
+    if ctx.mode != "train" or not layer.trainable:
+        return None
+    reason = _ops.batch_norm_act_reason(
+        layer.compute_dtype, activation, True, table=catalog.table(ctx), avoided=ctx.avoided
+    )
+    if reason is not None:
+        return None
+    fused = (activation_name(activation),) + (("side",) if side else ())
+    return catalog.Expectation(_ops.BATCH_NORM_ACT_PATTERN, fusion.BATCH_NORM_ACT_OP, fused, fused)
+
+
 def _fused_batch_norm_rule(layer, ctx):
     rank = catalog.input_rank(layer)
     why = layer.stock_form_reason(rank, training=ctx.mode == "train")
     if why is not None:
         return Expectation("batchnorm_act", None, None, None, reason=REASON_STOCK_BN.format(why=why))
-    relu = _is_plain_relu(_single_consumer(layer))
+    if layer.activation != "linear":
+        custom = batch_norm_act_expectation(layer, ctx, layer.activation)
+        if custom is not None:
+            return custom
+    relu = layer.activation == "relu" or (layer.activation == "linear" and _is_plain_relu(_single_consumer(layer)))
     # Called only inside a parent layer's own call (a subclassed block): no layer graph says what
     # feeds it or what follows it.
     unseen = not getattr(layer, "_inbound_nodes", None)

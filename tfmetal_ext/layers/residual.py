@@ -322,7 +322,7 @@ class FoldedResidualBlock(_BaseResidualBlock):
 
 def _tail_rule(layer, ctx):
     """Last ConvBNAct of a ResidualBlock: FusedBatchNormV3 + Add(shortcut) + act (or all three as one custom op)."""
-    from tfmetal_ext.layers.conv_bn import batch_norm_act_expectation
+    from tfmetal_ext.layers.normalization import batch_norm_act_expectation
 
     custom = batch_norm_act_expectation(layer, ctx, layer._residual_activation, side=True)
     if custom is not None:
