@@ -168,8 +168,12 @@ def batch_norm_act_reason(dtype, activation, training=True, table=None, avoided=
     from tfmetal_ext import backends
     from tfmetal_ext.ops.batch_norm_act import activation_name, uses_kernel
 
+    from tfmetal_ext.ops import _common
+
     if not training:
         return "inference: FusedBatchNormV3 with the moving statistics (folds into the convolution)"
+    if _common.in_xla_context():
+        return "a function compiled with XLA (the op has no XLA kernel)"
     avoided = _env.current().avoided if avoided is None else avoided
     for name in ("batch_norm_act", "fused_batch_norm"):
         if name in avoided:

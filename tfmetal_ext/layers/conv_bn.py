@@ -293,8 +293,13 @@ class ConvBNAct(keras.layers.Layer):
         assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates, old_values=old)
         return y
 
-    def call(self, inputs, training=False):
+    def call(self, inputs, training=False, side=None, side_activation=None):
+        # `side` / `side_activation`: a ResidualBlock's shortcut and activation for its last conv, passed
+        # only where `batch_norm_act_reason(True, side_activation)` is None (through __call__, so the op
+        # is in this layer's name scope and the fusion report credits this layer).
         training = bool(training) and self.trainable
+        if side is not None:
+            return self.conv_batch_norm_act(inputs, side=side, activation=side_activation)
         if training and self.batch_norm_act_reason(training) is None:
             return self.conv_batch_norm_act(inputs)
         y = self.batch_norm(self.conv(inputs, training=training), training=training)

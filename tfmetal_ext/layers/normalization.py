@@ -735,7 +735,7 @@ def batch_norm_act_expectation(layer, ctx, activation, side=False):
     """
     from tfmetal_ext.ops.batch_norm_act import activation_name
 
-    if ctx.mode != "train" or not layer.trainable:
+    if ctx.mode != "train" or not layer.trainable or ctx.xla:
         return None
     reason = _ops.batch_norm_act_reason(
         layer.compute_dtype, activation, True, table=catalog.table(ctx), avoided=ctx.avoided

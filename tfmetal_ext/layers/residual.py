@@ -177,7 +177,7 @@ class ResidualBlock(_BaseResidualBlock):
         shortcut = inputs if self.projection is None else self.projection(inputs, training=training)
         if training and self.batch_norm_act_reason(training) is None:
             # The add and the activation join the last batch norm: one op forward, one backward.
-            return self.convs[-1].conv_batch_norm_act(x, side=shortcut, activation=self.activation)
+            return self.convs[-1](x, training=training, side=shortcut, side_activation=self.activation)
         y = self.convs[-1](x, training=training)
         return _merge(y, shortcut, self.activation)
 
