@@ -24,6 +24,7 @@
 #include <limits>
 #include <string>
 
+#include "cpu/batch_norm_act_attrs.h"
 #include "cpu/cpu_common.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -49,20 +50,6 @@ constexpr int64_t kForwardCost = 6;
 constexpr int64_t kBackwardCost = 12;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// The activation attr's names, in the order of the TFM_BNA_* codes.
-constexpr const char* kActivations[TFM_BNA_NUM_ACTIVATIONS] = {"linear", "relu",       "relu6", "elu",
-                                                                "leaky_relu", "silu", "gelu"};
-
-inline Status ActivationCode(const std::string& name, int32_t* code) {
-  for (int32_t i = 0; i < TFM_BNA_NUM_ACTIVATIONS; ++i) {
-    if (name == kActivations[i]) {
-      *code = i;
-      return Status();
-    }
-  }
-  return errors::InvalidArgument("unknown activation '", name, "'");
-}
 
 // The fixed partition of an [rows, channels] input into work items.
 struct Partition {
@@ -346,7 +333,11 @@ struct Attrs {
   Status Read(OpKernelConstruction* ctx) {
     std::string name;
     TF_RETURN_IF_ERROR(ctx->GetAttr("activation", &name));
-    TF_RETURN_IF_ERROR(ActivationCode(name, &activation));
+    activation = batch_norm_act_attrs::ActivationCode(name);
+    if (activation < 0) {
+      return errors::InvalidArgument("activation must be one of ", batch_norm_act_attrs::kActivationList, ", got \"",
+                                     name, "\"");
+    }
     TF_RETURN_IF_ERROR(ctx->GetAttr("alpha", &alpha));
     TF_RETURN_IF_ERROR(ctx->GetAttr("epsilon", &epsilon));
     if (!(std::isfinite(epsilon) && epsilon > 0.0f)) {
