@@ -14,7 +14,8 @@
 //
 // Memory passes: the forward reads x twice (statistics; normalize) -- a
 // block's second statistics pass re-reads it from cache; the gradient reads
-// dy, x (and side) twice (sums; dx). The activation is a template argument,
+// dy, x (and side) twice (sums; dx), except that with a side input in
+// float32 the dx pass reads the dside the sums pass wrote instead of dy and side. The activation is a template argument,
 // so each pass's loop is specialized (no switch per element).
 //
 // Helpers live in namespace batch_norm_act_cpu: all CPU kernel files are one
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "cpu/batch_norm_act_attrs.h"
 #include "cpu/cpu_common.h"
@@ -334,16 +336,25 @@ TFM_BNA_BODY void GradRowsBody(const BackwardArgs<T>& a, int64_t begin, int64_t 
   const float* __restrict dbeta = a.dbeta;
   const float* __restrict dgamma = a.dgamma;
   const float alpha = a.alpha, inv_count = a.inv_count;
+  // With a side input and float32 data, the sums pass wrote dside = dpre exactly: read it
+  // back (one tensor) instead of dy and side (two) and the activation's derivative.
+  constexpr bool kReadDside = kSide && std::is_same<T, float>::value;
   for (int64_t r = begin; r < end; ++r) {
     const T* __restrict x = a.x + r * C;
     const T* __restrict dy = a.dy + r * C;
     const T* __restrict side = kSide ? a.side + r * C : nullptr;
+    const T* __restrict dside = kSide ? a.dside + r * C : nullptr;
     T* __restrict dx = a.dx + r * C;
     for (int64_t c = 0; c < C; ++c) {
       const float xv = Load(x[c]);
-      float pre = bna_pre(xv, mean[c], scale[c], beta[c]);
-      if (kSide) pre += Load(side[c]);
-      const float dpre = bna_dpre(kAct, Load(dy[c]), pre, alpha);
+      float dpre;
+      if (kReadDside) {
+        dpre = Load(dside[c]);
+      } else {
+        float pre = bna_pre(xv, mean[c], scale[c], beta[c]);
+        if (kSide) pre += Load(side[c]);
+        dpre = bna_dpre(kAct, Load(dy[c]), pre, alpha);
+      }
       dx[c] = static_cast<T>(
           bna_dx(dpre, bna_xhat(xv, mean[c], inv_std[c]), scale[c], dbeta[c], dgamma[c], inv_count));
     }
