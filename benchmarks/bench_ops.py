@@ -41,7 +41,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import median_time, write_results  # noqa: E402
+from _common import median_time, paired_rounds, ratio, write_results  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -294,13 +294,17 @@ def bench_batch_norm_act(ctx):
             tol = (1e-3 if got.ndim > 1 else 2e-2) * max(float(np.abs(want).max()), 1.0)
             far = np.abs(got - want) > tol
             assert far.mean() < 1e-5 or (got.ndim == 1 and not far.any()), f"{int(far.sum())} of {far.size} differ"
-        stock_ms, ours_ms = ctx.alternate(lambda: stock(*args), lambda: ours(*args))
+        # Paired rounds (the order rotated each round), the speed-up the median of the per-round ratios:
+        # load drift on a shared host between rounds cancels.
+        times = paired_rounds({"stock": lambda: stock(*args), "ours": lambda: ours(*args)},
+                              rounds=max(ctx.rounds, 5), repeats=ctx.repeats)
+        stock_ms, ours_ms = (statistics.median(times[k]) for k in ("stock", "ours"))
         row = {
             "section": "batch_norm_act",
             "case": "float32 64x32x32x64 relu" + (" + side" if with_side else ""),
             "stock_ms": round(stock_ms, 2),
             "ours_ms": round(ours_ms, 2),
-            "speedup": round(stock_ms / ours_ms, 2),
+            "speedup": round(ratio(times, "stock", "ours"), 2),
             "stock_ops": _num_ops(stock, *args),
             "ours_ops": _num_ops(ours, *args),
         }
@@ -314,7 +318,8 @@ def bench_batch_norm_act(ctx):
         "batch_norm_act: one step = y, dx, dgamma, dbeta (, d side) in one tf.function; stock = "
         "FusedBatchNormV3(is_training=True) + Relu (+ AddV2) and their gradients; "
         f"TF_ENABLE_ONEDNN_OPTS={onednn}; intra-op threads {tf.config.threading.get_intra_op_parallelism_threads()} "
-        f"(0 = all {os.cpu_count()} cores); issue-33 target >= 2x on 2 threads.",
+        f"(0 = all {os.cpu_count()} cores); issue-33 target >= 2x on 2 threads. speedup = median over paired "
+        "rounds of the per-round stock / ours.",
     ]
     return rows, notes
 

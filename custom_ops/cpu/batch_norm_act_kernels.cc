@@ -14,7 +14,8 @@
 //
 // Memory passes: the forward reads x twice (statistics; normalize) -- a
 // block's second statistics pass re-reads it from cache; the gradient reads
-// dy, x (and side) twice (sums; dx). The activation is a template argument,
+// dy, x (and side) twice (sums; dx), except that with a side input in
+// float32 the dx pass reads the dside the sums pass wrote instead of dy and side. The activation is a template argument,
 // so each pass's loop is specialized (no switch per element).
 //
 // Helpers live in namespace batch_norm_act_cpu: all CPU kernel files are one
@@ -23,7 +24,9 @@
 #include <cmath>
 #include <limits>
 #include <string>
+#include <type_traits>
 
+#include "cpu/batch_norm_act_attrs.h"
 #include "cpu/cpu_common.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -50,19 +53,24 @@ constexpr int64_t kBackwardCost = 12;
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The activation attr's names, in the order of the TFM_BNA_* codes.
-constexpr const char* kActivations[TFM_BNA_NUM_ACTIVATIONS] = {"linear", "relu",       "relu6", "elu",
-                                                                "leaky_relu", "silu", "gelu"};
-
-inline Status ActivationCode(const std::string& name, int32_t* code) {
-  for (int32_t i = 0; i < TFM_BNA_NUM_ACTIVATIONS; ++i) {
-    if (name == kActivations[i]) {
-      *code = i;
-      return Status();
-    }
-  }
-  return errors::InvalidArgument("unknown activation '", name, "'");
+// The loops are bound by memory and by the per-element arithmetic: on x86-64
+// each pass is also compiled for AVX2 + FMA (8 lanes, fused multiply-adds;
+// the baseline build is SSE2) and chosen at run time from the CPU's features.
+// The bodies are always inlined into both versions. The AVX2 version rounds
+// differently (fused multiply-adds): the forward and the gradient use the same
+// version, so the gradient still sees the forward's pre-activations.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TFM_BNA_X86 1
+#define TFM_BNA_BODY inline __attribute__((always_inline))
+#define TFM_BNA_AVX2 __attribute__((target("avx2,fma")))
+inline bool UseAvx2() {
+  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return yes;
 }
+#else
+#define TFM_BNA_X86 0
+#define TFM_BNA_BODY inline
+#endif
 
 // The fixed partition of an [rows, channels] input into work items.
 struct Partition {
@@ -127,7 +135,7 @@ struct ForwardArgs {
 // corrected two-pass sums about it (the block is still in cache). The shift
 // is the block's first row (read again by MergeStats).
 template <typename T>
-void StatsItem(const ForwardArgs<T>& a, int64_t item) {
+TFM_BNA_BODY void StatsItemBody(const ForwardArgs<T>& a, int64_t item) {
   const Partition& p = a.p;
   const Item it = ItemOf(p, item);
   const int64_t C = p.channels, w = it.width;
@@ -164,6 +172,18 @@ void StatsItem(const ForwardArgs<T>& a, int64_t item) {
   }
 }
 
+// The body compiled twice: for the baseline ISA and, on x86-64, for AVX2 + FMA.
+template <typename T>
+void StatsItems(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) StatsItemBody(a, item);
+}
+#if TFM_BNA_X86
+template <typename T>
+TFM_BNA_AVX2 void StatsItemsAvx2(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) StatsItemBody(a, item);
+}
+#endif
+
 // Channels [begin, end): the block moments merged in block order.
 template <typename T>
 void MergeStats(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
@@ -185,7 +205,7 @@ void MergeStats(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
 }
 
 template <int kAct, bool kSide, typename T>
-void NormalizeRows(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
+TFM_BNA_BODY void NormalizeRowsBody(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
   const int64_t C = a.p.channels;
   const float* __restrict mean = a.mean;
   const float* __restrict scale = a.scale;
@@ -206,8 +226,30 @@ void NormalizeRows(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
 template <typename T>
 using RowsFn = void (*)(const ForwardArgs<T>&, int64_t, int64_t);
 
+template <int kAct, bool kSide, typename T>
+void NormalizeRows(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
+  NormalizeRowsBody<kAct, kSide, T>(a, begin, end);
+}
+#if TFM_BNA_X86
+template <int kAct, bool kSide, typename T>
+TFM_BNA_AVX2 void NormalizeRowsAvx2(const ForwardArgs<T>& a, int64_t begin, int64_t end) {
+  NormalizeRowsBody<kAct, kSide, T>(a, begin, end);
+}
+#endif
+
+template <typename T>
+RowsFn<T> StatsFn() {
+#if TFM_BNA_X86
+  if (UseAvx2()) return &StatsItemsAvx2<T>;
+#endif
+  return &StatsItems<T>;
+}
+
 template <int kAct, typename T>
 RowsFn<T> NormalizeFor(bool side) {
+#if TFM_BNA_X86
+  if (UseAvx2()) return side ? &NormalizeRowsAvx2<kAct, true, T> : &NormalizeRowsAvx2<kAct, false, T>;
+#endif
   return side ? &NormalizeRows<kAct, true, T> : &NormalizeRows<kAct, false, T>;
 }
 
@@ -249,7 +291,7 @@ struct BackwardArgs {
 
 // One work item's sums of dpre and dpre * xhat (and dside = dpre).
 template <int kAct, bool kSide, typename T>
-void GradSumsItem(const BackwardArgs<T>& a, int64_t item) {
+TFM_BNA_BODY void GradSumsItemBody(const BackwardArgs<T>& a, int64_t item) {
   const Partition& p = a.p;
   const Item it = ItemOf(p, item);
   const int64_t C = p.channels, w = it.width;
@@ -285,7 +327,7 @@ void GradSumsItem(const BackwardArgs<T>& a, int64_t item) {
 }
 
 template <int kAct, bool kSide, typename T>
-void GradRows(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
+TFM_BNA_BODY void GradRowsBody(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
   const int64_t C = a.p.channels;
   const float* __restrict mean = a.mean;
   const float* __restrict inv_std = a.inv_std;
@@ -294,32 +336,67 @@ void GradRows(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
   const float* __restrict dbeta = a.dbeta;
   const float* __restrict dgamma = a.dgamma;
   const float alpha = a.alpha, inv_count = a.inv_count;
+  // With a side input and float32 data, the sums pass wrote dside = dpre exactly: read it
+  // back (one tensor) instead of dy and side (two) and the activation's derivative.
+  constexpr bool kReadDside = kSide && std::is_same<T, float>::value;
   for (int64_t r = begin; r < end; ++r) {
     const T* __restrict x = a.x + r * C;
     const T* __restrict dy = a.dy + r * C;
     const T* __restrict side = kSide ? a.side + r * C : nullptr;
+    const T* __restrict dside = kSide ? a.dside + r * C : nullptr;
     T* __restrict dx = a.dx + r * C;
     for (int64_t c = 0; c < C; ++c) {
       const float xv = Load(x[c]);
-      float pre = bna_pre(xv, mean[c], scale[c], beta[c]);
-      if (kSide) pre += Load(side[c]);
-      const float dpre = bna_dpre(kAct, Load(dy[c]), pre, alpha);
+      float dpre;
+      if (kReadDside) {
+        dpre = Load(dside[c]);
+      } else {
+        float pre = bna_pre(xv, mean[c], scale[c], beta[c]);
+        if (kSide) pre += Load(side[c]);
+        dpre = bna_dpre(kAct, Load(dy[c]), pre, alpha);
+      }
       dx[c] = static_cast<T>(
           bna_dx(dpre, bna_xhat(xv, mean[c], inv_std[c]), scale[c], dbeta[c], dgamma[c], inv_count));
     }
   }
 }
 
+// Both passes over [begin, end): work items for the sums, rows for dx.
 template <typename T>
 struct GradFns {
-  void (*sums)(const BackwardArgs<T>&, int64_t);
+  void (*sums)(const BackwardArgs<T>&, int64_t, int64_t);
   void (*rows)(const BackwardArgs<T>&, int64_t, int64_t);
 };
 
+template <int kAct, bool kSide, typename T>
+void GradSums(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) GradSumsItemBody<kAct, kSide, T>(a, item);
+}
+template <int kAct, bool kSide, typename T>
+void GradRows(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
+  GradRowsBody<kAct, kSide, T>(a, begin, end);
+}
+#if TFM_BNA_X86
+template <int kAct, bool kSide, typename T>
+TFM_BNA_AVX2 void GradSumsAvx2(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
+  for (int64_t item = begin; item < end; ++item) GradSumsItemBody<kAct, kSide, T>(a, item);
+}
+template <int kAct, bool kSide, typename T>
+TFM_BNA_AVX2 void GradRowsAvx2(const BackwardArgs<T>& a, int64_t begin, int64_t end) {
+  GradRowsBody<kAct, kSide, T>(a, begin, end);
+}
+#endif
+
 template <int kAct, typename T>
 GradFns<T> GradFor(bool side) {
-  if (side) return {&GradSumsItem<kAct, true, T>, &GradRows<kAct, true, T>};
-  return {&GradSumsItem<kAct, false, T>, &GradRows<kAct, false, T>};
+#if TFM_BNA_X86
+  if (UseAvx2()) {
+    if (side) return {&GradSumsAvx2<kAct, true, T>, &GradRowsAvx2<kAct, true, T>};
+    return {&GradSumsAvx2<kAct, false, T>, &GradRowsAvx2<kAct, false, T>};
+  }
+#endif
+  if (side) return {&GradSums<kAct, true, T>, &GradRows<kAct, true, T>};
+  return {&GradSums<kAct, false, T>, &GradRows<kAct, false, T>};
 }
 
 template <typename T>
@@ -346,7 +423,11 @@ struct Attrs {
   Status Read(OpKernelConstruction* ctx) {
     std::string name;
     TF_RETURN_IF_ERROR(ctx->GetAttr("activation", &name));
-    TF_RETURN_IF_ERROR(ActivationCode(name, &activation));
+    activation = batch_norm_act_attrs::ActivationCode(name);
+    if (activation < 0) {
+      return errors::InvalidArgument("activation must be one of ", batch_norm_act_attrs::kActivationList, ", got \"",
+                                     name, "\"");
+    }
     TF_RETURN_IF_ERROR(ctx->GetAttr("alpha", &alpha));
     TF_RETURN_IF_ERROR(ctx->GetAttr("epsilon", &epsilon));
     if (!(std::isfinite(epsilon) && epsilon > 0.0f)) {
@@ -429,9 +510,9 @@ class BatchNormActOp : public OpKernel {
     OP_REQUIRES_OK(ctx, TempFloats(ctx, p.blocks * channels, &bm_t, &a.block_mean));
     OP_REQUIRES_OK(ctx, TempFloats(ctx, p.blocks * channels, &bm2_t, &a.block_m2));
     const ForwardArgs<T>& ca = a;
-    ParallelFor(ctx, p.items(), kStatsCost * p.rows_per_block * p.chunk, [&ca](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) StatsItem(ca, item);
-    });
+    const RowsFn<T> stats = StatsFn<T>();
+    ParallelFor(ctx, p.items(), kStatsCost * p.rows_per_block * p.chunk,
+                [&ca, stats](int64_t begin, int64_t end) { stats(ca, begin, end); });
     ParallelFor(ctx, channels, 4 * p.blocks, [&ca](int64_t begin, int64_t end) { MergeStats(ca, begin, end); });
     const RowsFn<T> normalize = NormalizeFn<T>(attrs_.activation, has_side);
     ParallelFor(ctx, rows, kForwardCost * channels,
@@ -505,9 +586,8 @@ class BatchNormActGradOp : public OpKernel {
     for (int64_t c = 0; c < channels; ++c) a.scale[c] = bna_scale(a.inv_std[c], a.gamma[c]);
     const BackwardArgs<T>& ca = a;
     const GradFns<T> fns = GradFn<T>(attrs_.activation, has_side);
-    ParallelFor(ctx, p.items(), kBackwardCost * p.rows_per_block * p.chunk, [&ca, fns](int64_t begin, int64_t end) {
-      for (int64_t item = begin; item < end; ++item) fns.sums(ca, item);
-    });
+    ParallelFor(ctx, p.items(), kBackwardCost * p.rows_per_block * p.chunk,
+                [&ca, fns](int64_t begin, int64_t end) { fns.sums(ca, begin, end); });
     // The block partials, added in block order.
     ParallelFor(ctx, channels, 2 * p.blocks, [&ca](int64_t begin, int64_t end) {
       for (int64_t c = begin; c < end; ++c) {
@@ -529,6 +609,10 @@ class BatchNormActGradOp : public OpKernel {
 
 TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>BatchNormAct"), BatchNormActOp)
 TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>BatchNormActGrad"), BatchNormActGradOp)
+
+#undef TFM_BNA_X86
+#undef TFM_BNA_BODY
+#undef TFM_BNA_AVX2
 
 }  // namespace batch_norm_act_cpu
 }  // namespace tfmetal_ext

@@ -176,8 +176,9 @@ TFM_INLINE bna_moments bna_merge(bna_moments a, bna_moments b) {
   return m;
 }
 
-// The merged mean (one rounding at the end).
-TFM_INLINE float bna_mean(bna_moments m) { return m.shift + m.mean; }
+// The merged mean (one rounding at the end); NaN for an empty batch (its
+// M2 / count = 0 / 0, as Keras' moments of an empty batch).
+TFM_INLINE float bna_mean(bna_moments m) { return m.count > 0.0f ? m.shift + m.mean : m.m2 / m.count; }
 
 // The biased variance M2 / M: NaN for an empty batch (0 / 0, as Keras' moments).
 TFM_INLINE float bna_variance(bna_moments m) { return m.m2 / m.count; }
