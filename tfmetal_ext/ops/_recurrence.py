@@ -90,9 +90,12 @@ The stock form (`stock_lstm`, `stock_gru`): Keras' own generic loop
 Keras' cell math with autodiff gradients, on the layer's own weights. It runs
 for ``unroll=True`` and recurrent dropout (the fused loop has neither), and
 on a CPU where the fused loop was measured slower than the stock layer:
-`Backend.rnn_cpu_form` reads the backend table's `rnn_stock_from` (LSTM from a static
-batch of 256 and 50 steps on the CPU tables; `benchmarks/bench_rnn.py
---grid`). A batch or length unknown when the step is traced runs the fused form.
+`Backend.rnn_cpu_form` reads the `rnn_stock` regions of the backend table of the CPU
+configuration (oneDNN on or off, measured apart: `tfmetal_ext.backends.cpu`,
+`benchmarks/bench_rnn.py --grid`). A batch or length unknown when the step is traced
+meets no batch or length bound there. Its bias is added with `BiasAdd`, as Keras
+adds a 1-D bias (one `BiasAddGrad` in the backward, not a broadcast `Sum`), so
+its train step is Keras' own.
 """
 
 from __future__ import annotations
@@ -637,7 +640,7 @@ def stock_lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, mask, go_backwards,
         h_in = h if recurrent_mask is None else h * recurrent_mask
         z = tf.matmul(x_t, kernel) + tf.matmul(h_in, recurrent_kernel)
         if bias is not None:
-            z = z + bias
+            z = tf.nn.bias_add(z, bias)  # as Keras' add of a 1-D bias (its gradient one BiasAddGrad, no Sum)
         zi, zf, zc, zo = tf.split(z, 4, axis=1)
         c_new = tf.sigmoid(zf) * c + tf.sigmoid(zi) * tf.tanh(zc)
         h_new = tf.sigmoid(zo) * tf.tanh(c_new)
@@ -662,11 +665,11 @@ def stock_gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, retu
         if reset_after:
             mh = tf.matmul(h_in, recurrent_kernel)
             if bias is not None:
-                mx, mh = mx + bias[0], mh + bias[1]
+                mx, mh = tf.nn.bias_add(mx, bias[0]), tf.nn.bias_add(mh, bias[1])
         else:
             mh = tf.matmul(h_in, recurrent_kernel[:, : 2 * units])
             if bias is not None:
-                mx = mx + bias
+                mx = tf.nn.bias_add(mx, bias)
         xz, xr, xh = tf.split(mx, 3, axis=1)
         hz, hr = mh[:, :units], mh[:, units : 2 * units]
         z = tf.sigmoid(xz + hz)
