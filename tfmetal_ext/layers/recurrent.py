@@ -11,7 +11,7 @@ documents the forms and the measurements behind them):
 | Metal, Apple's tensorflow-metal | one `CudnnRNNV3` (float32, float16, bfloat16) |
 | Metal, the open tensorflow-metal-plugin | no `CudnnRNNV3` kernel there (nor on the CPU): the loop below, in its GPU form (composite cell gradient; `Split`/`ConcatV2` instead of `Unpack`/`Pack`, which have no kernel there) |
 | CUDA | one `CudnnRNNV3` (cuDNN) |
-| CPU | input projection of all steps as one MatMul + BiasAdd, then a custom-gradient loop (unrolled for static lengths up to 100) with one fused `LSTMBlockCellGrad` per LSTM step |
+| CPU | input projection of all steps as one MatMul + BiasAdd, then a custom-gradient loop (unrolled for static lengths up to 256) with one fused `LSTMBlockCellGrad` per LSTM step |
 
 The backend table decides (`Backend.rnn_implementation`: the ``cudnn_rnn`` row and
 `Backend.has_kernel`), not the plugin's name.
@@ -423,7 +423,7 @@ class FusedLSTM(_FusedRNN):
     | backend | op |
     |---|---|
     | Metal, Apple's tensorflow-metal | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16) |
-    | Metal, tensorflow-metal-plugin | MatMul + BiasAdd for all inputs (its graph pass fuses them), then per step MatMul + gate ops forward and a composite gradient (`SigmoidGrad`/`TanhGrad`) + MatMul backward, unrolled up to 100 static steps, else a while loop; every op with a kernel there |
+    | Metal, tensorflow-metal-plugin | MatMul + BiasAdd for all inputs (its graph pass fuses them), then per step MatMul + gate ops forward and a composite gradient (`SigmoidGrad`/`TanhGrad`) + MatMul backward, unrolled up to 256 static steps, else a while loop; every op with a kernel there |
     | CUDA | `CudnnRNNV3` + `CudnnRNNBackpropV3` (cuDNN) |
     | CPU | `_FusedMatMul[BiasAdd]` for all inputs, then per step MatMul + gate ops forward and `LSTMBlockCellGrad` + MatMul backward (float32/float16; a composite in bfloat16), dU as one MatMul; no fused RNN kernel exists on CPU |
 
