@@ -20,30 +20,30 @@ F32_BF16 = ("float32", "bfloat16")
 
 # Where FusedLSTM / FusedGRU run the stock form on a CPU (`Backend.rnn_cpu_form`): cell -> `RnnStock`
 # regions, one rule per table, each measured in its own process. Measured: train step of Input -> RNN(H)
-# -> Dense(1), float32, F=32, Keras' layer vs the fused loop forced, paired rounds in one process, median
-# of per-round ratios (`benchmarks/bench_rnn.py --grid --rounds 5 --repeats 3`, results/
-# bench_rnn_grid_onednn*.md and bench_rnn_grid_no_onednn*.md); TF 2.21, 2-core AMD EPYC (AVX-512,
-# AVX512_BF16), the host shared with other jobs: single ratios swing by 20% between runs, so a
-# region holds where the fused loop lost or only tied. Batch sizes measured: 32, 64, 256 (128
-# not): a batch bound is the smallest measured batch where it lost. Mixed precision was not
-# measured apart: the regions hold for every dtype. An unknown batch (a `fit` step traced with
-# batch None) meets no batch bound: at batch 32 and 64 the fused loop won (1.2-1.9x) nearly
-# everywhere, and a run-time switch between both forms (tf.cond on the batch) cost 25% at batch 64.
+# -> Dense(1), float32, F=32, Keras' layer vs the fused loop (forced where the table chose stock), paired
+# rounds in one process, median of per-round ratios (`benchmarks/bench_rnn.py --grid --rounds 5
+# --repeats 3`, results/bench_rnn_grid_*onednn*.md, and re-runs of single shapes); TF 2.21, 2-core
+# AMD EPYC (AVX-512, AVX512_BF16), the host shared with other jobs: one shape's ratio moved by up to
+# 0.4 between runs (LSTM batch 128 T 50 H 128: 0.72x, 1.10x, 1.19x), so a region holds where the
+# fused loop lost or only tied in most runs. Batch sizes measured: 32, 64, 128, 256; a batch bound is
+# the smallest measured batch where it lost. Mixed precision was not measured apart: the regions hold
+# for every dtype. An unknown batch (a `fit` step traced with batch None) meets no batch bound: at
+# batch 32 and 64 the fused loop won (LSTM 1.3-2.0x, GRU 1.4-2.9x, traced None included), and a
+# run-time switch between both forms (tf.cond on the batch) cost 25% at batch 64.
 _RNN_STOCK_ONEDNN = types.MappingProxyType({
     "lstm": (
         RnnStock(
-            "oneDNN, batch 256: the fused LSTM loop tied or lost (T 10 H 32 0.86x, T 200 H 32 0.83x, "
-            "T 200 H 256 1.01x; T 50 H 128 0.60x over 7 rounds in an earlier run; T 10 H 256 1.24x "
-            "in the grid but 0.82x in a re-run)",
+            "oneDNN, batch 256: the fused LSTM loop tied or lost (T 50 H 128: 0.60x, 0.69x, 1.22x; "
+            "T 200: H 32 0.83x, 1.00x, 0.89x, H 256 1.01x, 0.91x; T 10: H 32 0.86x, 1.19x, 1.03x, "
+            "H 256 1.24x, 1.36x, 0.82x)",
             min_batch=256,
         ),
         RnnStock(
-            "oneDNN, 200 steps of 32 units: the fused LSTM loop tied at batch 32 (1.01x, 0.93x in a "
-            "re-run) and lost at batch 256 (0.83x)",
-            min_steps=200, max_units=32,
+            "oneDNN, batch 128, 200 steps of 32 units: the fused LSTM loop lost (0.93x)",
+            min_batch=128, min_steps=200, max_units=32,
         ),
     ),
-    # GRU: the fused loop won at every measured shape (1.04x at batch 256 T 200 H 256, 1.3-1.9x elsewhere).
+    # GRU: the fused loop won at every measured shape (batch 256 T 200 H 256: 1.04x, 1.12x; 1.2-1.9x elsewhere).
 })
 _RNN_STOCK_EIGEN = types.MappingProxyType({
     "lstm": (
