@@ -803,7 +803,8 @@ def test_the_backend_table_picks_the_form_per_static_shape(kind):
         assert layer.form == want, label
         if want == "stock":
             assert "stock" in row.reason and f"batch {batch}" in row.reason and region.reason in row.reason
-            assert row.actual_op is None
+            # no fused recurrence; Keras' GRU step may still get TF's own _FusedMatMul[BiasAdd]
+            assert row.actual_op is None or "RNN" not in row.actual_op
         else:
             assert "stock" not in (row.reason or "")
     # an unknown batch (a fit step traced on data that does not split evenly) meets no batch bound
