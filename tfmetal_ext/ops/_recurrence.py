@@ -78,12 +78,21 @@ and threads in one process did not speed up a MatMul while we measured (a
 2048^3 MatMul took the same time with 1 and 2 threads). What is left is the
 per-step elementwise work and per-op overhead (3-4 us per small op), which
 the hoisted projection, the unrolled graph and the fused cell gradient cut:
-shipped (`benchmarks/bench_rnn.py`, same host), Keras / ours at B=64 T=50
-F=32 H=128: LSTM 1.04-1.09x in float32 and 1.17-1.28x in mixed_bfloat16, GRU
-1.5-1.6x in both; at B=64 T=100 F=64 H=256 1.3-1.5x. The issue's 1.5x target
-for the float32 LSTM is not reached on this host: with Keras already near the
-GEMM floor there is no 1.5x left to take without fusing the cell's
-elementwise math into one kernel per step.
+shipped (`benchmarks/bench_rnn.py --grid`, same host, both CPU configurations,
+results/bench_rnn_grid_summary.md), Keras / ours at B=64 T=50 F=32 H=128 in float32:
+with oneDNN LSTM 1.05-2.0x and GRU 1.5-2.9x over four runs, without oneDNN LSTM
+about 1.2-1.4x and GRU 1.5-2.1x; at batch 32 1.1-2.2x everywhere. At batch 256 the
+fused LSTM ties or loses (0.6-1.2x per run; GRU without oneDNN at 256 units too), so
+the backend tables run the stock form there. A profile at B=256 T=50 H=128 with
+oneDNN (TF's profiler, host under load) showed ours issuing 103 MatMuls against
+Keras' 251 for the same total MatMul time: our per-step ``dz @ U^T`` took 0.84 ms
+in the step against 0.53 ms for Keras' ``transpose_b`` form in its loop, though
+alone ours is the faster form (0.20 vs 0.22 ms at that shape), and the one
+projection weight gradient over all steps took 15 ms against 4 ms alone, which
+suggests ops of the unrolled graph contending for the two cores (not shown: one
+inter-op thread gave 1.19x against 1.10x, within the noise). Finding that out,
+or fusing the cell's elementwise math into one kernel per step, is what would
+lift batch 256.
 
 The stock form (`stock_lstm`, `stock_gru`): Keras' own generic loop
 (`keras.src.backend.rnn`, what keras.layers.LSTM / GRU run on a CPU) over
