@@ -11,14 +11,18 @@ median of each is kept, so drift on a shared host favours neither side.
     .venv/bin/python benchmarks/bench_rnn.py [--repeats 30] [--rounds 3] [--policies float32,mixed_bfloat16]
 
 ``--grid`` times the issue's corners instead (batch {32, 256} x T {10, 200} x
-units {32, 256}, F = 32, float32): paired rounds in one process
+units {32, 256}, F = 32, float32, then the SIZES rows): paired rounds in one process
 (`_common.paired_rounds`, order rotated each round), speed-up = median over
 rounds of stock / ours, and which form `FusedLSTM` / `FusedGRU` chose for the
 shape (`tfmetal_ext.backends.Backend.rnn_cpu_form`). The choice is measured with the
 fused loop forced (``ours_loop_ms``) as well, so the table shows what the
 threshold decided and why:
 
-    .venv/bin/python benchmarks/bench_rnn.py --grid [--rounds 3] [--repeats 3] [--out bench_rnn_grid]
+    .venv/bin/python benchmarks/bench_rnn.py --grid [--rounds 5] [--repeats 3] [--out NAME]
+    TF_ENABLE_ONEDNN_OPTS=0 .venv/bin/python benchmarks/bench_rnn.py --grid ...
+
+(results/bench_rnn_grid_onednn.md, results/bench_rnn_grid_no_onednn.md by default: one file per
+CPU configuration, each measured in its own process).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from tfmetal_ext import layers as fl  # noqa: E402
 from tfmetal_ext.inspect.report import NON_COMPUTE_OPS  # noqa: E402
 
 SIZES = ((64, 50, 32, 128), (64, 100, 64, 256))
-GRID = tuple((b, t, 32, h) for b in (32, 256) for t in (10, 200) for h in (32, 256))
+# The issue's corners, then the SIZES rows (the first is the issue-33 corner: batch 64, T 50, F 32, H 128).
+GRID = tuple((b, t, 32, h) for b in (32, 256) for t in (10, 200) for h in (32, 256)) + SIZES
 CELLS = (("LSTM", keras.layers.LSTM, fl.FusedLSTM), ("GRU", keras.layers.GRU, fl.FusedGRU))
 _LOOP_CONTROL = {"Enter", "Exit", "Merge", "Switch", "NextIteration", "LoopCond"}
 
@@ -100,9 +105,14 @@ def executed_ops(capture, iterations):
     return compute, control
 
 
-def _train_fn(model, x, y):
+def _train_fn(model, x, y, static_batch=True):
+    """The compiled train step over (x, y) as one batch; `static_batch=False`: traced with batch None,
+    as `fit` traces it when the data does not split into full batches."""
     model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)  # build and trace
-    it = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    if static_batch:
+        it = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+    else:  # batch() without drop_remainder: the element spec's batch is None
+        it = iter(tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(len(x)))
     fn = model.train_function
     return lambda: fn(it)
 
@@ -141,7 +151,7 @@ def run(name, stock_cls, ours_cls, size, policy, repeats, rounds):
     )
 
 
-def _grid_row(name, stock_cls, ours_cls, size, rounds, repeats):
+def _grid_row(name, stock_cls, ours_cls, size, rounds, repeats, static_batch=True):
     from tfmetal_ext.backends import _table
 
     batch, steps, features, units = size
@@ -153,18 +163,19 @@ def _grid_row(name, stock_cls, ours_cls, size, rounds, repeats):
     stock = _model(stock_cls, steps, features, units)
     ours = _model(ours_cls, steps, features, units)
     ours.set_weights(stock.get_weights())
-    fns = {"stock": _train_fn(stock, x, y), "ours": _train_fn(ours, x, y)}
-    fns["ours"]()  # traced for the static batch of the timed steps: the form is chosen here
+    fns = {"stock": _train_fn(stock, x, y, static_batch), "ours": _train_fn(ours, x, y, static_batch)}
+    fns["ours"]()  # traced for the batch of the timed steps (static or None): the form is chosen here
     form = ours.get_layer("rnn").form
     if form != "fused":  # also time the fused loop this shape did not choose
         with _table.force_cpu_form("fused"):
             loop = _model(ours_cls, steps, features, units)
             loop.set_weights(stock.get_weights())
-            fns["ours_loop"] = _train_fn(loop, x, y)
+            fns["ours_loop"] = _train_fn(loop, x, y, static_batch)
             fns["ours_loop"]()
     times = paired_rounds(fns, rounds=rounds, repeats=repeats)
     med = {k: float(np.median(v)) for k, v in times.items()}
-    row = dict(cell=name, B=batch, T=steps, F=features, H=units, form=form,
+    row = dict(cell=name, B=batch if static_batch else f"{batch} (traced None)", T=steps, F=features, H=units,
+               form=form,
                stock_ms=med["stock"], ours_ms=med["ours"], speedup=ratio(times, "stock", "ours"))
     if "ours_loop" in times:
         row["ours_loop_ms"] = med["ours_loop"]
@@ -178,18 +189,23 @@ def grid(args):
     for size in sizes:
         for name, stock_cls, ours_cls in CELLS:
             if name in args.cells.split(","):
-                rows.append(_grid_row(name, stock_cls, ours_cls, size, args.rounds, args.repeats))
+                rows.append(_grid_row(name, stock_cls, ours_cls, size, args.rounds, args.repeats,
+                                      not args.unknown_batch))
                 print(rows[-1], flush=True)
     columns = ["cell", "B", "T", "F", "H", "form", "stock_ms", "ours_ms", "speedup", "ours_loop_ms", "loop_speedup"]
-    write_results(args.out or "bench_rnn_grid", rows, columns, notes=[
+    from tfmetal_ext import devices
+
+    default = "bench_rnn_grid_onednn" if devices.capabilities().onednn else "bench_rnn_grid_no_onednn"
+    write_results(args.out or default, rows, columns, notes=[
         "train step = the compiled model.train_function (forward, backward, SGD) of Input -> RNN(H) -> Dense(1), float32",
         f"paired rounds in one process (_common.paired_rounds, {args.rounds} rounds x {args.repeats} steps, "
         "order rotated): ms = median over rounds; speedup = median over rounds of stock_ms / ours_ms",
         "form: what FusedLSTM/FusedGRU ran for the shape (layer.form after the timed step was traced with "
-        "its static batch; the rule is tfmetal_ext.backends.Backend.rnn_cpu_form over the backend table's "
-        "rnn_stock_from): 'fused' = the hoisted-projection custom-gradient loop, 'stock' = Keras' own "
+        "its batch, static unless the row says 'traced None'; the rule is "
+        "tfmetal_ext.backends.Backend.rnn_cpu_form over the rnn_stock regions of the backend table of this "
+        "CPU configuration): 'fused' = the hoisted-projection custom-gradient loop, 'stock' = Keras' own "
         "loop and cell math",
-        "ours_loop_ms / loop_speedup: the fused loop forced, for shapes where the threshold chose stock",
+        "ours_loop_ms / loop_speedup: the fused loop forced, for shapes where the table chose stock",
     ])
 
 
@@ -201,6 +217,8 @@ def main(argv=None):
     parser.add_argument("--cells", default="LSTM,GRU")
     parser.add_argument("--sizes", default=None, help="e.g. 64x50x32x128,64x100x64x256")
     parser.add_argument("--grid", action="store_true", help="the batch x T x units corners, paired rounds")
+    parser.add_argument("--unknown-batch", action="store_true",
+                        help="--grid: trace the timed steps with batch None (fit on data that does not split evenly)")
     parser.add_argument("--out", default=None, help="results name for --grid (default bench_rnn_grid)")
     args = parser.parse_args(argv)
     if args.grid:

@@ -143,3 +143,40 @@ def test_callback_replacement_views_keep_their_published_values():
         "Adagrad": "tfmetal_ext.optimizers.FusedAdagrad",
         "Lion": "tfmetal_ext.optimizers.FusedLion",
     }
+
+
+def test_rnn_stock_regions_hold_by_their_bounds():
+    region = backends.RnnStock("r", min_batch=256, min_steps=50, max_units=32, dtypes=("float32",))
+    assert region.holds(256, 50, 32, "float32") and region.holds(1024, 200, 8, "float32")
+    # each bound can fail alone
+    assert not region.holds(255, 50, 32, "float32")
+    assert not region.holds(256, 49, 32, "float32")
+    assert not region.holds(256, 50, 33, "float32")
+    assert not region.holds(256, 50, 32, "bfloat16")
+    # an unknown batch or length meets no batch or length bound; an unbounded one holds for it
+    assert not region.holds(None, 50, 32) and not region.holds(256, None, 32)
+    assert backends.RnnStock("any batch", min_steps=200).holds(None, 200, 512, "bfloat16")
+
+
+@pytest.mark.parametrize("key", ["cpu_onednn", "cpu"])
+def test_rnn_cpu_form_reads_the_regions_of_its_own_table(key):
+    table = backends.table(key)
+    assert table.rnn_stock, "each CPU table carries its own measured rule"
+    for cell, regions in table.rnn_stock.items():
+        assert cell in ("lstm", "gru") and regions
+        for region in regions:
+            assert "oneDNN" in region.reason  # says which configuration it was measured on
+            batch, steps = region.min_batch or 4, region.min_steps or 3
+            units = region.max_units or region.min_units or 8
+            assert table.rnn_cpu_form(cell, batch, steps, units, "float32") == "stock"
+            assert table.rnn_stock_region(cell, batch, steps, units, "float32") is region
+            if region.min_batch:  # one below the bound, or unknown: not this region
+                for below in (region.min_batch - 1, None):
+                    assert table.rnn_stock_region(cell, below, steps, units, "float32") is not region
+        # a small shape runs the fused form everywhere
+        assert table.rnn_cpu_form(cell, 4, 3, 8, "float32") == "fused"
+    # a table without a rule: the fused form; a rule for one table only: read from that table
+    bare = dataclasses.replace(table, rnn_stock=None)
+    assert bare.rnn_cpu_form("lstm", 4096, 1000, 8) == "fused"
+    other = backends.table("cpu" if key == "cpu_onednn" else "cpu_onednn")
+    assert table.rnn_stock is not other.rnn_stock

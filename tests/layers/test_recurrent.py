@@ -6,17 +6,19 @@ canonical parameter layout, used in place of the op (which has no CPU kernel) to
 layers' cuDNN path here.
 """
 
+import dataclasses
 import importlib
 import os
 import re
 import tempfile
+import types
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext import backends, devices, inspect
+from tfmetal_ext import _env, backends, devices, inspect
 from tfmetal_ext.backends import _table
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import FusionContext
@@ -774,44 +776,78 @@ def test_recurrent_dropout_runs_the_stock_form(kind):
     assert ours.get_config()["implementation"] == 1  # as Keras' cells switch to with recurrent dropout
 
 
-def _rule(kind):
-    return (backends.current().rnn_stock_from or {}).get(kind)
+def _inside(region, units=3):
+    """A (batch, steps, units) shape inside an `RnnStock` region (small where it leaves a bound open)."""
+    return region.min_batch or 4, region.min_steps or 3, region.max_units or region.min_units or units
+
+
+def _first_region(kind, table=None):
+    regions = ((table or backends.current()).rnn_stock or {}).get(kind)
+    return regions[0] if regions else None
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_the_backend_table_picks_the_form_per_static_shape(kind):
-    rule = _rule(kind)
+    region = _first_region(kind)
     cls = KINDS[kind][0]
-    shapes = {"small": (4, 3)}
-    if rule is not None:
-        batch, steps = rule
-        shapes.update(batch_below=(batch - 1, steps), steps_below=(batch, steps - 1), at=(batch, steps))
-    for label, (batch, steps) in shapes.items():
+    shapes = {"small": (4, 3, 2)}
+    if region is not None:
+        shapes["inside"] = _inside(region, units=2)
+    for label, (batch, steps, units) in shapes.items():
         inp = keras.Input(batch_shape=(batch, steps, 2))
-        layer = cls(2, name="rnn")
+        layer = cls(units, name="rnn")
         model = keras.Model(inp, layer(inp))
-        want = "stock" if label == "at" else "fused"
+        want = "stock" if label == "inside" else "fused"
         assert (layer.stock_form_reason(batch, steps=steps) is None) == (want == "fused"), label
         row = inspect.fusion_report(model, mode="predict").row("rnn")
         assert layer.form == want, label
         if want == "stock":
-            assert "stock form" in row.reason and f"batch {batch}" in row.reason and row.actual_op is None
+            assert "stock" in row.reason and f"batch {batch}" in row.reason and region.reason in row.reason
+            # no fused recurrence; Keras' GRU step may still get TF's own _FusedMatMul[BiasAdd]
+            assert row.actual_op is None or "RNN" not in row.actual_op
         else:
-            assert "stock form" not in (row.reason or "")
-    # an unknown batch (a traced fit step) runs the fused form
+            assert "stock" not in (row.reason or "")
+    # an unknown batch (a fit step traced on data that does not split evenly) meets no batch bound
     layer = cls(2)
     tf.function(layer, input_signature=[tf.TensorSpec((None, 3, 2), tf.float32)]).get_concrete_function()
     assert layer.form == "fused"
 
 
+@pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "no_onednn"])
+def test_the_form_follows_the_table_of_the_cpu_configuration(onednn, monkeypatch):
+    # devices.capabilities().onednn picks the table; the rule is read from it, not assumed.
+    caps = dataclasses.replace(devices.capabilities(), backend="cpu", onednn=onednn, metal_plugin=None)
+    key = "cpu_onednn" if onednn else "cpu"
+    mine = backends.RnnStock("measured here", min_steps=7, max_units=5)  # no batch bound
+    patched = dataclasses.replace(backends.table(key), rnn_stock=types.MappingProxyType({"lstm": (mine,)}))
+    monkeypatch.setattr(backends.registry, "TABLES", types.MappingProxyType({**backends.TABLES, key: patched}))
+    with _env.scope(pinned_capabilities=caps):
+        assert backends.current() is patched
+        layer = FusedLSTM(5)
+        for batch in (3, None):  # no batch bound: it holds for an unknown batch too
+            why = layer.stock_form_reason(batch, steps=7)
+            assert why is not None and "measured here" in why and patched.label in why
+        assert layer.stock_form_reason(3, steps=6) is None and FusedLSTM(6).stock_form_reason(3, steps=7) is None
+        assert FusedGRU(5).stock_form_reason(3, steps=7) is None  # the rule is per cell
+    with _env.scope(pinned_capabilities=caps):  # unpatched: each region of the real table, with its reason
+        monkeypatch.undo()
+        table = backends.current()
+        assert table.key == key
+        for kind, regions in table.rnn_stock.items():
+            for region in regions:
+                batch, steps, units = _inside(region)
+                why = KINDS[kind][0](units).stock_form_reason(batch, steps=steps)
+                assert why is not None and region.reason in why, (kind, region)
+
+
 def test_stock_form_at_the_rule_matches_keras():
-    rule = _rule("lstm")
-    if rule is None:
+    region = _first_region("lstm")
+    if region is None:
         pytest.skip("this backend table has no LSTM stock-form rule")
-    table = backends.current()
-    assert table.rnn_cpu_form("lstm", rule[0], rule[1], 3) == "stock"
-    assert table.rnn_cpu_form("lstm", None, rule[1], 3) == table.rnn_cpu_form("lstm", rule[0], None, 3) == "fused"
-    check_equivalence("lstm", dict(units=3, return_sequences=True), (rule[0], rule[1], 2), "right", False, seed=50)
+    batch, steps, units = _inside(region)
+    assert backends.current().rnn_cpu_form("lstm", batch, steps, units) == "stock"
+    assert FusedLSTM(units).stock_form_reason(batch, steps=steps) is not None
+    check_equivalence("lstm", dict(units=units, return_sequences=True), (batch, steps, 2), "right", False, seed=50)
 
 
 def test_gru_reset_after_false_runs_the_stock_form():

@@ -31,7 +31,7 @@ one module with a table and a `precision(caps)` function, registered in
 from __future__ import annotations
 
 from tfmetal_ext.backends import cpu, cuda, fusion, gaps, metal, metal_plugin, pairings
-from tfmetal_ext.backends._table import PREDICT, TRAIN, Backend, Fusion
+from tfmetal_ext.backends._table import PREDICT, TRAIN, Backend, Fusion, RnnStock
 from tfmetal_ext.backends.fusion import (
     ACTIVATION_OPS,
     CUSTOM_OPS,
@@ -60,6 +60,7 @@ __all__ = [
     "Backend",
     "Fusion",
     "Pattern",
+    "RnnStock",
     "fusion",
     "gaps",
     "pairings",

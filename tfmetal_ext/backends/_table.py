@@ -83,6 +83,45 @@ def never(summary, why_not=None):
 
 
 @dataclasses.dataclass(frozen=True)
+class RnnStock:
+    """Shapes where a CPU's stock recurrent train step was measured faster than FusedLSTM / FusedGRU's loop.
+
+    One region of a backend table's `Backend.rnn_stock` rule: the stock form
+    runs for a shape inside it (`Backend.rnn_cpu_form`). A bound left None
+    holds for any value. A batch or length bound holds only for a static value
+    (an unknown batch or length is not known to reach it: see
+    `Backend.rnn_cpu_form`).
+
+    Attributes:
+        reason: the measurement behind the region, for reports.
+        min_batch, min_steps: from this static batch / sequence length on.
+        min_units, max_units: units within these bounds.
+        dtypes: compute dtype names it holds for; None: every dtype.
+    """
+
+    reason: str
+    min_batch: int | None = None
+    min_steps: int | None = None
+    min_units: int | None = None
+    max_units: int | None = None
+    dtypes: tuple | None = None
+
+    def holds(self, batch, steps, units, dtype=None):
+        """True when a layer of `units` over a (`batch`, `steps`) input in `dtype` is inside the region."""
+
+        def at_least(value, bound):
+            return bound is None or (value is not None and value >= bound)
+
+        return (
+            at_least(batch, self.min_batch)
+            and at_least(steps, self.min_steps)
+            and at_least(units, self.min_units)
+            and (self.max_units is None or (units is not None and units <= self.max_units))
+            and (self.dtypes is None or dtype is None or dtype in self.dtypes)
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class Backend:
     """What one backend has and fuses.
 
@@ -104,12 +143,11 @@ class Backend:
         pointwise_train_as_matmul: in a training step a 1x1, stride-1
             convolution is faster as one MatMul (forward and both backward
             products) than as Conv2D and its backprop kernels.
-        rnn_stock_from: recurrent cell (``"lstm"``, ``"gru"``) ->
-            ``(min_batch, min_steps)``: from this static batch and sequence
-            length on, FusedLSTM / FusedGRU's loop was measured slower than
-            the stock layer's train step, so the stock form runs there
-            (`rnn_cpu_form`); None or a missing cell: the
-            fused form everywhere.
+        rnn_stock: recurrent cell (``"lstm"``, ``"gru"``) -> a tuple of
+            `RnnStock` regions: the shapes where FusedLSTM / FusedGRU's loop
+            was measured slower than the stock layer's train step on this
+            backend, so the stock form runs there (`rnn_cpu_form`); None or a
+            missing cell: the fused form everywhere.
         pass_failure: a known graph shape on which the remapper pass fails
             as a whole here (TF logs "remapper failed: ... Mutation::Apply
             error" and rolls every remapper fusion of that graph back), as
@@ -156,7 +194,7 @@ class Backend:
     bf16_needs_onednn_isa: bool = False
     addv2_bias: bool = False
     pointwise_train_as_matmul: bool = False
-    rnn_stock_from: types.MappingProxyType | None = None
+    rnn_stock: types.MappingProxyType | None = None
     pass_failure: str | None = None
     kernels_complete: bool = False
     shared_kernels: types.MappingProxyType | None = None
@@ -300,23 +338,29 @@ class Backend:
             return "pack"
         return "split"
 
-    def rnn_cpu_form(self, cell, batch, steps, units):
+    def rnn_cpu_form(self, cell, batch, steps, units, dtype=None):
         """``"fused"`` or ``"stock"``: which form a CPU `FusedLSTM` / `FusedGRU` runs for a shape.
 
-        The rule is data: `rnn_stock_from` (cell -> the static batch and
-        sequence length from which the stock form was measured faster, see
-        `tfmetal_ext.backends.cpu`). An unknown (None) batch or length runs the
-        fused form (a traced `fit` step usually has no static batch; a run-time
-        switch cost more than it saved). `units` is part of the signature so a
-        rule can use it; the measured rule does not. `force_cpu_form` overrides it.
+        The rule is data: the `rnn_stock` regions of this table (one table per
+        CPU configuration, oneDNN on or off, each measured apart; see
+        `tfmetal_ext.backends.cpu`). A batch or length unknown when the step is
+        traced (`fit` traces batch None when the data does not split into full
+        batches) meets no batch or length bound, so it runs the form the
+        regions without such a bound give: the fused form, unless a region
+        covers every batch (a run-time switch between the two forms on the
+        batch cost more than it saved). `force_cpu_form` overrides it.
         """
         forced = forced_rnn_form()
         if forced is not None:
             return forced
-        rule = (self.rnn_stock_from or {}).get(cell)
-        if rule is not None and batch is not None and steps is not None and batch >= rule[0] and steps >= rule[1]:
-            return "stock"
-        return "fused"
+        return "stock" if self.rnn_stock_region(cell, batch, steps, units, dtype) is not None else "fused"
+
+    def rnn_stock_region(self, cell, batch, steps, units, dtype=None):
+        """The `RnnStock` region of this table holding the shape (the measured reason), or None."""
+        for region in (self.rnn_stock or {}).get(cell, ()):
+            if region.holds(batch, steps, units, dtype):
+                return region
+        return None
 
 
 def forced_rnn_form():

@@ -12,25 +12,53 @@ no-oneDNN path.
 
 import types
 
-from tfmetal_ext.backends._table import PREDICT, Fusion, backend, never
+from tfmetal_ext.backends._table import PREDICT, Fusion, RnnStock, backend, never
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends.fusion import CONTRACTION_ACTIVATION_OPS as ACTS
 
 F32_BF16 = ("float32", "bfloat16")
 
-# Where FusedLSTM / FusedGRU run the stock form on a CPU (`Backend.rnn_cpu_form`): cell -> (from this
-# static batch, from this static sequence length). Measured: train step of Input -> RNN(H) ->
-# Dense(1), float32, F=32, stock vs fused in paired rounds in one process (`benchmarks/bench_rnn.py
-# --grid`, results/bench_rnn_grid*.md, and 7-round re-runs of single shapes); TF 2.21, 2-core AMD
-# EPYC, oneDNN, the host shared with five other jobs (single figures swing by up to 2x, read the
-# medians). FusedLSTM at batch 256: T=50 H=128 0.60x stock (7 rounds; 0.54-0.81x in two other
-# runs), T=200 H=32 0.91x (7 rounds; 0.76-1.9x in single runs), T=200 H=256 0.68-1.08x; at T=10 it
-# won or tied (H=256 1.28x over 7 rounds, H=32 0.92-1.15x). At batch 32 it won everywhere
-# (1.01-1.77x), at 128 T=50 H=128 it tied (0.96x). FusedGRU won at every corner but one single
-# 0.90x (T=200 H=256 batch 256; 1.25x in the other run). The rule applies to static shapes: a
-# run-time switch on an unknown batch (tf.cond between both forms) cost 25% at batch 64, so an
-# unknown batch or length runs the fused form. Without oneDNN: the same rule (not measured apart).
-_RNN_STOCK_FROM = types.MappingProxyType({"lstm": (256, 50)})
+# Where FusedLSTM / FusedGRU run the stock form on a CPU (`Backend.rnn_cpu_form`): cell -> `RnnStock`
+# regions, one rule per table, each measured in its own process. Measured: train step of Input -> RNN(H)
+# -> Dense(1), float32, F=32, Keras' layer vs the fused loop (forced where the table chose stock), paired
+# rounds in one process, median of per-round ratios (`benchmarks/bench_rnn.py --grid --rounds 5
+# --repeats 3`, results/bench_rnn_grid_*onednn*.md, and re-runs of single shapes); TF 2.21, 2-core
+# AMD EPYC (AVX-512, AVX512_BF16), the host shared with other jobs: one shape's ratio moved by up to
+# 0.4 between runs (LSTM batch 128 T 50 H 128: 0.72x, 1.10x, 1.19x), so a region holds where the
+# fused loop lost or only tied in most runs. Batch sizes measured: 32, 64, 128, 256; a batch bound is
+# the smallest measured batch where it lost. Mixed precision was not measured apart: the regions hold
+# for every dtype. An unknown batch (a `fit` step traced with batch None) meets no batch bound: at
+# batch 32 and 64 the fused loop won (LSTM 1.3-2.0x, GRU 1.4-2.9x, traced None included), and a
+# run-time switch between both forms (tf.cond on the batch) cost 25% at batch 64.
+_RNN_STOCK_ONEDNN = types.MappingProxyType({
+    "lstm": (
+        RnnStock(
+            "oneDNN, batch 256: the fused LSTM loop tied or lost (per run: T 50 H 128 0.60x, 0.69x, "
+            "1.22x, 1.13x; T 200: H 32 0.83x, 1.00x, 0.89x, 1.08x, H 256 1.01x, 0.91x, 0.98x; T 10: "
+            "H 32 0.86x, 1.19x, 1.03x, 1.09x, H 256 1.24x, 1.36x, 0.82x, 0.91x)",
+            min_batch=256,
+        ),
+    ),
+    # Batch 128 (T 50 H 128: 0.72x, 1.10x, 1.19x, 1.04x; T 200 H 32: 0.93x, 1.37x): the fused loop, its
+    # median won. GRU: the fused loop won at every measured shape but one (batch 256 T 200 H 256: 1.04x,
+    # 1.12x, 0.93x; 1.0-2.2x elsewhere).
+})
+_RNN_STOCK_EIGEN = types.MappingProxyType({
+    "lstm": (
+        RnnStock(
+            "without oneDNN, batch 256: the fused LSTM loop tied or lost (T 10: 1.05x at H 32, 1.00x "
+            "at H 256; T 200: 0.83x at H 32, 0.73x at H 256)",
+            min_batch=256,
+        ),
+    ),
+    "gru": (
+        RnnStock(
+            "without oneDNN, batch 256 with 256 units: the fused GRU loop lost (T 10 0.96x, T 200 "
+            "0.80x; with 32 units it won, 1.26x)",
+            min_batch=256, min_units=256,
+        ),
+    ),
+})
 
 # The same with oneDNN on or off: TF's own Conv2D + FusedBatchNorm inference fusion, and this
 # package's custom ops (its own CPU kernels).
@@ -135,7 +163,7 @@ ONEDNN = backend(
     addv2_bias=True,  # measured on TF 2.19 and 2.21: a broadcast AddV2 fuses as the BiasAdd
     # Measured (TF 2.21, ResNet-50's pointwise shapes, batch 16): MatMul 5-15% faster.
     pointwise_train_as_matmul=True,
-    rnn_stock_from=_RNN_STOCK_FROM,
+    rnn_stock=_RNN_STOCK_ONEDNN,
     # Measured on TF 2.19.1 and 2.21.0 with oneDNN, inference graphs: the Xception residual
     # (keras.io "Image classification from scratch"), where the Add after a conv also feeds the
     # next block's shortcut conv besides its ReLU.
@@ -173,7 +201,7 @@ EIGEN = backend(
     # Measured (TF 2.21, TF_ENABLE_ONEDNN_OPTS=0, forward + both backward products): MatMul is
     # 1.03-1.49x faster than Conv2D for 1x1 convolutions from 64x32x32x16->32 to 16x56x56x64->256.
     pointwise_train_as_matmul=True,
-    rnn_stock_from=_RNN_STOCK_FROM,
+    rnn_stock=_RNN_STOCK_EIGEN,
     source=__doc__,
 )
 

@@ -11,7 +11,7 @@ documents the forms and the measurements behind them):
 | Metal, Apple's tensorflow-metal | one `CudnnRNNV3` (float32, float16, bfloat16) |
 | Metal, the open tensorflow-metal-plugin | no `CudnnRNNV3` kernel there (nor on the CPU): the loop below, in its GPU form (composite cell gradient; `Split`/`ConcatV2` instead of `Unpack`/`Pack`, which have no kernel there) |
 | CUDA | one `CudnnRNNV3` (cuDNN) |
-| CPU | input projection of all steps as one MatMul + BiasAdd, then a custom-gradient loop (unrolled for static lengths up to 100) with one fused `LSTMBlockCellGrad` per LSTM step |
+| CPU | input projection of all steps as one MatMul + BiasAdd, then a custom-gradient loop (unrolled for static lengths up to 256) with one fused `LSTMBlockCellGrad` per LSTM step |
 
 The backend table decides (`Backend.rnn_implementation`: the ``cudnn_rnn`` row and
 `Backend.has_kernel`), not the plugin's name.
@@ -22,8 +22,8 @@ on a CPU, and closer to the float32 result than Keras' all-bfloat16 loop);
 outputs and returned states are in the compute dtype as in Keras.
 
 For ``unroll=True``, recurrent dropout, and on a CPU for the static batch
-sizes where the backend table says the fused loop was measured slower
-(``rnn_stock_from``), the layers run the stock form: Keras' own loop over
+shapes where the backend table says the fused loop was measured slower
+(``rnn_stock``, one rule per CPU configuration), the layers run the stock form: Keras' own loop over
 Keras' cell math (`_recurrence.stock_lstm` / `stock_gru`). ``layer.form`` says which
 form the last trace ran, `stock_form_reason` and the fusion report why.
 
@@ -326,9 +326,10 @@ class _FusedRNN(keras.layers.Layer):
         """Why this layer runs the stock form (Keras' own loop and cell math), or None (the fused form).
 
         The stock form runs for ``unroll=True`` and recurrent dropout (the
-        fused loop has neither), and on a CPU for the static batch sizes where
-        the backend table's `rnn_stock_from` says the fused loop was
-        measured slower (`tfmetal_ext.backends.Backend.rnn_cpu_form`).
+        fused loop has neither), and on a CPU for the shapes where the
+        backend table's `rnn_stock` regions say the fused loop was measured
+        slower (`tfmetal_ext.backends.Backend.rnn_cpu_form`: batch, length,
+        units, dtype, in the table of the CPU configuration, oneDNN on or off).
         """
         if self.unroll:
             return "unroll=True: Keras' unrolled loop"
@@ -340,10 +341,14 @@ class _FusedRNN(keras.layers.Layer):
         cudnn = _implementation(backend, self.compute_dtype) == "cudnn" and self.use_cudnn is not False
         if backend == "cpu" and not cudnn:
             cell = type(self).__name__[5:].lower()
-            if backends.current().rnn_cpu_form(cell, batch, steps, self.units) == "stock":
+            table = backends.current()
+            if table.rnn_cpu_form(cell, batch, steps, self.units, self.compute_dtype) == "stock":
+                region = table.rnn_stock_region(cell, batch, steps, self.units, self.compute_dtype)
+                why = region.reason if region is not None else "forced by force_cpu_form"
                 return (
-                    f"batch {batch}, {steps} steps: the stock {type(self).__name__[5:]} train step was "
-                    f"measured faster on this CPU from this shape (backend table rnn_stock_from)"
+                    f"batch {batch}, {steps} steps, {self.units} units on the {table.label}: the stock "
+                    f"{type(self).__name__[5:]} train step was measured faster for this shape "
+                    f"(backend table rnn_stock: {why})"
                 )
         return None
 
@@ -418,7 +423,7 @@ class FusedLSTM(_FusedRNN):
     | backend | op |
     |---|---|
     | Metal, Apple's tensorflow-metal | `CudnnRNNV3` + `CudnnRNNBackpropV3` (float32, float16, bfloat16) |
-    | Metal, tensorflow-metal-plugin | MatMul + BiasAdd for all inputs (its graph pass fuses them), then per step MatMul + gate ops forward and a composite gradient (`SigmoidGrad`/`TanhGrad`) + MatMul backward, unrolled up to 100 static steps, else a while loop; every op with a kernel there |
+    | Metal, tensorflow-metal-plugin | MatMul + BiasAdd for all inputs (its graph pass fuses them), then per step MatMul + gate ops forward and a composite gradient (`SigmoidGrad`/`TanhGrad`) + MatMul backward, unrolled up to 256 static steps, else a while loop; every op with a kernel there |
     | CUDA | `CudnnRNNV3` + `CudnnRNNBackpropV3` (cuDNN) |
     | CPU | `_FusedMatMul[BiasAdd]` for all inputs, then per step MatMul + gate ops forward and `LSTMBlockCellGrad` + MatMul backward (float32/float16; a composite in bfloat16), dU as one MatMul; no fused RNN kernel exists on CPU |
 
@@ -450,8 +455,8 @@ class FusedLSTM(_FusedRNN):
             in the config).
 
     Stock form: for ``unroll=True``, recurrent dropout, and on a CPU for the
-    static batch sizes where the fused loop was measured slower than the
-    stock layer (the backend table's ``rnn_stock_from``), the layer runs
+    shapes where the fused loop was measured slower than the
+    stock layer (the backend table's ``rnn_stock``), the layer runs
     Keras' own loop over Keras' cell math (`stock_form_reason` says why,
     ``layer.form`` says which form the last trace ran, and the fusion report
     names it).

@@ -78,21 +78,33 @@ and threads in one process did not speed up a MatMul while we measured (a
 2048^3 MatMul took the same time with 1 and 2 threads). What is left is the
 per-step elementwise work and per-op overhead (3-4 us per small op), which
 the hoisted projection, the unrolled graph and the fused cell gradient cut:
-shipped (`benchmarks/bench_rnn.py`, same host), Keras / ours at B=64 T=50
-F=32 H=128: LSTM 1.04-1.09x in float32 and 1.17-1.28x in mixed_bfloat16, GRU
-1.5-1.6x in both; at B=64 T=100 F=64 H=256 1.3-1.5x. The issue's 1.5x target
-for the float32 LSTM is not reached on this host: with Keras already near the
-GEMM floor there is no 1.5x left to take without fusing the cell's
-elementwise math into one kernel per step.
+shipped (`benchmarks/bench_rnn.py --grid`, same host, both CPU configurations,
+results/bench_rnn_grid_summary.md), Keras / ours at B=64 T=50 F=32 H=128 in float32:
+with oneDNN LSTM 1.05-2.0x and GRU 1.5-2.9x over four runs, without oneDNN LSTM
+about 1.2-1.4x and GRU 1.5-2.1x; at batch 32 1.1-2.2x everywhere. At batch 256 the
+fused LSTM ties or loses (0.6-1.2x per run; GRU without oneDNN at 256 units too), so
+the backend tables run the stock form there. A profile at B=256 T=50 H=128 with
+oneDNN (TF's profiler, host under load) showed ours issuing 103 MatMuls against
+Keras' 251 for the same total MatMul time: our per-step ``dz @ U^T`` took 0.84 ms
+in the step against 0.53 ms for Keras' ``transpose_b`` form in its loop, though
+alone ours is the faster form (0.20 vs 0.22 ms at that shape), and the one
+projection weight gradient over all steps took 15 ms against 4 ms alone, which
+suggests ops of the unrolled graph contending for the two cores (not shown: one
+inter-op thread gave 1.19x against 1.10x, within the noise). Finding that out,
+or fusing the cell's elementwise math into one kernel per step, is what would
+lift batch 256.
 
 The stock form (`stock_lstm`, `stock_gru`): Keras' own generic loop
 (`keras.src.backend.rnn`, what keras.layers.LSTM / GRU run on a CPU) over
 Keras' cell math with autodiff gradients, on the layer's own weights. It runs
 for ``unroll=True`` and recurrent dropout (the fused loop has neither), and
 on a CPU where the fused loop was measured slower than the stock layer:
-`Backend.rnn_cpu_form` reads the backend table's `rnn_stock_from` (LSTM from a static
-batch of 256 and 50 steps on the CPU tables; `benchmarks/bench_rnn.py
---grid`). A batch or length unknown when the step is traced runs the fused form.
+`Backend.rnn_cpu_form` reads the `rnn_stock` regions of the backend table of the CPU
+configuration (oneDNN on or off, measured apart: `tfmetal_ext.backends.cpu`,
+`benchmarks/bench_rnn.py --grid`). A batch or length unknown when the step is traced
+meets no batch or length bound there. Its bias is added with `BiasAdd`, as Keras
+adds a 1-D bias (one `BiasAddGrad` in the backward, not a broadcast `Sum`), so
+its train step is Keras' own.
 """
 
 from __future__ import annotations
@@ -101,8 +113,12 @@ import tensorflow as tf
 
 from tfmetal_ext.ops import _common, _cudnn_params
 
-# Static sequence lengths up to this are unrolled on the CPU path.
-MAX_UNROLL = 100
+# Static sequence lengths up to this are unrolled (the CPU path, and the loop on a GPU). Measured on the
+# 2-core host with oneDNN (train step, paired rounds, T 200 F 32): the unrolled loop 1.0-2.3x the
+# while loop's speed (GRU batch 32 H 32: 1.85x vs 0.94x Keras; H 256: 2.29x vs 1.42x; LSTM batch 32
+# H 256: 2.05x vs 1.75x; batch 256 H 32: 1.03x vs 0.98x), and its first fit (trace and graph passes)
+# no slower: 0.4 s vs 0.7 s at 200 steps, 0.7 s vs 0.6 s at 400.
+MAX_UNROLL = 256
 
 # What `lstm` / `gru` run: one CudnnRNNV3, the custom-gradient loop, or Keras' own loop.
 FORMS = ("cudnn", "loop", "stock")
@@ -637,7 +653,7 @@ def stock_lstm(x, h0, c0, kernel, recurrent_kernel, bias, *, mask, go_backwards,
         h_in = h if recurrent_mask is None else h * recurrent_mask
         z = tf.matmul(x_t, kernel) + tf.matmul(h_in, recurrent_kernel)
         if bias is not None:
-            z = z + bias
+            z = tf.nn.bias_add(z, bias)  # as Keras' add of a 1-D bias (its gradient one BiasAddGrad, no Sum)
         zi, zf, zc, zo = tf.split(z, 4, axis=1)
         c_new = tf.sigmoid(zf) * c + tf.sigmoid(zi) * tf.tanh(zc)
         h_new = tf.sigmoid(zo) * tf.tanh(c_new)
@@ -662,11 +678,11 @@ def stock_gru(x, h0, kernel, recurrent_kernel, bias, *, mask, go_backwards, retu
         if reset_after:
             mh = tf.matmul(h_in, recurrent_kernel)
             if bias is not None:
-                mx, mh = mx + bias[0], mh + bias[1]
+                mx, mh = tf.nn.bias_add(mx, bias[0]), tf.nn.bias_add(mh, bias[1])
         else:
             mh = tf.matmul(h_in, recurrent_kernel[:, : 2 * units])
             if bias is not None:
-                mx = mx + bias
+                mx = tf.nn.bias_add(mx, bias)
         xz, xr, xh = tf.split(mx, 3, axis=1)
         hz, hr = mh[:, :units], mh[:, units : 2 * units]
         z = tf.sigmoid(xz + hz)
