@@ -60,8 +60,9 @@ QUICK_BUDGET_SECONDS = 1040.0
 # One quick test may take at most this long on the reference machine: a
 # slower one belongs in the full tier (mark it `full` or `slow`).
 QUICK_TEST_CAP_SECONDS = 30.0
-# The calibration loop's time on the reference machine (minimum of its
-# repetitions), measured idle on the 2-core AMD EPYC (AVX2) CI box: 0.137-0.143.
+# The calibration loop's time on the reference machine, measured idle on the
+# 2-core AMD EPYC (AVX2) CI box as the minimum of its repetitions: 0.137-0.143
+# over runs (so the median `calibration_seconds` now takes is at most ~4% above).
 CALIBRATION_REFERENCE_SECONDS = 0.138
 # Between these the scale is taken as measured; outside, clamped (a loop
 # timed under a burst of load must not waive the budget).
@@ -76,13 +77,22 @@ SAMPLE_AXES = frozenset({
 })
 
 
-def calibration_seconds(repeats: int = 3) -> float:
-    """The minimum over `repeats` of a fixed mix of interpreter and numpy work."""
+def calibration_seconds(repeats: int = 5) -> float:
+    """The median over `repeats` of a fixed mix of interpreter and numpy work.
+
+    The median, not the minimum: on a shared 2-core box the loop's time is
+    bimodal (seen here: 0.089-0.094 s and 0.121-0.123 s, switching within a
+    second), and the tests run through both modes. The minimum picked the fast
+    mode whatever the tests got: a run whose tests took the same time then
+    passed or failed by which mode the loop had caught.
+    """
+    import statistics
+
     import numpy as np
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((192, 192)).astype(np.float32)
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         total = 0
@@ -91,8 +101,8 @@ def calibration_seconds(repeats: int = 3) -> float:
         b = a
         for _ in range(320):  # array work: what the kernels' reference checks are
             b = np.tanh(b @ a * 1e-2)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def add_options(parser):
