@@ -56,16 +56,22 @@ def _ops_of(fn, *args):
     return names
 
 
+def _stock_bn(layer, shape):
+    """Keras BatchNormalization built for `shape` with `layer`'s momentum, epsilon and batch-norm weights."""
+    bn = keras.layers.BatchNormalization(momentum=layer.momentum, epsilon=layer.epsilon)
+    bn.build(shape)
+    for name in ("gamma", "beta", "moving_mean", "moving_variance"):
+        getattr(bn, name).assign(getattr(layer, name))
+    return bn
+
+
 def _stock_conv_bn(layer, activation):
     """Keras Conv2D(use_bias=False) + BatchNormalization (+ Activation) with `layer`'s weights."""
     conv = keras.layers.Conv2D(layer.filters, layer.kernel_size, strides=layer.strides, padding=layer.padding,
                                use_bias=False)
-    bn = keras.layers.BatchNormalization(momentum=layer.momentum, epsilon=layer.epsilon)
     conv.build((None, None, None, layer.kernel.shape[2]))
-    bn.build((None, None, None, layer.filters))
     conv.kernel.assign(layer.kernel)
-    for name in ("gamma", "beta", "moving_mean", "moving_variance"):
-        getattr(bn, name).assign(getattr(layer, name))
+    bn = _stock_bn(layer, (None, None, None, layer.filters))
     act = keras.layers.Activation(activation) if activation not in ("linear", None) else None
     return conv, bn, act
 
@@ -264,11 +270,7 @@ def test_every_table_has_a_row_with_a_reason():
 
 
 def _stock_bn_act(layer, activation, shape):
-    bn = keras.layers.BatchNormalization(momentum=layer.momentum, epsilon=layer.epsilon)
-    bn.build(shape)
-    for name in ("gamma", "beta", "moving_mean", "moving_variance"):
-        getattr(bn, name).assign(getattr(layer, name))
-    return bn, keras.layers.Activation(activation)
+    return _stock_bn(layer, shape), keras.layers.Activation(activation)
 
 
 @pytest.mark.parametrize("form", ["op", "fused_batch_norm_v3"])

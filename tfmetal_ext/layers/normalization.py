@@ -118,16 +118,10 @@ def assign_finite_moving_statistics(variables, values, old_values=None):
 
 
 def _bn_activation(activation):
-    """FusedBatchNorm's activation name (``"linear"`` for None), or ValueError."""
-    if activation is None or activation == "linear":
-        return "linear"
-    names = [a for a in fusion.BATCH_NORM_ACT_ACTIVATIONS if a != "linear"]
-    name = fusion.BATCH_NORM_ACT_ALIASES.get(activation, activation) if isinstance(activation, str) else None
-    if name not in names:
-        raise ValueError(
-            f"`activation` must be None, 'linear' or one of {names} (or 'swish'). Received: activation={activation!r}"
-        )
-    return name
+    """FusedBatchNorm's activation name (``"linear"`` for None): TfmetalExt>BatchNormAct's names, or ValueError."""
+    from tfmetal_ext.ops.batch_norm_act import activation_name
+
+    return activation_name(activation)
 
 
 def _check_axis_arg(axis):

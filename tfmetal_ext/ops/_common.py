@@ -155,6 +155,38 @@ def gelu_exact(x):
     return tf.nn.gelu(x, approximate=False)
 
 
+def reference_activate(z, activation, alpha=fusion.LEAKY_RELU_ALPHA):
+    """``activation(z)`` in stock TF ops: the custom ops' references (int8 ops, batch_norm_act).
+
+    Keras activation names (None or ``"linear"``: none; ``"leaky_relu"`` with slope `alpha`;
+    ``"gelu"`` exact, ``"gelu_approximate"`` tanh form; ``"silu"`` ``z * sigmoid(z)``).
+
+    Raises:
+        ValueError: for any other name.
+    """
+    if activation in (None, "linear"):
+        return z
+    if activation == "relu":
+        return tf.nn.relu(z)
+    if activation == "relu6":
+        return tf.nn.relu6(z)
+    if activation == "elu":
+        return tf.nn.elu(z)
+    if activation == "leaky_relu":
+        return tf.nn.leaky_relu(z, alpha=alpha)
+    if activation == "silu":
+        return z * tf.sigmoid(z)
+    if activation == "gelu":
+        return gelu_exact(z)
+    if activation == "gelu_approximate":
+        return tf.nn.gelu(z, approximate=True)
+    if activation == "tanh":
+        return tf.math.tanh(z)
+    if activation == "sigmoid":
+        return tf.math.sigmoid(z)
+    raise ValueError(f"Unknown activation for a custom op's reference. Received: activation={activation!r}")
+
+
 def uses_kernel(op_name) -> bool:
     """`op_name` runs as the custom op here (else its pure-TF reference)."""
     return not op_avoided(op_name) and library() is not None and kernel_for_visible_devices(op_name)

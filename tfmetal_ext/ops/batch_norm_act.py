@@ -145,23 +145,6 @@ def _axes(x):
     return list(range(x.shape.rank - 1)) if x.shape.rank is not None else tf.range(tf.rank(x) - 1)
 
 
-def reference_activate(activation, pre, alpha):
-    """act(pre) in TensorFlow ops (pre float32)."""
-    if activation == "relu":
-        return tf.nn.relu(pre)
-    if activation == "relu6":
-        return tf.nn.relu6(pre)
-    if activation == "elu":
-        return tf.nn.elu(pre)
-    if activation == "leaky_relu":
-        return tf.nn.leaky_relu(pre, alpha=alpha)
-    if activation == "silu":
-        return pre * tf.sigmoid(pre)
-    if activation == "gelu":
-        return _common.gelu_exact(pre)
-    return pre
-
-
 def reference_activation_grad(activation, pre, alpha):
     """act'(pre), with TensorFlow's gradient ops' values at the kinks (tfmetal/batch_norm_act.h)."""
     one = tf.ones_like(pre)
@@ -198,7 +181,7 @@ def reference_batch_norm_act(x, gamma, beta, side, activation, epsilon, alpha):
     xf = tf.cast(x, tf.float32)
     mean, variance, inv_std = _reference_statistics(xf, epsilon)
     pre = _reference_pre(xf, mean, inv_std, gamma, beta, side)
-    return tf.cast(reference_activate(activation, pre, alpha), x.dtype), mean, inv_std, variance
+    return tf.cast(_common.reference_activate(pre, activation, alpha), x.dtype), mean, inv_std, variance
 
 
 def reference_batch_norm_act_grad(dy, x, gamma, beta, side, mean, inv_std, activation, alpha):

@@ -295,35 +295,13 @@ def dequantize(kernel, kernel_scale):
     return tf.cast(kernel, tf.float32) / tf.cast(kernel_scale, tf.float32)
 
 
-def _activate(z, activation, alpha=LEAKY_RELU_ALPHA):
-    if activation in (None, "linear"):
-        return z
-    if activation == "relu":
-        return tf.nn.relu(z)
-    if activation == "relu6":
-        return tf.nn.relu6(z)
-    if activation == "elu":
-        return tf.nn.elu(z)
-    if activation == "leaky_relu":
-        return tf.nn.leaky_relu(z, alpha=alpha)
-    if activation == "gelu":
-        return _common.gelu_exact(z)
-    if activation == "gelu_approximate":
-        return tf.nn.gelu(z, approximate=True)
-    if activation == "tanh":
-        return tf.math.tanh(z)
-    if activation == "sigmoid":
-        return tf.math.sigmoid(z)
-    raise ValueError(f"Unknown int8 activation. Received: activation={activation!r}")
-
-
 def reference_int8_matmul(x, kernel, kernel_scale, bias=None, activation=None, alpha=LEAKY_RELU_ALPHA):
     """``activation(x @ (kernel / kernel_scale) + bias)`` for 2-D `x`, in float32, cast back to x's dtype."""
     xf = tf.cast(x, tf.float32)
     y = tf.linalg.matmul(xf, dequantize(kernel, kernel_scale))
     if bias is not None:
         y = tf.nn.bias_add(y, tf.cast(bias, tf.float32))
-    return tf.cast(_activate(y, activation, alpha), x.dtype)
+    return tf.cast(_common.reference_activate(y, activation, alpha), x.dtype)
 
 
 def reference_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), padding="VALID", dilations=(1, 1),
@@ -339,7 +317,7 @@ def reference_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), pa
     y = tf.nn.conv2d(xf, w, strides=list(strides), padding=padding.upper())
     if bias is not None:
         y = tf.nn.bias_add(y, tf.cast(bias, tf.float32))
-    return tf.cast(_activate(y, activation, alpha), x.dtype)
+    return tf.cast(_common.reference_activate(y, activation, alpha), x.dtype)
 
 
 # Portable forms (traced for export, `tfmetal_ext.deploy.portable_forms`): the op's own definition,
@@ -355,7 +333,7 @@ def portable_int8_matmul(x, kernel, kernel_scale, bias=None, activation=None, al
     y = tf.linalg.matmul(tf.cast(x, tf.float32), tf.cast(kernel, tf.float32)) / tf.cast(kernel_scale, tf.float32)
     if bias is not None:
         y = y + tf.cast(bias, tf.float32)
-    return tf.cast(_activate(y, activation, alpha), x.dtype)
+    return tf.cast(_common.reference_activate(y, activation, alpha), x.dtype)
 
 
 def portable_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), padding="VALID", dilations=(1, 1),
@@ -369,7 +347,7 @@ def portable_int8_conv2d(x, kernel, kernel_scale, bias=None, strides=(1, 1), pad
     y = y / tf.cast(kernel_scale, tf.float32)
     if bias is not None:
         y = y + tf.cast(bias, tf.float32)
-    return tf.cast(_activate(y, activation, alpha), x.dtype)
+    return tf.cast(_common.reference_activate(y, activation, alpha), x.dtype)
 
 
 def _dilate(w, dilations):
