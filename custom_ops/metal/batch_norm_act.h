@@ -42,8 +42,10 @@ struct tfm_batch_norm_act_params {
   uint32_t has_side;    // 1: a side input (else its buffer is a placeholder, not read)
   float alpha;          // leaky_relu's negative slope
   float epsilon;        // finite and > 0 (checked by the host)
+  float momentum;       // forward with moving statistics: finite (checked by the host)
+  uint32_t has_moving;  // forward: 1 when the moving statistics pass is encoded
 };
-static_assert(sizeof(tfm_batch_norm_act_params) == 24, "tfm_batch_norm_act_params layout is shared with the host");
+static_assert(sizeof(tfm_batch_norm_act_params) == 32, "tfm_batch_norm_act_params layout is shared with the host");
 
 // Channels per threadgroup of the column reductions (one SIMD-group's width).
 #define TFM_BNA_COLUMNS 32

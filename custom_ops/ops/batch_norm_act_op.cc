@@ -43,17 +43,26 @@ Status XShape(InferenceContext* c, int x_index, int first, int count, const char
 }
 
 Status ForwardShape(InferenceContext* c) {
-  int n = 0;
+  int n = 0, m = 0;
   TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+  TF_RETURN_IF_ERROR(c->GetAttr("M", &m));
   if (n > 1) return ::tensorflow::errors::InvalidArgument("at most one side input, got ", n);
+  if (m != 0 && m != 2) {
+    return ::tensorflow::errors::InvalidArgument(
+        "moving must be empty or (moving_mean, moving_variance), got ", m, " tensors");
+  }
   const char* names[] = {"side"};
   ShapeHandle x;
   DimensionHandle channels;
   TF_RETURN_IF_ERROR(XShape(c, 0, 3, n, names, &x, &channels));
   TF_RETURN_IF_ERROR(CheckVectorShape(c, 1, "gamma", channels, "the last dimension of x"));
   TF_RETURN_IF_ERROR(CheckVectorShape(c, 2, "beta", channels, "the last dimension of x"));
+  if (m == 2) {
+    TF_RETURN_IF_ERROR(CheckVectorShape(c, 3 + n, "moving_mean", channels, "the last dimension of x"));
+    TF_RETURN_IF_ERROR(CheckVectorShape(c, 4 + n, "moving_variance", channels, "the last dimension of x"));
+  }
   c->set_output(0, x);
-  for (int i = 1; i < 4; ++i) c->set_output(i, c->Vector(channels));
+  for (int i = 1; i < 4 + m; ++i) c->set_output(i, c->Vector(channels));
   return Status();
 }
 
@@ -94,15 +103,19 @@ REGISTER_OP("TfmetalExt>BatchNormAct")
     .Input("gamma: float")
     .Input("beta: float")
     .Input("side: N * T")
+    .Input("moving: M * float")
     .Output("y: T")
     .Output("mean: float")
     .Output("inv_std: float")
     .Output("variance: float")
+    .Output("new_moving: M * float")
     .Attr("T: {float, half, bfloat16}")
     .Attr("N: int >= 0 = 0")
+    .Attr("M: int >= 0 = 0")
     .Attr(TFMETAL_BNA_ACTIVATION_ATTR)
     .Attr("alpha: float = 0.2")
     .Attr("epsilon: float = 0.001")
+    .Attr("momentum: float = 0.99")
     .SetShapeFn(batch_norm_act_shape::ForwardShape)
     .Doc(R"doc(
 Batch normalization with batch statistics (training), an optional residual side input
@@ -113,6 +126,10 @@ activation: linear, relu, relu6, elu, leaky_relu (negative slope alpha), silu (x
 sigmoid(x)) or gelu (exact, erf form). side: zero or one tensor of x's shape. An empty
 batch (M = 0) gives NaN statistics. The row sums use a fixed partition of the rows: the
 results do not depend on the number of threads.
+moving: empty, or (moving_mean, moving_variance), float32 vectors of x's last dimension;
+then new_moving is their update, moving * momentum + batch * (1 - momentum) for the mean
+and the biased variance, taken only when every updated value is finite (else moving comes
+back unchanged: a batch with an inf or NaN, or an empty batch, leaves it as it was).
 )doc");
 
 REGISTER_OP("TfmetalExt>BatchNormActGrad")

@@ -185,6 +185,29 @@ TFM_INLINE float bna_variance(bna_moments m) { return m.m2 / m.count; }
 
 TFM_INLINE float bna_inv_std(float variance, float epsilon) { return 1.0f / tfm_sqrt(variance + epsilon); }
 
+// ---------------------------------------------------------------- moving statistics
+// With the layer's moving statistics as inputs (the op's `moving`, attr
+// momentum), the op also returns their update, as Keras' BatchNormalization
+// computes it in float32:
+//   new = moving * momentum + batch * (1 - momentum)
+// for the mean and for the biased variance. (1 - momentum is rounded in
+// float32 from the float32 momentum; Keras rounds it from the Python double:
+// the two batch weights can differ by one float32 ulp.) The update is taken
+// only when every blended mean and variance of every channel is finite;
+// otherwise (an inf or NaN in the batch, an empty batch's NaN statistics) the
+// moving statistics come back bitwise unchanged: a loss-scaled step that is
+// skipped leaves them as they were.
+TFM_INLINE float bna_blend(float moving, float batch, float momentum) {
+  const float kept = moving * momentum;
+  const float added = batch * (1.0f - momentum);
+  return kept + added;
+}
+
+// The finiteness of one channel's update (the guard ANDs it over the channels).
+TFM_INLINE bool bna_blend_finite(float new_mean, float new_variance) {
+  return tfm_isfinite(new_mean) && tfm_isfinite(new_variance);
+}
+
 // ---------------------------------------------------------------- elements
 // scale = inv_std * gamma per channel (computed once per channel by every kernel).
 TFM_INLINE float bna_scale(float inv_std, float gamma) { return inv_std * gamma; }
