@@ -572,6 +572,22 @@ def np_batch_norm_act(x, gamma, beta, side=None, activation="relu", epsilon=1e-3
         return np_activation(activation, pre, alpha), mean, inv_std, variance
 
 
+def np_moving_update(mean, variance, moving_mean, moving_variance, momentum):
+    """Keras' moving-statistics update of a training batch, as TfmetalExt>BatchNormAct's
+    ``new_moving`` defines it: ``moving * momentum + batch * (1 - momentum)`` in float32 (the
+    batch's weight ``1 - momentum`` rounded in float32), for the mean and the variance; the
+    moving statistics unchanged unless every updated value is finite."""
+    f32 = np.float32
+    m = f32(momentum)
+    weight = f32(1.0) - m
+    with np.errstate(invalid="ignore", over="ignore"):
+        new_mean = np.asarray(moving_mean, f32) * m + np.asarray(mean, f32) * weight
+        new_variance = np.asarray(moving_variance, f32) * m + np.asarray(variance, f32) * weight
+    if np.isfinite(new_mean).all() and np.isfinite(new_variance).all():
+        return new_mean, new_variance
+    return np.asarray(moving_mean, f32).copy(), np.asarray(moving_variance, f32).copy()
+
+
 def np_batch_norm_act_grad(dy, x, gamma, beta, side=None, activation="relu", epsilon=1e-3, alpha=0.2):
     """``(dx, dgamma, dbeta, dside)`` of `np_batch_norm_act`'s y in float64 (dside None without a side).
 

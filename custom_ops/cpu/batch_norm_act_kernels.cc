@@ -461,10 +461,35 @@ inline Status TempFloats(OpKernelContext* ctx, int64_t n, Tensor* t, float** dat
   return Status();
 }
 
+// The moving statistics' update (tfmetal/batch_norm_act.h): the blend of every channel, taken only
+// when all of them are finite, else the moving statistics unchanged. C is a layer's channel count:
+// one thread.
+inline void UpdateMoving(const float* mean, const float* variance, const float* moving_mean,
+                         const float* moving_variance, float momentum, int64_t channels, float* new_mean,
+                         float* new_variance) {
+  bool finite = true;
+  for (int64_t c = 0; c < channels; ++c) {
+    new_mean[c] = bna_blend(moving_mean[c], mean[c], momentum);
+    new_variance[c] = bna_blend(moving_variance[c], variance[c], momentum);
+    finite = finite && bna_blend_finite(new_mean[c], new_variance[c]);
+  }
+  if (finite) return;
+  std::copy(moving_mean, moving_mean + channels, new_mean);
+  std::copy(moving_variance, moving_variance + channels, new_variance);
+}
+
 template <typename T>
 class BatchNormActOp : public OpKernel {
  public:
-  explicit BatchNormActOp(OpKernelConstruction* ctx) : OpKernel(ctx) { OP_REQUIRES_OK(ctx, attrs_.Read(ctx)); }
+  explicit BatchNormActOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, attrs_.Read(ctx));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("M", &moving_));
+    OP_REQUIRES(ctx, moving_ == 0 || moving_ == 2,
+                errors::InvalidArgument("moving must be empty or (moving_mean, moving_variance), got ", moving_,
+                                        " tensors"));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("momentum", &momentum_));
+    OP_REQUIRES(ctx, std::isfinite(momentum_), errors::InvalidArgument("momentum must be finite, got ", momentum_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
@@ -479,11 +504,31 @@ class BatchNormActOp : public OpKernel {
     OP_REQUIRES_OK(ctx, CheckVector(beta, "beta", channels, "the last dimension of x"));
     const bool has_side = sides.size() == 1;
     if (has_side) OP_REQUIRES_OK(ctx, CheckLike(sides[0], "side", x));
+    OpInputList moving;
+    OP_REQUIRES_OK(ctx, ctx->input_list("moving", &moving));
+    if (moving_ == 2) {
+      OP_REQUIRES_OK(ctx, CheckVector(moving[0], "moving_mean", channels, "the last dimension of x"));
+      OP_REQUIRES_OK(ctx, CheckVector(moving[1], "moving_variance", channels, "the last dimension of x"));
+    }
     Tensor *y = nullptr, *mean_t = nullptr, *inv_std_t = nullptr, *var_t = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({channels}), &mean_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({channels}), &inv_std_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({channels}), &var_t));
+    OpOutputList new_moving;
+    OP_REQUIRES_OK(ctx, ctx->output_list("new_moving", &new_moving));
+    Tensor *new_mean_t = nullptr, *new_var_t = nullptr;
+    if (moving_ == 2) {
+      OP_REQUIRES_OK(ctx, new_moving.allocate(0, TensorShape({channels}), &new_mean_t));
+      OP_REQUIRES_OK(ctx, new_moving.allocate(1, TensorShape({channels}), &new_var_t));
+    }
+    // After the statistics (any batch, empty included): the guarded update of the moving statistics.
+    auto update_moving = [&]() {
+      if (moving_ != 2) return;
+      UpdateMoving(mean_t->flat<float>().data(), var_t->flat<float>().data(), moving[0].flat<float>().data(),
+                   moving[1].flat<float>().data(), momentum_, channels, new_mean_t->flat<float>().data(),
+                   new_var_t->flat<float>().data());
+    };
     ForwardArgs<T> a;
     a.x = x.flat<T>().data();
     a.gamma = gamma.flat<float>().data();
@@ -502,6 +547,7 @@ class BatchNormActOp : public OpKernel {
       std::fill(a.mean, a.mean + channels, nan);
       std::fill(a.variance, a.variance + channels, nan);
       std::fill(a.inv_std, a.inv_std + channels, nan);
+      update_moving();
       return;
     }
     const Partition& p = a.p;
@@ -514,6 +560,7 @@ class BatchNormActOp : public OpKernel {
     ParallelFor(ctx, p.items(), kStatsCost * p.rows_per_block * p.chunk,
                 [&ca, stats](int64_t begin, int64_t end) { stats(ca, begin, end); });
     ParallelFor(ctx, channels, 4 * p.blocks, [&ca](int64_t begin, int64_t end) { MergeStats(ca, begin, end); });
+    update_moving();
     const RowsFn<T> normalize = NormalizeFn<T>(attrs_.activation, has_side);
     ParallelFor(ctx, rows, kForwardCost * channels,
                 [&ca, normalize](int64_t begin, int64_t end) { normalize(ca, begin, end); });
@@ -521,6 +568,8 @@ class BatchNormActOp : public OpKernel {
 
  private:
   Attrs attrs_;
+  int32_t moving_ = 0;      // M: 0, or 2 (moving_mean, moving_variance)
+  float momentum_ = 0.99f;  // the moving statistics' momentum (finite)
 };
 
 template <typename T>

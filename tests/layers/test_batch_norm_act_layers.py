@@ -106,6 +106,9 @@ def test_conv_bn_act_trains_as_keras_with_one_op_each_way(fused_row, activation)
     names = _ops_of(ours, x)
     assert names.count(fusion.BATCH_NORM_ACT_OP) == 1 and names.count(fusion.BATCH_NORM_ACT_GRAD_OP) == 1
     assert "FusedBatchNormV3" not in names and "FusedBatchNormGradV3" not in names
+    # The moving statistics' blend and its finiteness guard are inside the op: the step holds
+    # no Mul / Sum / Equal / SelectV2 of its own around it (the loss's Mul and Sum aside).
+    assert "Equal" not in names and "SelectV2" not in names, names
     y, grads = ours(x)
     y_ref, grads_ref = stock(x)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)

@@ -303,8 +303,8 @@ def test_results_are_deterministic():
     lib = ops._loader.load()
     first = None
     for _ in range(3):
-        y, mean, inv_std, var = lib.tfmetal_ext_batch_norm_act(x.astype(np.float32), gamma, beta,
-                                                                [s.astype(np.float32)], activation="gelu")
+        y, mean, inv_std, var, _ = lib.tfmetal_ext_batch_norm_act(x.astype(np.float32), gamma, beta,
+                                                                   [s.astype(np.float32)], [], activation="gelu")
         grads = lib.tfmetal_ext_batch_norm_act_grad(dy.astype(np.float32), x.astype(np.float32), y, gamma, beta,
                                                     [s.astype(np.float32)], mean, inv_std, activation="gelu")
         got = [t.numpy() for t in (y, mean, inv_std, var, grads[0], grads[1], grads[2], grads[3][0])]
@@ -327,7 +327,7 @@ _THREADS_CASE = textwrap.dedent(
     g = rng.uniform(0.5, 1.5, 300).astype("float32")
     b = rng.normal(0, 1, 300).astype("float32")
     dy = rng.normal(0, 1, x.shape).astype("float32")
-    y, mean, inv_std, var = lib.tfmetal_ext_batch_norm_act(x, g, b, [s], activation="relu")
+    y, mean, inv_std, var, _ = lib.tfmetal_ext_batch_norm_act(x, g, b, [s], [], activation="relu")
     dx, dg, db, ds = lib.tfmetal_ext_batch_norm_act_grad(dy, x, y, g, b, [s], mean, inv_std, activation="relu")
     np.savez(sys.argv[1], y=y.numpy(), mean=mean.numpy(), var=var.numpy(), dx=dx.numpy(), dg=dg.numpy(),
              db=db.numpy())
@@ -416,6 +416,108 @@ def test_activation_names_are_the_kernels():
 
 
 # ----------------------------------------------------------------------------
+# The moving statistics' update (moving inputs, new_moving outputs)
+
+
+def _moving(channels, seed):
+    rng = np.random.default_rng(seed)
+    return rng.normal(0.0, 0.5, channels).astype(np.float32), rng.uniform(0.5, 2.0, channels).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("momentum", [0.99, 0.9, 0.0, 1.0])
+def test_kernel_updates_the_moving_statistics_as_keras(dtype, momentum):
+    """new = moving * momentum + batch * (1 - momentum) in float32 (numpy float32, the same
+    two products and one sum, so bit for bit), from the batch statistics the op returns; and
+    the batch statistics are those of the call without moving statistics."""
+    x, gamma, beta, s, _ = case((300, 24), seed=31, side=True)
+    x, s = x.astype(NP_DTYPES[dtype]), s.astype(NP_DTYPES[dtype])
+    mm, mv = _moving(24, 32)
+    lib = ops._loader.load()
+    t = lambda a: tf.constant(a, DTYPES[dtype])  # noqa: E731
+    y, mean, _, var, new = lib.tfmetal_ext_batch_norm_act(t(x), gamma, beta, [t(s)], [mm, mv], momentum=momentum)
+    want = testing.np_moving_update(mean.numpy(), var.numpy(), mm, mv, momentum)
+    np.testing.assert_array_equal(new[0].numpy(), want[0])
+    np.testing.assert_array_equal(new[1].numpy(), want[1])
+    y0, mean0, _, var0, none = lib.tfmetal_ext_batch_norm_act(t(x), gamma, beta, [t(s)], [])
+    assert none == []
+    for a, b in ((y, y0), (mean, mean0), (var, var0)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # And against the float64 statistics of the definition, through the wrapper.
+    _, m64, _, v64 = testing.np_batch_norm_act(rounded(x, dtype), gamma, beta, rounded(s, dtype), "relu")
+    _, got_mean, got_var = ops.batch_norm_act(t(x), gamma, beta, t(s), moving_mean=mm, moving_variance=mv,
+                                              momentum=momentum)
+    want64 = (mm * momentum + m64 * (1 - momentum), mv * momentum + v64 * (1 - momentum))
+    np.testing.assert_allclose(got_mean, want64[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_var, want64[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["kernel", "reference"])
+@pytest.mark.parametrize(
+    "poison",
+    ["nan in x", "inf in x", "empty batch", "update overflows"],
+)
+def test_a_non_finite_update_keeps_the_moving_statistics_bitwise(monkeypatch, impl, poison):
+    if impl == "reference":
+        monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1")
+    assert bna_module.uses_kernel() == (impl == "kernel")
+    x = case((40, 6), seed=33)[0].astype(np.float32)
+    mm, mv = _moving(6, 34)
+    momentum = 0.9
+    if poison == "nan in x":
+        x[7, 2] = np.nan
+    elif poison == "inf in x":
+        x[0, 5] = -np.inf
+    elif poison == "empty batch":
+        x = x[:0]
+    else:  # every input finite, one channel's updated variance beyond float32's range
+        mv[3], momentum = np.float32(3e38), 2.0
+    y, new_mean, new_var = ops.batch_norm_act(x, moving_mean=mm, moving_variance=mv, momentum=momentum)
+    np.testing.assert_array_equal(new_mean.numpy(), mm)
+    np.testing.assert_array_equal(new_var.numpy(), mv)  # every channel kept, not only the poisoned one
+
+
+def test_reference_update_is_the_kernels():
+    """The pure-TF reference's update (TFMETAL_EXT_REFERENCE_OPS) is the kernel's rule: the same
+    float32 operations on the same batch statistics give the same bits."""
+    x, gamma, beta, _, _ = case((200, 10), seed=35)
+    x = x.astype(np.float32)
+    mm, mv = _moving(10, 36)
+    lib = ops._loader.load()
+    _, mean, _, var, new = lib.tfmetal_ext_batch_norm_act(x, gamma, beta, [], [mm, mv], momentum=0.95)
+    got = bna_module.reference_moving_update(mean, var, tf.constant(mm), tf.constant(mv), 0.95)
+    np.testing.assert_array_equal(got[0].numpy(), new[0].numpy())
+    np.testing.assert_array_equal(got[1].numpy(), new[1].numpy())
+
+
+def test_moving_statistics_get_no_gradient_and_add_no_ops():
+    x = tf.constant(case((16, 8), seed=37)[0], tf.float32)
+    gamma = tf.Variable(tf.ones([8]))
+    mm, mv = tf.Variable(tf.zeros([8])), tf.Variable(tf.ones([8]))
+
+    def step(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y, new_mean, new_var = ops.batch_norm_act(t, gamma, moving_mean=mm, moving_variance=mv, momentum=0.9)
+            loss = tf.reduce_sum(y) + tf.reduce_sum(new_mean) + tf.reduce_sum(new_var)
+        mm.assign(new_mean)
+        mv.assign(new_var)
+        return tape.gradient(loss, [t, gamma, mm, mv])
+
+    counts = inspect.report_from_capture(inspect.capture_function(step, x)).ops_by_type
+    assert counts.get(fusion.BATCH_NORM_ACT_OP) == 1 and counts.get(fusion.BATCH_NORM_ACT_GRAD_OP) == 1
+    # The blend and its guard are in the op: no Mul / Equal / SelectV2 around it.
+    assert not {"Mul", "Equal", "SelectV2", "IsFinite"} & set(counts), counts
+    grads = step(x)
+    assert grads[2] is None and grads[3] is None
+    # The gradient of y alone (the statistics' outputs carry none).
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(ops.batch_norm_act(x, gamma)[0])
+    np.testing.assert_allclose(grads[0], tape.gradient(loss, x), rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------
 # Errors
 
 
@@ -436,6 +538,16 @@ def test_activation_names_are_the_kernels():
         (lambda: ops.batch_norm_act(tf.ones([2, 3]), epsilon=1e-50), "Received: epsilon=1e-50"),
         (lambda: ops.batch_norm_act(tf.ones([2, 3]), alpha=float("inf")), "Received: alpha=inf"),
         (lambda: ops.batch_norm_act(tf.ones([2, 3]), alpha="x"), "Received: alpha='x'"),
+        (lambda: ops.batch_norm_act(tf.ones([2, 3]), moving_mean=tf.zeros([3])),
+         "Received: moving_mean=a tensor, moving_variance=None"),
+        (lambda: ops.batch_norm_act(tf.ones([2, 3]), moving_mean=tf.zeros([2]), moving_variance=tf.ones([3])),
+         r"Received: moving_mean.shape=\(2,\)"),
+        (lambda: ops.batch_norm_act(tf.ones([2, 3]), moving_mean=tf.zeros([3]), moving_variance=tf.ones([3], tf.int32)),
+         "Received: moving_variance.dtype=int32"),
+        (lambda: ops.batch_norm_act(tf.ones([2, 3]), moving_mean=tf.zeros([3]), moving_variance=tf.ones([3]),
+                                    momentum=float("nan")), "Received: momentum=nan"),
+        (lambda: ops.batch_norm_act(tf.ones([2, 3]), moving_mean=tf.zeros([3]), moving_variance=tf.ones([3]),
+                                    momentum=1e39), "Received: momentum=1e\\+39"),
     ],
 )
 def test_bad_arguments(call, message):
@@ -448,18 +560,24 @@ def test_kernel_rejects_bad_input_at_run_time():
     x, ones, zeros = tf.ones([2, 3]), tf.ones([3]), tf.zeros([3])
     err = tf.errors.InvalidArgumentError
     with pytest.raises(err, match="epsilon must be finite and > 0"):
-        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [], epsilon=0.0)
+        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [], [], epsilon=0.0)
     with pytest.raises(err, match="gamma must be a vector of the last dimension of x = 4"):
-        lib.tfmetal_ext_batch_norm_act(tf.ones([2, 4]), ones, tf.zeros([4]), [])
+        lib.tfmetal_ext_batch_norm_act(tf.ones([2, 4]), ones, tf.zeros([4]), [], [])
     with pytest.raises(err, match="beta must be a vector of the last dimension of x = 3"):
-        lib.tfmetal_ext_batch_norm_act(x, ones, tf.zeros([2]), [])
+        lib.tfmetal_ext_batch_norm_act(x, ones, tf.zeros([2]), [], [])
     with pytest.raises(err, match="side must have the shape of x"):
-        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [tf.ones([3, 2])])
+        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [tf.ones([3, 2])], [])
     with pytest.raises(err, match="x must have rank >= 2"):
-        lib.tfmetal_ext_batch_norm_act(tf.ones([3]), ones, zeros, [])
+        lib.tfmetal_ext_batch_norm_act(tf.ones([3]), ones, zeros, [], [])
     with pytest.raises(err, match="at most one side input"):
-        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [x, x])
-    y, mean, inv_std, _ = lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [])
+        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [x, x], [])
+    with pytest.raises(err, match="moving_variance must be a vector of the last dimension of x = 3"):
+        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [], [zeros, tf.ones([4])])
+    with pytest.raises(err, match=r"moving must be empty or \(moving_mean, moving_variance\), got 1"):
+        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [], [zeros])
+    with pytest.raises(err, match="momentum must be finite"):
+        lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [], [zeros, ones], momentum=float("inf"))
+    y, mean, inv_std, _, _ = lib.tfmetal_ext_batch_norm_act(x, ones, zeros, [], [])
     with pytest.raises(err, match="dy must have the shape of x"):
         lib.tfmetal_ext_batch_norm_act_grad(tf.ones([2, 4]), x, y, ones, zeros, [], mean, inv_std)
     with pytest.raises(err, match="inv_std must be a vector of the last dimension of x = 3"):
@@ -475,7 +593,7 @@ def test_bad_shapes_fail_at_graph_construction():
     def concrete(fn, *specs):
         return tf.function(fn).get_concrete_function(*[tf.TensorSpec(s, f32) for s in specs])
 
-    forward = lambda x, g, b, s: lib.tfmetal_ext_batch_norm_act(x, g, b, [s])  # noqa: E731
+    forward = lambda x, g, b, s: lib.tfmetal_ext_batch_norm_act(x, g, b, [s], [])  # noqa: E731
     with pytest.raises(ValueError, match="gamma must be a vector of the last dimension of x = 8, got shape \\[7\\]"):
         concrete(forward, [2, 8], [7], [8], [2, 8])
     with pytest.raises(ValueError, match="side must have the shape of x"):
@@ -483,4 +601,4 @@ def test_bad_shapes_fail_at_graph_construction():
     with pytest.raises(ValueError, match="x must have rank >= 2"):
         concrete(forward, [8], [8], [8], [8])
     fn = concrete(forward, [None, 3, 8], [None], [8], [5, None, None])
-    assert [t.shape.as_list() for t in fn.structured_outputs] == [[5, 3, 8], [8], [8], [8]]
+    assert [t.shape.as_list() for t in fn.structured_outputs[:4]] == [[5, 3, 8], [8], [8], [8]]

@@ -37,7 +37,8 @@ NAMES = ("batch_norm_act_stats", "batch_norm_act", "batch_norm_act_grad_sums", "
 ACTIVATIONS = list(fusion.BATCH_NORM_ACT_ACTIVATIONS)
 CODES = {name: i for i, name in enumerate(ACTIVATIONS)}  # the TFM_BNA_* codes
 PARAMS = np.dtype([("rows", "<u4"), ("channels", "<u4"), ("activation", "<i4"), ("has_side", "<u4"),
-                   ("alpha", "<f4"), ("epsilon", "<f4")])  # tfm_batch_norm_act_params
+                   ("alpha", "<f4"), ("epsilon", "<f4"), ("momentum", "<f4"),
+                   ("has_moving", "<u4")])  # tfm_batch_norm_act_params
 EPSILON = 1e-3
 ALPHA = 0.3
 U = 2.0 ** -24
@@ -66,7 +67,7 @@ def cpu():
 
 
 def params(rows, channels, activation, has_side, alpha=ALPHA, epsilon=EPSILON):
-    return ("bytes", np.array((rows, channels, CODES[activation], int(has_side), alpha, epsilon), PARAMS))
+    return ("bytes", np.array((rows, channels, CODES[activation], int(has_side), alpha, epsilon, 0.99, 0), PARAMS))
 
 
 def metal_forward(lib, dtype, x, gamma, beta, side, activation, threads=None, cap=SWEEP_CAP, order="linear"):
@@ -194,8 +195,8 @@ def test_every_instantiation_matches_numpy_and_the_cpu_kernel(lib, cpu, dtype, a
     # The CPU kernel from the same inputs: the same values to rounding.
     tx, tdy = tf.constant(x), tf.constant(dy)
     sides = [] if s is None else [tf.constant(s)]
-    cy, cmean, cinv, cvar = cpu.tfmetal_ext_batch_norm_act(tx, gamma, beta, sides, activation=activation, alpha=ALPHA,
-                                                           epsilon=EPSILON)
+    cy, cmean, cinv, cvar, _ = cpu.tfmetal_ext_batch_norm_act(tx, gamma, beta, sides, [], activation=activation,
+                                                              alpha=ALPHA, epsilon=EPSILON)
     np.testing.assert_allclose(mean, cmean.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(var, cvar.numpy(), rtol=1e-5)
     cgrads = cpu.tfmetal_ext_batch_norm_act_grad(tdy, tx, cy, gamma, beta, sides, mean, inv_std, activation=activation,
@@ -284,7 +285,7 @@ def test_gpu_kernels_match_the_cpu_kernels(cpu, dtype, activation, shape):
     results = {}
     for device in ("/GPU:0", "/CPU:0"):
         with tf.device(device):
-            y, mean, inv_std, var = cpu.tfmetal_ext_batch_norm_act(x, gamma, beta, [s], activation=activation)
+            y, mean, inv_std, var, _ = cpu.tfmetal_ext_batch_norm_act(x, gamma, beta, [s], [], activation=activation)
             grads = cpu.tfmetal_ext_batch_norm_act_grad(dy, x, y, gamma, beta, [s], mean, inv_std,
                                                         activation=activation)
         if device == "/GPU:0":

@@ -268,6 +268,7 @@ def rms_norm(dtype):
 
 
 BATCH_NORM_ACT_EPSILON = 1e-3
+BATCH_NORM_ACT_MOMENTUM = 0.9
 
 
 @register("batch_norm_act", op=fusion.CUSTOM_OPS["batch_norm_act"])
@@ -282,18 +283,22 @@ def batch_norm_act(dtype):
     dy = tf.constant(rng.standard_normal(shape), dtype)
     gamma = tf.constant(rng.uniform(0.5, 1.5, 24), tf.float32)
     beta = tf.constant(rng.standard_normal(24) * 0.2, tf.float32)
+    moving = [tf.constant(rng.standard_normal(24) * 0.1, tf.float32), tf.constant(rng.uniform(0.5, 2.0, 24), tf.float32)]
 
     def fused(x, side, gamma, beta, dy):
-        # A residual block's second batch norm: relu after the residual add, forward and gradient.
-        y, mean, inv_std, variance = lib.tfmetal_ext_batch_norm_act(x, gamma, beta, [side], activation="relu",
-                                                                    epsilon=eps)
+        # A residual block's second batch norm in a training step: relu after the residual add, the
+        # moving statistics' update, forward and gradient.
+        y, mean, inv_std, variance, new_moving = lib.tfmetal_ext_batch_norm_act(
+            x, gamma, beta, [side], moving, activation="relu", epsilon=eps, momentum=BATCH_NORM_ACT_MOMENTUM
+        )
         dx, dgamma, dbeta, dside = lib.tfmetal_ext_batch_norm_act_grad(dy, x, y, gamma, beta, [side], mean, inv_std,
                                                                        activation="relu", epsilon=eps)
-        return y, mean, variance, dx, dgamma, dbeta, dside[0]
+        return (y, mean, variance) + tuple(new_moving) + (dx, dgamma, dbeta, dside[0])
 
     y, mean, _, variance = testing.np_batch_norm_act(_f64(x), _f64(gamma), _f64(beta), _f64(side), "relu", eps)
+    new_moving = testing.np_moving_update(mean, variance, *(m.numpy() for m in moving), BATCH_NORM_ACT_MOMENTUM)
     grads = testing.np_batch_norm_act_grad(_f64(dy), _f64(x), _f64(gamma), _f64(beta), _f64(side), "relu", eps)
-    return fused, (x, side, gamma, beta, dy), (y, mean, variance) + tuple(grads)
+    return fused, (x, side, gamma, beta, dy), (y, mean, variance) + tuple(new_moving) + tuple(grads)
 
 
 ROPE_POSITIONS_START = 3.0

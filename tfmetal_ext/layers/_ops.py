@@ -194,19 +194,18 @@ def batch_norm_act_reason(dtype, activation, training=True, table=None, avoided=
 def batch_norm_act(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, activation, side=None):
     """Training-mode batch norm + residual add + activation as one op; ``(y, (new_mean, new_variance))``.
 
-    The batch statistics come from the op (biased variance, float32); the new
-    moving values are Keras' ``moving * momentum + batch * (1 - momentum)``.
+    The op computes the batch statistics (biased variance, float32) and the
+    moving statistics' update, Keras' ``moving * momentum + batch * (1 -
+    momentum)``, already guarded: on a batch whose update is not finite it
+    returns the moving statistics unchanged. The caller assigns the two.
     """
     from tfmetal_ext.ops.batch_norm_act import batch_norm_act as op
 
-    y, mean, variance = op(
+    y, new_mean, new_variance = op(
         x, gamma, beta, side, activation=activation, epsilon=epsilon, alpha=fusion.LEAKY_RELU_ALPHA,
+        moving_mean=moving_mean, moving_variance=moving_variance, momentum=momentum,
     )
-    updates = (
-        moving_mean * momentum + mean * (1.0 - momentum),
-        moving_variance * momentum + variance * (1.0 - momentum),
-    )
-    return y, updates
+    return y, (new_mean, new_variance)
 
 
 def batch_norm(x, gamma, beta, moving_mean, moving_variance, *, epsilon, momentum, training):

@@ -283,14 +283,14 @@ class ConvBNAct(keras.layers.Layer):
         `batch_norm_act_reason` is None.
         """
         x = self.conv(inputs, training=True)
-        # One read of each moving statistic serves the blend and the guard's fallback.
-        old = (tf.convert_to_tensor(self.moving_mean), tf.convert_to_tensor(self.moving_variance))
-        y, updates = _ops.batch_norm_act(
-            x, self.gamma, self.beta, old[0], old[1], epsilon=self.epsilon,
+        y, (new_mean, new_variance) = _ops.batch_norm_act(
+            x, self.gamma, self.beta, self.moving_mean.value, self.moving_variance.value, epsilon=self.epsilon,
             momentum=self.momentum, activation=activation or self.activation,
             side=None if side is None else tf.cast(side, x.dtype),
         )
-        assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates, old_values=old)
+        # The op's update is already guarded (unchanged on a non-finite batch).
+        self.moving_mean.assign(new_mean)
+        self.moving_variance.assign(new_variance)
         return y
 
     def call(self, inputs, training=False, side=None, side_activation=None):

@@ -97,22 +97,16 @@ def assign_finite_moving_statistics(variables, values, old_values=None):
     is finite; a batch with an inf or NaN (the batch of a step that loss
     scaling skips, or any poisoned batch) leaves the variables bitwise
     unchanged (`old_values`, default the variables' current values). One
-    home for the guard: `FusedBatchNorm` and the `ConvBNAct` layers assign
-    their moving statistics through it.
+    home for the guard of the FusedBatchNormV3 and stock forms: `FusedBatchNorm`
+    and the `ConvBNAct` layers assign their moving statistics through it
+    (``TfmetalExt>BatchNormAct`` guards its own update, by the same rule).
     """
+    from tfmetal_ext.ops import _common
+
     values = list(values)
     if old_values is None:
         old_values = [v.value for v in variables]
-    # 0 * v is 0 for a finite v and NaN for inf/NaN, so the sum is 0 exactly when
-    # every value is finite. Mul, Sum, AddV2, Equal and SelectV2 have float
-    # kernels on both Metal backends (IsFinite, All and Pack do not on the open
-    # tensorflow-metal-plugin: they would put the guard on the CPU).
-    probe = None
-    for v in values:
-        v = tf.convert_to_tensor(v)
-        term = tf.reduce_sum(v * tf.constant(0, v.dtype))
-        probe = term if probe is None else probe + tf.cast(term, probe.dtype)
-    ok = tf.equal(probe, tf.constant(0, probe.dtype))
+    ok = _common.all_finite(values)  # in ops with float kernels on both Metal backends (SelectV2 too)
     for variable, new, old in zip(variables, values, old_values):
         variable.assign(tf.where(ok, new, old))
 
@@ -396,13 +390,14 @@ class FusedBatchNorm(keras.layers.Layer):
         beta = self.beta.value if self.center else tf.zeros([channels], tf.float32)
         training = bool(training) and self.trainable
         if training and self.batch_norm_act_reason(training) is None:
-            # Any rank, channels last: the op needs no reshape.
-            old = (self.moving_mean.value, self.moving_variance.value)
-            y, updates = _ops.batch_norm_act(
-                x, gamma, beta, old[0], old[1], epsilon=self.epsilon, momentum=self.momentum,
-                activation=self.activation,
+            # Any rank, channels last: the op needs no reshape. Its moving-statistics update is
+            # already guarded (unchanged on a non-finite batch).
+            y, (new_mean, new_variance) = _ops.batch_norm_act(
+                x, gamma, beta, self.moving_mean.value, self.moving_variance.value, epsilon=self.epsilon,
+                momentum=self.momentum, activation=self.activation,
             )
-            assign_finite_moving_statistics((self.moving_mean, self.moving_variance), updates, old_values=old)
+            self.moving_mean.assign(new_mean)
+            self.moving_variance.assign(new_variance)
             return y
         shape = None
         if rank != 4:

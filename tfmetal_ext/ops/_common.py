@@ -107,6 +107,27 @@ def op_avoided(op_name) -> bool:
     return SAFE_FORM_OF_OP.get(op_name) in _env.current().avoided
 
 
+def all_finite(values):
+    """A scalar bool tensor: every element of every float tensor in `values` is finite.
+
+    ``0 * v`` is 0 for a finite v and NaN for inf or NaN, so the sum of those
+    terms is 0 exactly when every value is finite. Mul, Sum, AddV2 and Equal
+    have float kernels on both Metal backends; IsFinite, All and Pack do not
+    on the open tensorflow-metal-plugin, so the obvious form would put the
+    check on the CPU. The one home of that form: the moving-statistics guards
+    (`tfmetal_ext.layers.normalization.assign_finite_moving_statistics`, the
+    reference of `batch_norm_act`'s moving update) use it.
+    """
+    probe = None
+    for v in values:
+        v = tf.convert_to_tensor(v)
+        term = tf.reduce_sum(v * tf.constant(0, v.dtype))
+        probe = term if probe is None else probe + tf.cast(term, probe.dtype)
+    if probe is None:
+        return tf.constant(True)
+    return tf.equal(probe, tf.constant(0, probe.dtype))
+
+
 def in_xla_context() -> bool:
     """True while tracing a function XLA compiles (``jit_compile=True``): the custom ops have no XLA kernels."""
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
@@ -46,7 +47,8 @@ def _check_alpha(alpha):
 
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
-def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", epsilon=1e-3, alpha=0.2, name=None):
+def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", epsilon=1e-3, alpha=0.2,
+                   moving_mean=None, moving_variance=None, momentum=0.99, name=None):
     """Batch normalization with batch statistics, an optional residual input and an activation.
 
     ``y = act((x - mean) / sqrt(variance + epsilon) * gamma + beta + side)``
@@ -69,6 +71,17 @@ def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", ep
     they come through `tf.stop_gradient` (no gradient flows through them; the
     gradient of `y` already accounts for the statistics' dependence on `x`).
 
+    With `moving_mean` and `moving_variance` (a layer's moving statistics),
+    the op also updates them, as `keras.layers.BatchNormalization` does in
+    training: ``moving * momentum + batch * (1 - momentum)`` for the mean and
+    the biased variance, in float32. The update is taken only when every
+    updated value is finite; otherwise (an inf or NaN in the batch, as in a
+    step that loss scaling skips, or an empty batch) the moving statistics
+    come back bitwise unchanged. The op then returns the updated moving
+    statistics in place of the batch's, as ``tf.compat.v1.nn.fused_batch_norm``
+    does with ``exponential_avg_factor``: one op computes statistics, output
+    and update, and the caller assigns them.
+
     Args:
         x: a float32, float16 or bfloat16 tensor of rank >= 2, channels last.
         gamma: the scale, a float vector of `x`'s last dimension, or None for
@@ -81,17 +94,25 @@ def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", ep
             ``"swish"``: x * sigmoid(x)) or ``"gelu"`` (exact, erf form).
         epsilon: added to the variance, a finite float > 0.
         alpha: leaky_relu's negative slope (Keras' default 0.2).
+        moving_mean: None, or the moving mean to update (a float vector of
+            `x`'s last dimension, used as float32); give both or neither.
+        moving_variance: None, or the moving variance to update, likewise.
+        momentum: the moving statistics' momentum, a finite float (Keras'
+            default 0.99). Used only with the moving statistics.
         name: optional op name.
 
     Returns:
         ``(y, mean, variance)``: `y` of `x`'s shape and dtype; `mean` and the
         biased `variance`, float32 vectors of `x`'s last dimension (NaN for an
-        empty batch, as Keras' moments).
+        empty batch, as Keras' moments). With `moving_mean` and
+        `moving_variance`: ``(y, new_moving_mean, new_moving_variance)``.
 
     Raises:
         ValueError: for a non-float dtype, rank < 2, a `gamma` / `beta` that
             is not a vector of the last dimension, a `side` of another shape
-            or dtype, an unknown activation, a bad epsilon or alpha.
+            or dtype, an unknown activation, a bad epsilon, alpha or momentum,
+            only one of `moving_mean` / `moving_variance`, or one that is not
+            a float vector of the last dimension.
 
     >>> y, mean, var = batch_norm_act(tf.constant([[1.0], [3.0]]), activation="linear")
     >>> y.numpy().round(3).ravel().tolist(), mean.numpy().tolist(), var.numpy().tolist()
@@ -117,15 +138,48 @@ def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", ep
             )
         if not side.shape.is_compatible_with(x.shape):
             raise ValueError(f"`side` must have the shape of x ({x.shape}). Received: side.shape={side.shape}")
+    moving = _moving(moving_mean, moving_variance, x)
+    momentum = _check_momentum(momentum) if moving else 0.99
     if not uses_kernel():
         y, mean, variance = _with_reference_gradient(x, gamma, beta, side, activation, epsilon, alpha)
+        if moving:
+            mean, variance = reference_moving_update(
+                tf.stop_gradient(mean), tf.stop_gradient(variance), *moving, momentum
+            )
     else:
         lib = _common.library()
-        y, mean, _, variance = lib.tfmetal_ext_batch_norm_act(
-            x, gamma, beta, [] if side is None else [side], activation=activation, alpha=alpha, epsilon=epsilon,
-            name=name,
+        y, mean, _, variance, new_moving = lib.tfmetal_ext_batch_norm_act(
+            x, gamma, beta, [] if side is None else [side], moving, activation=activation, alpha=alpha,
+            epsilon=epsilon, momentum=momentum, name=name,
         )
+        if moving:
+            mean, variance = new_moving
     return y, tf.stop_gradient(mean), tf.stop_gradient(variance)
+
+
+def _moving(moving_mean, moving_variance, x):
+    """``[]``, or the moving statistics as float32 vectors of x's last dimension."""
+    if (moving_mean is None) != (moving_variance is None):
+        raise ValueError(
+            "Give both `moving_mean` and `moving_variance`, or neither. Received: "
+            f"moving_mean={'None' if moving_mean is None else 'a tensor'}, "
+            f"moving_variance={'None' if moving_variance is None else 'a tensor'}"
+        )
+    if moving_mean is None:
+        return []
+    return [_parameter("moving_mean", moving_mean, x, 0.0), _parameter("moving_variance", moving_variance, x, 1.0)]
+
+
+def _check_momentum(momentum):
+    if isinstance(momentum, (bool, str, bytes)):
+        raise ValueError(f"Argument `momentum` must be a finite float. Received: momentum={momentum!r}")
+    try:
+        value = float(momentum)
+    except (TypeError, ValueError):
+        raise ValueError(f"Argument `momentum` must be a finite float. Received: momentum={momentum!r}") from None
+    if not math.isfinite(value) or not math.isfinite(float(np.float32(value))):
+        raise ValueError(f"Argument `momentum` must be a finite float. Received: momentum={momentum!r}")
+    return value
 
 
 def uses_kernel() -> bool:
@@ -184,6 +238,22 @@ def reference_batch_norm_act(x, gamma, beta, side, activation, epsilon, alpha):
     return tf.cast(_common.reference_activate(pre, activation, alpha), x.dtype), mean, inv_std, variance
 
 
+def reference_moving_update(mean, variance, moving_mean, moving_variance, momentum):
+    """The op's moving-statistics update in TensorFlow ops (tfmetal/batch_norm_act.h ``bna_blend``).
+
+    ``moving * momentum + batch * (1 - momentum)`` in float32 (the batch's
+    weight rounded in float32, as the kernels), kept only when all of it is
+    finite (`_common.all_finite`: kernels on both Metal backends).
+    """
+    m = np.float32(momentum)
+    kept = tf.constant(m, tf.float32)
+    weight = tf.constant(np.float32(1.0) - m, tf.float32)
+    new_mean = moving_mean * kept + mean * weight
+    new_variance = moving_variance * kept + variance * weight
+    ok = _common.all_finite([new_mean, new_variance])
+    return tf.where(ok, new_mean, moving_mean), tf.where(ok, new_variance, moving_variance)
+
+
 def reference_batch_norm_act_grad(dy, x, gamma, beta, side, mean, inv_std, activation, alpha):
     """``(dx, dgamma, dbeta, dside)`` of the op from its saved statistics (dside None without a side)."""
     xf = tf.cast(x, tf.float32)
@@ -221,9 +291,10 @@ def _with_reference_gradient(x, gamma, beta, side, activation, epsilon, alpha):
 
 
 @tf.RegisterGradient(BATCH_NORM_ACT_OP)
-def _batch_norm_act_grad(op, dy, unused_dmean, unused_dinv_std, unused_dvariance):
-    # The statistics are outputs for the moving averages (batch_norm_act returns them through
-    # stop_gradient): dy carries the whole gradient, the statistics' dependence on x included.
+def _batch_norm_act_grad(op, dy, *unused_statistics_grads):
+    # The statistics (and the moving statistics' update) are outputs for the moving averages
+    # (batch_norm_act returns them through stop_gradient): dy carries the whole gradient, the
+    # statistics' dependence on x included; the moving statistics get none.
     lib = _common.library() or _loaded_library()
     n = op.get_attr("N")
     x, gamma, beta = op.inputs[0], op.inputs[1], op.inputs[2]
@@ -232,7 +303,7 @@ def _batch_norm_act_grad(op, dy, unused_dmean, unused_dinv_std, unused_dvariance
         dy, x, op.outputs[0], gamma, beta, sides, op.outputs[1], op.outputs[2],
         activation=op.get_attr("activation"), alpha=op.get_attr("alpha"), epsilon=op.get_attr("epsilon"),
     )
-    return [dx, dgamma, dbeta] + list(dsides)
+    return [dx, dgamma, dbeta] + list(dsides) + [None] * op.get_attr("M")
 
 
 def _loaded_library():
