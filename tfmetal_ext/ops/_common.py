@@ -47,15 +47,31 @@ def check_nonnegative(name, value):
     `lambd`, the optimizers' `epsilon` and `weight_decay`); a bool or a string
     is not a number here.
     """
-    if isinstance(value, (bool, str, bytes)):
-        raise ValueError(f"Argument `{name}` must be a float >= 0. Received: {name}={value!r}")
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"Argument `{name}` must be a float >= 0. Received: {name}={value!r}") from None
+    v = _as_float(name, value, "a float >= 0")
     if not (math.isfinite(v) and v >= 0.0):
         raise ValueError(f"Argument `{name}` must be a finite float >= 0. Received: {name}={value!r}")
     return check_float32_representable(name, v)
+
+
+def check_finite(name, value):
+    """`value` as a float: finite and, unless 0, representable in float32 (kernels take float32 attrs).
+
+    The check of the package's signed float arguments (batch_norm_act's
+    `alpha` and `momentum`); a bool or a string is not a number here.
+    """
+    v = _as_float(name, value, "a finite float")
+    if not math.isfinite(v):
+        raise ValueError(f"Argument `{name}` must be a finite float. Received: {name}={value!r}")
+    return check_float32_representable(name, v) if v != 0.0 else 0.0
+
+
+def _as_float(name, value, what):
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError(f"Argument `{name}` must be {what}. Received: {name}={value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"Argument `{name}` must be {what}. Received: {name}={value!r}") from None
 
 
 def check_float32_representable(name, value):

@@ -34,18 +34,6 @@ def _hashable(value):
     return True
 
 
-def _check_alpha(alpha):
-    if isinstance(alpha, (bool, str, bytes)):
-        raise ValueError(f"Argument `alpha` must be a finite float. Received: alpha={alpha!r}")
-    try:
-        value = float(alpha)
-    except (TypeError, ValueError):
-        raise ValueError(f"Argument `alpha` must be a finite float. Received: alpha={alpha!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"Argument `alpha` must be a finite float. Received: alpha={alpha!r}")
-    return _common.check_float32_representable("alpha", value) if value != 0.0 else 0.0
-
-
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
 def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", epsilon=1e-3, alpha=0.2,
                    moving_mean=None, moving_variance=None, momentum=0.99, name=None):
@@ -119,7 +107,7 @@ def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", ep
     ([-0.999, 0.999], [2.0], [1.0])
     """
     epsilon = _common.check_float32_representable("epsilon", _check_epsilon(epsilon))
-    alpha = _check_alpha(alpha)
+    alpha = _common.check_finite("alpha", alpha)
     activation = activation_name(activation)
     x = tf.convert_to_tensor(x)
     _common.check_float("x", x)
@@ -139,7 +127,7 @@ def batch_norm_act(x, gamma=None, beta=None, side=None, *, activation="relu", ep
         if not side.shape.is_compatible_with(x.shape):
             raise ValueError(f"`side` must have the shape of x ({x.shape}). Received: side.shape={side.shape}")
     moving = _moving(moving_mean, moving_variance, x)
-    momentum = _check_momentum(momentum) if moving else 0.99
+    momentum = _common.check_finite("momentum", momentum) if moving else 0.99
     if not uses_kernel():
         y, mean, variance = _with_reference_gradient(x, gamma, beta, side, activation, epsilon, alpha)
         if moving:
@@ -170,16 +158,6 @@ def _moving(moving_mean, moving_variance, x):
     return [_parameter("moving_mean", moving_mean, x, 0.0), _parameter("moving_variance", moving_variance, x, 1.0)]
 
 
-def _check_momentum(momentum):
-    if isinstance(momentum, (bool, str, bytes)):
-        raise ValueError(f"Argument `momentum` must be a finite float. Received: momentum={momentum!r}")
-    try:
-        value = float(momentum)
-    except (TypeError, ValueError):
-        raise ValueError(f"Argument `momentum` must be a finite float. Received: momentum={momentum!r}") from None
-    if not math.isfinite(value) or not math.isfinite(float(np.float32(value))):
-        raise ValueError(f"Argument `momentum` must be a finite float. Received: momentum={momentum!r}")
-    return value
 
 
 def uses_kernel() -> bool:
