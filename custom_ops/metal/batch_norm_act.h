@@ -19,6 +19,18 @@
 //                               then the first 32 threads merge the L lanes'
 //                               moments in lane order (Chan's merge) and write
 //                               mean, inv_std and variance.
+// batch_norm_act_moving         with the moving statistics (has_moving): ONE
+//                               threadgroup (at most TFM_BNA_MOVING_THREADS
+//                               threads) loops over the channels, c = lid,
+//                               lid + threads, ...: each thread ANDs the
+//                               finiteness of its channels' blends, a tree
+//                               reduction in threadgroup memory gives the
+//                               all-channels flag, then each thread writes its
+//                               channels' new_mean / new_variance: the blends
+//                               when the flag holds, else bitwise copies of
+//                               moving_mean / moving_variance. Runs after the
+//                               stats pass, also when rows == 0 (NaN
+//                               statistics: the copies).
 // batch_norm_act<T>             one thread per element: y = act(pre).
 // batch_norm_act_grad_sums<T>   as the stats kernel: dbeta = sum dpre,
 //                               dgamma = sum dpre * xhat (zeros when rows == 0).
@@ -34,7 +46,7 @@
 #include "tfmetal/batch_norm_act.h"
 #include "tfmetal/portable.h"
 
-// setBytes data of the four kernels (shared with the host).
+// setBytes data of the five kernels (shared with the host).
 struct tfm_batch_norm_act_params {
   uint32_t rows;        // M: the product of all but the last dimension of x
   uint32_t channels;    // C, the last dimension
@@ -49,6 +61,10 @@ static_assert(sizeof(tfm_batch_norm_act_params) == 32, "tfm_batch_norm_act_param
 
 // Channels per threadgroup of the column reductions (one SIMD-group's width).
 #define TFM_BNA_COLUMNS 32
+
+// The most threads of batch_norm_act_moving's one threadgroup (the host's cap;
+// the length of its threadgroup flags).
+#define TFM_BNA_MOVING_THREADS 1024
 
 #if TFM_METAL
 
@@ -118,6 +134,51 @@ template <typename T>
     mean[column] = bna_mean(total);
     variance[column] = var;
     inv_std[column] = bna_inv_std(var, p.epsilon);
+  }
+}
+
+// The guarded update of the moving statistics from the batch's (the stats
+// pass's outputs). Dispatch: one threadgroup of at most TFM_BNA_MOVING_THREADS
+// threads (any size: the reduction does not need a power of two).
+[[kernel]] void batch_norm_act_moving(device const float* mean [[buffer(0)]],
+                                      device const float* variance [[buffer(1)]],
+                                      device const float* moving_mean [[buffer(2)]],
+                                      device const float* moving_variance [[buffer(3)]],
+                                      device float* new_mean [[buffer(4)]],
+                                      device float* new_variance [[buffer(5)]],
+                                      constant tfm_batch_norm_act_params& p [[buffer(6)]],
+                                      TFM_KERNEL_BUILTINS) {
+  threadgroup uint t_finite[TFM_BNA_MOVING_THREADS];
+  const uint threads = tgsize.x;
+  const uint channels = p.channels;
+  const float momentum = p.momentum;
+
+  uint finite = 1u;
+  for (uint c = lid.x; c < channels; c += threads) {
+    const float m = bna_blend(moving_mean[c], mean[c], momentum);
+    const float v = bna_blend(moving_variance[c], variance[c], momentum);
+    if (!bna_blend_finite(m, v)) finite = 0u;
+  }
+  t_finite[lid.x] = finite;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  // Fold the upper half of the n live flags onto the lower half until one is
+  // left: the writes (indices < n - half) never meet the reads (>= half).
+  for (uint n = threads; n > 1;) {
+    const uint half = (n + 1) / 2;
+    if (lid.x < n - half) t_finite[lid.x] = t_finite[lid.x] & t_finite[lid.x + half];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    n = half;
+  }
+  const bool update = t_finite[0] != 0u;
+
+  for (uint c = lid.x; c < channels; c += threads) {
+    if (update) {
+      new_mean[c] = bna_blend(moving_mean[c], mean[c], momentum);
+      new_variance[c] = bna_blend(moving_variance[c], variance[c], momentum);
+    } else {
+      new_mean[c] = moving_mean[c];
+      new_variance[c] = moving_variance[c];
+    }
   }
 }
 

@@ -1,4 +1,4 @@
-// Host names of the batch norm + activation kernels (templates in batch_norm_act.h).
+// Host names of the batch norm + activation kernels (batch_norm_act.h).
 #include "batch_norm_act.h"
 
 TFM_INSTANTIATE_KERNEL(batch_norm_act_stats_float, batch_norm_act_stats<float>)
@@ -6,6 +6,9 @@ TFM_INSTANTIATE_KERNEL(batch_norm_act_stats_half, batch_norm_act_stats<half>)
 #if TFM_HAS_BFLOAT
 TFM_INSTANTIATE_KERNEL(batch_norm_act_stats_bfloat, batch_norm_act_stats<bfloat>)
 #endif
+
+// The moving statistics' update: float32 only, whatever T (not a template).
+TFM_REGISTER_KERNEL(batch_norm_act_moving)
 
 TFM_INSTANTIATE_KERNEL(batch_norm_act_float, batch_norm_act<float>)
 TFM_INSTANTIATE_KERNEL(batch_norm_act_half, batch_norm_act<half>)

@@ -9,14 +9,22 @@
 // first wrote):
 //   forward   batch_norm_act_stats_<T>      mean, inv_std, variance; one
 //                                           threadgroup per 32 channels
+//             batch_norm_act_moving         (M == 2 only) new_moving from mean,
+//                                           variance and the moving inputs; ONE
+//                                           threadgroup looping over the channels
 //             batch_norm_act_<T>            y; one thread per element
 //   gradient  batch_norm_act_grad_sums_<T>  dgamma, dbeta; as the stats pass
 //             batch_norm_act_grad_<T>       dx (and dside); one thread per element
 // The side input is a list of 0 or 1 tensors: without one, x's buffer is
 // bound in its place (the kernels do not read it: params.has_side = 0), and
 // dx's in dside's.
-// Empty inputs: C == 0 encodes nothing; rows == 0 runs only the reduction
-// pass (NaN statistics forward, zero dgamma / dbeta backward).
+// The moving statistics (forward, attr M: 0 or 2 inputs moving_mean,
+// moving_variance after the side list; outputs 4 and 5) are float32 whatever
+// T; params.momentum / has_moving are set for the forward only (0 backward).
+// Empty inputs: C == 0 encodes nothing (every output is empty); rows == 0 runs
+// only the reduction pass (NaN statistics forward, zero dgamma / dbeta
+// backward) and, forward, the moving pass (which then copies the moving
+// statistics: the NaN statistics fail its finiteness guard).
 #include "metal/metal_helper.h"
 
 #include <cmath>
@@ -45,6 +53,8 @@ struct BatchNormActKernel {
   float alpha = 0.2f;
   float epsilon = 0.0f;
   int32_t sides = 0;  // N: 0 or 1 side inputs
+  int32_t moving = 0;  // M (forward): 0 or 2 moving statistics inputs (0 for the gradient op)
+  float momentum = 0.0f;
 };
 
 std::string StringAttr(TF_OpKernelConstruction* ctx, const char* attr, TF_Status* status) {
@@ -58,30 +68,54 @@ std::string StringAttr(TF_OpKernelConstruction* ctx, const char* attr, TF_Status
   return std::string(buffer.data(), static_cast<size_t>(total_size));
 }
 
-void* Create(TF_OpKernelConstruction* ctx) {
-  StatusPtr status(TF_NewStatus());
-  BatchNormActKernel k;
-  const std::string activation = StringAttr(ctx, "activation", status.get());
-  if (Ok(status.get())) {
-    k.activation = batch_norm_act_attrs::ActivationCode(activation);
-    if (k.activation < 0) {
-      SetStatus(status.get(), TF_INVALID_ARGUMENT,
+// The attrs of both ops: activation, alpha, epsilon, N.
+void ReadAttrs(TF_OpKernelConstruction* ctx, BatchNormActKernel* k, TF_Status* status) {
+  const std::string activation = StringAttr(ctx, "activation", status);
+  if (Ok(status)) {
+    k->activation = batch_norm_act_attrs::ActivationCode(activation);
+    if (k->activation < 0) {
+      SetStatus(status, TF_INVALID_ARGUMENT,
                 std::string("activation must be one of ") + batch_norm_act_attrs::kActivationList + ", got \"" +
                     activation + "\"");
     }
   }
-  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "alpha", &k.alpha, status.get());
-  if (Ok(status.get()) && !std::isfinite(k.alpha)) {
-    SetStatus(status.get(), TF_INVALID_ARGUMENT, "alpha must be finite, got " + std::to_string(k.alpha));
+  if (Ok(status)) TF_OpKernelConstruction_GetAttrFloat(ctx, "alpha", &k->alpha, status);
+  if (Ok(status) && !std::isfinite(k->alpha)) {
+    SetStatus(status, TF_INVALID_ARGUMENT, "alpha must be finite, got " + std::to_string(k->alpha));
   }
-  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "epsilon", &k.epsilon, status.get());
-  if (Ok(status.get()) && !(std::isfinite(k.epsilon) && k.epsilon > 0.0f)) {
-    SetStatus(status.get(), TF_INVALID_ARGUMENT, "epsilon must be finite and > 0, got " + std::to_string(k.epsilon));
+  if (Ok(status)) TF_OpKernelConstruction_GetAttrFloat(ctx, "epsilon", &k->epsilon, status);
+  if (Ok(status) && !(std::isfinite(k->epsilon) && k->epsilon > 0.0f)) {
+    SetStatus(status, TF_INVALID_ARGUMENT, "epsilon must be finite and > 0, got " + std::to_string(k->epsilon));
   }
-  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, "N", &k.sides, status.get());
-  if (Ok(status.get()) && k.sides > 1) {
-    SetStatus(status.get(), TF_INVALID_ARGUMENT, "at most one side input, got " + std::to_string(k.sides));
+  if (Ok(status)) TF_OpKernelConstruction_GetAttrInt32(ctx, "N", &k->sides, status);
+  if (Ok(status) && k->sides > 1) {
+    SetStatus(status, TF_INVALID_ARGUMENT, "at most one side input, got " + std::to_string(k->sides));
   }
+}
+
+// The forward op: the common attrs, then M and momentum.
+void* CreateForward(TF_OpKernelConstruction* ctx) {
+  StatusPtr status(TF_NewStatus());
+  BatchNormActKernel k;
+  ReadAttrs(ctx, &k, status.get());
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt32(ctx, "M", &k.moving, status.get());
+  if (Ok(status.get()) && k.moving != 0 && k.moving != 2) {
+    SetStatus(status.get(), TF_INVALID_ARGUMENT,
+              "moving must be empty or (moving_mean, moving_variance), got " + std::to_string(k.moving) +
+                  " tensors");
+  }
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "momentum", &k.momentum, status.get());
+  if (Ok(status.get()) && !std::isfinite(k.momentum)) {
+    SetStatus(status.get(), TF_INVALID_ARGUMENT, "momentum must be finite, got " + std::to_string(k.momentum));
+  }
+  return NewKernelOrFail(ctx, status.get(), k);
+}
+
+// The gradient op: the common attrs only.
+void* CreateGrad(TF_OpKernelConstruction* ctx) {
+  StatusPtr status(TF_NewStatus());
+  BatchNormActKernel k;
+  ReadAttrs(ctx, &k, status.get());
   return NewKernelOrFail(ctx, status.get(), k);
 }
 
@@ -123,21 +157,41 @@ void DispatchColumns(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipeline
                                               rows, TFM_BNA_COLUMNS, geometry::kNormMaxRowThreads));
 }
 
-// The reduction pass then (rows > 0) the elementwise pass, in one encoder.
-template <class BindReduce, class BindElements>
-void EncodeTwoPasses(TF_OpKernelContext* ctx, const std::string& reduce_name, const std::string& elements_name,
-                     uint32_t rows, uint32_t channels, TF_Status* status, BindReduce&& bind_reduce,
-                     BindElements&& bind_elements) {
+// The moving statistics pass: one threadgroup of whole SIMD-groups looping
+// over the channels (at most TFM_BNA_MOVING_THREADS threads).
+void DispatchMoving(id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline, uint32_t channels) {
+  DispatchRows(encoder, 1,
+               geometry::ThreadgroupSize1D(pipeline.threadExecutionWidth, pipeline.maxTotalThreadsPerThreadgroup,
+                                           channels, TFM_BNA_MOVING_THREADS));
+}
+
+// In one encoder: the reduction pass, then the moving statistics pass (when
+// moving_name is not null; it reads the reduction's mean and variance, also
+// when rows == 0), then (rows > 0) the elementwise pass.
+template <class BindReduce, class BindMoving, class BindElements>
+void EncodePasses(TF_OpKernelContext* ctx, const std::string& reduce_name, const char* moving_name,
+                  const std::string& elements_name, uint32_t rows, uint32_t channels, TF_Status* status,
+                  BindReduce&& bind_reduce, BindMoving&& bind_moving, BindElements&& bind_elements) {
   EncodeKernel(ctx, kLibrary, reduce_name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> reduce_pipeline) {
-                 id<MTLComputePipelineState> elements_pipeline = nil;
+                 id<MTLDevice> device = reduce_pipeline.device;
+                 id<MTLComputePipelineState> moving_pipeline = nil, elements_pipeline = nil;
+                 if (moving_name != nullptr) {
+                   moving_pipeline = PipelineCache::Global().Pipeline(device, kLibrary, moving_name, status);
+                   if (moving_pipeline == nil) return;
+                 }
                  if (rows > 0) {
-                   elements_pipeline = PipelineCache::Global().Pipeline(reduce_pipeline.device, kLibrary,
-                                                                        elements_name.c_str(), status);
+                   elements_pipeline =
+                       PipelineCache::Global().Pipeline(device, kLibrary, elements_name.c_str(), status);
                    if (elements_pipeline == nil) return;
                  }
                  bind_reduce(encoder);
                  DispatchColumns(encoder, reduce_pipeline, rows, channels);
+                 if (moving_pipeline != nil) {
+                   [encoder setComputePipelineState:moving_pipeline];
+                   bind_moving(encoder);
+                   DispatchMoving(encoder, moving_pipeline, channels);
+                 }
                  if (rows == 0) return;
                  [encoder setComputePipelineState:elements_pipeline];
                  bind_elements(encoder);
@@ -153,6 +207,8 @@ tfm_batch_norm_act_params Params(const BatchNormActKernel& k, int64_t rows, int6
   p.has_side = k.sides == 1 ? 1u : 0u;
   p.alpha = k.alpha;
   p.epsilon = k.epsilon;
+  p.momentum = k.moving == 2 ? k.momentum : 0.0f;
+  p.has_moving = k.moving == 2 ? 1u : 0u;
   return p;
 }
 
@@ -160,14 +216,20 @@ tfm_batch_norm_act_params Params(const BatchNormActKernel& k, int64_t rows, int6
 // TfmetalExt>BatchNormAct
 
 void BatchNormActCompute(const BatchNormActKernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
-  std::vector<TensorPtr> in;  // x, gamma, beta, [side]
-  if (!norm_metal::Inputs(ctx, 3 + k.sides, &in, status)) return;
+  std::vector<TensorPtr> in;  // x, gamma, beta, [side], [moving_mean, moving_variance]
+  if (!norm_metal::Inputs(ctx, 3 + k.sides + k.moving, &in, status)) return;
+  const int first_moving = 3 + k.sides;
   const std::vector<int64_t> dims = Dims(in[0].get());
   int64_t rows = 0, channels = 0;
   if (!RowsAndChannels(dims, &rows, &channels, status)) return;
   if (!CheckVector(in[1].get(), "gamma", channels, "the last dimension of x", status)) return;
   if (!CheckVector(in[2].get(), "beta", channels, "the last dimension of x", status)) return;
   if (k.sides == 1 && !CheckLike(in[3].get(), "side", dims, status)) return;
+  if (k.moving == 2 &&
+      (!CheckVector(in[first_moving].get(), "moving_mean", channels, "the last dimension of x", status) ||
+       !CheckVector(in[first_moving + 1].get(), "moving_variance", channels, "the last dimension of x", status))) {
+    return;
+  }
   const TF_DataType dtype = TF_TensorType(in[0].get());
   const std::string stats_name = KernelName("batch_norm_act", "stats", dtype, status);
   if (!Ok(status)) return;
@@ -181,10 +243,17 @@ void BatchNormActCompute(const BatchNormActKernel& k, TF_OpKernelContext* ctx, T
   if (!Ok(status)) return;
   TensorPtr variance = Output(ctx, 3, TF_FLOAT, {channels}, status);
   if (!Ok(status)) return;
+  TensorPtr new_mean, new_variance;
+  if (k.moving == 2) {
+    new_mean = Output(ctx, 4, TF_FLOAT, {channels}, status);
+    if (!Ok(status)) return;
+    new_variance = Output(ctx, 5, TF_FLOAT, {channels}, status);
+    if (!Ok(status)) return;
+  }
   if (channels == 0) return;  // every output is empty
 
   const tfm_batch_norm_act_params params = Params(k, rows, channels);
-  MetalSlice xs, gs, bs, ss, ms, is, vs, ys;
+  MetalSlice xs, gs, bs, ss, ms, is, vs, ys, mms, mvs, nms, nvs;
   if (!Resolve(in[0].get(), "x", &xs, status) || !Resolve(in[1].get(), "gamma", &gs, status) ||
       !Resolve(in[2].get(), "beta", &bs, status) ||
       (k.sides == 1 && !Resolve(in[3].get(), "side", &ss, status)) || !Resolve(mean.get(), "mean", &ms, status) ||
@@ -192,18 +261,34 @@ void BatchNormActCompute(const BatchNormActKernel& k, TF_OpKernelContext* ctx, T
       !Resolve(y.get(), "y", &ys, status)) {
     return;
   }
+  if (k.moving == 2 && (!Resolve(in[first_moving].get(), "moving_mean", &mms, status) ||
+                        !Resolve(in[first_moving + 1].get(), "moving_variance", &mvs, status) ||
+                        !Resolve(new_mean.get(), "new_mean", &nms, status) ||
+                        !Resolve(new_variance.get(), "new_variance", &nvs, status))) {
+    return;
+  }
   // With rows == 0, x and y are empty: mean (C > 0 here) is their placeholder
   // in the stats pass (the elementwise pass is not encoded then).
   const MetalSlice x_or = Or(xs, ms);
   if (k.sides == 0) ss = xs;  // not read (has_side = 0)
-  EncodeTwoPasses(
-      ctx, stats_name, name, params.rows, params.channels, status,
+  EncodePasses(
+      ctx, stats_name, k.moving == 2 ? "batch_norm_act_moving" : nullptr, name, params.rows, params.channels, status,
       [&](id<MTLComputeCommandEncoder> encoder) {
         [encoder setBuffer:x_or.buffer offset:x_or.offset atIndex:0];  // device const T* x [[buffer(0)]]
         [encoder setBuffer:ms.buffer offset:ms.offset atIndex:1];      // device float* mean [[buffer(1)]]
         [encoder setBuffer:is.buffer offset:is.offset atIndex:2];      // device float* inv_std [[buffer(2)]]
         [encoder setBuffer:vs.buffer offset:vs.offset atIndex:3];      // device float* variance [[buffer(3)]]
         SetBytes(encoder, params, 4);  // constant tfm_batch_norm_act_params& p [[buffer(4)]]
+      },
+      [&](id<MTLComputeCommandEncoder> encoder) {
+        [encoder setBuffer:ms.buffer offset:ms.offset atIndex:0];    // device const float* mean [[buffer(0)]]
+        [encoder setBuffer:vs.buffer offset:vs.offset atIndex:1];    // device const float* variance [[buffer(1)]]
+        [encoder setBuffer:mms.buffer offset:mms.offset atIndex:2];  // device const float* moving_mean [[buffer(2)]]
+        // device const float* moving_variance [[buffer(3)]]
+        [encoder setBuffer:mvs.buffer offset:mvs.offset atIndex:3];
+        [encoder setBuffer:nms.buffer offset:nms.offset atIndex:4];  // device float* new_mean [[buffer(4)]]
+        [encoder setBuffer:nvs.buffer offset:nvs.offset atIndex:5];  // device float* new_variance [[buffer(5)]]
+        SetBytes(encoder, params, 6);  // constant tfm_batch_norm_act_params& p [[buffer(6)]]
       },
       [&](id<MTLComputeCommandEncoder> encoder) {
         [encoder setBuffer:xs.buffer offset:xs.offset atIndex:0];  // device const T* x [[buffer(0)]]
@@ -272,8 +357,8 @@ void BatchNormActGradCompute(const BatchNormActKernel& k, TF_OpKernelContext* ct
   // With rows == 0, dy, x and side are empty: dgamma (C > 0 here) is their placeholder in the
   // sums pass (the elementwise pass is not encoded then).
   const MetalSlice dy_or = Or(dys, dgs), x_or = Or(xs, dgs), side_or = Or(ss, dgs);
-  EncodeTwoPasses(
-      ctx, sums_name, dx_name, params.rows, params.channels, status,
+  EncodePasses(
+      ctx, sums_name, nullptr, dx_name, params.rows, params.channels, status,
       [&](id<MTLComputeCommandEncoder> encoder) {
         [encoder setBuffer:dy_or.buffer offset:dy_or.offset atIndex:0];      // device const T* dy [[buffer(0)]]
         [encoder setBuffer:x_or.buffer offset:x_or.offset atIndex:1];        // device const T* x [[buffer(1)]]
@@ -286,6 +371,7 @@ void BatchNormActGradCompute(const BatchNormActKernel& k, TF_OpKernelContext* ct
         [encoder setBuffer:dbs.buffer offset:dbs.offset atIndex:8];  // device float* dbeta [[buffer(8)]]
         SetBytes(encoder, params, 9);  // constant tfm_batch_norm_act_params& p [[buffer(9)]]
       },
+      [](id<MTLComputeCommandEncoder>) {},  // no moving statistics backward
       [&](id<MTLComputeCommandEncoder> encoder) {
         [encoder setBuffer:dys.buffer offset:dys.offset atIndex:0];  // device const T* dy [[buffer(0)]]
         [encoder setBuffer:xs.buffer offset:xs.offset atIndex:1];    // device const T* x [[buffer(1)]]
@@ -303,8 +389,8 @@ void BatchNormActGradCompute(const BatchNormActKernel& k, TF_OpKernelContext* ct
 }
 
 const KernelRegistrar registrar([] {
-  RegisterFloatKernels<BatchNormActKernel, &BatchNormActCompute>("TfmetalExt>BatchNormAct", &Create);
-  RegisterFloatKernels<BatchNormActKernel, &BatchNormActGradCompute>("TfmetalExt>BatchNormActGrad", &Create);
+  RegisterFloatKernels<BatchNormActKernel, &BatchNormActCompute>("TfmetalExt>BatchNormAct", &CreateForward);
+  RegisterFloatKernels<BatchNormActKernel, &BatchNormActGradCompute>("TfmetalExt>BatchNormActGrad", &CreateGrad);
 });
 
 }  // namespace
