@@ -145,3 +145,25 @@ def _fresh_keras_session(request):
         keras.backend.clear_session(free_memory=False)
         gc.collect()
         gc.freeze()
+
+
+@pytest.fixture
+def table_row(monkeypatch):
+    """``table_row(pattern, row)``: every backend table gets `row` for `pattern` for the test.
+
+    For the layers whose form a table row chooses (``custom_batch_norm_act``, ``custom_dropout``):
+    a CPU row is one machine's measurement, so the tests install the row they test rather than
+    take this machine's.
+    """
+
+    import dataclasses
+    import types
+
+    from tfmetal_ext.backends import registry
+
+    def install(pattern, row):
+        tables = {key: dataclasses.replace(t, fusions=types.MappingProxyType({**t.fusions, pattern: row}))
+                  for key, t in registry.TABLES.items()}
+        monkeypatch.setattr(registry, "TABLES", types.MappingProxyType(tables))
+
+    return install

@@ -2,11 +2,21 @@
 
 import keras
 import numpy as np
+import pytest
 
 import tfmetal_ext
+from tfmetal_ext.backends._table import Fusion
 from tfmetal_ext import layers as fl
 
 L = keras.layers
+
+
+@pytest.fixture(autouse=True)
+def op_row(request, table_row):
+    """Every table uses the op, so these tests convert (the CPU tables keep Keras' Dropout: tested
+    apart, `test_cpu_tables_keep_dropout`)."""
+    if "cpu_tables" not in request.node.name:
+        table_row("custom_dropout", Fusion("test: used", dtypes=("float32", "float16", "bfloat16")))
 
 
 def _x(shape, seed=0, batch=4):
@@ -65,3 +75,17 @@ def test_a_subclassed_layers_dropout_is_swapped_with_its_seed_state():
     new = tfmetal_ext.convert(stock, count_ops=False)
     assert type(new.get_layer("block").dropout) is fl.FusedDropout
     np.testing.assert_array_equal(np.asarray(new(x, training=True)), np.asarray(stock(x, training=True)))
+
+
+def test_cpu_tables_keep_dropout():
+    """Where the backend table does not use the op (both CPU tables: Keras' dropout measured faster),
+    convert() keeps Dropout and says why."""
+    from tfmetal_ext import backends
+
+    if not backends.current().key.startswith("cpu"):
+        pytest.skip(f"this process's backend is {backends.current().key}, not a CPU table")
+    stock = _model(L.Dropout(0.3, seed=7, name="drop"))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    assert type(new.get_layer("drop")) is L.Dropout
+    kept = [k for k in new.conversion_report.kept if "drop" in str(k)]
+    assert kept and "slower than Keras' Dropout" in str(kept[0]), new.conversion_report.kept

@@ -12,3 +12,4 @@ def fused_batch_norm_v3_form():
     """
     with _env.scope(avoided=frozenset(_env.current().avoided) | {"batch_norm_act"}):
         yield
+

@@ -9,9 +9,6 @@ holding the same weights: outputs, gradients, moving statistics. The reference i
 Conv2D + BatchNormalization + Activation (+ Add), an independent implementation.
 """
 
-import dataclasses
-import types
-
 import keras
 
 import tfmetal_ext
@@ -32,20 +29,14 @@ NEEDS_KERNEL = pytest.mark.skipif(
 )
 
 
-def _with_row(monkeypatch, row):
-    tables = {key: dataclasses.replace(t, fusions=types.MappingProxyType({**t.fusions, ROW: row}))
-              for key, t in registry.TABLES.items()}
-    monkeypatch.setattr(registry, "TABLES", types.MappingProxyType(tables))
+@pytest.fixture
+def fused_row(table_row):
+    table_row(ROW, Fusion("test: used", dtypes=("float32", "float16", "bfloat16")))
 
 
 @pytest.fixture
-def fused_row(monkeypatch):
-    _with_row(monkeypatch, Fusion("test: used", dtypes=("float32", "float16", "bfloat16")))
-
-
-@pytest.fixture
-def unfused_row(monkeypatch):
-    _with_row(monkeypatch, never("test: not used", why_not="measured slower in this test's table"))
+def unfused_row(table_row):
+    table_row(ROW, never("test: not used", why_not="measured slower in this test's table"))
 
 
 def _ops_of(fn, *args):
@@ -279,13 +270,13 @@ def _stock_bn_act(layer, activation, shape):
 @pytest.mark.parametrize("form", ["op", "fused_batch_norm_v3"])
 @pytest.mark.parametrize("activation, shape", [("relu", (6, 5, 5, 4)), ("gelu", (6, 7, 4)), ("silu", (9, 4)),
                                                ("leaky_relu", (3, 4, 4, 4))])
-def test_fused_batch_norm_with_activation_trains_as_keras(monkeypatch, form, activation, shape):
+def test_fused_batch_norm_with_activation_trains_as_keras(monkeypatch, table_row, form, activation, shape):
     if form == "op":
         if not uses_kernel():
             pytest.skip("the op library is not loaded here (no C++ compiler)")
-        _with_row(monkeypatch, Fusion("test: used", dtypes=("float32",)))
+        table_row(ROW, Fusion("test: used", dtypes=("float32",)))
     else:
-        _with_row(monkeypatch, never("test: not used", why_not="measured slower in this test's table"))
+        table_row(ROW, never("test: not used", why_not="measured slower in this test's table"))
     from tfmetal_ext.layers import FusedBatchNorm
 
     layer = FusedBatchNorm(momentum=0.8, activation=activation)

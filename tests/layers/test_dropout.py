@@ -13,12 +13,21 @@ import tensorflow as tf
 
 import tfmetal_ext
 from tfmetal_ext import inspect
-from tfmetal_ext.backends import fusion
+from tfmetal_ext.backends import fusion, registry
+from tfmetal_ext.backends._table import Fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import FusedDropout
 from tfmetal_ext.testing import run_layer_test
 
 L = keras.layers
+
+
+@pytest.fixture(autouse=True)
+def op_row(request, table_row):
+    """Every table uses the op (the CPU tables do not: tested apart, `test_cpu_tables_keep_keras_dropout`),
+    so the tests here run the op's CPU kernel against Keras' Dropout."""
+    if "cpu_tables" not in request.node.name:
+        table_row("custom_dropout", Fusion("test: used", dtypes=("float32", "float16", "bfloat16")))
 
 
 def bits(a):
@@ -264,3 +273,30 @@ def test_fit_matches_stock():
     assert histories[0][0] == histories[1][0]
     for a, b in zip(histories[0][1], histories[1][1]):
         np.testing.assert_array_equal(a, b)
+
+
+def test_cpu_tables_keep_keras_dropout():
+    """Both CPU tables say the op measured slower than Keras' dropout there: on a CPU the layer runs
+    Keras' call (its graph: the stock random ops, no TfmetalExt>Dropout) with the same numbers, and
+    says why; both Metal tables use the op."""
+    from tfmetal_ext import backends
+    from tfmetal_ext.layers.dropout import table_reason
+
+    for key in ("cpu_onednn", "cpu"):
+        assert not registry.TABLES[key].fusion("custom_dropout").fuses
+        assert "slower than Keras' Dropout" in table_reason("float32", registry.TABLES[key])
+    for key in ("metal", "metal_plugin"):
+        assert table_reason("float32", registry.TABLES[key]) is None
+    if backends.current().key not in ("cpu_onednn", "cpu"):
+        pytest.skip(f"this process's backend is {backends.current().key}, not a CPU table")
+    stock, ours = pair(0.5)
+    assert "slower than Keras' Dropout" in ours.unfused_reason
+    x = tf.constant(np.random.default_rng(3).normal(size=(4, 32)), tf.float32)
+    dy = tf.constant(np.random.default_rng(4).normal(size=(4, 32)), tf.float32)
+    y_ref, dx_ref = outputs_and_input_grads(stock, x, dy)
+    y, dx = outputs_and_input_grads(ours, x, dy)
+    np.testing.assert_array_equal(bits(y), bits(y_ref))
+    np.testing.assert_array_equal(bits(dx), bits(dx_ref))
+    counts = inspect.report_from_capture(
+        inspect.capture_function(lambda t: ours(t, training=True), x)).ops_by_type
+    assert fusion.DROPOUT_OP not in counts and counts.get("StatelessRandomUniformV2") == 1

@@ -80,9 +80,20 @@ _EITHER = {
         f"tfmetal_ext custom op: one {fusion.SOFTSHRINK_OP} forward, one {fusion.SOFTSHRINK_GRAD_OP} backward",
         dtypes=_CUSTOM,
     ),
-    "custom_dropout": Fusion(
-        f"tfmetal_ext custom op: one {fusion.DROPOUT_OP} forward, one {fusion.DROPOUT_GRAD_OP} backward",
-        dtypes=_CUSTOM,
+    # Measured (train step x -> Dropout(0.5) -> sum(y^2) -> dx, float32, paired rounds, 2-core AMD EPYC
+    # AVX-512, TF 2.21, oneDNN on / off): the op's CPU kernel draws the Philox mask twice (forward and
+    # backward, one scalar Philox block per 4 elements) where Keras' stateless dropout draws it once and
+    # keeps a boolean mask: ours / stock time 1.5-2.6x slower at (64, 1600), (64, 128, 256),
+    # (32, 197, 192) and (8, 64, 64, 32); the keras.io MNIST convnet's step 0.94x stock with it, 1.0x
+    # without. So FusedDropout runs Keras' own call on CPUs; the op is for Metal, where the stock random
+    # ops have no kernels.
+    "custom_dropout": never(
+        f"tfmetal_ext custom op {fusion.DROPOUT_OP}: not used on CPUs (Keras' stateless dropout is faster)",
+        why_not=(
+            f"measured slower than Keras' Dropout on a CPU ({fusion.DROPOUT_OP} regenerates the Philox mask "
+            "in the backward pass: 1.5-2.6x the stock train step's dropout time, oneDNN on and off); "
+            "FusedDropout runs Keras' call"
+        ),
     ),
     "custom_attention": Fusion(
         f"tfmetal_ext custom op: one {fusion.ATTENTION_OP} forward, one {fusion.ATTENTION_GRAD_OP} backward",

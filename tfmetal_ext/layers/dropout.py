@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
+from tfmetal_ext.backends._table import TRAIN
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
 from tfmetal_ext.ops._common import FLOAT_DTYPES
@@ -82,7 +83,7 @@ class FusedDropout(_STOCK):
                     f"dropout op draws one mask element per input element; the stock call runs")
         if dtype is not None and tf.as_dtype(dtype) not in FLOAT_DTYPES:
             return f"{tf.as_dtype(dtype).name} input: the dropout op takes float32, float16 or bfloat16"
-        return None
+        return table_reason(tf.as_dtype(dtype or self.compute_dtype).name)
 
     def call(self, inputs, training=False):
         if not (training and self.rate > 0):
@@ -91,6 +92,24 @@ class FusedDropout(_STOCK):
         if self._reason(x.dtype) is not None:
             return _STOCK.call(self, inputs, training=training)
         return _ops.dropout(x, self.rate, seed=self.seed_generator)
+
+
+def table_reason(dtype, table=None):
+    """Why this backend's table keeps Keras' dropout for a `dtype` training call, or None.
+
+    The ``custom_dropout`` row of the backend table (`tfmetal_ext.backends`)
+    says where the op was measured worth it: on both Metal backends (the
+    stock random ops have no kernel there); not on CPUs, where Keras'
+    stateless dropout measured faster. Then the layer runs Keras' call, the
+    same numbers.
+    """
+    from tfmetal_ext import backends
+
+    table = backends.current() if table is None else table
+    row = table.fusion("custom_dropout")
+    if dtype in row.dtypes_in(TRAIN):
+        return None
+    return f"{table.label}: {row.why_not or row.summary}"
 
 
 # ----------------------------------------------------------------------------
@@ -109,7 +128,9 @@ def _fused_dropout_rule(layer, ctx):
     if why is not None:
         return Expectation("custom_dropout", None, None, None, reason=why)
     f = catalog.fusion_for(ctx, "custom_dropout")
-    if ctx.xla or not f.fuses or not _ops.uses_kernel():
+    if not f.fuses:
+        return Expectation("custom_dropout", None, None, None, reason=f"{catalog.where(ctx)}: {f.why_not or f.summary}")
+    if ctx.xla or not _ops.uses_kernel():
         return Expectation("custom_dropout", None, None, None, reason=REASON_DROPOUT_REFERENCE)
     if layer.compute_dtype not in f.dtypes_in(ctx.mode):
         return Expectation("custom_dropout", None, None, None,
