@@ -5,18 +5,10 @@ import numpy as np
 import pytest
 
 import tfmetal_ext
-from tfmetal_ext.backends._table import Fusion
 from tfmetal_ext import layers as fl
 
 L = keras.layers
 
-
-@pytest.fixture(autouse=True)
-def op_row(request, table_row):
-    """Every table uses the op, so these tests convert (the CPU tables keep Keras' Dropout: tested
-    apart, `test_cpu_tables_keep_dropout`)."""
-    if "cpu_tables" not in request.node.name:
-        table_row("custom_dropout", Fusion("test: used", dtypes=("float32", "float16", "bfloat16")))
 
 
 def _x(shape, seed=0, batch=4):
@@ -77,15 +69,21 @@ def test_a_subclassed_layers_dropout_is_swapped_with_its_seed_state():
     np.testing.assert_array_equal(np.asarray(new(x, training=True)), np.asarray(stock(x, training=True)))
 
 
-def test_cpu_tables_keep_dropout():
-    """Where the backend table does not use the op (both CPU tables: Keras' dropout measured faster),
-    convert() keeps Dropout and says why."""
-    from tfmetal_ext import backends
+def test_converted_on_a_cpu_the_layer_runs_kerass_call_there():
+    """Both CPU tables keep Keras' dropout (it measured faster than the op there). convert() still
+    makes FusedDropout (the model may run on a Mac, whose table uses the op); on a CPU the layer runs
+    Keras' call, the stock model's numbers, and says why."""
+    from tfmetal_ext import backends, inspect
+    from tfmetal_ext.backends import fusion
 
     if not backends.current().key.startswith("cpu"):
         pytest.skip(f"this process's backend is {backends.current().key}, not a CPU table")
     stock = _model(L.Dropout(0.3, seed=7, name="drop"))
     new = tfmetal_ext.convert(stock, count_ops=False)
-    assert type(new.get_layer("drop")) is L.Dropout
-    kept = [k for k in new.conversion_report.kept if "drop" in str(k)]
-    assert kept and "slower than Keras' Dropout" in str(kept[0]), new.conversion_report.kept
+    drop = new.get_layer("drop")
+    assert type(drop) is fl.FusedDropout and drop.config_reason is None
+    assert "slower than Keras' Dropout" in drop.unfused_reason
+    x = _x((12,))
+    np.testing.assert_array_equal(np.asarray(new(x, training=True)), np.asarray(stock(x, training=True)))
+    counts = inspect.report_from_capture(inspect.capture_function(lambda t: new(t, training=True), x)).ops_by_type
+    assert fusion.DROPOUT_OP not in counts and counts.get("StatelessRandomUniformV2") == 1

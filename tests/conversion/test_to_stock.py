@@ -17,7 +17,6 @@ import tensorflow as tf
 
 import tfmetal_ext
 from tfmetal_ext import integrations
-from tfmetal_ext.backends._table import Fusion
 from tfmetal_ext import layers as fl
 from tfmetal_ext import optimizers as fo
 from tfmetal_ext.conversion import planners
@@ -144,10 +143,7 @@ def _feeding_conv(m, bn):
     "vision",
     pytest.param("sequence", marks=pytest.mark.full),  # recurrent layers run eagerly step by step: seconds
 ])
-def test_to_stock_of_convert_is_the_stock_model(case, table_row):
-    # Every class of the case is rewritten: Dropout too, whose custom_dropout row the CPU tables
-    # leave off (Keras' dropout measured faster there), so every table uses the op here.
-    table_row("custom_dropout", Fusion("test: used", dtypes=("float32", "float16", "bfloat16")))
+def test_to_stock_of_convert_is_the_stock_model(case):
     build, classes = ROUND_TRIPS[case]
     m = build()
     _randomize(m)

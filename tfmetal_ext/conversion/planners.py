@@ -670,8 +670,10 @@ def _rms_norm(ctx, node):
 def _dropout(ctx, node):
     """Dropout as FusedDropout (same arguments), its seed generator's state carried over: the same masks.
 
-    Kept, with the fused layer's own `unfused_reason`, where it would run the
-    exact stock call anyway (rate 1, a noise_shape that fixes a dimension).
+    Kept, with the fused layer's own `config_reason`, where it would run the
+    exact stock call on every backend (rate 1, a noise_shape that fixes a
+    dimension). Where only this backend's table keeps Keras' call (CPUs), it is
+    converted: the layer then runs Keras' call here and the op on a Mac.
     """
     if "Dropout" not in STOCK_TO_FUSED:  # no fusion-first class yet: the default (kept)
         return None
@@ -680,7 +682,7 @@ def _dropout(ctx, node):
     reason = configs.unsupported(layer, cls, configs.DROPOUT_KEYS)
     if reason:
         return keep(node, reason)
-    why = _probe_reason(cls, layer, configs.DROPOUT_KEYS)
+    why = configs.make_layer(cls, layer, configs.DROPOUT_KEYS).config_reason  # weightless: no build needed
     if why:
         return keep(node, f"{cls.__name__} would run the stock computation: {why}")
     calls = ctx.calls(layer)

@@ -71,7 +71,19 @@ class FusedDropout(_STOCK):
     def unfused_reason(self):
         """Why a training call runs Keras' own Dropout computation instead of the op, or None.
 
-        From the configuration; a call with a non-float input runs it too.
+        From the configuration (`config_reason`), then this backend's table
+        (`table_reason`: CPUs keep Keras' call); a call with a non-float input
+        runs it too.
+        """
+        return self.config_reason or table_reason(self.compute_dtype)
+
+    @property
+    def config_reason(self):
+        """Why Keras' call runs on every backend, from the configuration alone, or None.
+
+        `convert()` keeps a Dropout for such a reason only: the backend a
+        converted model runs on chooses the rest (a model converted on a CPU
+        uses the op on a Mac).
         """
         return self._reason(None)
 
@@ -83,13 +95,13 @@ class FusedDropout(_STOCK):
                     f"dropout op draws one mask element per input element; the stock call runs")
         if dtype is not None and tf.as_dtype(dtype) not in FLOAT_DTYPES:
             return f"{tf.as_dtype(dtype).name} input: the dropout op takes float32, float16 or bfloat16"
-        return table_reason(tf.as_dtype(dtype or self.compute_dtype).name)
+        return None
 
     def call(self, inputs, training=False):
         if not (training and self.rate > 0):
             return inputs
         x = tf.convert_to_tensor(inputs)
-        if self._reason(x.dtype) is not None:
+        if self._reason(x.dtype) is not None or table_reason(x.dtype.name) is not None:
             return _STOCK.call(self, inputs, training=training)
         return _ops.dropout(x, self.rate, seed=self.seed_generator)
 
@@ -124,7 +136,7 @@ REASON_DROPOUT_REFERENCE = (
 def _fused_dropout_rule(layer, ctx):
     if ctx.mode != "train" or layer.rate == 0:
         return None  # outside training (or at rate 0) the layer is the identity: nothing to expect
-    why = layer._reason(layer.compute_dtype)
+    why = layer._reason(layer.compute_dtype)  # the table's reason: below, for the backend of ctx
     if why is not None:
         return Expectation("custom_dropout", None, None, None, reason=why)
     f = catalog.fusion_for(ctx, "custom_dropout")
