@@ -89,6 +89,7 @@ def _collected(result):
     return [line.strip() for line in result.stdout.splitlines() if "::" in line]
 
 
+@pytest.mark.full  # a sample suite in a subprocess (~11 s); the quick tier keeps the tier-selection and budget tests of this file
 def test_quick_tier_keeps_a_covering_sample(tmp_path):
     suite = _suite(tmp_path, _PARAMETRIZED)
     quick = _collected(_run(suite, "--collect-only", "-q"))
@@ -129,6 +130,7 @@ _SLEEPY = """
 """
 
 
+@pytest.mark.full  # a sample suite in a subprocess (~7 s); the quick tier keeps test_the_verdict_and_the_report_use_one_scale (the same budget plugin)
 def test_a_slow_quick_test_fails_the_run_where_it_is_written(tmp_path):
     suite = _suite(tmp_path, _SLEEPY)
     # A reference loop time far above this machine's: the scale clamps to its lowest, cap 0.15 s.
@@ -145,7 +147,7 @@ def test_a_slow_quick_test_fails_the_run_where_it_is_written(tmp_path):
     assert _run(suite, "-q", QUICK_TEST_CAP_SECONDS="0.3", TFMETAL_EXT_NO_BUDGET="1").returncode == 0
 
 
-@pytest.mark.full  # runs the sample suite three times; the per-test cap test above exercises the same budget plugin
+@pytest.mark.full  # runs the sample suite three times; test_the_verdict_and_the_report_use_one_scale exercises the same budget plugin in the quick tier
 def test_the_total_is_checked_on_a_whole_run_only(tmp_path):
     suite = _suite(tmp_path, _SLEEPY)
     # Scale clamped to its lowest (0.5): a budget of 0.2 s against 0.65 s of sleeping, on any machine.

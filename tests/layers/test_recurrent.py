@@ -314,7 +314,8 @@ def test_bidirectional_matches_keras():
         np.testing.assert_allclose(ours(x, mask=mask), stock(x, mask=mask), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+# XLA in the full tier (~5 s): the quick tier keeps the graph case and the XLA fallback tests.
+@pytest.mark.parametrize("jit_compile", [False, pytest.param(True, marks=pytest.mark.full)], ids=["graph", "xla"])
 def test_fit_matches_keras(jit_compile):
     """A few SGD steps of model.fit leave the same weights as with the stock layer (also under XLA,
     where the LSTM cell gradient is the composite: XLA has no LSTMBlockCellGrad)."""
@@ -479,6 +480,7 @@ def _train_graph(layer, shape, mask=None):
     return _graph_ops(step.get_concrete_function(tf.TensorSpec(shape, tf.float32)))
 
 
+@pytest.mark.full  # the CUDA graph built for inspection (~6 s); the quick tier keeps test_cudnn_path_matches_keras
 def test_gpu_graph_uses_cudnn(force_backend):
     for backend in ("metal", "cuda"):
         force_backend(backend)

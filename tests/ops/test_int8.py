@@ -432,6 +432,7 @@ def test_avoid_fusions_and_the_reference_switch_run_the_reference(monkeypatch):
         int8_ops.uses_kernel("dense")
 
 
+@pytest.mark.full  # the portable loops in numpy (~6 s); the quick tier keeps the kernels against numpy
 def test_portable_loops_match_numpy():
     # TFMETAL_EXT_CPU_BASELINE=1: the loops arm64 runs (here without AVX2), in a fresh process.
     script = textwrap.dedent(

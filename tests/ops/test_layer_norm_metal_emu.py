@@ -232,6 +232,7 @@ def test_threadgroup_sizes_the_host_can_pick(lib, cpu, dtype, threads):
     np.testing.assert_allclose(dx.astype(np.float64), cpu_dx.astype(np.float64), rtol=0, atol=tol * scale)
 
 
+@pytest.mark.full  # the largest emulated dispatch (~8 s); the quick tier keeps the host-sized shapes below it
 def test_host_sized_largest_shape_in_one_1024_thread_dispatch(lib, cpu):
     # What the host really dispatches for (64, 4096): 1024 threads per row.
     assert row_threads(4096, 1024) == 1024

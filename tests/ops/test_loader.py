@@ -147,6 +147,7 @@ def test_no_compiler_falls_back_to_references_with_one_warning(tmp_path):
     assert result.stderr.count("custom ops unavailable") == 1
 
 
+@pytest.mark.full  # a TF import in a subprocess (~6 s); the quick tier keeps the no-compiler fallback test
 def test_reference_switch_never_loads_the_library(tmp_path):
     code = textwrap.dedent(
         """
@@ -162,6 +163,7 @@ def test_reference_switch_never_loads_the_library(tmp_path):
     assert not (tmp_path / "ops").exists()
 
 
+@pytest.mark.full  # a real failing compile (~9 s); the quick tier keeps the no-compiler fallback test
 def test_compile_error_shows_the_compiler_message(tmp_path, monkeypatch):
     copy = small_sources(tmp_path / "src")
     (copy / "cpu" / "broken_kernels.cc").write_text("this is not C++;\n")

@@ -199,6 +199,7 @@ def built_library():
     return _loader.plan()
 
 
+@pytest.mark.full  # a prebuilt cache loaded by another process (~8 s); the quick tier keeps the refusal checks
 @needs_root
 def test_read_only_prebuilt_cache_loads(built_library, tmp_path):
     """A site-wide prebuilt cache: root-owned, not writable by the loading

@@ -191,6 +191,7 @@ def test_output_may_alias_the_input(lib, dtype):
     assert_same_bits(inplace, want_dx)
 
 
+@pytest.mark.full  # 2^30-element chunking emulated (~6 s); multi_tensor_adam's emulator file keeps the same check in the quick tier
 def test_chunks_at_buffer_offsets_cover_every_element_once(lib):
     # The host splits tensors of more than 2^30 elements into dispatches bound
     # at buffer offsets; the kernel indexes from its buffer's start. Same
