@@ -391,9 +391,62 @@ def bench_multi_tensor_adam(ctx):
 
 
 # ----------------------------------------------------------------------------
+# Dropout in training: the op (TfmetalExt>Dropout + DropoutGrad) against Keras' Dropout (the CPU
+# tables' custom_dropout row quotes these figures).
+
+DROPOUT_SHAPES = ((64, 1600), (64, 128, 256), (32, 197, 192), (8, 64, 64, 32))
+
+
+def bench_dropout(ctx):
+    from tfmetal_ext.ops.dropout import dropout as op
+
+    rows = []
+    for shape in DROPOUT_SHAPES:
+        x = tf.constant(np.random.default_rng(5).normal(size=shape).astype("float32"))
+        stock_layer = keras.layers.Dropout(0.5, seed=1)
+        ours_layer = keras.layers.Dropout(0.5, seed=1)  # the same seed state: the op draws Keras' mask
+
+        def make(fn):
+            @tf.function(autograph=False)
+            def step(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = fn(x)
+                    loss = tf.reduce_sum(y * y)
+                return tape.gradient(loss, x)
+
+            return step
+
+        stock = make(lambda t: stock_layer(t, training=True))
+        ours = make(lambda t: op(t, 0.5, seed=ours_layer.seed_generator))
+        np.testing.assert_array_equal(ours(x).numpy(), stock(x).numpy())  # the same mask, bit for bit
+        times = paired_rounds({"stock": lambda: stock(x).numpy(), "ours": lambda: ours(x).numpy()},
+                              rounds=max(ctx.rounds, 5), repeats=ctx.repeats)
+        row = {
+            "section": "dropout",
+            "case": f"float32 {'x'.join(map(str, shape))} rate 0.5",
+            "stock_ms": round(statistics.median(times["stock"]), 3),
+            "ours_ms": round(statistics.median(times["ours"]), 3),
+            "speedup": round(ratio(times, "stock", "ours"), 2),
+            "stock_ops": _num_ops(stock, x),
+            "ours_ops": _num_ops(ours, x),
+        }
+        print(row, flush=True)
+        rows.append(row)
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset: TF's default)")
+    return rows, [
+        "dropout: one step = dx of sum(dropout(x)^2) in one tf.function; stock = keras.layers.Dropout(0.5) "
+        f"(stateless dropout, the mask kept for the backward), ours = {fusion.DROPOUT_OP} + "
+        f"{fusion.DROPOUT_GRAD_OP} (the mask drawn again); TF_ENABLE_ONEDNN_OPTS={onednn}. speedup = median "
+        "over paired rounds of stock / ours (< 1: the op is slower)."
+    ]
+
+
+# ----------------------------------------------------------------------------
 
 SECTIONS = {"copy": bench_copy, "layer_norm": bench_layer_norm, "softshrink": bench_softshrink,
-            "batch_norm_act": bench_batch_norm_act, "multi_tensor_adam": bench_multi_tensor_adam}
+            "batch_norm_act": bench_batch_norm_act, "multi_tensor_adam": bench_multi_tensor_adam,
+            "dropout": bench_dropout}
 
 
 def main(argv=None):
