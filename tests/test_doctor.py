@@ -559,6 +559,7 @@ def _run_cli(*args):
     )
 
 
+@pytest.mark.full  # the CLI in a subprocess (~6 s); the quick tier keeps the in-process CLI tests below
 def test_cli_doctor_text_exits_0():
     proc = _run_cli()
     assert proc.returncode == 0, proc.stderr

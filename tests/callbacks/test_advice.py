@@ -58,6 +58,7 @@ def test_no_advice_for_a_layer_convert_keeps():
     assert ("-> use" in line) == replaced, cb.summary
 
 
+@pytest.mark.full  # a model fitted for the advice (~4 s); the quick tier keeps the other advice rules of this file
 def test_sigmoid_head_with_crossentropy_is_not_a_strict_problem():
     # The bidirectional-LSTM classifier's head: Dense(1, sigmoid) trained with binary crossentropy.
     inp = keras.Input((None,), dtype="int32")

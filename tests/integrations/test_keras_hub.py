@@ -306,6 +306,7 @@ def _ids(vocab=1000, b=2, t=16):
     return {"token_ids": rng.integers(1, vocab, (b, t)).astype("int32"), "padding_mask": pm}
 
 
+@pytest.mark.full  # a two-layer Llama converted and verified (~6 s); the quick tier keeps tests/conversion/test_convert_hub.py's GPT-2 CausalLM conversion
 def test_llama_backbone_converts_and_verifies():
     keras.utils.set_random_seed(1)
     bb = keras_hub.models.LlamaBackbone(vocabulary_size=1000, num_layers=2, num_query_heads=4,

@@ -180,6 +180,7 @@ def test_cache_planted_by_another_user_is_refused(shared_dir, built_once, evil, 
         emu.clear_loaded()
 
 
+@pytest.mark.full  # two emulator builds racing in subprocesses (~3 s); the quick tier keeps the private-cache test
 def test_two_processes_build_once(tmp_path):
     """The file lock: two processes building the same new kernel at once compile it (and the
     runtime) once between them, both get the same library, neither imports TensorFlow."""

@@ -118,6 +118,7 @@ def test_loss_scale_optimizer_matches_keras():
     assert_bitwise_equal(got.get_weights(), want.get_weights())
 
 
+@pytest.mark.full  # an XLA-compiled step (~4 s); the quick tier keeps test_optimizers.py's XLA fallback tests
 def test_xla_step_uses_keras_math_and_matches(caplog):
     with caplog.at_level("INFO", logger="tfmetal_ext"):
         got, _ = compare({}, "auto", steps=20, jit_compile=True)

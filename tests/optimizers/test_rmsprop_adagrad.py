@@ -660,6 +660,7 @@ def test_multi_tensor_default_trains_like_keras_in_fit():
     assert not [b for b in got.optimizer._scratch.buffers if b is not None]
 
 
+@pytest.mark.full  # an XLA-compiled step (~4 s); the quick tier keeps test_multi_tensor_auto.py's XLA fallback with one info line
 def test_xla_step_falls_back_with_one_info_line(caplog):
     with caplog.at_level("INFO", logger="tfmetal_ext"):
         got, _ = assert_same_training(keras.optimizers.RMSprop(0.01), FusedRMSprop(0.01), steps=10, jit_compile=True)
