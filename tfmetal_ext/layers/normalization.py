@@ -45,7 +45,8 @@ from tfmetal_ext.inspect import catalog
 from tfmetal_ext.inspect.catalog import Expectation, register_rule
 from tfmetal_ext.layers import _ops
 from tfmetal_ext.layers._ops import MIN_FUSED_EPSILON, batch_norm
-from tfmetal_ext.ops._common import check_float32_representable
+from tfmetal_ext.ops._common import all_finite, check_float32_representable
+from tfmetal_ext.ops.batch_norm_act import activation_name
 from tfmetal_ext.ops.layer_norm import LAYER_NORM_OP, layer_norm, uses_kernel
 
 
@@ -101,20 +102,16 @@ def assign_finite_moving_statistics(variables, values, old_values=None):
     and the `ConvBNAct` layers assign their moving statistics through it
     (``TfmetalExt>BatchNormAct`` guards its own update, by the same rule).
     """
-    from tfmetal_ext.ops import _common
-
     values = list(values)
     if old_values is None:
         old_values = [v.value for v in variables]
-    ok = _common.all_finite(values)  # in ops with float kernels on both Metal backends (SelectV2 too)
+    ok = all_finite(values)  # in ops with float kernels on both Metal backends (SelectV2 too)
     for variable, new, old in zip(variables, values, old_values):
         variable.assign(tf.where(ok, new, old))
 
 
 def _bn_activation(activation):
     """FusedBatchNorm's activation name (``"linear"`` for None): TfmetalExt>BatchNormAct's names, or ValueError."""
-    from tfmetal_ext.ops.batch_norm_act import activation_name
-
     return activation_name(activation)
 
 
@@ -722,8 +719,6 @@ def batch_norm_act_expectation(layer, ctx, activation, side=False):
     Decided by `tfmetal_ext.layers._ops.batch_norm_act_reason` for the
     backend table and avoided set of `ctx`, as the layer decides when traced.
     """
-    from tfmetal_ext.ops.batch_norm_act import activation_name
-
     if ctx.mode != "train" or not layer.trainable or ctx.xla:
         return None
     reason = _ops.batch_norm_act_reason(
