@@ -255,3 +255,62 @@ def test_variable_shared_by_two_layers_is_one_variable():
     assert new.get_layer("tied").table is new.get_layer("emb").embeddings
     assert new.get_layer("tied").table is not emb.embeddings
     assert len({id(v) for v in new.weights}) == len({id(v) for v in stock.weights})
+
+
+# ----------------------------------------------------------------------------
+# A Functional subclass's .keras file: its from_config rebuilds stock layers.
+
+
+class MergeNet(keras.Model):
+    """A Functional subclass whose graph has a Dense followed by an Activation layer (convert() merges them)."""
+
+    def __init__(self, units=4, **kwargs):
+        x = keras.Input((3,))
+        h = L.Activation("relu", name="act")(L.Dense(units, name="d")(x))
+        super().__init__(x, L.Dense(2, name="out")(h), **kwargs)
+        self.units = units
+
+    def get_config(self):
+        return {"units": self.units, "name": self.name}
+
+
+def test_functional_subclass_file_loads_into_the_stock_class(tmp_path):
+    """Encoder's graph-level Dense and LayerNormalization become FusedDense and FusedLayerNorm, saved
+    under the stock names: the .keras file loads through Encoder's from_config (stock layers) with the
+    same outputs, a stock Encoder's weights file loads into the converted one, and the aliased layers
+    stay the fused classes everywhere this package looks (isinstance, to_stock, quantize, serialization)."""
+    keras.utils.set_random_seed(6)
+    stock = Encoder(name="encoder")
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    assert type(new) is Encoder and isinstance(new.proj, fl.FusedDense) and isinstance(new.norm, fl.FusedLayerNorm)
+    assert [type(x).__name__ for x in new.layers] == [type(x).__name__ for x in stock.layers]
+    assert not any("does not load" in n for n in new.conversion_report.notes)
+    x = _batch(seed=2)
+    path = str(tmp_path / "encoder.keras")
+    new.save(path)
+    loaded = keras.saving.load_model(path, custom_objects={"Encoder": Encoder})
+    assert type(loaded) is Encoder and type(loaded.norm) is L.LayerNormalization
+    np.testing.assert_allclose(_np(loaded(x)), _np(stock(x)), rtol=1e-5, atol=1e-6)
+    # Weights both ways between a stock and a converted Encoder.
+    stock_w = str(tmp_path / "stock.weights.h5")
+    stock.save_weights(stock_w)
+    other = tfmetal_ext.convert(Encoder(name="encoder"), count_ops=False, verify=False)
+    other.load_weights(stock_w)
+    np.testing.assert_allclose(_np(other(x)), _np(stock(x)), rtol=1e-5, atol=1e-6)
+    # The alias is the fused class to the rest of the package.
+    back = tfmetal_ext.to_stock(new)
+    assert type(back.proj) is L.Dense and type(back.norm) is L.LayerNormalization
+    np.testing.assert_allclose(_np(back(x)), _np(stock(x)), rtol=1e-5, atol=1e-6)
+    cfg = keras.saving.serialize_keras_object(new.norm)
+    assert type(keras.saving.deserialize_keras_object(cfg)) is fl.FusedLayerNorm
+    new.proj.quantize("int8")  # FusedDense's own quantize (a subclass would raise NotImplementedError)
+    assert new.proj.quantization_mode == "int8"
+
+
+def test_functional_subclass_with_merged_layers_says_its_file_does_not_load():
+    keras.utils.set_random_seed(7)
+    stock = MergeNet(name="merge_net")
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    assert type(new) is MergeNet and isinstance(new.get_layer("d"), fl.FusedDense)
+    notes = [n for n in new.conversion_report.notes if "does not load into MergeNet" in n]
+    assert len(notes) == 1 and "Activation" in notes[0], new.conversion_report.notes

@@ -110,6 +110,11 @@ def construct(layer, label):
     )
 
 
+def is_ours(obj):
+    """True for an instance of a tfmetal_ext class (a fused drop-in, a retype or saved-name alias)."""
+    return type(obj).__module__.startswith("tfmetal_ext.")
+
+
 def _is_stock_class(cls):
     return cls.__module__.startswith("keras.")
 

@@ -137,10 +137,10 @@ def convert(model, inference=False, verify=True, *, quantize=None, count_ops=Tru
     attributes pointing at the new layers (`copying.functional_copy`); a
     weightless layer attribute outside the graph (a task's preprocessor) is
     the same object. A ``.keras`` file of such a result loads back through
-    the class's ``from_config``, i.e. rebuilt with stock layers: it loads
-    where the replaced layers are addressed by attribute (sublayers of kept
-    layers), and Keras refuses it where a graph-level layer of the subclass
-    was replaced (its weights are keyed by class name); ``save_weights`` /
+    the class's ``from_config``, i.e. rebuilt with stock layers: each
+    graph-level layer replaced one to one is saved under the stock class's
+    name (`_saved_names`), so the file loads; where graph-level layers
+    were merged, the report's notes say it will not. ``save_weights`` /
     ``load_weights`` between converted models always round-trip.
 
     Args:

@@ -25,6 +25,7 @@ import importlib
 
 import keras
 
+from tfmetal_ext import _saved_names as saved_names
 from tfmetal_ext import layers as fl
 from tfmetal_ext.backends.fusion import ACTIVATION_OPS, CONTRACTION_ACTIVATIONS, LEAKY_RELU_ALPHA, STOCK_TO_FUSED
 from tfmetal_ext.backends.fusion import BATCH_NORM_ACT_ACTIVATIONS, STOCK_KEPT
@@ -92,7 +93,9 @@ def fused_class(stock):
 
 
 def stock_class(fused):
-    """The stock Keras class that tfmetal_ext class `fused` replaces (`STOCK_TO_FUSED` read in reverse), or None."""
+    """The stock Keras class that tfmetal_ext class `fused` replaces (`STOCK_TO_FUSED` read in reverse), or None.
+    A saved-name alias (`_saved_names`) stands for its fused class."""
+    fused = saved_names.unaliased(fused)
     for row in STOCK_TO_FUSED.values():
         if fused.__name__ == row.fused and fused.__module__.startswith(row.module):
             return getattr(keras.layers, row.stock)

@@ -6,6 +6,7 @@ import inspect
 
 import keras
 
+from tfmetal_ext import _saved_names as saved_names
 from tfmetal_ext.conversion import copying, planners, provenance, weights
 from tfmetal_ext.conversion.graph import Graph, call_counts
 from tfmetal_ext.conversion.report import Kept
@@ -118,11 +119,35 @@ class Converter:
             return keras.Model(ins, outs, name=model.name, trainable=model.trainable)
         label = self.prefix.rstrip("/") or model.name
         try:
-            return copying.functional_copy(model, ins, outs, self.new_layers, label, self.pairs)
+            new = copying.functional_copy(model, ins, outs, self.new_layers, label, self.pairs)
         except copying.NotCopyable as e:
             self.report.notes.append(f"{label}: returned as a plain Functional model, not "
                                      f"{type(model).__name__}: {e}")
             return keras.Model(ins, outs, name=model.name, trainable=model.trainable)
+        self._keep_saved_names(model, new, label)
+        return new
+
+    def _keep_saved_names(self, stock, new, label):
+        """`new`'s graph-level replacements saved under their stock classes' names (`saved_names`).
+
+        `stock`'s class rebuilds stock layers when a ``.keras`` file of `new` is loaded, and Keras
+        finds a graph-level layer's weights by its class name. Each one-to-one replacement is made an
+        alias named as the layer it replaced, so the file loads into the stock class. Where the
+        graph's layers no longer match one to one (a merge: Conv2D + BatchNormalization +
+        Activation -> ConvBNAct), the file cannot load into the stock class, and a note says so."""
+        stock_names = [type(x).__name__ for x in stock.layers]
+        in_graph = {id(x) for x in new.layers}
+        for s in stock.layers:
+            n = self.new_layers.get(id(s))
+            if n is not None and id(n) in in_graph and copying.is_ours(n):
+                saved_names.saved_as(n, type(s).__name__)
+        new_names = [type(x).__name__ for x in new.layers]
+        if new_names != stock_names:
+            gone = sorted(set(stock_names) - set(new_names)) or sorted(set(new_names) - set(stock_names))
+            self.report.notes.append(
+                f"{label}: a .keras file of the result does not load into {type(stock).__name__}, which "
+                f"rebuilds its stock layers on load: its graph-level layers were merged ({', '.join(gone)}); "
+                "save_weights() / load_weights() between converted models round-trip")
 
     def convert_functional(self, fn):
         """Rebuilds functional graph `fn`; returns (new inputs struct, new outputs struct, correspondences)."""

@@ -376,13 +376,9 @@ def _fill_one(layer, new, pairs):
 # The planning `Converter` runs with.
 
 
-def _is_ours(layer):
-    return type(layer).__module__.startswith("tfmetal_ext.")
-
-
 def _retype_base(layer):
     cls = type(layer)
-    return cls.__mro__[1] if _is_ours(layer) and hasattr(cls, "fused_name") else None
+    return cls.__mro__[1] if copying.is_ours(layer) and hasattr(cls, "fused_name") else None
 
 
 def _retype_rewrite(layer, label):
@@ -401,7 +397,7 @@ class _StockPlanning:
         label = ctx.label(layer.name)
         if type(layer) in (L.Bidirectional, L.TimeDistributed):
             return _wrapper(ctx, node)
-        if not _is_ours(layer):
+        if not copying.is_ours(layer):
             return planners.keep(node, "no tfmetal_ext class: copied unchanged" + (
                 "" if copying._is_stock(layer) else " (a subclass: its tfmetal_ext sublayers swapped)"))
         expansion = expansion_of(layer)
@@ -423,7 +419,7 @@ class _StockPlanning:
 
     @staticmethod
     def plan_sublayer(layer, path, inference, calls=None):
-        if isinstance(layer, keras.Model) or not isinstance(layer, keras.layers.Layer) or not _is_ours(layer):
+        if isinstance(layer, keras.Model) or not isinstance(layer, keras.layers.Layer) or not copying.is_ours(layer):
             return None, None
         base = _retype_base(layer)
         if base is not None:
@@ -452,11 +448,11 @@ def _wrapper(ctx, node):
     """Bidirectional / TimeDistributed of tfmetal_ext layers: the same wrapper of their stock classes."""
     w = node.operation
     inner = [w.forward_layer, w.backward_layer] if isinstance(w, L.Bidirectional) else [w.layer]
-    if not any(_is_ours(x) for x in inner):
+    if not any(copying.is_ours(x) for x in inner):
         return planners.keep(node, "no tfmetal_ext class: copied unchanged")
 
     def make():
-        made = [stock_layer(x) if _is_ours(x) else copying.construct(x, x.name) for x in inner]
+        made = [stock_layer(x) if copying.is_ours(x) else copying.construct(x, x.name) for x in inner]
         if isinstance(w, L.Bidirectional):
             return L.Bidirectional(made[0], merge_mode=w.merge_mode, backward_layer=made[1], **_common(w))
         return L.TimeDistributed(made[0], **_common(w))
@@ -628,7 +624,7 @@ def to_stock(model, verify=True, *, inputs=None, batch_size=2, seed=0, tolerance
         copying.transfer_state(model, new, conv.pairs, swaps, model.name)
     else:
         new = conv.convert_model(model)
-    left = sorted({type(x).__name__ for x in new._flatten_layers(include_self=True, recursive=True) if _is_ours(x)})
+    left = sorted({type(x).__name__ for x in new._flatten_layers(include_self=True, recursive=True) if copying.is_ours(x)})
     report.notes.append(STOCK_NOTE if not left else
                         f"to_stock: tfmetal_ext classes with no stock form are left ({', '.join(left)}): "
                         "the result still needs tfmetal_ext")

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 
+from tfmetal_ext import _saved_names
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 
@@ -651,7 +652,7 @@ def _layer_row(layer, path, exp, fused):
     row = LayerRow(
         layer=layer.name,
         path=path,
-        layer_class=type(layer).__name__,
+        layer_class=_saved_names.unaliased(type(layer)).__name__,  # an alias shows its fused class
         pattern=exp.pattern,
         expected_op=exp.op,
         expected_fused_ops=list(exp.fused_ops) if exp.fused_ops else None,

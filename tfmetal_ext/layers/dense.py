@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmetal_ext import _saved_names
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
@@ -306,7 +307,7 @@ class FusedDense(keras.layers.Dense):
                 match the mode (Keras' checks).
             NotImplementedError: a subclass with `type_check`.
         """
-        if type_check and type(self) is not FusedDense:
+        if type_check and _saved_names.unaliased(type(self)) is not FusedDense:
             raise self._not_implemented_error(self.quantize)
         if mode == Q.INT8 and Q.weight_only(config, axes=(0,), ndim=2):
             config = Q.weight_only_config(config)

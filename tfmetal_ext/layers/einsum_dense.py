@@ -7,6 +7,7 @@ import math
 import keras
 import tensorflow as tf
 
+from tfmetal_ext import _saved_names
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
 from tfmetal_ext.layers import _ops
@@ -198,7 +199,7 @@ class FusedEinsumDense(_STOCK):
     def quantize(self, mode=None, type_check=True, config=None):
         """Stock EinsumDense's `quantize` (every mode), which refuses subclasses of this class unless
         ``type_check=False``, as stock refuses subclasses of EinsumDense."""
-        if type_check and type(self) is not FusedEinsumDense:
+        if type_check and _saved_names.unaliased(type(self)) is not FusedEinsumDense:
             raise self._not_implemented_error(self.quantize)
         return super().quantize(mode, type_check=False, config=config)
 
