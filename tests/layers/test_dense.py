@@ -377,3 +377,78 @@ def test_sparse_input_as_keras():
     with tf.GradientTape() as tape:
         out = layer(sparse)
     assert isinstance(tape.gradient(out, layer.kernel), tf.IndexedSlices)
+
+
+# ----------------------------------------------------------------------------
+# Composite activations in training: recomputed in the backward pass, TF's gradient bit for bit.
+
+
+def _hub_gelu():
+    keras_utils = pytest.importorskip("keras_hub.src.utils.keras_utils", reason="keras-hub is not installed")
+    return keras_utils.gelu_approximate
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_approximate", "hub"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_recomputed_activation_is_tfs_gradient(activation, dtype):
+    """`_contraction.recomputed` GELU (exact, tanh, keras-hub's tanh function) against TF's own autodiff
+    of the same activation, eagerly (op by op, no graph rewrites): outputs and gradients bit for bit.
+    (Inside a tf.function grappler rewrites TF's gradient chain and the recomputed one differently, by
+    a rounding here and there: the layers' equivalence tests above compare the training call with
+    stock Keras within the policy's tolerance.)"""
+    from tfmetal_ext.layers import _contraction as C
+
+    fn = _hub_gelu() if activation == "hub" else activation
+    name = None
+    if activation != "hub":
+        fn, name = C.resolve_activation(fn, allow_gelu_approximate=True)
+    x = tf.cast(np.random.default_rng(2).standard_normal((64, 33)).astype("float32") * 3, dtype)
+    dy = tf.cast(np.random.default_rng(3).standard_normal((64, 33)).astype("float32"), dtype)
+
+    def run(training):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = C.apply_activation(x, fn, name, training)
+        return y, tape.gradient(y, x, output_gradients=dy)
+
+    assert C.recomputed_name(fn, name) in ("gelu", "gelu_approximate")
+    for a, b in zip(run(True), run(False)):
+        np.testing.assert_array_equal(np.asarray(tf.cast(a, "float32")), np.asarray(tf.cast(b, "float32")))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_approximate", "hub"])
+def test_composite_activation_recomputed_in_training(activation):
+    """In a training call FusedDense applies GELU through `recomputed`: the train step's backward pass
+    reads none of the forward GELU's inner tensors (its Tanh / Erf output feeds the forward chain only,
+    where TF's own gradient reads it: TanhGrad), so only the pre-activation is kept for it. Outside
+    training the activation is the plain one (the single-op form the remapper fuses)."""
+    act = _hub_gelu() if activation == "hub" else activation
+    layer = FusedDense(16, activation=act)
+    x = tf.constant(np.random.default_rng(1).standard_normal((2, 5, 8)).astype("float32"))
+    layer.build(x.shape)
+
+    def graph(training):
+        def run():
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                loss = tf.reduce_sum(layer(x, training=training) ** 2)
+            return tape.gradient(loss, [x] + layer.trainable_variables)
+
+        return tf.function(run).get_concrete_function().graph
+
+    trained = graph(True)
+    inner_types = ("Tanh", "Erf", "Erfc")
+    scope = next(op.name for op in trained.get_operations() if op.type == "MatMul").split("/")[0]
+    forward = [op for op in trained.get_operations() if op.type in inner_types and op.name.startswith(f"{scope}/")]
+    assert forward, [op.name for op in trained.get_operations()]
+    readers = {op.name: [(c.type, c.name) for c in op.outputs[0].consumers()] for op in forward}
+    assert all(c_name.startswith(f"{scope}/") and "Grad" not in c_type
+               for r in readers.values() for c_type, c_name in r), readers
+    assert any(op.type == "IdentityN" for op in trained.get_operations())  # the custom gradient
+    plain = graph(False)
+    assert not any(op.type == "IdentityN" for op in plain.get_operations())
+    # TF's own gradient reads the forward inner tensor (TanhGrad of the Tanh; the exact form's
+    # derivative reads the Erf(c) output's input chain): what the recomputation avoids.
+    plain_forward = [op for op in plain.get_operations() if op.type in inner_types and op.name.startswith(f"{scope}/")]
+    assert any(not c.name.startswith(f"{scope}/") or "Grad" in c.type
+               for op in plain_forward for c in op.outputs[0].consumers()) or activation == "gelu"

@@ -101,8 +101,23 @@ def activation_op(name):
 # one, defaults to the tanh approximation where keras.activations.gelu does not).
 KERAS_OPS_ACTIVATIONS = types.MappingProxyType({"tanh": "tanh", "sigmoid": "sigmoid"})
 
+# keras-hub functions its layers pass as `activation=`: "<module>.<qualname>" -> the Keras name of
+# what they compute (keras_hub/src/utils/keras_utils.py: `gelu_approximate` is
+# `keras.activations.gelu(x, approximate=True)`; GPT-2's feed-forward uses it).
+KERAS_HUB_ACTIVATION_FUNCTIONS = types.MappingProxyType(
+    {"keras_hub.src.utils.keras_utils.gelu_approximate": "gelu_approximate"}
+)
+
 # Where a known activation callable may come from (`activation_name`'s `sources`).
-KERAS, TF_FUNCTIONS, KERAS_OPS = "keras", "tf", "keras_ops"
+KERAS, TF_FUNCTIONS, KERAS_OPS, KERAS_HUB = "keras", "tf", "keras_ops", "keras_hub"
+
+# Activations that TF differentiates through several elementwise ops, each keeping a tensor of the
+# activation's size for the backward pass (the tanh GELU: x, x**3's input, the tanh, 1 + tanh; 3-4
+# [rows, units] tensors). In a training call the contraction layers apply them so that the backward
+# pass recomputes them from their input (`layers._contraction.recomputed`): one tensor is kept, and
+# the gradient is TF's own, bit for bit. Single-op activations (relu, tanh, sigmoid, ...) and silu
+# (TF's own custom gradient) already keep one tensor.
+RECOMPUTED_ACTIVATIONS = frozenset({"gelu", "gelu_approximate"})
 
 
 def activation_name(act, sources=(KERAS, TF_FUNCTIONS)):
@@ -113,7 +128,9 @@ def activation_name(act, sources=(KERAS, TF_FUNCTIONS)):
     ``KERAS``: a Keras activation itself (``keras.activations.get(its
     __name__)`` is it); ``TF_FUNCTIONS``: a TensorFlow function of
     `TF_ACTIVATION_FUNCTIONS`; ``KERAS_OPS``: a function of
-    `KERAS_OPS_ACTIVATIONS`. Any other callable (a lambda, a custom function
+    `KERAS_OPS_ACTIVATIONS`; ``KERAS_HUB``: a keras-hub function of
+    `KERAS_HUB_ACTIVATION_FUNCTIONS` (matched by module and name, so keras-hub
+    is never imported here). Any other callable (a lambda, a custom function
     or layer) is unknown.
     """
     if act is None:
@@ -140,6 +157,10 @@ def activation_name(act, sources=(KERAS, TF_FUNCTIONS)):
         for path, name in KERAS_OPS_ACTIVATIONS.items():
             if _attribute(keras.ops, path) is act:
                 return name
+    if KERAS_HUB in sources:
+        where = f"{getattr(act, '__module__', '')}.{getattr(act, '__qualname__', '')}"
+        if where in KERAS_HUB_ACTIVATION_FUNCTIONS:
+            return KERAS_HUB_ACTIVATION_FUNCTIONS[where]
     return None
 
 

@@ -64,14 +64,54 @@ def serialize_activation(fn, name):
     return keras.activations.serialize(fn)
 
 
-def apply_activation(x, fn, name):
-    """Applies an activation right after the BiasAdd, as one TF op when possible."""
+def apply_activation(x, fn, name, training=None):
+    """Applies an activation right after the BiasAdd, as one TF op when possible.
+
+    In a training call (`training` true), an activation of `fusion.RECOMPUTED_ACTIVATIONS` (by
+    `name`, or by what a known callable computes) is applied through `recomputed`, so the backward
+    pass keeps only its input."""
     if name == "linear":
         return x
+    if training and recomputed_name(fn, name) is not None:
+        return recomputed(lambda t: apply_activation(t, fn, name))(x)
     if name == GELU_APPROXIMATE:
         return gelu_approximate(x)
     emit = _SINGLE_OP_ACTIVATIONS.get(name)
     return emit(x) if emit is not None else fn(x)
+
+
+def recomputed_name(fn, name):
+    """The `fusion.RECOMPUTED_ACTIVATIONS` name of the activation (`name`, or what callable `fn`
+    computes: a Keras, TF or keras-hub function), or None when it is not one of them."""
+    if name is None:
+        name = fusion.activation_name(fn, sources=(fusion.KERAS, fusion.TF_FUNCTIONS, fusion.KERAS_HUB))
+    return name if name in fusion.RECOMPUTED_ACTIVATIONS else None
+
+
+def recomputed(fn):
+    """`fn` (an elementwise activation) as a function whose gradient recomputes it from its input.
+
+    The forward pass runs `fn` itself (the same ops, the same values). The backward pass keeps only
+    the input `x`: it runs `fn` again on `x` and takes TF's own gradient of that, so the gradient is
+    the one TF computes for `fn`, bit for bit, while the activation's intermediate tensors (several
+    of the activation's size for a composite like the tanh GELU) are freed after the forward pass.
+    The recomputation depends on the incoming gradient, so TF's graph optimizer cannot merge it
+    with the forward ops (which would keep their tensors alive again).
+    """
+
+    @tf.custom_gradient
+    def run(x):
+        def grad(dy):
+            with tf.control_dependencies([dy]):
+                again = tf.identity(x)
+            with tf.GradientTape() as tape:
+                tape.watch(again)
+                y_again = fn(again)
+            return tape.gradient(y_again, again, output_gradients=dy)
+
+        return fn(x), grad
+
+    return run
 
 
 def catalog_activation_name(name, fn):

@@ -337,7 +337,7 @@ class FusedDense(keras.layers.Dense):
                 outputs = outputs + self._lora_update(inputs)
             if self.use_bias:
                 outputs = outputs + self.bias
-            return C.apply_activation(outputs, self.activation, self._activation_name)
+            return C.apply_activation(outputs, self.activation, self._activation_name, training)
         dtype = inputs.dtype
         bias = tf.cast(self.bias, dtype) if self.use_bias else None
         act = self._activation_name
@@ -347,7 +347,7 @@ class FusedDense(keras.layers.Dense):
                 outputs = outputs + self._lora_update(inputs)
                 if bias is not None:
                     outputs = outputs + bias
-            return C.apply_activation(outputs, self.activation, act)
+            return C.apply_activation(outputs, self.activation, act, training)
         return tops.int8_matmul(inputs, self._kernel, scale, bias=bias, activation=act)
 
     def _lora_update(self, inputs):
@@ -362,7 +362,7 @@ class FusedDense(keras.layers.Dense):
             outputs = keras.ops.matmul(inputs, kernel)
             if self.use_bias:
                 outputs = outputs + self.bias
-            return C.apply_activation(outputs, self.activation, self._activation_name)
+            return C.apply_activation(outputs, self.activation, self._activation_name, training)
         rank = inputs.shape.rank
         flat = inputs
         if rank > 2:
@@ -370,7 +370,7 @@ class FusedDense(keras.layers.Dense):
         outputs = tf.matmul(flat, kernel)
         if self.use_bias:
             outputs = _ops.bias_add(outputs, self.bias, "matmul_bias_relu")
-        outputs = C.apply_activation(outputs, self.activation, self._activation_name)
+        outputs = C.apply_activation(outputs, self.activation, self._activation_name, training)
         if rank > 2:
             # Back to (batch, ..., units); the activation already ran on the 2-D
             # tensor so MatMul -> BiasAdd -> act stay adjacent for the remapper.

@@ -187,11 +187,11 @@ class FusedEinsumDense(_STOCK):
         if p.bias == BIAS_ADD:
             # MatMul -> BiasAdd -> activation adjacent (the remapper's pattern), then the reshape.
             y = _ops.bias_add(y, self._flat_bias(free), "matmul_bias_relu")
-            return self._reshape(C.apply_activation(y, fn, name), inputs, static, free)
+            return self._reshape(C.apply_activation(y, fn, name, training), inputs, static, free)
         y = self._reshape(y, inputs, static, free)
         if p.bias == BIAS_AFTER:
             y = keras.ops.add(y, self.bias)
-        return C.apply_activation(y, fn, name)
+        return C.apply_activation(y, fn, name, training)
 
     # ------------------------------------------------------------------
     # Quantization: stock's, with the weight-only int8 product as above.
