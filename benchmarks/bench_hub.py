@@ -15,7 +15,8 @@ vocabulary 1000. For each family, stock and ours measured in the same process:
    (VmHWM reset before the step; see ``bench_attention.memory_worker`` for the method).
 3. ``generate``: ``CausalLM.generate()`` with the greedy sampler (GPT-2, Llama; preprocessor=None,
    token ids in), prompt 32 tokens, 64 generated: whether the tokens equal stock's, the prefill time
-   (``generate`` to prompt + 1 token) and decode tokens/s (the rest), stock and ours.
+   (``generate`` to prompt + 1 token) and decode tokens/s (the rest), stock and ours, in paired
+   rounds (the order rotated each round); the speed-ups are medians of per-round ratios.
 
 Writes results/bench_hub.{json,md,png}. Timings are of this machine (see the environment line);
 op counts are device-independent.
@@ -51,9 +52,9 @@ GENERATE_FAMILIES = ("gpt2", "llama")
 CASES = ("train", "memory", "generate")
 BACKENDS = ("tensorflow-metal", "tensorflow-metal-plugin")
 FULL = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2, vocab=1000, batch=4, seq=512,
-            memory_seq=1024, prompt=32, new_tokens=64, rounds=5, repeats=3)
+            memory_seq=1024, prompt=32, new_tokens=64, rounds=5, repeats=3, generate_rounds=9)
 QUICK = dict(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, vocab=100, batch=2, seq=16,
-             memory_seq=32, prompt=4, new_tokens=4, rounds=2, repeats=2)
+             memory_seq=32, prompt=4, new_tokens=4, rounds=2, repeats=2, generate_rounds=2)
 
 
 def backbone(family, cfg, max_len=2048):
@@ -232,17 +233,28 @@ def run_generate(family, cfg):
         return row
     tok_s, tok_o = _generate(stock, x), _generate(ours, x)
     row["same_tokens"] = bool(np.array_equal(tok_s, tok_o))
+    fns = {}
     for name, lm in (("stock", stock), ("ours", ours)):
         _generate(lm, prefill)  # traced
         _generate(lm, x)
-        t_pre = statistics.median(_timed(lambda: _generate(lm, prefill)) for _ in range(cfg["repeats"] + 2))
-        t_all = statistics.median(_timed(lambda: _generate(lm, x)) for _ in range(cfg["repeats"] + 2))
-        row[f"{name}_prefill_ms"] = t_pre * 1e3
-        # The decode phase: the rest of the tokens (None when it is lost in the timing noise).
-        row[f"{name}_decode_tok_s"] = (cfg["new_tokens"] - 1) / (t_all - t_pre) if t_all > 1.05 * t_pre else None
-    if row["ours_decode_tok_s"] and row["stock_decode_tok_s"]:
-        row["decode_speedup"] = row["ours_decode_tok_s"] / row["stock_decode_tok_s"]
-    row["prefill_speedup"] = row["stock_prefill_ms"] / row["ours_prefill_ms"]
+        fns[f"{name}_prefill"] = (lambda m: lambda: _generate(m, prefill))(lm)
+        fns[f"{name}_all"] = (lambda m: lambda: _generate(m, x))(lm)
+    # Paired rounds (the order rotated each round): per round and model, the decode phase is the
+    # rest of the tokens, whole generate() minus prefill; speed-ups are medians of per-round ratios.
+    times = paired_rounds(fns, rounds=cfg["generate_rounds"], repeats=cfg["repeats"])
+    decode = {}
+    for name in ("stock", "ours"):
+        pre, full = times[f"{name}_prefill"], times[f"{name}_all"]
+        row[f"{name}_prefill_ms"] = statistics.median(pre)
+        # None when the decode phase is lost in the timing noise (generate() barely longer than prefill).
+        decode[name] = [a - b for a, b in zip(full, pre)] if statistics.median(full) > 1.05 * statistics.median(pre) \
+            else None
+        row[f"{name}_decode_tok_s"] = ((cfg["new_tokens"] - 1) / (statistics.median(decode[name]) / 1e3)
+                                       if decode[name] else None)
+    if decode["stock"] and decode["ours"]:
+        row["decode_speedup"] = statistics.median(a / b for a, b in zip(decode["stock"], decode["ours"]))
+    row["prefill_speedup"] = ratio(times, "stock_prefill", "ours_prefill")
+    row["generate_rounds"] = cfg["generate_rounds"]
     return row
 
 
