@@ -374,8 +374,7 @@ class FusedDense(keras.layers.Dense):
         if rank > 2:
             # Back to (batch, ..., units); the activation already ran on the 2-D
             # tensor so MatMul -> BiasAdd -> act stay adjacent for the remapper.
-            out_shape = tf.concat([tf.shape(inputs)[:-1], [self.units]], axis=0)
-            outputs = tf.reshape(outputs, out_shape)
+            outputs = tf.reshape(outputs, _leading_shape(inputs, self.units))
             outputs.set_shape(inputs.shape[:-1].concatenate([self.units]))
         return outputs
 
@@ -425,3 +424,15 @@ def _rule(layer, ctx):
 
 
 catalog.register_rule(FusedDense, _rule)
+
+
+def _leading_shape(x, units):
+    """The shape ``x.shape[:-1] + [units]`` as a reshape takes it: a constant where at most one leading
+    dimension is unknown statically (it becomes -1), else computed from ``tf.shape(x)``. A constant
+    adds no op to the graph (a decode loop runs each op once per token). A static 0 leaves -1
+    undetermined for an empty tensor: then the shape is computed too."""
+    lead = x.shape[:-1].as_list()
+    if sum(d is None for d in lead) <= 1 and 0 not in lead:
+        return [-1 if d is None else d for d in lead] + [units]
+    return tf.concat([tf.shape(x)[:-1], [units]], axis=0)
+
