@@ -52,9 +52,9 @@ GENERATE_FAMILIES = ("gpt2", "llama")
 CASES = ("train", "memory", "generate")
 BACKENDS = ("tensorflow-metal", "tensorflow-metal-plugin")
 FULL = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, layers=2, vocab=1000, batch=4, seq=512,
-            memory_seq=1024, prompt=32, new_tokens=64, rounds=5, repeats=3, generate_rounds=9)
+            memory_seq=1024, prompt=32, new_tokens=64, rounds=5, repeats=3, generate_rounds=11, generate_repeats=5)
 QUICK = dict(hidden=32, intermediate=64, heads=2, kv_heads=1, layers=1, vocab=100, batch=2, seq=16,
-             memory_seq=32, prompt=4, new_tokens=4, rounds=2, repeats=2, generate_rounds=2)
+             memory_seq=32, prompt=4, new_tokens=4, rounds=2, repeats=2, generate_rounds=2, generate_repeats=2)
 
 
 def backbone(family, cfg, max_len=2048):
@@ -241,7 +241,7 @@ def run_generate(family, cfg):
         fns[f"{name}_all"] = (lambda m: lambda: _generate(m, x))(lm)
     # Paired rounds (the order rotated each round): per round and model, the decode phase is the
     # rest of the tokens, whole generate() minus prefill; speed-ups are medians of per-round ratios.
-    times = paired_rounds(fns, rounds=cfg["generate_rounds"], repeats=cfg["repeats"])
+    times = paired_rounds(fns, rounds=cfg["generate_rounds"], repeats=cfg["generate_repeats"])
     decode = {}
     for name in ("stock", "ours"):
         pre, full = times[f"{name}_prefill"], times[f"{name}_all"]
