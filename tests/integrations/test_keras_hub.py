@@ -47,7 +47,7 @@ def _half_ulp(y):
 
 
 def test_every_table_row_resolves_and_has_a_registered_subclass():
-    for spec in kh.HUB_RMS_NORMS + kh.HUB_ROPES + kh.HUB_ATTENTION:
+    for spec in kh.HUB_RMS_NORMS + kh.HUB_ROPES + kh.HUB_ATTENTION + kh.HUB_DECODERS:
         base = _class(spec.path)
         fused = kh.FUSED[base]
         assert fused.fused_name == fused.__qualname__ == spec.fused and fused.__mro__[1] is base
@@ -225,6 +225,115 @@ def test_llama_attention_matches_stock_in_training_and_cached_decoding():
     np.testing.assert_array_equal(np.asarray(cache_f), np.asarray(cache_s))
     np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_s), rtol=0,
                                atol=(2 * t + 8) * U32 * float(np.max(np.abs(out_s))) * 4)
+
+
+def _decoder_pair(family, **kwargs):
+    """(stock decoder block, its converted copy: the fused decoder subclass holding the fused attention)."""
+    keras.utils.set_random_seed(3)
+    if family == "gpt2":
+        stock = keras_hub.layers.TransformerDecoder(intermediate_dim=32, num_heads=2, dropout=0.0, **kwargs)
+    elif family == "mistral":
+        stock = _class("models.mistral.mistral_transformer_decoder:MistralTransformerDecoder")(
+            intermediate_dim=32, num_query_heads=2, num_key_value_heads=1, **kwargs)
+    else:
+        stock = _class("models.llama.llama_decoder:LlamaTransformerDecoder")(
+            intermediate_dim=32, num_query_heads=4, num_key_value_heads=2, **kwargs)
+    seq = keras.Input((None, 16))
+    pad = keras.Input((None,), dtype="int32")
+    model = keras.Model([seq, pad], stock(seq, decoder_padding_mask=pad))
+    new = tfmetal_ext.convert(model, verify=False, count_ops=False)
+    fused = next(x for x in new.layers if type(x).__mro__[1] is type(stock))
+    assert type(fused) is kh.FUSED[type(stock)] and type(fused._self_attention_layer).__name__ == \
+        type(stock._self_attention_layer).__name__
+    return stock, fused
+
+
+def _reachable_shapes(graph, fetches):
+    """Static shapes of every tensor the fetches depend on (what the step runs after TF's pruning)."""
+    seen, todo, shapes = set(), [t.op for t in fetches], []
+    while todo:
+        op = todo.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        shapes += [t.shape.as_list() if t.shape.rank is not None else None for t in op.outputs]
+        todo += [t.op for t in op.inputs] + list(op.control_inputs)
+    return shapes
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_decoder_hands_mask_factors_to_the_op(family):
+    """The fused decoder block's attention gets keras-hub's padding x causal mask as factors: the op's
+    causal flag and a (batch, 1, 1, kv) padding mask. Its outputs and gradients are the stock block's,
+    with padded keys and a row that attends no key: float32, the block's accumulation lengths summed
+    along its chain (norm 16, projections 16, softmax rows 2t + 8 at t = 9 keys, output 16, norm 16,
+    feed-forward 16 and 32: L = 138) bound the forward difference by L u of the largest value and the
+    backward by about 2L u; the test allows 32 (2t + 8) u = 832 u, 3x that. The train step depends on
+    no (q, kv) tensor; cached decoding (one token at index 5 of a cache of 9) takes the band j <= 5 and
+    gives the stock block's output."""
+    stock, fused = _decoder_pair(family)
+    b, t = 2, 9
+    x = tf.constant(np.random.default_rng(4).standard_normal((b, t, 16)).astype("float32"))
+    pad = np.ones((b, t), "int32")
+    pad[1, 6:] = 0  # padded keys
+    pad[1, 0] = 0  # row 0 of the second sequence attends no key (its only key is padding)
+    pad = tf.constant(pad)
+
+    def step(layer):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, decoder_padding_mask=pad, training=True)
+            loss = tf.reduce_sum(y * tf.cos(tf.range(16, dtype=tf.float32)))
+        return [y] + tape.gradient(loss, [x] + layer.trainable_variables)
+
+    got, want = tf.function(lambda: step(fused))(), tf.function(lambda: step(stock))()
+    # Gradients whose true value is 0 (the key bias: softmax ignores a shift of a row's scores) are
+    # rounding noise on both sides: every tensor is compared on the scale of the largest gradient.
+    grad_scale = max(float(np.max(np.abs(w))) for w in want[1:])
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = float(np.max(np.abs(w))) if i == 0 else grad_scale
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=(2 * t + 8) * U32 * scale * 4 * 8)
+    graph = tf.function(lambda: step(fused)).get_concrete_function().graph
+    ops = {op.type: op for op in graph.get_operations()}
+    attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
+    assert attn and all(op.get_attr("causal") for op in attn)
+    assert all(op.inputs[3].shape.as_list() == [b, 1, 1, t] for op in attn)
+    shapes = _reachable_shapes(graph, graph.outputs)
+    assert not [sh for sh in shapes if sh and len(sh) >= 2 and sh[-2:] == [t, t]], "a (q, kv) tensor in the step"
+    assert "TfmetalExt>AttentionGrad" in ops
+
+    # Cached decoding: the stock block and ours on the same cache.
+    heads = stock._self_attention_layer
+    xs = x[:, 5:6]
+    if family == "gpt2":
+        cache = tf.random.stateless_normal((b, 2, t, 2, 8), seed=[1, 2])
+    else:
+        cache = tf.random.stateless_normal((b, 2, t, 2, 4), seed=[1, 2])
+    out_s, cache_s = stock(xs, self_attention_cache=cache, self_attention_cache_update_index=5)
+    out_f, cache_f = fused(xs, self_attention_cache=cache, self_attention_cache_update_index=5)
+    np.testing.assert_allclose(np.asarray(cache_f), np.asarray(cache_s), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_s), rtol=0,
+                               atol=(2 * t + 8) * U32 * float(np.max(np.abs(out_s))) * 4 * 8)
+    assert heads is not fused._self_attention_layer
+
+
+def test_decoder_keeps_the_stock_mask_where_it_is_not_padding_times_causal():
+    """A custom decoder_attention_mask, or a Mistral sliding window shorter than the keys: no factors,
+    the op gets keras-hub's mask itself (and the outputs are the stock block's)."""
+    b, t = 2, 9
+    x = tf.constant(np.random.default_rng(5).standard_normal((b, t, 16)).astype("float32"))
+    custom = np.tril(np.ones((t, t), "int32"))[None].repeat(b, 0)
+    custom[:, :, 0] = 0
+    custom[:, 0, 0] = 1
+    for family, kwargs, call in (("llama", {}, {"decoder_attention_mask": tf.constant(custom)}),
+                                 ("mistral", {"sliding_window": 4}, {})):
+        stock, fused = _decoder_pair(family, **kwargs)
+        graph = tf.function(lambda: fused(x, training=True, **call)).get_concrete_function().graph
+        attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
+        assert attn and not any(op.get_attr("causal") for op in attn), family
+        y_s, y_f = stock(x, **call), fused(x, **call)
+        np.testing.assert_allclose(np.asarray(y_f), np.asarray(y_s), rtol=0,
+                                   atol=(2 * t + 8) * U32 * float(np.max(np.abs(y_s))) * 4 * 8, err_msg=family)
 
 
 def test_attention_subclass_runs_the_op_and_no_score_matrix():

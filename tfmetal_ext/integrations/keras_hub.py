@@ -23,6 +23,13 @@ replaced:
   cache of ``generate()`` and grouped-query head sharing stay the layer's own
   code, so training and cached decoding both take the op.
 
+* Decoder blocks (`HUB_DECODERS`): ``_compute_self_attention_mask`` still
+  returns keras-hub's own ``(batch, q, kv)`` mask, and also hands the fused
+  self-attention layer its factors (the keys' padding and the causal
+  offset). Where that layer receives this very mask, the op takes the
+  padding as a ``(batch, 1, 1, kv)`` mask and computes causality itself, so
+  a train step holds no ``(q, kv)`` mask: TF prunes the unused stock one.
+
 Where a layer is configured in a way the op does not compute (Gemma's logit
 soft-capping), the planner keeps it and says why; where a call is (an input
 dtype or head size the op does not take), the subclass runs the stock code
@@ -51,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import types
 
 import keras
@@ -152,6 +160,39 @@ HUB_ATTENTION = (
     HubAttention("models.gemma.gemma_attention:CachedGemmaAttention", "FusedCachedGemmaAttention", "gemma"),
     HubAttention("layers.modeling.cached_multi_head_attention:CachedMultiHeadAttention",
                  "FusedCachedMultiHeadAttention", "keras_mha"),
+)
+
+@dataclasses.dataclass(frozen=True)
+class HubDecoder:
+    """A keras-hub decoder block whose self-attention mask is keras-hub's padding x causal mask.
+
+    Its ``_compute_self_attention_mask`` (arguments ``decoder_sequence``, ``decoder_padding_mask``,
+    ``decoder_attention_mask``, ``self_attention_cache``, ``self_attention_cache_update_index``, and
+    ``use_causal_mask`` where it has one) returns ``min(merge_padding_and_attention_mask(...),
+    compute_causal_mask(...))``, and its ``_self_attention_layer`` takes that mask as is.
+
+    Attributes:
+        path: the class, ``module:ClassName`` under ``keras_hub.src``.
+        fused: the fusion-first subclass's name.
+        window: the attribute of a sliding window the block's own mask applies (Mistral's and
+            Mixtral's ``sliding_window``), or None. With a window set, the factors are handed over
+            only where the keys fit in it (the band then masks nothing).
+    """
+
+    path: str
+    fused: str
+    window: str = None
+
+
+HUB_DECODERS = (
+    HubDecoder("layers.modeling.transformer_decoder:TransformerDecoder", "FusedTransformerDecoder"),
+    HubDecoder("models.llama.llama_decoder:LlamaTransformerDecoder", "FusedLlamaTransformerDecoder"),
+    HubDecoder("models.mistral.mistral_transformer_decoder:MistralTransformerDecoder",
+               "FusedMistralTransformerDecoder", window="sliding_window"),
+    HubDecoder("models.mixtral.mixtral_decoder:MixtralTransformerDecoder", "FusedMixtralTransformerDecoder",
+               window="sliding_window"),
+    HubDecoder("models.qwen.qwen_decoder:QwenTransformerDecoder", "FusedQwenTransformerDecoder"),
+    HubDecoder("models.qwen3.qwen3_decoder:Qwen3TransformerDecoder", "FusedQwen3TransformerDecoder"),
 )
 
 HUB_ROPES = (
@@ -279,57 +320,106 @@ def _call_reason(query, key, value, mask):
     return None
 
 
-def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_rows="zero"):
+@dataclasses.dataclass(frozen=True, eq=False)
+class MaskFactors:
+    """What a keras-hub decoder block's self-attention mask is made of (`HUB_DECODERS`).
+
+    Attributes:
+        mask: the ``(batch, q, kv)`` mask the block computed: the attention layer uses the factors
+            only when its ``attention_mask`` is this very tensor.
+        keys: keras-hub's ``(batch, 1, kv)`` padding of the keys (``merge_padding_and_attention_mask``
+            without a custom mask), or None for none.
+        offset: the position of the first query row (the cache update index; 0 without a cache).
+        cached: whether the keys are a cache (then ``q`` and ``kv`` lengths may differ).
+    """
+
+    mask: object
+    keys: object
+    offset: object
+    cached: bool
+
+
+def _take_factors(layer, attention_mask):
+    """The `MaskFactors` its decoder block handed `layer` for this `attention_mask`, or None (and none kept)."""
+    factors = layer.__dict__.pop("_tfmetal_mask_factors", None)
+    if factors is None or attention_mask is None or factors.mask is not attention_mask:
+        return None
+    return factors
+
+
+def _factored_mask(factors, q_len, k_len):
+    """``(causal, mask)`` for the op from `factors`: without a cache, the op's causal flag and the keys'
+    padding as ``(batch, 1, 1, kv)``; with one, the rows' band ``j <= offset + i`` (a ``(q, kv)``
+    inference-time mask, as keras-hub's) with the padding."""
+    keys = None if factors.keys is None else tf.expand_dims(tf.cast(factors.keys, tf.bool), 1)
+    if not factors.cached:
+        return True, keys
+    rows = tf.range(q_len) + tf.cast(factors.offset, tf.int32)
+    band = tf.range(k_len)[tf.newaxis, :] <= rows[:, tf.newaxis]
+    band = band[tf.newaxis, tf.newaxis]
+    return False, band if keys is None else tf.logical_and(keys, band)
+
+
+def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_rows="zero", factors=None):
     """keras-hub's attention on the attention op: ``(batch, seq, heads, dim)`` in and out.
 
     Key/value heads that are fewer than the query heads (grouped-query
     attention) are shared by consecutive query heads, as keras-hub's layers
     repeat them. `mask` is keras-hub's ``(batch, q, kv)`` attend mask (any
-    dtype, nonzero = attend) or None. A query row that attends no key gives
-    ``empty_rows``: ``"zero"`` (the op's own result; what Keras' masked
-    ``Softmax`` layer gives, which keras-hub's layers use) or ``"mean"`` (the
-    mean of the values: Keras' ``dot_product_attention``, which Keras'
-    MultiHeadAttention uses when it has no dropout).
+    dtype, nonzero = attend) or None; with `factors` (`MaskFactors` of that
+    mask) the op gets them instead and `mask` is not read. A query row that
+    attends no key gives ``empty_rows``: ``"zero"`` (the op's own result; what
+    Keras' masked ``Softmax`` layer gives, which keras-hub's layers use) or
+    ``"mean"`` (the mean of the values: Keras' ``dot_product_attention``,
+    which Keras' MultiHeadAttention uses when it has no dropout).
     """
     groups = query.shape[2] // key.shape[2]
     if groups > 1:
         key = tf.repeat(key, groups, axis=2)
         value = tf.repeat(value, groups, axis=2)
     q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in (query, key, value))
-    attend_mask = None
-    if mask is not None:
+    causal, attend_mask = False, None
+    if factors is not None:
+        causal, attend_mask = _factored_mask(factors, tf.shape(q)[2], tf.shape(k)[2])
+    elif mask is not None:
         attend_mask = tf.expand_dims(tf.cast(mask, tf.bool), 1)  # (batch, 1, q, kv)
     kwargs = {"dropout_rate": dropout_rate, "seed": seed} if dropout_rate > 0 else {}
-    out = attention(q, k, v, mask=attend_mask, scale=float(scale), **kwargs)
+    out = attention(q, k, v, mask=attend_mask, causal=causal, scale=float(scale), **kwargs)
     if attend_mask is not None and empty_rows == "mean":
-        attended = tf.reduce_any(attend_mask, axis=-1, keepdims=True)
+        if causal:  # row i attends a key when one of keys 0..i is not padding
+            attended = tf.transpose(tf.cumsum(tf.cast(attend_mask, tf.int32), axis=-1) > 0, [0, 1, 3, 2])
+        else:
+            attended = tf.reduce_any(attend_mask, axis=-1, keepdims=True)
         mean = tf.cast(tf.reduce_mean(tf.cast(v, tf.float32), axis=-2, keepdims=True), v.dtype)
         out = tf.where(attended, out, mean)
     return tf.transpose(out, [0, 2, 1, 3])
 
 
 def _attention_class(spec, base):
-    def run(self, query, key, value, attention_mask):
-        out = attend(query, key, value, attention_mask, self._inv_norm_factor)
+    def run(self, query, key, value, attention_mask, factors=None):
+        out = attend(query, key, value, attention_mask, self._inv_norm_factor, factors=factors)
         return tf.cast(out, self.compute_dtype)
 
     if spec.form == "qkv_mask":
 
         def _compute_attention(self, query, key, value, attention_mask=None):
+            factors = _take_factors(self, attention_mask)
             if _call_reason(query, key, value, attention_mask) is not None:
                 return base._compute_attention(self, query, key, value, attention_mask)
-            return run(self, query, key, value, attention_mask)
+            return run(self, query, key, value, attention_mask, factors)
 
     elif spec.form == "qkv_mask_window":
 
         def _compute_attention(self, query, key, value, attention_mask=None, cache_update_index=None):
+            factors = _take_factors(self, attention_mask)
             if _call_reason(query, key, value, attention_mask) is not None:
                 return base._compute_attention(self, query, key, value, attention_mask, cache_update_index)
             if self.use_sliding_window_attention and attention_mask is not None:
                 # The band the stock (unfused) path applies, made by the layer's own method.
                 attention_mask = self._mask_sliding_window(
                     attention_mask, cache_update_index=cache_update_index if cache_update_index else 0)
-            return run(self, query, key, value, attention_mask)
+                factors = None
+            return run(self, query, key, value, attention_mask, factors)
 
     elif spec.form == "gemma":
 
@@ -352,6 +442,7 @@ def _attention_class(spec, base):
 
         def _compute_attention(self, query, key, value, attention_mask=None, training=None,
                                return_attention_scores=False, **kwargs):
+            factors = _take_factors(self, attention_mask)
             if return_attention_scores or kwargs.get("use_causal_mask") \
                     or _call_reason(query, key, value, attention_mask) is not None \
                     or tuple(getattr(self, "_attention_axes", None) or (1,)) != (1,):
@@ -370,13 +461,52 @@ def _attention_class(spec, base):
             # Keras' MultiHeadAttention takes dot_product_attention (rows attending no key: the
             # values' mean) unless it was made with dropout (its masked Softmax layer: zeros).
             empty = "mean" if self._dropout == 0 else "zero"
-            out = attend(query, key, value, attention_mask, self._inverse_sqrt_key_dim, rate, seed, empty)
+            out = attend(query, key, value, attention_mask, self._inverse_sqrt_key_dim, rate, seed, empty,
+                         factors=factors)
             return tf.cast(out, self.compute_dtype), None
 
     doc = (f"`{base.__module__}.{base.__name__}` whose `_compute_attention` runs the flash-style "
            "attention op (`tfmetal_ext.ops.attention`); projections, rotary embedding and KV cache are "
            "the layer's own. The same constructor, weights, config and outputs.")
     return _subclass(base, spec.fused, {"_compute_attention": _compute_attention}, doc)
+
+
+# ----------------------------------------------------------------------------
+# Decoder blocks: the self-attention mask's factors handed to the fused attention layer.
+
+
+def _decoder_class(spec, base):
+    from keras_hub.src.layers.modeling.transformer_layer_utils import merge_padding_and_attention_mask
+
+    signature = inspect.signature(base._compute_self_attention_mask)
+
+    def factors_of(self, mask, args):
+        if mask is None or args.get("decoder_attention_mask") is not None or not args.get("use_causal_mask", True):
+            return None  # a custom (q, kv) mask, or no causality: the stock mask as it is
+        cache = args.get("self_attention_cache")
+        window = getattr(self, spec.window, None) if spec.window else None
+        if window is not None:
+            keys = (cache.shape[2] if cache is not None else args["decoder_sequence"].shape[1])
+            if keys is None or keys > window:
+                return None  # the block's band may mask keys: the stock mask
+        keys = merge_padding_and_attention_mask(args["decoder_sequence"], args.get("decoder_padding_mask"), None)
+        index = args.get("self_attention_cache_update_index")
+        return MaskFactors(mask, keys, 0 if index is None else index, cache is not None)
+
+    def _compute_self_attention_mask(self, *args, **kwargs):
+        mask = base._compute_self_attention_mask(self, *args, **kwargs)
+        attention = getattr(self, "_self_attention_layer", None)
+        if hasattr(type(attention), "fused_name") and type(attention).__mro__[1] in FUSED:
+            bound = signature.bind(self, *args, **kwargs)
+            bound.apply_defaults()
+            object.__setattr__(attention, "_tfmetal_mask_factors", factors_of(self, mask, bound.arguments))
+        return mask
+
+    doc = (f"`{base.__module__}.{base.__name__}` whose self-attention mask also reaches its fused attention "
+           "layer as factors (the keys' padding, causality, the cache offset), so the attention op computes "
+           "causality itself and no (q, kv) mask is kept for the backward pass. The same constructor, weights, "
+           "config and outputs.")
+    return _subclass(base, spec.fused, {"_compute_self_attention_mask": _compute_self_attention_mask}, doc)
 
 
 # ----------------------------------------------------------------------------
@@ -408,6 +538,10 @@ def _plan_attention(ctx, node):
     return planners.retype(ctx, node, FUSED[type(layer)])
 
 
+def _plan_decoder(ctx, node):
+    return planners.retype(ctx, node, FUSED[type(node.operation)])
+
+
 def _register():
     for spec in HUB_RMS_NORMS:
         base = _resolve(spec.path)
@@ -424,6 +558,11 @@ def _register():
         if base is not None:
             FUSED[base] = _attention_class(spec, base)
             planners.register_planner(base)(_plan_attention)
+    for spec in HUB_DECODERS:
+        base = _resolve(spec.path)
+        if base is not None:
+            FUSED[base] = _decoder_class(spec, base)
+            planners.register_planner(base)(_plan_decoder)
 
 
 _register()
