@@ -427,6 +427,35 @@ def test_tf_function_matches_eager(path):
         np.testing.assert_allclose(dyn.numpy(), e.numpy(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.25])
+def test_heads_last_is_the_transposed_output_and_gradient(path, dropout):
+    """``heads_last=True``: the (batch, q, heads, dim) output is the op's output transposed, bit for bit,
+    and so are the gradients (the same gradient op on the same tensors), with and without dropout;
+    with the kernel, the backward pass does not read the op's own-layout output (its only consumer is
+    the transpose), which is what keeps one copy of the output alive instead of two."""
+    b, h, tq, tk, d = 2, 3, 9, 11, 8
+    q, k, v = (tf.constant(t) for t in qkv(b, h, tq, tk, d, seed=3))
+    mask = tf.constant(padding_mask(b, tk, [11, 6], tq=tq))
+    dy = tf.constant(np.random.default_rng(4).normal(0, 1, (b, tq, h, d)).astype("float32"))
+    kwargs = dict(mask=mask, causal=True, dropout_rate=dropout, seed=[7, 8] if dropout else None)
+
+    def run(heads_last):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attention(q, k, v, heads_last=heads_last, **kwargs)
+            y = out if heads_last else tf.transpose(out, [0, 2, 1, 3])
+        return [y] + tape.gradient(y, [q, k, v], output_gradients=dy)
+
+    for fn in (run, tf.function(run)):
+        for got, want in zip(fn(True), fn(False)):
+            np.testing.assert_array_equal(got.numpy(), want.numpy())
+    if path == "kernel":
+        graph = tf.function(lambda: run(True)).get_concrete_function().graph
+        fwd = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
+        assert len(fwd) == 1 and [c.type for c in fwd[0].outputs[0].consumers()] == ["Transpose"]
+        assert any(op.type == "TfmetalExt>AttentionGrad" for op in graph.get_operations())
+
+
 def test_reference_lse_matches_numpy():
     q, k, v = qkv(2, 2, 6, 5, 4, seed=14)
     mask = padding_mask(2, 5, [5, 2], tq=6)

@@ -384,15 +384,17 @@ def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_ro
     elif mask is not None:
         attend_mask = tf.expand_dims(tf.cast(mask, tf.bool), 1)  # (batch, 1, q, kv)
     kwargs = {"dropout_rate": dropout_rate, "seed": seed} if dropout_rate > 0 else {}
-    out = attention(q, k, v, mask=attend_mask, causal=causal, scale=float(scale), **kwargs)
+    # (batch, q, heads, dim) out, as keras-hub's layers return it (one copy kept for the gradient).
+    out = attention(q, k, v, mask=attend_mask, causal=causal, scale=float(scale), heads_last=True, **kwargs)
     if attend_mask is not None and empty_rows == "mean":
-        if causal:  # row i attends a key when one of keys 0..i is not padding
-            attended = tf.transpose(tf.cumsum(tf.cast(attend_mask, tf.int32), axis=-1) > 0, [0, 1, 3, 2])
-        else:
+        if causal:  # row i attends a key when one of keys 0..i is not padding: (batch, 1, 1, q)
+            attended = tf.cumsum(tf.cast(attend_mask, tf.int32), axis=-1) > 0
+        else:  # (batch, 1, q, 1)
             attended = tf.reduce_any(attend_mask, axis=-1, keepdims=True)
-        mean = tf.cast(tf.reduce_mean(tf.cast(v, tf.float32), axis=-2, keepdims=True), v.dtype)
+        attended = tf.transpose(attended, [0, 3, 1, 2] if causal else [0, 2, 1, 3])  # (batch, q, 1, 1)
+        mean = tf.cast(tf.reduce_mean(tf.cast(value, tf.float32), axis=1, keepdims=True), value.dtype)
         out = tf.where(attended, out, mean)
-    return tf.transpose(out, [0, 2, 1, 3])
+    return out
 
 
 def _attention_class(spec, base):

@@ -18,7 +18,8 @@ MAX_HEAD_DIM = 256
 
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
-def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None, name=None):
+def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None, name=None,
+              heads_last=False):
     """Scaled dot-product softmax attention, flash-style.
 
     ``output = softmax(scale * query @ key^T, masked) @ value`` per batch
@@ -63,9 +64,15 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
             `keras.random.dropout` draws it (see `tfmetal_ext.ops.dropout`).
             Not drawn when ``dropout_rate == 0``.
         name: optional op name.
+        heads_last: return the output as (batch, q_seq, heads, value_dim),
+            the layout an output projection reads. The gradient then keeps
+            that tensor alone (it transposes it back for the gradient op),
+            where a transpose after the op would keep both layouts of the
+            output alive for the backward pass.
 
     Returns:
-        A (batch, heads, q_seq, value_dim) tensor of `query`'s dtype.
+        A (batch, heads, q_seq, value_dim) tensor of `query`'s dtype
+        ((batch, q_seq, heads, value_dim) with `heads_last`).
 
     Raises:
         ValueError: for a dtype other than float32/float16/bfloat16 or
@@ -84,6 +91,8 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
     _check_inputs(query, key, value)
     causal = _check_causal(causal)
+    if not isinstance(heads_last, bool):
+        raise ValueError(f"Argument `heads_last` must be a bool. Received: heads_last={heads_last!r}")
     scale = _check_scale(scale, query.shape[-1])
     mask = _attend_mask(mask, query, key)
     rate, seed = _check_dropout(dropout_rate, seed)
@@ -92,14 +101,41 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
         threshold, dropout_scale = _dropout.dtype_constants(rate, query.dtype)
         dropout = (seed, threshold, dropout_scale)
     if not uses_kernel():
-        return _with_reference_gradient(query, key, value, mask, causal, scale, dropout)
+        output = _with_reference_gradient(query, key, value, mask, causal, scale, dropout)
+        return _to_heads_last(output) if heads_last else output
     lib = _common.library()
-    if dropout is None:
-        output, _ = lib.tfmetal_ext_attention(query, key, value, mask, [], causal=causal, scale=scale, name=name)
-        return output
-    output, _ = lib.tfmetal_ext_attention(query, key, value, mask, [seed], causal=causal, scale=scale,
-                                          dropout_rate=threshold, dropout_scale=dropout_scale, name=name)
+    seeds, attrs = [], dict(causal=causal, scale=scale)
+    if dropout is not None:
+        seeds, attrs = [seed], dict(attrs, dropout_rate=threshold, dropout_scale=dropout_scale)
+    if heads_last:
+        return _heads_last_call(lib, query, key, value, mask, seeds, attrs, name)
+    output, _ = lib.tfmetal_ext_attention(query, key, value, mask, seeds, name=name, **attrs)
     return output
+
+
+def _to_heads_last(x):
+    """(batch, heads, seq, dim) <-> (batch, seq, heads, dim)."""
+    return tf.transpose(x, [0, 2, 1, 3])
+
+
+def _heads_last_call(lib, query, key, value, mask, seeds, attrs, name):
+    """The op, its output transposed to (batch, q_seq, heads, value_dim), with a gradient that keeps that
+    tensor (and the op's inputs and lse) only: the op's own-layout output is transposed back from it in
+    the backward pass instead of being kept alongside."""
+
+    @tf.custom_gradient
+    def run(q, k, v):
+        output, lse = lib.tfmetal_ext_attention(q, k, v, mask, seeds, name=name, **attrs)
+        y = _to_heads_last(output)
+
+        def grad(dy):
+            d_q, d_k, d_v = lib.tfmetal_ext_attention_grad(_to_heads_last(dy), q, k, v, mask, _to_heads_last(y), lse,
+                                                           seeds, **attrs)
+            return d_q, d_k, d_v
+
+        return y, grad
+
+    return run(query, key, value)
 
 
 def uses_kernel() -> bool:
