@@ -11,8 +11,10 @@ vocabulary 1000. For each family, stock and ours measured in the same process:
    the speed-up, whether convert() verified (outputs and gradients), and the predicted CPU fallbacks
    per step on both Metal backends (``placement_report(predict_for=...)``; a prediction from the
    backends' kernel tables, not a Mac measurement).
-2. ``memory``: the peak memory of one train step at T=1024, one fresh subprocess per model
-   (VmHWM reset before the step; see ``bench_attention.memory_worker`` for the method).
+2. ``memory``: the peak memory of one train step at T=1024, one fresh subprocess per model, two
+   ways: the process's peak RSS above its RSS before the step (VmHWM reset before the step; see
+   ``bench_attention.memory_worker``), and TensorFlow's CPU allocator's peak bytes in use above
+   those in use before it (``tf.config.experimental.get_memory_info``: the tensors alone).
 3. ``generate``: ``CausalLM.generate()`` with the greedy sampler (GPT-2, Llama; preprocessor=None,
    token ids in), prompt 32 tokens, 64 generated: whether the tokens equal stock's, the prefill time
    (``generate`` to prompt + 1 token) and decode tokens/s (the rest), stock and ours, in paired
@@ -175,10 +177,16 @@ def memory_worker(family, impl, cfg):
     x, y = inputs(family, cfg, cfg["memory_seq"])
     reset = _reset_peak_rss()
     before = _rss_bytes()
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
     step(x, y)
     mib = 2.0 ** 20
+    # Two views of one step: the process's peak RSS above its RSS before the step (what the machine
+    # gave the process, malloc's free lists included), and TensorFlow's own CPU allocator: its peak
+    # bytes in use above what was in use before the step (the tensors alone; deterministic).
     return dict(family=family, impl=impl, seq=cfg["memory_seq"], peak_reset=reset,
-                step_mb=(_peak_rss_bytes() - before) / mib)
+                step_mb=(_peak_rss_bytes() - before) / mib,
+                tf_peak_mb=(tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident) / mib)
 
 
 def run_memory(family, cfg, quick):
@@ -192,8 +200,11 @@ def run_memory(family, cfg, quick):
         if proc.returncode or line is None:
             row["error"] = f"{impl} worker failed: {proc.stderr.strip().splitlines()[-1:]}"
             return row
-        row[f"{impl}_mb"] = json.loads(line)["step_mb"]
+        result = json.loads(line)
+        row[f"{impl}_mb"] = result["step_mb"]
+        row[f"{impl}_tf_mb"] = result["tf_peak_mb"]
     row["memory_ratio"] = row["ours_mb"] / row["stock_mb"] if row["stock_mb"] else None
+    row["tf_memory_ratio"] = row["ours_tf_mb"] / row["stock_tf_mb"] if row["stock_tf_mb"] else None
     return row
 
 
@@ -312,7 +323,8 @@ def main(argv=None):
             rows.append(run_generate(family, cfg))
         print(json.dumps(rows[-1], default=str), flush=True)
     columns = ["case", "family", "seq", "verified", "stock_ops", "ours_ops", "ops_ratio", "einsum_ours",
-               "stock_ms", "ours_ms", "speedup", "stock_mb", "ours_mb", "memory_ratio", "same_tokens",
+               "stock_ms", "ours_ms", "speedup", "stock_mb", "ours_mb", "memory_ratio", "stock_tf_mb", "ours_tf_mb",
+               "tf_memory_ratio", "same_tokens",
                "stock_prefill_ms", "ours_prefill_ms", "stock_decode_tok_s", "ours_decode_tok_s",
                "decode_speedup", "error"]
     notes = [f"git {git_head()}", "config: " + json.dumps(cfg)]
