@@ -162,6 +162,7 @@ HUB_ATTENTION = (
                  "FusedCachedMultiHeadAttention", "keras_mha"),
 )
 
+
 @dataclasses.dataclass(frozen=True)
 class HubDecoder:
     """A keras-hub decoder block whose self-attention mask is keras-hub's padding x causal mask.
