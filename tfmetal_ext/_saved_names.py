@@ -48,10 +48,6 @@ def unaliased(cls):
     return cls.__dict__.get("_tfmetal_alias_of", cls)
 
 
-def is_alias(cls):
-    return "_tfmetal_alias_of" in cls.__dict__
-
-
 def _register_name(alias, cls):
     """Serialize `alias` under `cls`'s registered name (``tfmetal_ext>FusedLayerNorm``), so that a
     config holding an aliased layer deserializes to `cls`. Keras keeps the class -> name map in

@@ -115,8 +115,8 @@ KERAS, TF_FUNCTIONS, KERAS_OPS, KERAS_HUB = "keras", "tf", "keras_ops", "keras_h
 # activation's size for the backward pass (the tanh GELU: x, x**3's input, the tanh, 1 + tanh; 3-4
 # [rows, units] tensors). In a training call the contraction layers apply them so that the backward
 # pass recomputes them from their input (`layers._contraction.recomputed`): one tensor is kept, and
-# the gradient is TF's own, bit for bit. Single-op activations (relu, tanh, sigmoid, ...) and silu
-# (TF's own custom gradient) already keep one tensor.
+# the gradient is TF's own (bit for bit eagerly). Single-op activations (relu, tanh, sigmoid, ...)
+# and silu (TF's own custom gradient) already keep one tensor.
 RECOMPUTED_ACTIVATIONS = frozenset({"gelu", "gelu_approximate"})
 
 

@@ -93,8 +93,9 @@ def recomputed(fn):
 
     The forward pass runs `fn` itself (the same ops, the same values). The backward pass keeps only
     the input `x`: it runs `fn` again on `x` and takes TF's own gradient of that, so the gradient is
-    the one TF computes for `fn`, bit for bit, while the activation's intermediate tensors (several
-    of the activation's size for a composite like the tanh GELU) are freed after the forward pass.
+    the one TF computes for `fn` (bit for bit eagerly; inside a tf.function grappler may round the
+    two gradient chains differently), while the activation's intermediate tensors (several of the
+    activation's size for a composite like the tanh GELU) are freed after the forward pass.
     The recomputation depends on the incoming gradient, so TF's graph optimizer cannot merge it
     with the forward ops (which would keep their tensors alive again).
     """
