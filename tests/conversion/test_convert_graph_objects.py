@@ -314,3 +314,57 @@ def test_functional_subclass_with_merged_layers_says_its_file_does_not_load():
     assert type(new) is MergeNet and isinstance(new.get_layer("d"), fl.FusedDense)
     notes = [n for n in new.conversion_report.notes if "does not load into MergeNet" in n]
     assert len(notes) == 1 and "Activation" in notes[0], new.conversion_report.notes
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext_tests")
+class FeedForwardBlock(L.Layer):
+    """keras.io's TransformerBlock shape: a Sequential of Dense layers built in __init__ (its layers list
+    is keyed by class name in a saved file), plus a norm held as an attribute."""
+
+    def __init__(self, dim=8, hidden=16, **kwargs):
+        super().__init__(**kwargs)
+        self.ffn = keras.Sequential([L.Dense(hidden, activation="gelu"), L.Dense(dim)])
+        self.norm = L.LayerNormalization(epsilon=1e-6)
+        self.dim, self.hidden = dim, hidden
+
+    def call(self, x):
+        return self.norm(x + self.ffn(x))
+
+    def get_config(self):
+        return dict(super().get_config(), dim=self.dim, hidden=self.hidden)
+
+
+@keras.saving.register_keras_serializable(package="tfmetal_ext_tests")
+class HoldsItsSequential(L.Layer):
+    """A layer whose config records its Sequential: the load re-makes the Sequential's own (fused) classes."""
+
+    def __init__(self, ffn=None, **kwargs):
+        super().__init__(**kwargs)
+        self.ffn = keras.saving.deserialize_keras_object(ffn) if isinstance(ffn, dict) else ffn or \
+            keras.Sequential([L.Dense(8, activation="relu"), L.Dense(8)])
+
+    def call(self, x):
+        return self.ffn(x)
+
+    def get_config(self):
+        return dict(super().get_config(), ffn=keras.saving.serialize_keras_object(self.ffn))
+
+
+@pytest.mark.parametrize("block", [FeedForwardBlock, HoldsItsSequential])
+def test_kept_layer_with_a_sequential_saves_and_loads(tmp_path, block):
+    """A kept subclassed layer's Sequential of swapped Dense layers: the converted model's .keras file
+    loads (the block re-made from its config) with the converted model's outputs, whether the block's
+    constructor makes stock Dense layers again (FeedForwardBlock: the swapped ones are saved under
+    ``dense``) or its config records the fused ones (HoldsItsSequential: they stay ``fused_dense``)."""
+    keras.utils.set_random_seed(8)
+    inputs = keras.Input((5, 8))
+    stock = keras.Model(inputs, L.Dense(3)(block(name="block")(inputs)))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    inner = new.get_layer("block").ffn.layers
+    assert all(isinstance(x, fl.FusedDense) for x in inner)
+    path = str(tmp_path / "m.keras")
+    new.save(path)
+    loaded = keras.saving.load_model(path)
+    x = np.random.default_rng(9).standard_normal((2, 5, 8)).astype("float32")
+    np.testing.assert_allclose(_np(loaded(x)), _np(new(x)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(_np(loaded(x)), _np(stock(x)), rtol=1e-5, atol=1e-6)

@@ -31,6 +31,7 @@ import tempfile
 
 import keras
 
+from tfmetal_ext import _saved_names as saved_names
 from tfmetal_ext.conversion import weights
 from tfmetal_ext.inspect import step
 
@@ -359,6 +360,55 @@ def _pairs_of(a, b, path):
 
 # ----------------------------------------------------------------------------
 # Sublayer swaps (deep conversion).
+
+
+def keep_saved_names(copy):
+    """Swapped sublayers of kept copy `copy` that a ``.keras`` file keys by class name, named for the load.
+
+    A kept (subclassed) layer is re-made on load from its config by its own constructor, which makes
+    its sublayers again: stock ones, unless its config records them. Keras keys a sublayer held in a
+    list (a Sequential's or Functional's ``layers``, a plain list attribute) by its class name, so a
+    ``FusedDense`` saved as ``ffn/layers/fused_dense`` is not found where the re-made ``Dense`` looks
+    (``ffn/layers/dense``). This re-makes `copy` from its config once (unbuilt: what the load makes),
+    walks both trees the way Keras' saving walks them, and makes each of our layers in such a list,
+    where the re-made tree has another class, a saved-name alias of that class (`_saved_names`).
+    Attribute-held sublayers are keyed by attribute name and need none. A layer that cannot be re-made
+    from its config is left as it is (its file could not load anyway).
+    """
+    from keras.src.saving.saving_lib import _walk_saveable
+
+    try:
+        rebuilt = type(copy).from_config(copy.get_config())
+    except Exception:  # arbitrary constructors: nothing to compare with
+        return
+    seen = set()
+
+    def children(obj):
+        try:
+            return list(_walk_saveable(obj))
+        except Exception:
+            return []
+
+    def walk(a, b):
+        if id(a) in seen:
+            return
+        seen.add(id(a))
+        theirs = dict(children(b))
+        for attr, x in children(a):
+            y = theirs.get(attr)
+            if isinstance(x, dict) and isinstance(y, dict):
+                x, y = list(x.values()), list(y.values())
+            if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)) and len(x) == len(y):
+                for u, v in zip(x, y):
+                    if not (isinstance(u, keras.layers.Layer) and isinstance(v, keras.layers.Layer)):
+                        continue
+                    if is_ours(u) and not is_ours(v) and type(u).__name__ != type(v).__name__:
+                        saved_names.saved_as(u, type(v).__name__)
+                    walk(u, v)
+            elif isinstance(x, keras.layers.Layer) and isinstance(y, keras.layers.Layer):
+                walk(x, y)
+
+    walk(copy, rebuilt)
 
 
 def swap_sublayers(stock, copy, label, plan_fn, report):

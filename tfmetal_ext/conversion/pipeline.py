@@ -140,7 +140,9 @@ def convert(model, inference=False, verify=True, *, quantize=None, count_ops=Tru
     the class's ``from_config``, i.e. rebuilt with stock layers: each
     graph-level layer replaced one to one is saved under the stock class's
     name (`_saved_names`), so the file loads; where graph-level layers
-    were merged, the report's notes say it will not. ``save_weights`` /
+    were merged, the report's notes say it will not. The same holds for the
+    swapped sublayers a kept subclassed layer holds in a list or a
+    Sequential (`copying.keep_saved_names`). ``save_weights`` /
     ``load_weights`` between converted models always round-trip.
 
     Args:

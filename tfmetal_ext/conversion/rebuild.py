@@ -260,6 +260,8 @@ class Converter:
                 plan.copy(plan.made, self.pairs)
             return layer, "in_place", swaps
         swaps = self._swap(layer, new, label) if not copying._is_stock(layer) else {}
+        if swaps:
+            copying.keep_saved_names(new)
         return new, "keep", swaps
 
     def _swap(self, stock, copy, label):
