@@ -373,7 +373,9 @@ def keep_saved_names(copy):
     walks both trees the way Keras' saving walks them, and makes each of our layers in such a list,
     where the re-made tree has another class, a saved-name alias of that class (`_saved_names`).
     Attribute-held sublayers are keyed by attribute name and need none. A layer that cannot be re-made
-    from its config is left as it is (its file could not load anyway).
+    from its config is left as it is (its file could not load anyway). A Functional subclass's own
+    graph layers are named by `rebuild.Converter._keep_saved_names` from the conversion's own mapping
+    instead: re-making such a model from its config would build its whole graph, weights included.
     """
     from keras.src.saving.saving_lib import _walk_saveable
 
@@ -402,7 +404,7 @@ def keep_saved_names(copy):
                 for u, v in zip(x, y):
                     if not (isinstance(u, keras.layers.Layer) and isinstance(v, keras.layers.Layer)):
                         continue
-                    if is_ours(u) and not is_ours(v) and type(u).__name__ != type(v).__name__:
+                    if is_ours(u) and not is_ours(v):  # saved_as leaves a layer already so named
                         saved_names.saved_as(u, type(v).__name__)
                     walk(u, v)
             elif isinstance(x, keras.layers.Layer) and isinstance(y, keras.layers.Layer):

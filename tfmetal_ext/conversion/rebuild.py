@@ -134,7 +134,9 @@ class Converter:
         finds a graph-level layer's weights by its class name. Each one-to-one replacement is made an
         alias named as the layer it replaced, so the file loads into the stock class. Where the
         graph's layers no longer match one to one (a merge: Conv2D + BatchNormalization +
-        Activation -> ConvBNAct), the file cannot load into the stock class, and a note says so."""
+        Activation -> ConvBNAct), the file cannot load into the stock class, and a note says so.
+        (Sublayers of kept layers: `copying.keep_saved_names`, which re-makes the layer to compare; here
+        the conversion's own stock -> new mapping says the same without building a second graph.)"""
         stock_names = [type(x).__name__ for x in stock.layers]
         in_graph = {id(x) for x in new.layers}
         for s in stock.layers:
