@@ -118,6 +118,20 @@ def _to_heads_last(x):
     return tf.transpose(x, [0, 2, 1, 3])
 
 
+def _unfolded_heads_first(y, dy):
+    """`y` (batch, seq, heads, dim) as (batch, heads, seq, dim) once `dy` exists, in a form grappler
+    does not fold.
+
+    ``transpose(transpose(output))`` is folded into ``output`` (even through an identity with a
+    control dependency, which grappler moves aside), and ``output`` is then kept for the backward
+    pass beside `y`. The same permutation on a rank-5 view is not recognised as the inverse; waiting
+    for `dy` keeps the executor from making it during the forward pass."""
+    shape = tf.shape(y)
+    with tf.control_dependencies([dy]):
+        wide = tf.transpose(tf.expand_dims(y, -1), [0, 2, 1, 3, 4])
+    return tf.reshape(wide, tf.stack([shape[0], shape[2], shape[1], shape[3]]))
+
+
 def _heads_last_call(lib, query, key, value, mask, seeds, attrs, name):
     """The op, its output transposed to (batch, q_seq, heads, value_dim), with a gradient that keeps that
     tensor (and the op's inputs and lse) only: the op's own-layout output is transposed back from it in
@@ -129,8 +143,8 @@ def _heads_last_call(lib, query, key, value, mask, seeds, attrs, name):
         y = _to_heads_last(output)
 
         def grad(dy):
-            d_q, d_k, d_v = lib.tfmetal_ext_attention_grad(_to_heads_last(dy), q, k, v, mask, _to_heads_last(y), lse,
-                                                           seeds, **attrs)
+            d_q, d_k, d_v = lib.tfmetal_ext_attention_grad(_to_heads_last(dy), q, k, v, mask, _unfolded_heads_first(y, dy),
+                                                           lse, seeds, **attrs)
             return d_q, d_k, d_v
 
         return y, grad
