@@ -119,6 +119,26 @@ KERAS, TF_FUNCTIONS, KERAS_OPS, KERAS_HUB = "keras", "tf", "keras_ops", "keras_h
 # and silu (TF's own custom gradient) already keep one tensor.
 RECOMPUTED_ACTIVATIONS = frozenset({"gelu", "gelu_approximate"})
 
+# A projection's input rebuilt in the backward pass (`layers._replay`). In a training call inside a
+# tf.function, `FusedDense` / `FusedEinsumDense` look at how their input was made: when it is a chain
+# of the cheap elementwise ops below over a few tensors that are kept anyway (a feed-forward's
+# `silu(gate) * up`, `gelu(pre)`, GeGLU's `gelu(x1) * x2`), the layer's gradient keeps those tensors
+# and computes the chain again, instead of keeping the input and every tensor the chain's own
+# gradients need. IdentityN (a custom gradient's output, e.g. TF's silu) passes its input through.
+REPLAYED_OPS = frozenset(
+    {
+        "Identity", "Reshape", "Cast", "Mul", "AddV2", "Add", "Sub", "Neg", "RealDiv", "Square", "Pow",
+        "Sqrt", "Rsqrt", "Exp", "Tanh", "Sigmoid", "Erf", "Softplus",
+    }
+)
+# The replayed chain saves memory only when it holds a product of two computed tensors (one of these
+# ops with two non-constant inputs): each operand is kept for the other's gradient, beside the
+# product itself, which the projection keeps. A chain of casts, reshapes, sums, scalings and
+# single-op activations (Relu, Tanh: their gradient keeps one tensor, as the projection would)
+# gains nothing, and replaying it would cost the MatMul + BiasAdd + activation fusion of the layer
+# before it: it is left as it is.
+REPLAY_GAIN_OPS = frozenset({"Mul", "RealDiv", "Pow"})
+
 
 def activation_name(act, sources=(KERAS, TF_FUNCTIONS)):
     """The Keras name of activation `act` when it is a known one, else None (its op: `activation_op`).
@@ -240,6 +260,12 @@ ATTENTION_GRAD_OP = CUSTOM_OPS["attention"].grad
 INT8_MATMUL_OP = CUSTOM_OPS["int8_matmul"].name
 INT8_CONV2D_OP = CUSTOM_OPS["int8_conv2d"].name
 DROPOUT_OP = CUSTOM_OPS["dropout"].name
+
+# Our norms, replayed like `REPLAYED_OPS` (`layers._replay`): a projection right after a norm keeps
+# the norm's input (its gradient keeps it anyway) and normalizes again in the backward pass,
+# instead of keeping the normalized tensor. A row-wise pass per projection, against a tensor of
+# the hidden size per norm and layer.
+REPLAYED_CUSTOM_OPS = frozenset({RMS_NORM_OP, LAYER_NORM_OP})
 DROPOUT_GRAD_OP = CUSTOM_OPS["dropout"].grad
 ROPE_OP = CUSTOM_OPS["rope"].name
 ROPE_GRAD_OP = CUSTOM_OPS["rope"].grad

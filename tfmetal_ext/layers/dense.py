@@ -11,6 +11,7 @@ from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
 from tfmetal_ext.layers import _ops
 from tfmetal_ext.layers import _quantize as Q
+from tfmetal_ext.layers import _replay
 
 
 @keras.saving.register_keras_serializable(package="tfmetal_ext")
@@ -356,6 +357,15 @@ class FusedDense(keras.layers.Dense):
         return keras.ops.matmul(keras.ops.matmul(inputs, a), b) * (self.lora_alpha / self.lora_rank)
 
     def call(self, inputs, training=None):
+        if training and not isinstance(inputs, tf.SparseTensor):
+            # A feed-forward's `act(gate) * up` input is made again in the backward pass (`_replay`).
+            replay = _replay.plan(inputs)
+            if replay is not None:
+                return _replay.apply_projection(lambda x, activate: self._float_call(x, training, activate), inputs,
+                                                replay, self.activation, self._activation_name, training)
+        return self._float_call(inputs, training)
+
+    def _float_call(self, inputs, training=None, activate=True):
         kernel = self.kernel
         if isinstance(inputs, tf.SparseTensor):
             # As Keras' Dense: a sparse MatMul, dense output (nothing to fuse), sparse kernel gradient.
@@ -370,7 +380,8 @@ class FusedDense(keras.layers.Dense):
         outputs = tf.matmul(flat, kernel)
         if self.use_bias:
             outputs = _ops.bias_add(outputs, self.bias, "matmul_bias_relu")
-        outputs = C.apply_activation(outputs, self.activation, self._activation_name, training)
+        if activate:
+            outputs = C.apply_activation(outputs, self.activation, self._activation_name, training)
         if rank > 2:
             # Back to (batch, ..., units); the activation already ran on the 2-D
             # tensor so MatMul -> BiasAdd -> act stay adjacent for the remapper.

@@ -11,6 +11,7 @@ from tfmetal_ext import _saved_names
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
 from tfmetal_ext.layers import _ops
+from tfmetal_ext.layers import _replay
 from tfmetal_ext.layers._einsum_plan import BIAS_ADD, BIAS_AFTER, MATMUL, einsum_plan
 
 _STOCK = keras.layers.EinsumDense
@@ -182,7 +183,18 @@ class FusedEinsumDense(_STOCK):
         p = getattr(self, "_plan", None)
         if p is None:
             return super().call(inputs, training=training)
-        fn, name = C.resolve_activation(self.activation)
+        if training:
+            # A feed-forward's `act(gate) * up` input is made again in the backward pass (`_replay`).
+            replay = _replay.plan(inputs)
+            if replay is not None:
+                fn, name = C.resolve_activation(self.activation)
+                return _replay.apply_projection(lambda x, activate: self._planned_call(x, training, activate),
+                                                inputs, replay, fn, name, training)
+        return self._planned_call(inputs, training)
+
+    def _planned_call(self, inputs, training=None, activate=True):
+        p = self._plan
+        fn, name = C.resolve_activation(self.activation) if activate else (None, "linear")
         y, static, free = self._product(inputs, self.kernel)
         if p.bias == BIAS_ADD:
             # MatMul -> BiasAdd -> activation adjacent (the remapper's pattern), then the reshape.

@@ -1,0 +1,246 @@
+"""A projection's input made again in the backward pass (`tfmetal_ext.layers._replay`).
+
+What is checked: which inputs get a replay and from which anchors; that the replayed input is the
+forward one bit for bit; that FusedDense / FusedEinsumDense with the replay give the gradients of the
+same layer without it (the projection's own gradients bit for bit, the activation's within a derived
+bound), under float32, mixed_float16 and LoRA; and that the backward pass no longer reads the
+forward product or activation.
+"""
+
+import importlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfmetal_ext.layers import FusedDense, FusedEinsumDense, _replay
+from tfmetal_ext.ops import rms_norm
+
+rms_norm_module = importlib.import_module("tfmetal_ext.ops.rms_norm")
+
+EPS32 = 2.0 ** -24
+EPS16 = 2.0 ** -11
+
+
+def _rng(seed):
+    return np.random.default_rng(seed)
+
+
+def _swiglu(g, u):
+    return u * keras.activations.silu(g)
+
+
+def _in_graph(fn, *args):
+    return tf.function(fn)(*args)
+
+
+# ----------------------------------------------------------------------------
+# plan(): what is replayed, from what.
+
+
+def test_plan_replays_a_feed_forward_product_from_its_operands():
+    g = tf.constant(_rng(0).standard_normal((4, 6)).astype("float32"))
+    u = tf.constant(_rng(1).standard_normal((4, 6)).astype("float32"))
+
+    def run(g, u):
+        p = _swiglu(g, u)  # the operands: the function's arguments (computed tensors, not constants)
+        replay = _replay.plan(p)
+        assert replay is not None
+        assert {a.ref() for a in replay.anchors} == {g.ref(), u.ref()}
+        assert "Sigmoid" in {op.type for op in replay.ops}
+        return p, replay.rebuild([tf.identity(a) for a in replay.anchors])
+
+    p, again = _in_graph(run, g, u)
+    np.testing.assert_array_equal(p.numpy(), again.numpy())
+
+
+@pytest.mark.parametrize("make", [
+    lambda x: tf.nn.relu(x),  # one tensor kept either way
+    lambda x: x * 2.0,  # a scaling: no product of two computed tensors
+    lambda x: tf.cast(tf.reshape(x, [-1]), "float16"),
+    lambda x: tf.matmul(x, x, transpose_b=True),  # not elementwise: the input itself is the anchor
+])
+def test_plan_leaves_chains_with_nothing_to_gain(make):
+    x = tf.constant(_rng(2).standard_normal((4, 4)).astype("float32"))
+
+    def run(x):
+        assert _replay.plan(make(tf.identity(x))) is None
+        return x
+
+    _in_graph(run, x)
+
+
+def test_plan_is_none_eagerly():
+    g = tf.constant(_rng(3).standard_normal((2, 3)).astype("float32"))
+    assert _replay.plan(_swiglu(g, g + 1.0)) is None
+
+
+def test_plan_anchors_a_custom_gradient_it_cannot_replay_at_its_output():
+    """An activation over a custom gradient whose forward holds a MatMul: stepping inside would bypass
+    that gradient, so its output is the anchor."""
+    w = tf.constant(_rng(4).standard_normal((4, 4)).astype("float32"))
+
+    @tf.custom_gradient
+    def project(x):
+        return tf.matmul(x, w), lambda dy: tf.matmul(dy, w, transpose_b=True)
+
+    x = tf.constant(_rng(5).standard_normal((3, 4)).astype("float32"))
+
+    def run(x):
+        h = project(tf.identity(x))
+        replay = _replay.plan(_swiglu(h, tf.identity(x)))
+        assert replay is not None
+        assert h.ref() in {a.ref() for a in replay.anchors}
+        assert "MatMul" not in {op.type for op in replay.ops}
+        return x
+
+    _in_graph(run, x)
+
+
+def test_plan_anchors_a_norm_at_its_inputs():
+    """A norm's gradient keeps its input: the replay starts there and does not walk back through the
+    residual sum (whose operands nothing else keeps)."""
+    if not rms_norm_module.uses_kernel():
+        pytest.skip("the RMS norm op library is not loaded here (the reference path has no norm op to replay)")
+    a = tf.constant(_rng(6).standard_normal((2, 5, 8)).astype("float32"))
+
+    def run(a):
+        x = tf.identity(a) + tf.identity(a) * 0.5  # a residual sum
+        y = rms_norm(x, tf.ones([8]), epsilon=1e-6)
+        replay = _replay.plan(y)
+        assert replay is not None
+        assert x.ref() in {t.ref() for t in replay.anchors}
+        assert [op.type for op in replay.ops] == [rms_norm_module.RMS_NORM_OP]
+        return y, replay.rebuild([tf.identity(t) for t in replay.anchors])
+
+    y, again = _in_graph(run, a)
+    np.testing.assert_array_equal(y.numpy(), again.numpy())
+
+
+# ----------------------------------------------------------------------------
+# The layers: gradients with and without the replay.
+
+
+def _layer(kind, units, dtype=None):
+    if kind == "dense":
+        return FusedDense(units, use_bias=True, dtype=dtype)
+    return FusedEinsumDense("btf,fd->btd", output_shape=(None, units), bias_axes="d", dtype=dtype)
+
+
+def _step(layer, g, u, dy, replay):
+    """Outputs and gradients (g, u, then the layer's trainable variables) of ``layer(silu(g) * u)``
+    in a training call in a tf.function, with or without the replay."""
+
+    def run(g, u):
+        with tf.GradientTape() as tape:
+            tape.watch([g, u])
+            gg = tf.cast(tf.nn.silu(tf.cast(g, "float32")), g.dtype)  # keras-hub's Llama: silu in float32
+            y = layer(u * gg, training=True)
+        grads = tape.gradient(y, [g, u] + layer.trainable_variables, output_gradients=dy)
+        return [y] + grads
+
+    original = _replay.plan
+    if not replay:
+        _replay.plan = lambda x, **kw: None
+    try:
+        return [np.asarray(tf.cast(t, "float32")) for t in tf.function(run)(g, u)]
+    finally:
+        _replay.plan = original
+
+
+def _operands(dtype, shape=(2, 7, 12), units=5, seed=10):
+    g = tf.cast(_rng(seed).standard_normal(shape).astype("float32") * 2, dtype)
+    u = tf.cast(_rng(seed + 1).standard_normal(shape).astype("float32"), dtype)
+    dy = tf.cast(_rng(seed + 2).standard_normal(shape[:-1] + (units,)).astype("float32"), dtype)
+    return g, u, dy
+
+
+def _silu_gradient_bound(g, u, dp, eps):
+    """Elementwise bound on |dg(replay) - dg(TF)|: the two differ only in how silu's derivative is
+    formed (TF's custom gradient sigma * (1 + g (1 - sigma)) against autodiff of g * sigma, i.e.
+    sigma + g sigma (1 - sigma)), each a handful of roundings of terms bounded by sigma + |g| sigma
+    (1 - sigma) <= 1 + |g|, times ds = dp * u. 16 roundings of eps cover both formulas."""
+    return 16 * eps * np.abs(dp * u) * (1 + np.abs(g)) + 1e-30
+
+
+@pytest.mark.parametrize("kind", ["dense", "einsum"])
+def test_layer_gradients_match_the_unreplayed_layer(kind):
+    g, u, dy = _operands("float32")
+    layer = _layer(kind, 5)
+    layer.build((2, 7, 12))
+    with_replay = _step(layer, g, u, dy, replay=True)
+    without = _step(layer, g, u, dy, replay=False)
+    y, dg, du, dkernel, dbias = with_replay
+    # The forward pass and the projection's own gradients: the same ops on bit-equal inputs.
+    np.testing.assert_array_equal(y, without[0])
+    np.testing.assert_array_equal(dbias, without[4])
+    np.testing.assert_allclose(dkernel, without[3], rtol=8 * EPS32 * 12, atol=0)
+    np.testing.assert_allclose(du, without[2], rtol=8 * EPS32, atol=0)
+    kernel = np.asarray(layer.kernel).reshape(12, 5)
+    dp = np.asarray(dy).reshape(-1, 5) @ kernel.T
+    bound = _silu_gradient_bound(np.asarray(g).reshape(-1, 12), np.asarray(u).reshape(-1, 12), dp, EPS32)
+    assert np.all(np.abs(dg.reshape(-1, 12) - without[1].reshape(-1, 12)) <= bound)
+
+
+def test_layer_gradients_under_mixed_float16():
+    """The replay runs in the backward pass under the layer's autocast scope: float16 kernel reads,
+    as in the forward pass. The half-precision results may differ by one half rounding of each
+    result (the float32 silu chain differs as above, then is cast once)."""
+    g, u, dy = _operands("float16")
+    layer = _layer("dense", 5, dtype="mixed_float16")
+    layer.build((2, 7, 12))
+    with_replay = _step(layer, g, u, dy, replay=True)
+    without = _step(layer, g, u, dy, replay=False)
+    np.testing.assert_array_equal(with_replay[0], without[0])
+    for a, b in zip(with_replay[1:], without[1:]):
+        scale = np.max(np.abs(b)) + 1e-30
+        assert np.max(np.abs(a - b)) <= 2 * EPS16 * scale, (np.max(np.abs(a - b)), scale)
+
+
+def test_lora_gradients_reach_the_adapters_through_the_replay():
+    g, u, dy = _operands("float32")
+    layer = _layer("dense", 5)
+    layer.build((2, 7, 12))
+    layer.enable_lora(2)
+    layer.lora_kernel_b.assign(_rng(20).standard_normal((2, 5)).astype("float32"))
+    assert [v.name for v in layer.trainable_variables] == ["bias", "lora_kernel_a", "lora_kernel_b"]
+    with_replay = _step(layer, g, u, dy, replay=True)
+    without = _step(layer, g, u, dy, replay=False)
+    np.testing.assert_array_equal(with_replay[0], without[0])
+    for a, b in zip(with_replay[3:], without[3:]):
+        assert np.any(a != 0)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["dense", "einsum"])
+def test_backward_pass_reads_neither_the_product_nor_the_activation(kind):
+    """Without the replay, the projection's kernel gradient reads the product and the product's
+    gradient reads the activation; with it, both feed the forward pass only."""
+    g, u, dy = _operands("float32")
+    layer = _layer(kind, 5)
+    layer.build((2, 7, 12))
+    seen = {}
+
+    def graph(replay):
+        def run(g, u):
+            with tf.GradientTape() as tape:
+                tape.watch([g, u])
+                s = tf.nn.silu(g)
+                p = u * s
+                seen["s"], seen["p"] = s, p
+                y = layer(p, training=True)
+            return tape.gradient(y, [g, u] + layer.trainable_variables, output_gradients=dy)
+
+        original = _replay.plan
+        if not replay:
+            _replay.plan = lambda x, **kw: None
+        try:
+            graph = tf.function(run).get_concrete_function(g, u).graph
+        finally:
+            _replay.plan = original
+        readers = [c.name for t in (seen["s"], seen["p"]) for c in graph.get_tensor_by_name(t.name).consumers()]
+        return [name for name in readers if name.startswith("gradient_tape/")]
+
+    assert graph(replay=False), "the check must see the backward readers without the replay"
+    assert graph(replay=True) == []

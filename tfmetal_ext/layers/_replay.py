@@ -1,0 +1,221 @@
+"""A projection's input, rebuilt in the backward pass instead of kept (`fusion.REPLAYED_OPS`).
+
+A transformer's feed-forward ends in a projection whose input is a short elementwise chain over
+tensors the backward pass keeps anyway: ``silu(gate) * up`` (Llama, Mistral, Qwen), ``gelu(x1) * x2``
+(Gemma), ``gelu(pre)`` (GPT-2, BERT). TensorFlow's autodiff keeps that input for the projection's
+kernel gradient, and keeps the chain's own intermediates (the activation's output, a product's
+operands) for their gradients: two to three tensors of the feed-forward's width per layer that
+nothing else needs.
+
+`plan(x)` reads, in a graph, how `x` was made. When it is such a chain (ops of `fusion.REPLAYED_OPS`
+holding a product of two computed tensors, `fusion.REPLAY_GAIN_OPS`) over a few *anchor* tensors,
+`apply(forward, x, replay)` runs the projection `forward` on `x` with a gradient that keeps only
+the anchors: the backward pass makes the same ops again from them (bit for bit the same values),
+runs the projection on that, and takes TensorFlow's own gradient of both, for the anchors and for
+the projection's variables (its kernel, LoRA factors, bias). The projection's forward output is
+pruned from that backward graph by grappler: only its gradient ops are used.
+
+Eagerly (`run_eagerly=True`, a plain GradientTape loop) there is no graph to read: the layers keep
+the ordinary path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import tensorflow as tf
+from keras.src import backend as keras_backend
+
+from tfmetal_ext.backends import fusion
+from tfmetal_ext.layers import _contraction as C
+from tfmetal_ext.ops import _common
+
+# Bounds on what is replayed: a feed-forward's chain is a handful of ops over two anchors.
+MAX_OPS = 48
+MAX_ANCHORS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Replay:
+    """How tensor `target` is made again from `anchors` (`plan`'s answer)."""
+
+    target: tf.Tensor
+    anchors: tuple
+    ops: tuple  # the replayed ops, producers first
+
+    def rebuild(self, anchors):
+        """`target` made again from `anchors` (tensors standing for `self.anchors`, in order)."""
+        made = {a.ref(): b for a, b in zip(self.anchors, anchors)}
+        replayed = {id(op) for op in self.ops}
+
+        def value(t):
+            if t.ref() in made:
+                return made[t.ref()]
+            op = t.op
+            if id(op) in replayed:
+                for old, new in zip(op.outputs, _clone(op, [value(i) for i in op.inputs])):
+                    made[old.ref()] = new
+                return made[t.ref()]
+            if op.type == "IdentityN":
+                return value(op.inputs[t.value_index])
+            return t  # a constant or a non-float leaf: the forward pass's own tensor
+
+        return value(self.target)
+
+
+def _wrapper(op_type):
+    """The Python function that makes an `op_type` op and records its gradient, or None."""
+    if op_type in fusion.REPLAYED_CUSTOM_OPS:
+        lib = _common.library()
+        snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", op_type.replace(">", "_")).lower()
+        return getattr(lib, snake, None) if lib is not None else None
+    return getattr(tf.raw_ops, op_type, None)
+
+
+def _clone(op, inputs):
+    """The outputs of a new `op.type` op on `inputs` with `op`'s attributes (those not inferred)."""
+    op_def = op.op_def
+    inferred = set()
+    for arg in op_def.input_arg:
+        inferred.update(a for a in (arg.type_attr, arg.number_attr, arg.type_list_attr) if a)
+    kwargs = {arg.name: v for arg, v in zip(op_def.input_arg, inputs)}
+    for attr in op_def.attr:
+        if attr.name not in inferred:
+            kwargs[attr.name] = op.get_attr(attr.name)
+    out = _wrapper(op.type)(**kwargs)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _is_float(t):
+    return t.dtype.is_floating
+
+
+def plan(x, max_ops=MAX_OPS, max_anchors=MAX_ANCHORS):
+    """The `Replay` that makes `x` again from the tensors its backward pass keeps anyway, or None.
+
+    None when `x` is not a graph tensor, when its chain of `fusion.REPLAYED_OPS` holds no product of
+    two computed tensors (nothing to gain), or when it reaches past `max_ops` ops or `max_anchors`
+    float tensors it does not make.
+    """
+    if not tf.is_symbolic_tensor(x) or not hasattr(x, "op") or not _is_float(x):
+        return None
+    anchors, ops, seen = [], [], set()
+    gain = False
+    stops = []  # per custom gradient being walked into: (its own inputs, those of them reached)
+
+    def visit(t):
+        nonlocal gain
+        if stops and t.ref() in stops[-1][0]:
+            stops[-1][1].append(t)
+            return True
+        if t.ref() in seen:
+            return True
+        seen.add(t.ref())
+        op = t.op
+        if op.type == "Const" or not _is_float(t):
+            return True  # reused as it is
+        if op.type == "IdentityN" and len(op.inputs) == len(op.outputs):
+            # A custom gradient's output (TF's silu, our layers' own replays): its forward is replayed
+            # when it is made, by replayable ops, from the custom gradient's own inputs alone (the
+            # walk then goes on from those). Otherwise the output is an anchor: stepping inside would
+            # bypass its gradient (and keep what that gradient frees).
+            k = t.value_index
+            own = {i.ref() for j, i in enumerate(op.inputs) if j != k}
+            state = (len(anchors), len(ops), set(seen), gain)
+            stops.append((own, []))
+            inside = visit(op.inputs[k])
+            reached = stops.pop()[1]
+            if inside and len(anchors) == state[0]:
+                return all(visit(r) for r in reached)
+            del anchors[state[0]:], ops[state[1]:]
+            seen.clear()
+            seen.update(state[2])
+            gain = state[3]
+            anchors.append(t)
+            return len(anchors) <= max_anchors
+        if not _replayable(op):
+            anchors.append(t)
+            return len(anchors) <= max_anchors
+        if len(ops) >= max_ops:
+            return False
+        for i in op.inputs:
+            if op.type in fusion.REPLAYED_CUSTOM_OPS and _is_float(i) and i.op.type != "Const":
+                # A norm's gradient keeps its inputs: they are the anchors. Walking on (through a
+                # residual sum) would keep tensors nothing else keeps.
+                if i.ref() not in seen:
+                    seen.add(i.ref())
+                    anchors.append(i)
+                if len(anchors) > max_anchors:
+                    return False
+            elif not visit(i):
+                return False
+        if op.type in fusion.REPLAYED_CUSTOM_OPS or (
+                op.type in fusion.REPLAY_GAIN_OPS and sum(_computed(i) for i in op.inputs) >= 2):
+            gain = True
+        ops.append(op)
+        return True
+
+    if not visit(x) or not gain:
+        return None
+    return Replay(x, tuple(anchors), tuple(ops))
+
+
+def _replayable(op):
+    if op.control_inputs:
+        return False
+    if op.type in fusion.REPLAYED_CUSTOM_OPS:
+        return _wrapper(op.type) is not None
+    return op.type in fusion.REPLAYED_OPS and len(op.outputs) == 1
+
+
+def _computed(t):
+    """Whether `t` is computed in the step (not a constant)."""
+    while t.op.type == "IdentityN":
+        t = t.op.inputs[t.value_index]
+    return t.op.type != "Const"
+
+
+def apply(forward, x, replay):
+    """``forward(x)``, with a gradient that keeps `replay.anchors` and makes `x` again from them.
+
+    `forward` is the projection (one tensor in, one out) and may read variables; their gradients
+    are TensorFlow's own for ``forward(rebuilt x)``. Keras' autocast scope of the call is entered
+    again in the backward pass, so a mixed-precision layer reads its variables in the same dtype.
+    """
+    scope = keras_backend.get_autocast_scope()
+    dtype = scope.dtype if scope is not None else None
+
+    @tf.custom_gradient
+    def run(*anchors):
+        def grad(dy, variables=None):
+            # Depending on the incoming gradient, the replay cannot be merged with the forward ops
+            # by grappler (which would keep their tensors alive again).
+            with tf.control_dependencies([dy]):
+                again = [tf.identity(a) for a in anchors]
+            variables = list(variables or ())
+            with keras_backend.AutocastScope(dtype), tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(again)
+                tape.watch(variables)
+                y = forward(replay.rebuild(again))
+            grads = tape.gradient(y, again + variables, output_gradients=dy)
+            return grads[: len(again)], grads[len(again):]
+
+        return forward(x), grad
+
+    return run(*replay.anchors)
+
+
+def apply_projection(project, x, replay, fn, name, training):
+    """A projection layer's training call on `x` through `apply`.
+
+    ``project(x, activate)`` is the layer's call, with or without its activation `fn` (`name`). An
+    activation the backward pass recomputes anyway (`fusion.RECOMPUTED_ACTIVATIONS`: GELU) is applied
+    after the replay's gradient, not inside it: the next projection (a feed-forward's second) then
+    finds it over this one's pre-activation and replays it in turn. Other activations stay inside,
+    next to the BiasAdd the remapper fuses them with.
+    """
+    if C.recomputed_name(fn, name) is None:
+        return apply(lambda t: project(t, True), x, replay)
+    pre = apply(lambda t: project(t, False), x, replay)
+    return C.apply_activation(pre, fn, name, training)
