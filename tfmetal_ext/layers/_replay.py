@@ -22,14 +22,12 @@ the ordinary path.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import tensorflow as tf
 from keras.src import backend as keras_backend
 
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.layers import _contraction as C
-from tfmetal_ext.ops import _common
 
 # Bounds on what is replayed: a feed-forward's chain is a handful of ops over two anchors.
 MAX_OPS = 48
@@ -64,17 +62,8 @@ class Replay:
         return value(self.target)
 
 
-def _wrapper(op_type):
-    """The Python function that makes an `op_type` op and records its gradient, or None."""
-    if op_type in fusion.REPLAYED_CUSTOM_OPS:
-        lib = _common.library()
-        snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", op_type.replace(">", "_")).lower()
-        return getattr(lib, snake, None) if lib is not None else None
-    return getattr(tf.raw_ops, op_type, None)
-
-
 def _clone(op, inputs):
-    """The outputs of a new `op.type` op on `inputs` with `op`'s attributes (those not inferred)."""
+    """The output of a new `op.type` op on `inputs` with `op`'s attributes (those not inferred), in a list."""
     op_def = op.op_def
     inferred = set()
     for arg in op_def.input_arg:
@@ -83,8 +72,7 @@ def _clone(op, inputs):
     for attr in op_def.attr:
         if attr.name not in inferred:
             kwargs[attr.name] = op.get_attr(attr.name)
-    out = _wrapper(op.type)(**kwargs)
-    return list(out) if isinstance(out, (list, tuple)) else [out]
+    return [getattr(tf.raw_ops, op.type)(**kwargs)]
 
 
 def _is_float(t):
@@ -140,18 +128,9 @@ def plan(x, max_ops=MAX_OPS, max_anchors=MAX_ANCHORS):
         if len(ops) >= max_ops:
             return False
         for i in op.inputs:
-            if op.type in fusion.REPLAYED_CUSTOM_OPS and _is_float(i) and i.op.type != "Const":
-                # A norm's gradient keeps its inputs: they are the anchors. Walking on (through a
-                # residual sum) would keep tensors nothing else keeps.
-                if i.ref() not in seen:
-                    seen.add(i.ref())
-                    anchors.append(i)
-                if len(anchors) > max_anchors:
-                    return False
-            elif not visit(i):
+            if not visit(i):
                 return False
-        if op.type in fusion.REPLAYED_CUSTOM_OPS or (
-                op.type in fusion.REPLAY_GAIN_OPS and sum(_computed(i) for i in op.inputs) >= 2):
+        if op.type in fusion.REPLAY_GAIN_OPS and sum(_computed(i) for i in op.inputs) >= 2:
             gain = True
         ops.append(op)
         return True
@@ -162,11 +141,7 @@ def plan(x, max_ops=MAX_OPS, max_anchors=MAX_ANCHORS):
 
 
 def _replayable(op):
-    if op.control_inputs:
-        return False
-    if op.type in fusion.REPLAYED_CUSTOM_OPS:
-        return _wrapper(op.type) is not None
-    return op.type in fusion.REPLAYED_OPS and len(op.outputs) == 1
+    return op.type in fusion.REPLAYED_OPS and len(op.outputs) == 1 and not op.control_inputs
 
 
 def _computed(t):

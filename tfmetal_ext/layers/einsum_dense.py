@@ -51,6 +51,11 @@ class FusedEinsumDense(_STOCK):
     kernel the product reads (EinsumDense's own ``kernel`` property), so the
     adapters get gradients and a frozen kernel none.
 
+    Training memory: as `FusedDense`, a planned product's input made by a
+    feed-forward's elementwise chain (``silu(gate) * up``, ``gelu(x1) * x2``)
+    is made again in the backward pass inside a tf.function
+    (`tfmetal_ext.layers._replay`), not kept.
+
     Quantization: ``quantize(mode)`` and the ``<mode>_from_<policy>`` dtype
     policies are stock's (the same variables and stores). ``"int8"``
     weight-only (a config whose ``activation_quantizer`` is None) computes
