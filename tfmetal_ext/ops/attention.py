@@ -126,10 +126,9 @@ def _unfolded_heads_first(y, dy):
     control dependency, which grappler moves aside), and ``output`` is then kept for the backward
     pass beside `y`. The same permutation on a rank-5 view is not recognised as the inverse; waiting
     for `dy` keeps the executor from making it during the forward pass."""
-    shape = tf.shape(y)
     with tf.control_dependencies([dy]):
         wide = tf.transpose(tf.expand_dims(y, -1), [0, 2, 1, 3, 4])
-    return tf.reshape(wide, tf.stack([shape[0], shape[2], shape[1], shape[3]]))
+    return tf.squeeze(wide, -1)
 
 
 def _heads_last_call(lib, query, key, value, mask, seeds, attrs, name):
