@@ -237,3 +237,47 @@ def test_backward_pass_reads_neither_the_product_nor_the_activation(kind):
 
     assert graph(replay=False), "the check must see the backward readers without the replay"
     assert graph(replay=True) == []
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_approximate"])
+def test_gelu_feed_forward_second_projection_replays_the_gelu(activation):
+    """GPT-2 / BERT / ViT's feed-forward: Dense(gelu) -> Dense. The second projection replays the GELU
+    from the first one's pre-activation (exact GELU is Erfc-based, the tanh one Pow/Tanh-based), and
+    the gradients are the unreplayed step's: both are TF's autodiff of the same GELU ops (the first
+    layer recomputes it in its own backward pass without the replay), so only grappler's rewrites of
+    the two graphs may round differently (a few float32 ulps of each sum of 24 products)."""
+    rng = _rng(30)
+    x = tf.constant(rng.standard_normal((2, 6, 8)).astype("float32"))
+    dy = tf.constant(rng.standard_normal((2, 6, 5)).astype("float32"))
+    first, second = FusedDense(24, activation=activation), FusedDense(5)
+    first.build((2, 6, 8))
+    second.build((2, 6, 24))
+    planned = []
+
+    def step(replay):
+        original = _replay.plan
+
+        def plan(t, **kw):
+            found = original(t, **kw) if replay else None
+            planned.append(found)
+            return found
+
+        _replay.plan = plan
+        try:
+            def run(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = second(first(x, training=True), training=True)
+                return [y] + tape.gradient(y, [x] + first.trainable_variables + second.trainable_variables,
+                                           output_gradients=dy)
+
+            return [t.numpy() for t in tf.function(run)(x)]
+        finally:
+            _replay.plan = original
+
+    with_replay = step(True)
+    assert planned[-1] is not None and "Mul" in {op.type for op in planned[-1].ops}
+    without = step(False)
+    np.testing.assert_array_equal(with_replay[0], without[0])
+    for a, b in zip(with_replay[1:], without[1:]):
+        np.testing.assert_allclose(a, b, rtol=64 * EPS32 * 24, atol=64 * EPS32 * np.max(np.abs(b)))

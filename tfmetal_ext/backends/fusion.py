@@ -128,7 +128,7 @@ RECOMPUTED_ACTIVATIONS = frozenset({"gelu", "gelu_approximate"})
 REPLAYED_OPS = frozenset(
     {
         "Identity", "Reshape", "Cast", "Mul", "AddV2", "Add", "Sub", "Neg", "RealDiv", "Square", "Pow",
-        "Sqrt", "Rsqrt", "Exp", "Tanh", "Sigmoid", "Erf", "Softplus",
+        "Sqrt", "Rsqrt", "Exp", "Tanh", "Sigmoid", "Erf", "Erfc", "Softplus",
     }
 )
 # The replayed chain saves memory only when it holds a product of two computed tensors (one of these
