@@ -249,10 +249,18 @@ def _gradients(model, new, stock_vars, new_vars, x, seed):
     state = [(v, tf.identity(v.value)) for v in variables if not (id(v) in seen or seen.add(id(v)))]
 
     def grads(m, variables, inputs, targets):
-        with tf.GradientTape() as tape:
-            out = keras.tree.flatten(m(inputs, training=True))
-            loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, "float32") - t)) for o, t in zip(out, targets)])
-        return tape.gradient(loss, [v.value for v in variables])
+        def step():
+            with tf.GradientTape() as tape:
+                out = keras.tree.flatten(m(inputs, training=True))
+                loss = tf.add_n([tf.reduce_mean(tf.square(tf.cast(o, "float32") - t)) for o, t in zip(out, targets)])
+            return tape.gradient(loss, [v.value for v in variables])
+
+        if not (tf.distribute.has_strategy() and tf.distribute.in_cross_replica_context()):
+            return step()
+        # convert() inside `strategy.scope()`: a distributed variable is read in a replica's context
+        # only. Every replica computes the same batch; the first replica's gradients are the step's.
+        strategy = tf.distribute.get_strategy()
+        return strategy.experimental_local_results(strategy.run(step))[0]
 
     def restore():
         for v, value in state:
