@@ -40,7 +40,7 @@ class Replay:
 
     target: tf.Tensor
     anchors: tuple
-    ops: tuple  # the replayed ops, producers first
+    ops: tuple  # the replayed ops (`rebuild` makes each once its inputs are made)
 
     def rebuild(self, anchors):
         """`target` made again from `anchors` (tensors standing for `self.anchors`, in order)."""

@@ -42,10 +42,11 @@ class FusedDense(keras.layers.Dense):
     | CPU (no oneDNN) | `_FusedMatMul[BiasAdd(, Relu/Relu6/Elu/LeakyRelu)]`, float32 |
 
     Training memory: in a training call inside a tf.function, an input made
-    by a short elementwise chain over tensors the backward pass keeps anyway (a
-    feed-forward's ``silu(gate) * up`` or ``gelu(pre)``) is made again in the
-    backward pass instead of being kept with the chain's intermediates (`tfmetal_ext.layers._replay`); the gradients are
-    TensorFlow's own for the same ops. Eagerly the ordinary path runs.
+    by a short elementwise chain over tensors the backward pass keeps anyway
+    (a feed-forward's ``silu(gate) * up`` or ``gelu(pre)``) is made again in
+    the backward pass instead of being kept with the chain's intermediates
+    (`tfmetal_ext.layers._replay`); the gradients are TensorFlow's own for
+    the same ops. Eagerly the ordinary path runs.
 
     float16 on a CPU without native half fuses nothing. While
     ``tfmetal_ext.configure(avoid_fusions=["matmul_bias_relu"])`` is in force
