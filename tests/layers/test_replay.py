@@ -7,6 +7,7 @@ bound), under float32, mixed_float16 and LoRA; and that the backward pass no lon
 forward product or activation.
 """
 
+import contextlib
 import importlib
 
 import keras
@@ -121,6 +122,24 @@ def _layer(kind, units, dtype=None):
     return FusedEinsumDense("btf,fd->btd", output_shape=(None, units), bias_axes="d", dtype=dtype)
 
 
+@contextlib.contextmanager
+def _replay_plans(replay, found=None):
+    """Within: `_replay.plan` as it is (`replay`) or finding nothing; each answer appended to `found`."""
+    original = _replay.plan
+
+    def plan(t, **kw):
+        answer = original(t, **kw) if replay else None
+        if found is not None:
+            found.append(answer)
+        return answer
+
+    _replay.plan = plan
+    try:
+        yield
+    finally:
+        _replay.plan = original
+
+
 def _step(layer, g, u, dy, replay):
     """Outputs and gradients (g, u, then the layer's trainable variables) of ``layer(silu(g) * u)``
     in a training call in a tf.function, with or without the replay."""
@@ -133,13 +152,8 @@ def _step(layer, g, u, dy, replay):
         grads = tape.gradient(y, [g, u] + layer.trainable_variables, output_gradients=dy)
         return [y] + grads
 
-    original = _replay.plan
-    if not replay:
-        _replay.plan = lambda x, **kw: None
-    try:
+    with _replay_plans(replay):
         return [np.asarray(tf.cast(t, "float32")) for t in tf.function(run)(g, u)]
-    finally:
-        _replay.plan = original
 
 
 def _operands(dtype, shape=(2, 7, 12), units=5, seed=10):
@@ -225,13 +239,8 @@ def test_backward_pass_reads_neither_the_product_nor_the_activation(kind):
                 y = layer(p, training=True)
             return tape.gradient(y, [g, u] + layer.trainable_variables, output_gradients=dy)
 
-        original = _replay.plan
-        if not replay:
-            _replay.plan = lambda x, **kw: None
-        try:
+        with _replay_plans(replay):
             graph = tf.function(run).get_concrete_function(g, u).graph
-        finally:
-            _replay.plan = original
         readers = [c.name for t in (seen["s"], seen["p"]) for c in graph.get_tensor_by_name(t.name).consumers()]
         return [name for name in readers if name.startswith("gradient_tape/")]
 
@@ -255,25 +264,15 @@ def test_gelu_feed_forward_second_projection_replays_the_gelu(activation):
     planned = []
 
     def step(replay):
-        original = _replay.plan
+        def run(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = second(first(x, training=True), training=True)
+            return [y] + tape.gradient(y, [x] + first.trainable_variables + second.trainable_variables,
+                                       output_gradients=dy)
 
-        def plan(t, **kw):
-            found = original(t, **kw) if replay else None
-            planned.append(found)
-            return found
-
-        _replay.plan = plan
-        try:
-            def run(x):
-                with tf.GradientTape() as tape:
-                    tape.watch(x)
-                    y = second(first(x, training=True), training=True)
-                return [y] + tape.gradient(y, [x] + first.trainable_variables + second.trainable_variables,
-                                           output_gradients=dy)
-
+        with _replay_plans(replay, planned):
             return [t.numpy() for t in tf.function(run)(x)]
-        finally:
-            _replay.plan = original
 
     with_replay = step(True)
     assert planned[-1] is not None and "Mul" in {op.type for op in planned[-1].ops}

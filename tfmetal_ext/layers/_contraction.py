@@ -103,8 +103,7 @@ def recomputed(fn):
     @tf.custom_gradient
     def run(x):
         def grad(dy):
-            with tf.control_dependencies([dy]):
-                again = tf.identity(x)
+            (again,) = waiting_for(dy, [x])
             with tf.GradientTape() as tape:
                 tape.watch(again)
                 y_again = fn(again)
@@ -113,6 +112,15 @@ def recomputed(fn):
         return fn(x), grad
 
     return run
+
+
+def waiting_for(dy, tensors):
+    """`tensors` as identities that run once gradient `dy` exists: what a backward pass recomputes from.
+
+    Depending on the incoming gradient, the recomputation can neither be merged with the forward ops
+    by grappler (which would keep their tensors alive again) nor run during the forward pass."""
+    with tf.control_dependencies([dy]):
+        return [tf.identity(t) for t in tensors]
 
 
 def catalog_activation_name(name, fn):

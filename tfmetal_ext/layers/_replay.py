@@ -164,10 +164,7 @@ def apply(forward, x, replay):
     @tf.custom_gradient
     def run(*anchors):
         def grad(dy, variables=None):
-            # Depending on the incoming gradient, the replay cannot be merged with the forward ops
-            # by grappler (which would keep their tensors alive again).
-            with tf.control_dependencies([dy]):
-                again = [tf.identity(a) for a in anchors]
+            again = C.waiting_for(dy, anchors)
             variables = list(variables or ())
             with keras_backend.AutocastScope(dtype), tf.GradientTape(watch_accessed_variables=False) as tape:
                 tape.watch(again)
