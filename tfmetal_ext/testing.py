@@ -435,14 +435,31 @@ def np_layer_norm_grad(dy, x, gamma, epsilon):
     return dx, (dy * xhat).sum(rows), dy.sum(rows)
 
 
-def _np_attention_probs(q, k, mask, causal, scale):
+def _np_repeat_kv(q, t):
+    """Grouped-query attention: key/value heads repeated for their consecutive query heads."""
+    t = np.asarray(t, np.float64)
+    return np.repeat(t, q.shape[1] // t.shape[1], axis=1) if t.shape[1] and q.shape[1] != t.shape[1] else t
+
+
+def _np_sum_kv_groups(g, like):
+    """A repeated key/value gradient summed back over each key/value head's query heads."""
+    b, h, t, d = g.shape
+    kv = np.shape(like)[1]
+    return g if kv == h else g.reshape(b, kv, h // kv, t, d).sum(2)
+
+
+def _np_attention_probs(q, k, mask, causal, scale, window=0):
     """float64 softmax probabilities (0 in a row attending no key) and lse (-inf there)."""
-    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    q = np.asarray(q, np.float64)
+    k = _np_repeat_kv(q, k)
     tq, tk = q.shape[2], k.shape[2]
     scores = scale * np.einsum("bhqd,bhkd->bhqk", q, k)
     allowed = np.ones((1, 1, tq, tk), bool) if mask is None else np.asarray(mask, bool)
+    i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
     if causal:
-        allowed = allowed & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])
+        allowed = allowed & (j <= i)
+    if window:
+        allowed = allowed & (np.abs(i - j) < window)
     allowed = np.broadcast_to(allowed, scores.shape)
     scores = np.where(allowed, scores, -np.inf)
     any_key = allowed.any(-1, keepdims=True)
@@ -454,33 +471,38 @@ def _np_attention_probs(q, k, mask, causal, scale):
     return np.where(any_key, e / total, 0.0), lse
 
 
-def np_attention(q, k, v, mask=None, causal=False, scale=None, factors=None):
+def np_attention(q, k, v, mask=None, causal=False, scale=None, factors=None, window=0):
     """``(output, lse)`` of softmax attention in float64 (TfmetalExt>Attention's contract).
 
-    Inputs (batch, heads, seq, dim); `mask` a boolean "attend" mask broadcastable to
-    (batch, heads, q_seq, kv_seq); causal: key j attended by query i only if j <= i;
-    scale None for 1/sqrt(head_dim). A row attending no key has output 0 and lse -inf.
+    Inputs (batch, heads, seq, dim), key and value with heads dividing query's (grouped-query:
+    each repeated for its consecutive query heads); `mask` a boolean "attend" mask broadcastable
+    to (batch, heads, q_seq, kv_seq); causal: key j attended by query i only if j <= i; window
+    w > 0: only if |i - j| < w; scale None for 1/sqrt(head_dim). A row attending no key has
+    output 0 and lse -inf.
     `factors`: None, or attention dropout's (batch, heads, q_seq, kv_seq) factors of the
     probabilities (`np_attention_dropout_factors`); the lse stays the undropped one.
     """
     scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
-    p, lse = _np_attention_probs(q, k, mask, causal, scale)
+    p, lse = _np_attention_probs(q, k, mask, causal, scale, window)
     p = p if factors is None else p * factors
-    return np.einsum("bhqk,bhkd->bhqd", p, np.asarray(v, np.float64)), lse
+    return np.einsum("bhqk,bhkd->bhqd", p, _np_repeat_kv(np.asarray(q), v)), lse
 
 
-def np_attention_grad(d_output, q, k, v, mask=None, causal=False, scale=None, factors=None):
-    """``(d_query, d_key, d_value)`` of `np_attention`'s output in float64 (with its `factors`)."""
+def np_attention_grad(d_output, q, k, v, mask=None, causal=False, scale=None, factors=None, window=0):
+    """``(d_query, d_key, d_value)`` of `np_attention`'s output in float64 (with its `factors`; key and
+    value gradients summed over each key/value head's query heads)."""
     scale = 1.0 / np.sqrt(np.shape(q)[-1]) if scale is None else scale
-    q, k, v, do = (np.asarray(t, np.float64) for t in (q, k, v, d_output))
-    p, _ = _np_attention_probs(q, k, mask, causal, scale)
+    k_in, v_in = k, v
+    q, do = (np.asarray(t, np.float64) for t in (q, d_output))
+    k, v = _np_repeat_kv(q, k), _np_repeat_kv(q, v)
+    p, _ = _np_attention_probs(q, k, mask, causal, scale, window)
     m = 1.0 if factors is None else factors
     dp = m * np.einsum("bhqd,bhkd->bhqk", do, v)  # d(output)/d(p): through the dropped p
     ds = p * (dp - (p * dp).sum(-1, keepdims=True))
     return (
         scale * np.einsum("bhqk,bhkd->bhqd", ds, k),
-        scale * np.einsum("bhqk,bhqd->bhkd", ds, q),
-        np.einsum("bhqk,bhqd->bhkd", p * m, do),
+        _np_sum_kv_groups(scale * np.einsum("bhqk,bhqd->bhkd", ds, q), k_in),
+        _np_sum_kv_groups(np.einsum("bhqk,bhqd->bhkd", p * m, do), v_in),
     )
 
 

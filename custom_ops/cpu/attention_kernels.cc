@@ -330,6 +330,8 @@ TFMETAL_ATTN_INLINE void AttnTranspose(const T* __restrict src, int64_t rows, in
 
 struct AttnShape {
   int64_t b = 0, h = 0, tq = 0, tk = 0, d = 0, dv = 0;
+  int64_t hk = 0;      // key/value heads (grouped-query attention: they divide h)
+  int64_t groups = 1;  // query heads per key/value head, h / hk
   // Element strides of the mask along b, h, q, k (0 along a broadcast dimension).
   int64_t mask_b = 0, mask_h = 0, mask_q = 0, mask_k = 0;
   bool mask_trivial = false;  // [1, 1, 1, 1] True: no mask
@@ -476,14 +478,21 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
   s->h = q.dim_size(1);
   s->tq = q.dim_size(2);
   s->d = q.dim_size(3);
+  s->hk = k.dim_size(1);
   s->tk = k.dim_size(2);
   s->dv = v.dim_size(3);
-  if (k.dim_size(0) != s->b || k.dim_size(1) != s->h || k.dim_size(3) != s->d) {
-    return errors::InvalidArgument("key must have the batch, heads and head dim of query, got shapes ",
+  if (k.dim_size(0) != s->b || k.dim_size(3) != s->d) {
+    return errors::InvalidArgument("key must have the batch and head dim of query, got shapes ",
                                    q.shape().DebugString(), " and ", k.shape().DebugString());
   }
-  if (v.dim_size(0) != s->b || v.dim_size(1) != s->h || v.dim_size(2) != s->tk) {
-    return errors::InvalidArgument("value must have the batch and heads of query and the sequence length of key, ",
+  const std::string heads_error = AttentionKvHeadsError(s->h, s->hk);  // tfmetal/host_checks.h
+  if (!heads_error.empty()) {
+    return errors::InvalidArgument(heads_error, ", got shapes ", q.shape().DebugString(), " and ",
+                                   k.shape().DebugString());
+  }
+  s->groups = s->hk == 0 ? 1 : s->h / s->hk;
+  if (v.dim_size(0) != s->b || v.dim_size(1) != s->hk || v.dim_size(2) != s->tk) {
+    return errors::InvalidArgument("value must have the batch of query and the heads and sequence length of key, ",
                                    "got shapes ", q.shape().DebugString(), ", ", k.shape().DebugString(), " and ",
                                    v.shape().DebugString());
   }
@@ -519,13 +528,14 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
 // Scales row i of the tile (scores of query q0 + i, keys k0 ..) and sets the
 // scores it does not attend to -inf.
 TFMETAL_ATTN_INLINE void AttnScaleAndMaskRow(float* __restrict s, int64_t kn, float scale, const bool* mask_row,
-                                             int64_t mask_k, bool causal, int64_t qi, int64_t k0, bool masked) {
+                                             int64_t mask_k, bool causal, uint32_t window, int64_t qi, int64_t k0,
+                                             bool masked) {
   if (!masked) {
     AttnScaleRow(s, kn, scale);
     return;
   }
   for (int64_t j = 0; j < kn; ++j) {
-    const bool ok = attention_attends(mask_row[(k0 + j) * mask_k], causal, static_cast<uint32_t>(qi),
+    const bool ok = attention_attends(mask_row[(k0 + j) * mask_k], causal, window, static_cast<uint32_t>(qi),
                                       static_cast<uint32_t>(k0 + j));
     const uint32_t keep = 0u - static_cast<uint32_t>(ok);
     s[j] = AttnBitsFloat((AttnFloatBits(s[j] * scale) & keep) | (AttnFloatBits(kNegInf) & ~keep));
@@ -536,13 +546,14 @@ TFMETAL_ATTN_INLINE void AttnScaleAndMaskRow(float* __restrict s, int64_t kn, fl
 // the transposed tile) and sets those not attended to -inf; mask_col is the
 // mask at (q0, kj), mask_q its stride along the queries.
 TFMETAL_ATTN_INLINE void AttnScaleAndMaskColumn(float* __restrict s, int64_t n, float scale, const bool* mask_col,
-                                                int64_t mask_q, bool causal, int64_t q0, int64_t kj, bool masked) {
+                                                int64_t mask_q, bool causal, uint32_t window, int64_t q0, int64_t kj,
+                                                bool masked) {
   if (!masked) {
     AttnScaleRow(s, n, scale);
     return;
   }
   for (int64_t i = 0; i < n; ++i) {
-    const bool ok = attention_attends(mask_col[i * mask_q], causal, static_cast<uint32_t>(q0 + i),
+    const bool ok = attention_attends(mask_col[i * mask_q], causal, window, static_cast<uint32_t>(q0 + i),
                                       static_cast<uint32_t>(kj));
     const uint32_t keep = 0u - static_cast<uint32_t>(ok);
     s[i] = AttnBitsFloat((AttnFloatBits(s[i] * scale) & keep) | (AttnFloatBits(kNegInf) & ~keep));
@@ -561,6 +572,7 @@ struct AttnForwardArgs {
   float* lse;
   AttnShape s;
   bool causal;
+  uint32_t window;  // sliding window, 0: none
   float scale;
   int64_t q_tiles;
   AttnDropout drop;
@@ -598,26 +610,29 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
     const int64_t qn = std::min(kBlockQ, s.tq - q0);
     const int64_t bi = bh / s.h, hi = bh % s.h;
     AttnTranspose(a.q + (bh * s.tq + q0) * s.d, qn, s.d, qt, kBlockQ);
-    const T* kh = a.k + bh * s.tk * s.d;
-    const T* vh = a.v + bh * s.tk * s.dv;
+    const int64_t bkv = bi * s.hk + hi / s.groups;  // the key/value head this query head reads
+    const T* kh = a.k + bkv * s.tk * s.d;
+    const T* vh = a.v + bkv * s.tk * s.dv;
     const bool* mask_q = a.mask + bi * s.mask_b + hi * s.mask_h + q0 * s.mask_q;
     std::fill(o, o + qn * s.dv, 0.0f);
     std::fill(m, m + qn, kNegInf);
     std::fill(l, l + qn, 0.0f);
-    const int64_t key_end = attention_key_end(a.causal, static_cast<uint32_t>(q0), static_cast<uint32_t>(qn),
-                                              static_cast<uint32_t>(s.tk));
-    for (int64_t k0 = 0; k0 < key_end; k0 += kBlockK) {
+    const int64_t key_end = attention_key_end(a.causal, a.window, static_cast<uint32_t>(q0),
+                                              static_cast<uint32_t>(qn), static_cast<uint32_t>(s.tk));
+    const int64_t key_begin = std::min<int64_t>(key_end, attention_key_begin(a.window, static_cast<uint32_t>(q0)));
+    for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlockK) {
       const int64_t kn = std::min(kBlockK, key_end - k0);
       const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
       AttnRunGemm<kAvx2>(AttnMakeGemm(kn, qn, s.d, kf, s.d, 1, qt, kBlockQ, st, kBlockQ, false));
-      const bool masked = !s.mask_trivial || !attention_tile_below_diagonal(a.causal, static_cast<uint32_t>(q0),
-                                                                             static_cast<uint32_t>(k0),
-                                                                             static_cast<uint32_t>(kn));
+      const bool masked = !s.mask_trivial ||
+                          !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
+                                                   static_cast<uint32_t>(qn), static_cast<uint32_t>(k0),
+                                                   static_cast<uint32_t>(kn));
       std::fill(tile_max, tile_max + qn, kNegInf);
       for (int64_t j = 0; j < kn; ++j) {
         float* row = st + j * kBlockQ;
-        AttnScaleAndMaskColumn(row, qn, a.scale, mask_q + (k0 + j) * s.mask_k, s.mask_q, a.causal, q0, k0 + j,
-                               masked);
+        AttnScaleAndMaskColumn(row, qn, a.scale, mask_q + (k0 + j) * s.mask_k, s.mask_q, a.causal, a.window, q0,
+                               k0 + j, masked);
         for (int64_t i = 0; i < qn; ++i) tile_max[i] = std::max(tile_max[i], row[i]);
       }
       for (int64_t i = 0; i < qn; ++i) {
@@ -678,15 +693,17 @@ struct AttnBackwardArgs {
   T* dv;
   AttnShape s;
   bool causal;
+  uint32_t window;  // sliding window, 0: none
   float scale;
   AttnDropout drop;
 };
 
 template <typename T>
 inline int64_t AttnBackwardScratch(const AttnShape& s) {
-  // dq [Tq x D], dr [Tq], kt [D x BK], vt [Dv x BK], dk [BK x D], dv [BK x Dv],
-  // s and dp [BQ x BK], keep [BK]; widened k [BK x D], q [BQ x D], dO [BQ x Dv].
-  return s.tq * s.d + s.tq + s.d * kBlockK + s.dv * kBlockK + kBlockK * s.d + kBlockK * s.dv +
+  // dq [Tq x D], dr [Tq], kt [D x BK], vt [Dv x BK], dk [Tk x D], dv [Tk x Dv] (summed over
+  // the query heads of a key/value head), s and dp [BQ x BK], keep [BK]; widened k [BK x D],
+  // q [BQ x D], dO [BQ x Dv].
+  return s.tq * s.d + s.tq + s.d * kBlockK + s.dv * kBlockK + s.tk * s.d + s.tk * s.dv +
          2 * kBlockQ * kBlockK + kBlockK + (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockQ * s.d + kBlockQ * s.dv);
 }
 
@@ -698,86 +715,98 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
   float* dr = dq + s.tq * s.d;
   float* kt = dr + s.tq;
   float* vt = kt + s.d * kBlockK;
-  float* dk = vt + s.dv * kBlockK;
-  float* dv = dk + kBlockK * s.d;
-  float* st = dv + kBlockK * s.dv;
+  float* dk_head = vt + s.dv * kBlockK;  // the key/value head's dK, dV: every key, summed over its query heads
+  float* dv_head = dk_head + s.tk * s.d;
+  float* st = dv_head + s.tk * s.dv;
   float* dp = st + kBlockQ * kBlockK;
   float* keep = dp + kBlockQ * kBlockK;  // one row's dropout mask
   float* kbuf = keep + kBlockK;
   float* qbuf = kbuf + kBlockK * s.d;
   float* dobuf = qbuf + kBlockQ * s.d;
-  for (int64_t bh = begin; bh < end; ++bh) {
-    const int64_t bi = bh / s.h, hi = bh % s.h;
-    const T* qh = a.q + bh * s.tq * s.d;
-    const T* kh = a.k + bh * s.tk * s.d;
-    const T* vh = a.v + bh * s.tk * s.dv;
-    const T* doh = a.d_out + bh * s.tq * s.dv;
-    const T* oh = a.out + bh * s.tq * s.dv;
-    const float* lse = a.lse + bh * s.tq;
-    const bool* mask_bh = a.mask + bi * s.mask_b + hi * s.mask_h;
-    std::fill(dq, dq + s.tq * s.d, 0.0f);
-    for (int64_t i = 0; i < s.tq; ++i) {
-      float acc = 0.0f;
-      for (int64_t c = 0; c < s.dv; ++c) acc += static_cast<float>(doh[i * s.dv + c]) * static_cast<float>(oh[i * s.dv + c]);
-      dr[i] = acc;
-    }
-    for (int64_t k0 = 0; k0 < s.tk; k0 += kBlockK) {
-      const int64_t kn = std::min(kBlockK, s.tk - k0);
-      const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
-      AttnTranspose(kf, kn, s.d, kt, kBlockK);
-      AttnTranspose(vh + k0 * s.dv, kn, s.dv, vt, kBlockK);
-      std::fill(dk, dk + kn * s.d, 0.0f);
-      std::fill(dv, dv + kn * s.dv, 0.0f);
-      const int64_t q_begin = (attention_query_begin(a.causal, static_cast<uint32_t>(k0)) / kBlockQ) * kBlockQ;
-      for (int64_t q0 = q_begin; q0 < s.tq; q0 += kBlockQ) {
-        const int64_t qn = std::min(kBlockQ, s.tq - q0);
-        const float* qf = AttnAsFloat(qh + q0 * s.d, qn * s.d, qbuf);
-        const float* dof = AttnAsFloat(doh + q0 * s.dv, qn * s.dv, dobuf);
-        AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
-        AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.dv, dof, s.dv, 1, vt, kBlockK, dp, kBlockK, false));
-        const bool masked = !s.mask_trivial || !attention_tile_below_diagonal(a.causal, static_cast<uint32_t>(q0),
-                                                                               static_cast<uint32_t>(k0),
-                                                                               static_cast<uint32_t>(kn));
-        for (int64_t i = 0; i < qn; ++i) {
-          float* srow = st + i * kBlockK;
-          float* dprow = dp + i * kBlockK;
-          const float row_lse = lse[q0 + i];
-          if (row_lse == kNegInf) {  // attends no key: p = 0, ds = 0
-            std::fill(srow, srow + kn, 0.0f);
-            std::fill(dprow, dprow + kn, 0.0f);
-            continue;
-          }
-          AttnScaleAndMaskRow(srow, kn, a.scale, mask_bh + (q0 + i) * s.mask_q, s.mask_k, a.causal, q0 + i, k0,
-                              masked);
-          const float row_dr = dr[q0 + i];
-          if (a.drop.on) {  // dV takes the dropped p; ds the dropped dp (the same mask, drawn again)
-            AttnDropoutKeepRow(a.drop, static_cast<uint64_t>((bh * s.tq + q0 + i) * s.tk + k0), kn, keep);
-            for (int64_t j = 0; j < kn; ++j) {
-              const float p = AttnExp(srow[j] - row_lse);
-              const bool kept = keep[j] != 0.0f;
-              srow[j] = attention_dropout_apply(p, kept, a.drop.scale);
-              dprow[j] = a.scale * attention_ds(p, attention_dropout_apply(dprow[j], kept, a.drop.scale), row_dr);
-            }
-            continue;
-          }
-          for (int64_t j = 0; j < kn; ++j) {
-            const float p = AttnExp(srow[j] - row_lse);  // exact 0 for a masked score (-inf)
-            srow[j] = p;
-            dprow[j] = a.scale * attention_ds(p, dprow[j], row_dr);
-          }
-        }
-        // dV += P^T dO, dK += dS^T Q (scale folded into dS), dQ += dS K.
-        AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.dv, qn, st, 1, kBlockK, dof, s.dv, dv, s.dv, true));
-        AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.d, qn, dp, 1, kBlockK, qf, s.d, dk, s.d, true));
-        AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.d, kn, dp, kBlockK, 1, kf, s.d, dq + q0 * s.d, s.d, true));
+  // One item per key/value head: its query heads in turn, so dK and dV have one writer.
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t bi = item / s.hk, hki = item % s.hk;
+    const T* kh = a.k + item * s.tk * s.d;
+    const T* vh = a.v + item * s.tk * s.dv;
+    std::fill(dk_head, dk_head + s.tk * s.d, 0.0f);
+    std::fill(dv_head, dv_head + s.tk * s.dv, 0.0f);
+    for (int64_t g = 0; g < s.groups; ++g) {
+      const int64_t hi = hki * s.groups + g;
+      const int64_t bh = bi * s.h + hi;
+      const T* qh = a.q + bh * s.tq * s.d;
+      const T* doh = a.d_out + bh * s.tq * s.dv;
+      const T* oh = a.out + bh * s.tq * s.dv;
+      const float* lse = a.lse + bh * s.tq;
+      const bool* mask_bh = a.mask + bi * s.mask_b + hi * s.mask_h;
+      std::fill(dq, dq + s.tq * s.d, 0.0f);
+      for (int64_t i = 0; i < s.tq; ++i) {
+        float acc = 0.0f;
+        for (int64_t c = 0; c < s.dv; ++c) acc += static_cast<float>(doh[i * s.dv + c]) * static_cast<float>(oh[i * s.dv + c]);
+        dr[i] = acc;
       }
-      T* dkh = a.dk + (bh * s.tk + k0) * s.d;
-      T* dvh = a.dv + (bh * s.tk + k0) * s.dv;
-      for (int64_t e = 0; e < kn * s.d; ++e) dkh[e] = static_cast<T>(dk[e]);
-      for (int64_t e = 0; e < kn * s.dv; ++e) dvh[e] = static_cast<T>(dv[e]);
+      for (int64_t k0 = 0; k0 < s.tk; k0 += kBlockK) {
+        const int64_t kn = std::min(kBlockK, s.tk - k0);
+        const int64_t q_begin =
+            (attention_query_begin(a.causal, a.window, static_cast<uint32_t>(k0)) / kBlockQ) * kBlockQ;
+        const int64_t q_end = attention_query_end(a.window, static_cast<uint32_t>(k0), static_cast<uint32_t>(kn),
+                                                  static_cast<uint32_t>(s.tq));
+        if (q_begin >= q_end) continue;  // no query row attends these keys: their dK, dV stay 0
+        const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
+        AttnTranspose(kf, kn, s.d, kt, kBlockK);
+        AttnTranspose(vh + k0 * s.dv, kn, s.dv, vt, kBlockK);
+        float* dk = dk_head + k0 * s.d;
+        float* dv = dv_head + k0 * s.dv;
+        for (int64_t q0 = q_begin; q0 < q_end; q0 += kBlockQ) {
+          const int64_t qn = std::min(kBlockQ, s.tq - q0);
+          const float* qf = AttnAsFloat(qh + q0 * s.d, qn * s.d, qbuf);
+          const float* dof = AttnAsFloat(doh + q0 * s.dv, qn * s.dv, dobuf);
+          AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
+          AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.dv, dof, s.dv, 1, vt, kBlockK, dp, kBlockK, false));
+          const bool masked = !s.mask_trivial ||
+                              !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
+                                                       static_cast<uint32_t>(qn), static_cast<uint32_t>(k0),
+                                                       static_cast<uint32_t>(kn));
+          for (int64_t i = 0; i < qn; ++i) {
+            float* srow = st + i * kBlockK;
+            float* dprow = dp + i * kBlockK;
+            const float row_lse = lse[q0 + i];
+            if (row_lse == kNegInf) {  // attends no key: p = 0, ds = 0
+              std::fill(srow, srow + kn, 0.0f);
+              std::fill(dprow, dprow + kn, 0.0f);
+              continue;
+            }
+            AttnScaleAndMaskRow(srow, kn, a.scale, mask_bh + (q0 + i) * s.mask_q, s.mask_k, a.causal, a.window,
+                                q0 + i, k0, masked);
+            const float row_dr = dr[q0 + i];
+            if (a.drop.on) {  // dV takes the dropped p; ds the dropped dp (the same mask, drawn again)
+              AttnDropoutKeepRow(a.drop, static_cast<uint64_t>((bh * s.tq + q0 + i) * s.tk + k0), kn, keep);
+              for (int64_t j = 0; j < kn; ++j) {
+                const float p = AttnExp(srow[j] - row_lse);
+                const bool kept = keep[j] != 0.0f;
+                srow[j] = attention_dropout_apply(p, kept, a.drop.scale);
+                dprow[j] = a.scale * attention_ds(p, attention_dropout_apply(dprow[j], kept, a.drop.scale), row_dr);
+              }
+              continue;
+            }
+            for (int64_t j = 0; j < kn; ++j) {
+              const float p = AttnExp(srow[j] - row_lse);  // exact 0 for a masked score (-inf)
+              srow[j] = p;
+              dprow[j] = a.scale * attention_ds(p, dprow[j], row_dr);
+            }
+          }
+          // dV += P^T dO, dK += dS^T Q (scale folded into dS), dQ += dS K.
+          AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.dv, qn, st, 1, kBlockK, dof, s.dv, dv, s.dv, true));
+          AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.d, qn, dp, 1, kBlockK, qf, s.d, dk, s.d, true));
+          AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.d, kn, dp, kBlockK, 1, kf, s.d, dq + q0 * s.d, s.d, true));
+        }
+      }
+      T* dqh = a.dq + bh * s.tq * s.d;
+      for (int64_t e = 0; e < s.tq * s.d; ++e) dqh[e] = static_cast<T>(dq[e]);
     }
-    T* dqh = a.dq + bh * s.tq * s.d;
-    for (int64_t e = 0; e < s.tq * s.d; ++e) dqh[e] = static_cast<T>(dq[e]);
+    T* dkh = a.dk + item * s.tk * s.d;
+    T* dvh = a.dv + item * s.tk * s.dv;
+    for (int64_t e = 0; e < s.tk * s.d; ++e) dkh[e] = static_cast<T>(dk_head[e]);
+    for (int64_t e = 0; e < s.tk * s.dv; ++e) dvh[e] = static_cast<T>(dv_head[e]);
   }
 }
 
@@ -827,6 +856,11 @@ class AttnAttrs {
  public:
   explicit AttnAttrs(OpKernelConstruction* ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("causal", &causal_));
+    int64_t window = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sliding_window", &window));
+    const std::string window_error = AttentionWindowError(window);  // tfmetal/host_checks.h
+    OP_REQUIRES(ctx, window_error.empty(), errors::InvalidArgument(window_error));
+    window_ = static_cast<uint32_t>(window);
     OP_REQUIRES_OK(ctx, ctx->GetAttr("scale", &scale_));
     OP_REQUIRES(ctx, std::isfinite(scale_) && scale_ > 0.0f,
                 errors::InvalidArgument("scale must be finite and > 0, got ", scale_));
@@ -855,6 +889,7 @@ class AttnAttrs {
   }
 
   bool causal_ = false;
+  uint32_t window_ = 0;
   float scale_ = 1.0f;
   float dropout_rate_ = 0.0f;
   float dropout_scale_ = 1.0f;
@@ -886,6 +921,7 @@ class AttentionOp : public OpKernel {
     a.lse = lse->flat<float>().data();
     a.s = s;
     a.causal = attrs_.causal_;
+    a.window = attrs_.window_;
     a.scale = attrs_.scale_;
     a.q_tiles = AttnCeilDiv(s.tq, kBlockQ);
     a.drop = drop;
@@ -948,17 +984,18 @@ class AttentionGradOp : public OpKernel {
     a.dv = dv->flat<T>().data();
     a.s = s;
     a.causal = attrs_.causal_;
+    a.window = attrs_.window_;
     a.scale = attrs_.scale_;
     a.drop = drop;
-    const int64_t items = s.b * s.h;
+    const int64_t items = s.b * s.hk;  // one per key/value head (and its query heads)
     if (items == 0) return;
-    if (s.tq == 0) {  // no query: no gradient flows to key and value
+    if (s.tq == 0 || s.h == 0) {  // no query: no gradient flows to key and value
       std::fill(a.dk, a.dk + dk->NumElements(), static_cast<T>(0.0f));
       std::fill(a.dv, a.dv + dv->NumElements(), static_cast<T>(0.0f));
       return;
     }
-    // Cycles per head, roughly: five GEMMs of Tq x Tk x D at ~8 flops a cycle.
-    const int64_t cost = std::max<int64_t>(1, s.tq * s.tk * (3 * s.d + 2 * s.dv) / 4);
+    // Cycles per key/value head, roughly: five GEMMs of Tq x Tk x D per query head at ~8 flops a cycle.
+    const int64_t cost = std::max<int64_t>(1, s.groups * s.tq * s.tk * (3 * s.d + 2 * s.dv) / 4);
     OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, items, cost, AttnBackwardScratch<T>(s),
                                                [&a](int64_t begin, int64_t end, float* scratch) {
                                                  AttnBackwardItems(a, begin, end, scratch);

@@ -1,7 +1,8 @@
 // Metal kernels of TfmetalExt>Attention and TfmetalExt>AttentionGrad
 // (instantiated in attention.metal; host code in attention_metal.mm; the op
-// contract: query [B, H, Tq, D], key [B, H, Tk, D], value [B, H, Tk, Dv],
-// a broadcast bool mask [Bm, Hm, Tqm, Tkm], causal, scale).
+// contract: query [B, H, Tq, D], key [B, Hk, Tk, D], value [B, Hk, Tk, Dv]
+// with Hk dividing H (grouped-query attention), a broadcast bool mask
+// [Bm, Hm, Tqm, Tkm], causal, sliding window, scale).
 //
 // Flash-style: the Tq x Tk score matrix is never stored, only tiles of it in
 // threadgroup memory; softmax statistics and every sum are float32 whatever T.
@@ -19,8 +20,8 @@
 //                         online softmax rescales the running output, then the
 //                         tile's values are staged chunk by chunk and each lane
 //                         accumulates the output dims lane, lane + 32, ...
-//                         With causal, key tiles wholly above the diagonal of
-//                         the query tile are skipped. Writes output and lse;
+//                         Key tiles wholly above the diagonal of the query
+//                         tile (causal) or outside its window are skipped. Writes output and lse;
 //                         a fully masked row (and every row when Tk == 0)
 //                         writes output 0 and lse -inf.
 // attention_bwd_dq<T>     one threadgroup per (batch, head, query tile):
@@ -28,12 +29,14 @@
 //                         over key tiles p = exp(s - lse), dp = dO . v,
 //                         ds = p (dp - Dr), dQ += ds K (K staged in chunks);
 //                         dQ = scale * sum.
-// attention_bwd_dkdv<T>   one threadgroup per (batch, head, key tile, head-dim
-//                         chunk c): dK[:, 64c, 64c + 64) and dV[:, 64c, 64c + 64)
-//                         of its 32 keys, accumulated in registers (16 + 16
-//                         floats per thread) over every query tile (causal:
-//                         from the first query tile that reaches the key
-//                         tile). The scores and dp are recomputed for each
+// attention_bwd_dkdv<T>   one threadgroup per (batch, key/value head, key tile,
+//                         head-dim chunk c): dK[:, 64c, 64c + 64) and
+//                         dV[:, 64c, 64c + 64) of its 32 keys, accumulated in
+//                         registers (16 + 16 floats per thread) over the query
+//                         heads that read the key/value head (grouped-query
+//                         attention: H / Hk of them) and their query tiles
+//                         that reach the key tile (causal: from the diagonal;
+//                         window: up to the window's end). The scores and dp are recomputed for each
 //                         chunk (once when D, Dv <= 64), and Dr of each query
 //                         tile is recomputed here instead of being stored: no
 //                         scratch tensor, no atomics, one writer per element.
@@ -78,8 +81,10 @@ struct tfm_attention_params {
   uint32_t mantissa_bits;  // of T: 23 float, 10 half, 7 bfloat16
   float dropout_rate;      // keep where the uniform number >= dropout_rate (rounded to T by the wrapper)
   float dropout_scale;     // 1 / (1 - rate), rounded to T (may be inf in half: nothing is kept then)
+  uint32_t kv_heads;       // Hk: key/value heads, dividing H (query head h reads h / (H / Hk))
+  uint32_t window;         // sliding window w: |i - j| < w; 0: none
 };
-static_assert(sizeof(tfm_attention_params) == 68, "tfm_attention_params layout is shared with the host");
+static_assert(sizeof(tfm_attention_params) == 76, "tfm_attention_params layout is shared with the host");
 
 #define TFM_ATTN_THREADS 128u      // threads per threadgroup, every kernel
 #define TFM_ATTN_BLOCK_Q 8u        // query rows per tile
@@ -130,17 +135,30 @@ inline bool attn_dropout_keeps(dropout_stream stream, constant tfm_attention_par
                                     p.mantissa_bits, p.dropout_rate);
 }
 
-// Key tiles a query tile [q0, q0 + rows) visits: all of them, or with causal
-// those holding a key <= its last row.
-inline uint attn_key_tiles(constant tfm_attention_params& p, uint q0, uint rows) {
-  return attention_ceil_div(attention_key_end(p.causal != 0u, q0, rows, p.tk), TFM_ATTN_BLOCK_K);
+// The key/value head (b, kv head) query head h of batch b reads, as a flat
+// index of [B, Hk].
+inline ulong attn_kv_index(constant tfm_attention_params& p, uint b, uint h) {
+  return static_cast<ulong>(b) * p.kv_heads + attention_kv_head(h, p.heads, p.kv_heads);
 }
 
-// The first query tile holding a row that attends a key of the tile starting
-// at k0 (with causal: the row k0; k0 is a multiple of TFM_ATTN_BLOCK_Q).
+// Key tiles [first, end) a query tile [q0, q0 + rows) visits: all of them, or
+// those holding a key <= its last row (causal) and within its rows' windows.
+inline uint attn_key_tile_begin(constant tfm_attention_params& p, uint q0) {
+  return attention_key_begin(p.window, q0) / TFM_ATTN_BLOCK_K;
+}
+inline uint attn_key_tiles(constant tfm_attention_params& p, uint q0, uint rows) {
+  return attention_ceil_div(attention_key_end(p.causal != 0u, p.window, q0, rows, p.tk), TFM_ATTN_BLOCK_K);
+}
+
+// Query tiles [first, end) holding a row that attends a key of the tile
+// [k0, k0 + keys) (with causal from the row k0, with a window up to the
+// window's last row; k0 is a multiple of TFM_ATTN_BLOCK_Q).
 inline uint attn_first_query_tile(constant tfm_attention_params& p, uint k0) {
-  const uint first = attention_query_begin(p.causal != 0u, k0) / TFM_ATTN_BLOCK_Q;
+  const uint first = attention_query_begin(p.causal != 0u, p.window, k0) / TFM_ATTN_BLOCK_Q;
   return tfm_min(attention_ceil_div(p.tq, TFM_ATTN_BLOCK_Q), first);
+}
+inline uint attn_query_tiles_end(constant tfm_attention_params& p, uint k0, uint keys) {
+  return attention_ceil_div(attention_query_end(p.window, k0, keys, p.tq), TFM_ATTN_BLOCK_Q);
 }
 
 // Dot products of a tile of 8 rows of `a` with a tile of 32 rows of `b`
@@ -213,9 +231,10 @@ template <typename T>
   const uint q0 = tgid.x * TFM_ATTN_BLOCK_Q;
   const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
   const ulong bh = static_cast<ulong>(b) * p.heads + h;
+  const ulong bkv = attn_kv_index(p, b, h);
   device const T* q_tile = query + (bh * p.tq + q0) * p.d;
-  device const T* k_head = key + bh * p.tk * p.d;
-  device const T* v_head = value + bh * p.tk * p.dv;
+  device const T* k_head = key + bkv * p.tk * p.d;
+  device const T* v_head = value + bkv * p.tk * p.dv;
   const bool causal = p.causal != 0u;
   const bool dropout = p.dropout != 0u;
   const dropout_stream stream = attn_dropout_stream(seed, p);
@@ -231,7 +250,7 @@ template <typename T>
   }
 
   const uint key_tiles = attn_key_tiles(p, q0, rows);
-  for (uint kt = 0; kt < key_tiles; ++kt) {
+  for (uint kt = attn_key_tile_begin(p, q0); kt < key_tiles; ++kt) {
     const uint k0 = kt * TFM_ATTN_BLOCK_K;
     const uint keys = tfm_min(TFM_ATTN_BLOCK_K, p.tk - k0);
     float dots[TFM_ATTN_ROWS_PER_SIMD];
@@ -241,8 +260,8 @@ template <typename T>
     for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
       const uint row = simd_id * TFM_ATTN_ROWS_PER_SIMD + r;
       const uint i = q0 + row;
-      const bool attended = row < rows && simd_lane < keys && attention_attends(attn_mask_at(mask, p, b, h, i, j),
-                                                                               causal, i, j);
+      const bool attended = row < rows && simd_lane < keys &&
+                            attention_attends(attn_mask_at(mask, p, b, h, i, j), causal, p.window, i, j);
       const float score = attended ? p.scale * dots[r] : -INFINITY;
       const float new_max = attention_new_max(run_max[r], simd_max(score));
       alpha[r] = attention_rescale(run_max[r], new_max);
@@ -318,19 +337,20 @@ inline void attn_tile_p_ds(device const T* query, device const T* key, device co
                            threadgroup float* a_st, threadgroup float* b_st, threadgroup float* p_st,
                            threadgroup float* ds_st, uint tid, uint simd_lane, uint simd_id) {
   const ulong bh = static_cast<ulong>(b) * p.heads + h;
+  const ulong bkv = attn_kv_index(p, b, h);
   float dots[TFM_ATTN_ROWS_PER_SIMD];
   float dps[TFM_ATTN_ROWS_PER_SIMD];
   device const T* q_tile = query + (bh * p.tq + q0) * p.d;
   device const T* do_tile = d_output + (bh * p.tq + q0) * p.dv;
-  attn_tile_dots(q_tile, rows, key + (bh * p.tk + k0) * p.d, keys, p.d, a_st, b_st, tid, simd_lane, simd_id, dots);
-  attn_tile_dots(do_tile, rows, value + (bh * p.tk + k0) * p.dv, keys, p.dv, a_st, b_st, tid, simd_lane, simd_id,
+  attn_tile_dots(q_tile, rows, key + (bkv * p.tk + k0) * p.d, keys, p.d, a_st, b_st, tid, simd_lane, simd_id, dots);
+  attn_tile_dots(do_tile, rows, value + (bkv * p.tk + k0) * p.dv, keys, p.dv, a_st, b_st, tid, simd_lane, simd_id,
                  dps);
   const uint j = k0 + simd_lane;
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
     const uint row = simd_id * TFM_ATTN_ROWS_PER_SIMD + r;
     const uint i = q0 + row;
     const bool attended = row < rows && simd_lane < keys &&
-                          attention_attends(attn_mask_at(mask, p, b, h, i, j), p.causal != 0u, i, j);
+                          attention_attends(attn_mask_at(mask, p, b, h, i, j), p.causal != 0u, p.window, i, j);
     const float pij = attended ? attention_p(p.scale * dots[r], lse[bh * p.tq + i]) : 0.0f;
     float p_used = pij, dp_used = dps[r];
     if (p.dropout != 0u && attended) {
@@ -364,7 +384,7 @@ template <typename T>
   const uint q0 = tgid.x * TFM_ATTN_BLOCK_Q;
   const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
   const ulong bh = static_cast<ulong>(b) * p.heads + h;
-  device const T* k_head = key + bh * p.tk * p.d;
+  device const T* k_head = key + attn_kv_index(p, b, h) * p.tk * p.d;
   const dropout_stream stream = attn_dropout_stream(seed, p);
 
   float acc[TFM_ATTN_ROWS_PER_SIMD][TFM_ATTN_DIMS_PER_LANE];
@@ -375,7 +395,7 @@ template <typename T>
                dr);
 
   const uint key_tiles = attn_key_tiles(p, q0, rows);
-  for (uint kt = 0; kt < key_tiles; ++kt) {
+  for (uint kt = attn_key_tile_begin(p, q0); kt < key_tiles; ++kt) {
     const uint k0 = kt * TFM_ATTN_BLOCK_K;
     const uint keys = tfm_min(TFM_ATTN_BLOCK_K, p.tk - k0);
     attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, stream, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st,
@@ -407,7 +427,8 @@ template <typename T>
   }
 }
 
-// Threadgroup x = key tile * chunks + chunk, chunks = ceil(max(D, Dv) / 64).
+// Threadgroup x = key tile * chunks + chunk, chunks = ceil(max(D, Dv) / 64);
+// y = key/value head (Hk of them), z = batch.
 template <typename T>
 [[kernel]] void attention_bwd_dkdv(device const T* d_output [[buffer(0)]],
                                    device const T* query [[buffer(1)]],
@@ -428,13 +449,14 @@ template <typename T>
   threadgroup float q_st[TFM_ATTN_BLOCK_Q * TFM_ATTN_CHUNK];
   threadgroup float do_st[TFM_ATTN_BLOCK_Q * TFM_ATTN_CHUNK];
   const uint tid = lid.x;
-  const uint b = tgid.z, h = tgid.y;
+  const uint b = tgid.z, hk = tgid.y;
   const uint chunks = attention_ceil_div(tfm_max(p.d, p.dv), TFM_ATTN_CHUNK);
   const uint kt = tgid.x / chunks;
   const uint c0 = (tgid.x % chunks) * TFM_ATTN_CHUNK;
   const uint k0 = kt * TFM_ATTN_BLOCK_K;
   const uint keys = tfm_min(TFM_ATTN_BLOCK_K, p.tk - k0);
-  const ulong bh = static_cast<ulong>(b) * p.heads + h;
+  const ulong bkv = static_cast<ulong>(b) * p.kv_heads + hk;
+  const uint groups = p.heads / p.kv_heads;  // the query heads reading this key/value head
   const dropout_stream stream = attn_dropout_stream(seed, p);
 
   // This thread's elements of the [32 keys, 64 dims] chunk: key tid / 64 + 2 n, dim tid % 64.
@@ -448,39 +470,43 @@ template <typename T>
     dv[n] = 0.0f;
   }
 
-  const uint query_tiles = attention_ceil_div(p.tq, TFM_ATTN_BLOCK_Q);
-  // Causal: query rows before k0 attend no key of this tile.
-  for (uint qt = attn_first_query_tile(p, k0); qt < query_tiles; ++qt) {
-    const uint q0 = qt * TFM_ATTN_BLOCK_Q;
-    const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
-    // Dr of the query tile, recomputed here rather than stored (no scratch tensor).
-    float dr[TFM_ATTN_ROWS_PER_SIMD];
-    attn_rows_dr(d_output + (bh * p.tq + q0) * p.dv, output + (bh * p.tq + q0) * p.dv, rows, p.dv, simd_lane,
-                 simd_id, dr);
-    attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, stream, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st,
-                   ds_st, tid, simd_lane, simd_id);
-    // The chunk's columns of Q and dO for this query tile (the staging's
-    // barriers publish p_st / ds_st too).
-    attn_stage_chunk(query + (bh * p.tq + q0) * p.d, rows, TFM_ATTN_BLOCK_Q, p.d, c0, q_st, TFM_ATTN_CHUNK, tid);
-    attn_stage_chunk(d_output + (bh * p.tq + q0) * p.dv, rows, TFM_ATTN_BLOCK_Q, p.dv, c0, do_st, TFM_ATTN_CHUNK,
-                     tid);
-    for (uint n = 0; n < kPerThread; ++n) {
-      const uint jj = tid / TFM_ATTN_CHUNK + kKeyStep * n;
-      float sum_dk = 0.0f;
-      float sum_dv = 0.0f;
-      for (uint row = 0; row < TFM_ATTN_BLOCK_Q; ++row) {
-        sum_dk += ds_st[row * TFM_ATTN_BLOCK_K + jj] * q_st[row * TFM_ATTN_CHUNK + col];
-        sum_dv += p_st[row * TFM_ATTN_BLOCK_K + jj] * do_st[row * TFM_ATTN_CHUNK + col];
+  // Causal: query rows before k0 attend no key of this tile; a window: nor rows past its end.
+  const uint query_tiles = attn_query_tiles_end(p, k0, keys);
+  for (uint g = 0; g < groups; ++g) {
+    const uint h = hk * groups + g;
+    const ulong bh = static_cast<ulong>(b) * p.heads + h;
+    for (uint qt = attn_first_query_tile(p, k0); qt < query_tiles; ++qt) {
+      const uint q0 = qt * TFM_ATTN_BLOCK_Q;
+      const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
+      // Dr of the query tile, recomputed here rather than stored (no scratch tensor).
+      float dr[TFM_ATTN_ROWS_PER_SIMD];
+      attn_rows_dr(d_output + (bh * p.tq + q0) * p.dv, output + (bh * p.tq + q0) * p.dv, rows, p.dv, simd_lane,
+                   simd_id, dr);
+      attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, stream, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st,
+                     ds_st, tid, simd_lane, simd_id);
+      // The chunk's columns of Q and dO for this query tile (the staging's
+      // barriers publish p_st / ds_st too).
+      attn_stage_chunk(query + (bh * p.tq + q0) * p.d, rows, TFM_ATTN_BLOCK_Q, p.d, c0, q_st, TFM_ATTN_CHUNK, tid);
+      attn_stage_chunk(d_output + (bh * p.tq + q0) * p.dv, rows, TFM_ATTN_BLOCK_Q, p.dv, c0, do_st, TFM_ATTN_CHUNK,
+                       tid);
+      for (uint n = 0; n < kPerThread; ++n) {
+        const uint jj = tid / TFM_ATTN_CHUNK + kKeyStep * n;
+        float sum_dk = 0.0f;
+        float sum_dv = 0.0f;
+        for (uint row = 0; row < TFM_ATTN_BLOCK_Q; ++row) {
+          sum_dk += ds_st[row * TFM_ATTN_BLOCK_K + jj] * q_st[row * TFM_ATTN_CHUNK + col];
+          sum_dv += p_st[row * TFM_ATTN_BLOCK_K + jj] * do_st[row * TFM_ATTN_CHUNK + col];
+        }
+        dk[n] += sum_dk;
+        dv[n] += sum_dv;
       }
-      dk[n] += sum_dk;
-      dv[n] += sum_dv;
     }
-  }
+  }  // query heads of the key/value head
 
   for (uint n = 0; n < kPerThread; ++n) {
     const uint jj = tid / TFM_ATTN_CHUNK + kKeyStep * n;
     if (jj >= keys) continue;
-    const ulong key_row = bh * p.tk + k0 + jj;
+    const ulong key_row = bkv * p.tk + k0 + jj;
     if (c0 + col < p.d) d_key[key_row * p.d + c0 + col] = static_cast<T>(p.scale * dk[n]);
     if (c0 + col < p.dv) d_value[key_row * p.dv + c0 + col] = static_cast<T>(dv[n]);
   }

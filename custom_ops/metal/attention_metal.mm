@@ -10,7 +10,8 @@
 //   forward   attention_fwd_<T>:       ceil(Tq / 8) query tiles
 //   gradient  attention_bwd_dq_<T>:    ceil(Tq / 8) query tiles -> dQ
 //             attention_bwd_dkdv_<T>:  ceil(Tk / 32) key tiles x ceil(max(D, Dv) / 64)
-//                                      head-dim chunks -> dK, dV
+//                                      head-dim chunks -> dK, dV (on a
+//                                      (tile, key/value head, batch) grid)
 //             both in one compute encoder (each only reads the inputs).
 // Attention dropout: the optional seed input (a list of 0 or 1 tensors) is
 // checked here (one is needed when dropout_rate > 0; shape [2]) and bound as
@@ -43,6 +44,7 @@ const MetalLibrarySource kLibrary{tfm_attention_metal_source_name, tfm_attention
 
 struct AttentionKernel {
   bool causal;
+  uint32_t window;
   float scale;
   float dropout_rate;
   float dropout_scale;
@@ -50,9 +52,16 @@ struct AttentionKernel {
 
 void* CreateAttention(TF_OpKernelConstruction* ctx) {
   StatusPtr status(TF_NewStatus());
-  AttentionKernel kernel{false, 0.0f, 0.0f, 1.0f};
+  AttentionKernel kernel{false, 0u, 0.0f, 0.0f, 1.0f};
   unsigned char causal = 0;
+  int64_t window = 0;
   TF_OpKernelConstruction_GetAttrBool(ctx, "causal", &causal, status.get());
+  if (Ok(status.get())) TF_OpKernelConstruction_GetAttrInt64(ctx, "sliding_window", &window, status.get());
+  if (Ok(status.get())) {
+    const std::string error = AttentionWindowError(window);  // host_checks.h
+    if (!error.empty()) SetStatus(status.get(), TF_INVALID_ARGUMENT, error);
+  }
+  kernel.window = Ok(status.get()) ? static_cast<uint32_t>(window) : 0u;
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "scale", &kernel.scale, status.get());
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "dropout_rate", &kernel.dropout_rate, status.get());
   if (Ok(status.get())) TF_OpKernelConstruction_GetAttrFloat(ctx, "dropout_scale", &kernel.dropout_scale, status.get());
@@ -78,15 +87,19 @@ bool CheckShapes(const TF_Tensor* query, const TF_Tensor* key, const TF_Tensor* 
                  const AttentionKernel& kernel, tfm_attention_params* params, TF_Status* status) {
   const std::vector<int64_t> q = Dims(query), k = Dims(key), v = Dims(value), m = Dims(mask);
   if (q.size() != 4) return Fail(status, "query must have rank 4 [B, H, Tq, D], got shape " + ShapeString(q));
-  if (k.size() != 4) return Fail(status, "key must have rank 4 [B, H, Tk, D], got shape " + ShapeString(k));
-  if (v.size() != 4) return Fail(status, "value must have rank 4 [B, H, Tk, Dv], got shape " + ShapeString(v));
+  if (k.size() != 4) return Fail(status, "key must have rank 4 [B, Hk, Tk, D], got shape " + ShapeString(k));
+  if (v.size() != 4) return Fail(status, "value must have rank 4 [B, Hk, Tk, Dv], got shape " + ShapeString(v));
   if (m.size() != 4) return Fail(status, "mask must have rank 4 [Bm, Hm, Tqm, Tkm], got shape " + ShapeString(m));
-  if (k[0] != q[0] || k[1] != q[1] || k[3] != q[3]) {
-    return Fail(status, "key must be [B, H, Tk, D] with query's B, H and D: query " + ShapeString(q) + ", key " +
+  if (k[0] != q[0] || k[3] != q[3]) {
+    return Fail(status, "key must be [B, Hk, Tk, D] with query's B and D: query " + ShapeString(q) + ", key " +
                             ShapeString(k));
   }
-  if (v[0] != q[0] || v[1] != q[1] || v[2] != k[2]) {
-    return Fail(status, "value must be [B, H, Tk, Dv] with key's B, H and Tk: key " + ShapeString(k) + ", value " +
+  const std::string heads_error = AttentionKvHeadsError(q[1], k[1]);  // host_checks.h
+  if (!heads_error.empty()) {
+    return Fail(status, heads_error + ": query " + ShapeString(q) + ", key " + ShapeString(k));
+  }
+  if (v[0] != q[0] || v[1] != k[1] || v[2] != k[2]) {
+    return Fail(status, "value must be [B, Hk, Tk, Dv] with key's B, Hk and Tk: key " + ShapeString(k) + ", value " +
                             ShapeString(v));
   }
   const int64_t full[4] = {q[0], q[1], q[2], k[2]};
@@ -125,7 +138,9 @@ bool CheckShapes(const TF_Tensor* query, const TF_Tensor* key, const TF_Tensor* 
                                  0u,
                                  UniformMantissaBits(TF_TensorType(query)),  // metal_helper.h
                                  kernel.dropout_rate,
-                                 kernel.dropout_scale};
+                                 kernel.dropout_scale,
+                                 static_cast<uint32_t>(k[1]),
+                                 kernel.window};
   return true;
 }
 
@@ -164,8 +179,10 @@ bool CheckPipeline(id<MTLComputePipelineState> pipeline, const char* name, TF_St
   return false;
 }
 
-void Dispatch(id<MTLComputeCommandEncoder> encoder, NSUInteger tiles, const tfm_attention_params& params) {
-  [encoder dispatchThreadgroups:MTLSizeMake(tiles, params.heads, params.batch)
+// A (tiles, heads, batch) grid: `heads` query heads (forward, dQ) or key/value heads (dK, dV).
+void Dispatch(id<MTLComputeCommandEncoder> encoder, NSUInteger tiles, NSUInteger heads,
+              const tfm_attention_params& params) {
+  [encoder dispatchThreadgroups:MTLSizeMake(tiles, heads, params.batch)
           threadsPerThreadgroup:MTLSizeMake(TFM_ATTN_THREADS, 1, 1)];
 }
 
@@ -217,7 +234,7 @@ void AttentionCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx, TF
                  [encoder setBuffer:os.buffer offset:os.offset atIndex:5];  // device T* output [[buffer(5)]]
                  [encoder setBuffer:ls.buffer offset:ls.offset atIndex:6];  // device float* lse [[buffer(6)]]
                  SetBytes(encoder, params, 7);  // constant tfm_attention_params& p [[buffer(7)]]
-                 Dispatch(encoder, QueryTiles(params), params);
+                 Dispatch(encoder, QueryTiles(params), params.heads, params);
                });
 }
 
@@ -251,7 +268,7 @@ void AttentionGradCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx
   TensorPtr dv = Output(ctx, 2, dtype, Dims(in[3].get()), status);
   if (!Ok(status)) return;
   const bool has_dq = TF_TensorElementCount(dq.get()) > 0;    // B, H, Tq > 0
-  const bool has_dkdv = TF_TensorElementCount(dk.get()) > 0;  // B, H, Tk > 0
+  const bool has_dkdv = TF_TensorElementCount(dk.get()) > 0;  // B, Hk, Tk > 0
   if (!has_dq && !has_dkdv) return;
 
   MetalSlice s[8], dqs, dks, dvs;  // the 7 inputs and the seed (s[7]: empty without one)
@@ -296,7 +313,7 @@ void AttentionGradCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx
                  if (has_dq) {
                    [encoder setBuffer:dqs.buffer offset:dqs.offset atIndex:8];  // device T* d_query [[buffer(8)]]
                    SetBytes(encoder, params, 9);  // constant tfm_attention_params& p [[buffer(9)]]
-                   Dispatch(encoder, QueryTiles(params), params);
+                   Dispatch(encoder, QueryTiles(params), params.heads, params);
                  }
                  if (!has_dkdv) return;
                  if (has_dq) [encoder setComputePipelineState:dkdv_pipeline];
@@ -306,7 +323,7 @@ void AttentionGradCompute(const AttentionKernel& kernel, TF_OpKernelContext* ctx
                  const NSUInteger key_tiles = (params.tk + TFM_ATTN_BLOCK_K - 1) / TFM_ATTN_BLOCK_K;
                  const NSUInteger chunks =
                      (std::max(params.d, params.dv) + TFM_ATTN_CHUNK - 1) / TFM_ATTN_CHUNK;
-                 Dispatch(encoder, key_tiles * chunks, params);
+                 Dispatch(encoder, key_tiles * chunks, params.kv_heads, params);
                });
 }
 

@@ -1,7 +1,7 @@
 // Registration of TfmetalExt>Attention and its gradient op TfmetalExt>AttentionGrad.
 //
-// query [B, H, Tq, D], key [B, H, Tk, D], value [B, H, Tk, Dv] of one float
-// dtype T; a boolean "attend" mask of rank 4 whose every dimension is 1 or the
+// query [B, H, Tq, D], key [B, Hk, Tk, D], value [B, Hk, Tk, Dv] of one float
+// dtype T, Hk dividing H (grouped-query attention; Hk = H without); a boolean "attend" mask of rank 4 whose every dimension is 1 or the
 // full size of [B, H, Tq, Tk] ([1, 1, 1, 1] True for no mask). The saved
 // log-sum-exp is float32 for every T.
 //
@@ -50,21 +50,25 @@ Status CheckHeadDim(InferenceContext* c, DimensionHandle d, const char* name, Sh
   return Status();
 }
 
-// Checks query/key/value/mask (inputs first..first+3) and gives B, H, Tq, Tk, D, Dv.
-Status CheckAttentionInputs(InferenceContext* c, int first, DimensionHandle dims[6]) {
+// Checks query/key/value/mask (inputs first..first+3) and gives B, H, Tq, Tk, D, Dv, Hk.
+Status CheckAttentionInputs(InferenceContext* c, int first, DimensionHandle dims[7]) {
   ShapeHandle q, k, v, m;
   TF_RETURN_IF_ERROR(Rank4(c, first, "query", &q));
   TF_RETURN_IF_ERROR(Rank4(c, first + 1, "key", &k));
   TF_RETURN_IF_ERROR(Rank4(c, first + 2, "value", &v));
   TF_RETURN_IF_ERROR(Rank4(c, first + 3, "mask", &m));
-  DimensionHandle b, h, tk, d;
+  DimensionHandle b, h = c->Dim(q, 1), hk, tk, d;
   TF_RETURN_IF_ERROR(MergeDim(c, q, 0, "query", k, 0, "key", "batch dimension", &b));
-  TF_RETURN_IF_ERROR(MergeDim(c, q, 1, "query", k, 1, "key", "heads dimension", &h));
   TF_RETURN_IF_ERROR(MergeDim(c, q, 3, "query", k, 3, "key", "head dim", &d));
   ShapeHandle qb = c->MakeShape({b, h, c->Dim(q, 2), d});
   TF_RETURN_IF_ERROR(MergeDim(c, qb, 0, "query", v, 0, "value", "batch dimension", &b));
-  TF_RETURN_IF_ERROR(MergeDim(c, qb, 1, "query", v, 1, "value", "heads dimension", &h));
+  TF_RETURN_IF_ERROR(MergeDim(c, k, 1, "key", v, 1, "value", "heads dimension", &hk));
   TF_RETURN_IF_ERROR(MergeDim(c, k, 2, "key", v, 2, "value", "sequence length", &tk));
+  if (c->ValueKnown(h) && c->ValueKnown(hk) && (c->Value(hk) < 1 || c->Value(h) % c->Value(hk) != 0) &&
+      !(c->Value(h) == 0 && c->Value(hk) == 0)) {
+    return ::tensorflow::errors::InvalidArgument("the key/value heads must divide the query heads, got shapes ",
+                                                 c->DebugString(q), " and ", c->DebugString(k));
+  }
   DimensionHandle tq = c->Dim(q, 2), dv = c->Dim(v, 3);
   TF_RETURN_IF_ERROR(CheckHeadDim(c, d, "query", q));
   TF_RETURN_IF_ERROR(CheckHeadDim(c, dv, "value", v));
@@ -84,6 +88,7 @@ Status CheckAttentionInputs(InferenceContext* c, int first, DimensionHandle dims
   dims[3] = tk;
   dims[4] = d;
   dims[5] = dv;
+  dims[6] = hk;
   return Status();
 }
 
@@ -104,7 +109,7 @@ Status CheckSeed(InferenceContext* c, int first) {
 }
 
 Status AttentionShape(InferenceContext* c) {
-  DimensionHandle dims[6];
+  DimensionHandle dims[7];
   TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 0, dims));
   TF_RETURN_IF_ERROR(CheckSeed(c, 4));
   c->set_output(0, c->MakeShape({dims[0], dims[1], dims[2], dims[5]}));
@@ -113,7 +118,7 @@ Status AttentionShape(InferenceContext* c) {
 }
 
 Status AttentionGradShape(InferenceContext* c) {
-  DimensionHandle dims[6];
+  DimensionHandle dims[7];
   TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 1, dims));
   TF_RETURN_IF_ERROR(CheckSeed(c, 7));
   ShapeHandle want_out = c->MakeShape({dims[0], dims[1], dims[2], dims[5]});
@@ -131,8 +136,8 @@ Status AttentionGradShape(InferenceContext* c) {
                                                  c->DebugString(want_lse), ", got ", c->DebugString(c->input(6)));
   }
   c->set_output(0, c->MakeShape({dims[0], dims[1], dims[2], dims[4]}));
-  c->set_output(1, c->MakeShape({dims[0], dims[1], dims[3], dims[4]}));
-  c->set_output(2, c->MakeShape({dims[0], dims[1], dims[3], dims[5]}));
+  c->set_output(1, c->MakeShape({dims[0], dims[6], dims[3], dims[4]}));
+  c->set_output(2, c->MakeShape({dims[0], dims[6], dims[3], dims[5]}));
   return Status();
 }
 
@@ -149,6 +154,7 @@ REGISTER_OP("TfmetalExt>Attention")
     .Attr("T: {float, half, bfloat16}")
     .Attr("Tseed: list({int32, int64}) >= 0 = []")
     .Attr("causal: bool = false")
+    .Attr("sliding_window: int = 0")
     .Attr("scale: float = 1.0")
     .Attr("dropout_rate: float = 0.0")
     .Attr("dropout_scale: float = 1.0")
@@ -158,7 +164,9 @@ Scaled dot-product softmax attention per batch and head, flash-style (the
 [Tq, Tk] score matrix is never stored): output = softmax(scale * query key^T)
 value over the attended keys, computed in float32 for every T. Key j is
 attended by query i where mask (broadcast: each dimension 1 or the full size
-of [B, H, Tq, Tk]) is True and, with causal, j <= i. lse (float32, [B, H, Tq])
+of [B, H, Tq, Tk]) is True, with causal j <= i, and with sliding_window w > 0
+|i - j| < w. Grouped-query attention: key and value may have Hk heads, Hk
+dividing H; query head h reads key/value head h / (H / Hk). lse (float32, [B, H, Tq])
 is each row's log-sum-exp of the attended scores, saved for
 TfmetalExt>AttentionGrad. A row attending no key has output 0 and lse -inf.
 scale must be finite and > 0; head dims 1..256.
@@ -187,6 +195,7 @@ REGISTER_OP("TfmetalExt>AttentionGrad")
     .Attr("T: {float, half, bfloat16}")
     .Attr("Tseed: list({int32, int64}) >= 0 = []")
     .Attr("causal: bool = false")
+    .Attr("sliding_window: int = 0")
     .Attr("scale: float = 1.0")
     .Attr("dropout_rate: float = 0.0")
     .Attr("dropout_scale: float = 1.0")
@@ -195,7 +204,9 @@ REGISTER_OP("TfmetalExt>AttentionGrad")
 Gradient of TfmetalExt>Attention from its output and saved lse: the
 probabilities are recomputed tile by tile (p = exp(scale q.k - lse)), with
 Dr = rowsum(d_output * output) and ds = p (d_output . v - Dr):
-d_query = scale ds key, d_key = scale ds^T query, d_value = p^T d_output.
+d_query = scale ds key, d_key = scale ds^T query, d_value = p^T d_output
+(with grouped-query attention, d_key and d_value of a key/value head sum
+over the query heads that read it).
 float32 accumulation for every T; deterministic (no atomics, the summation
 order depends on the shapes only). With dropout (the forward's seed,
 dropout_rate and dropout_scale) the mask m (dropout_scale or 0) is drawn

@@ -279,6 +279,90 @@ def test_gradients_match_numpy(path, dtype):
             assert_close(as64(got), want, 2 * tol, f"d{what}, {case_id(case)}")
 
 
+# ---------------------------------------------------------------- grouped-query attention, sliding window
+
+
+def np_grouped(q, k, v, do, mask, causal, window, scale):
+    """Output and gradients written out in float64 with each key/value head repeated for its query heads
+    (keras-hub's repeat) and the band |i - j| < window added to the mask, the repeated heads' gradients
+    summed back: an independent reference for the op's unrepeated, banded form."""
+    h, hk = q.shape[1], k.shape[1]
+    tq, tk = q.shape[2], k.shape[2]
+    band = np.abs(np.arange(tq)[:, None] - np.arange(tk)[None, :]) < window if window else np.ones((tq, tk), bool)
+    full = band[None, None] if mask is None else np.asarray(mask, bool) & band[None, None]
+    kr, vr = (np.repeat(t, h // hk, axis=1) for t in (k, v))
+    out, lse = np_attention(q, kr, vr, full, causal, scale)
+    dq, dk, dv = np_attention_grad(do, q, kr, vr, full, causal, scale)
+    b, _, _, d = dk.shape
+    return out, lse, dq, dk.reshape(b, hk, h // hk, tk, d).sum(2), dv.reshape(b, hk, h // hk, tk, -1).sum(2)
+
+
+# (b, h, kv_heads, tq, tk, d, dv, mask kind, causal, window): groups of 1-4; windows inside a key tile,
+# across the 64-row query and 128-key tiles, of one key, wider than the keys; without causality.
+GROUPED_CASES = [
+    (2, 4, 2, 21, 21, 8, 8, "padding", True, 5),
+    (1, 4, 1, 140, 140, 16, 8, None, True, 9),
+    (1, 2, 2, 300, 300, 8, 8, "padding", True, 129),
+    (2, 2, 1, 12, 12, 4, 4, None, True, 1),
+    (1, 6, 3, 17, 17, 8, 8, "full", True, 200),
+    (1, 2, 1, 70, 150, 8, 8, "padding", False, 40),
+    (2, 6, 2, 33, 33, 8, 4, "padding", True, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_grouped_query_and_sliding_window_match_numpy(path, dtype):
+    tf_dtype, tol = DTYPES[dtype]
+    for seed, case in enumerate(GROUPED_CASES):
+        b, h, hk, tq, tk, d, dv, kind, causal, window = case
+        rng = np.random.default_rng(seed + 300)
+        q, k, v, do = (rng.normal(0, 1, shape).astype("float32")
+                       for shape in ((b, h, tq, d), (b, hk, tk, d), (b, hk, tk, dv), (b, h, tq, dv)))
+        mask = make_mask(kind, b, h, tq, tk, seed)
+        qt, kt, vt = (tf.constant(t, tf_dtype) for t in (q, k, v))
+        with tf.GradientTape() as tape:
+            tape.watch([qt, kt, vt])
+            out = attention(qt, kt, vt, mask=mask, causal=causal, sliding_window=window or None)
+        grads = tape.gradient(out, [qt, kt, vt], output_gradients=tf.constant(do, tf_dtype))
+        want = np_grouped(*(rounded(t, tf_dtype) for t in (q, k, v, do)), mask, causal, window, 1 / math.sqrt(d))
+        what = f"{case}"
+        assert out.shape == (b, h, tq, dv) and [g.shape for g in grads] == [qt.shape, kt.shape, vt.shape]
+        assert_close(as64(out), want[0], tol, what)
+        for got, w, name in zip(grads, want[2:], "qkv"):
+            assert_close(as64(got), w, 2 * tol, f"d{name}, {what}")
+
+
+def test_sliding_window_raw_op_lse_and_tiles_outside_the_band():
+    """The raw op's lse is that of the band's keys only (float64 reference), and a window shorter than
+    the keys of a long row gives that row exactly the result of attending its band alone."""
+    lib = _lib()
+    q, k, v = qkv(1, 2, 300, 300, 8, seed=41)
+    out, lse = lib.tfmetal_ext_attention(q, k, v, np.ones((1, 1, 1, 1), bool), [], causal=True, scale=0.5,
+                                         sliding_window=64)
+    band = np.abs(np.arange(300)[:, None] - np.arange(300)[None, :]) < 64
+    want_out, want_lse = np_attention(q, k, v, band[None, None], True, 0.5)
+    assert_close(out.numpy(), want_out, 2e-5)
+    np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-5)
+    # Row 299 attends keys 236..299: the same as the op on those keys alone.
+    alone, _ = lib.tfmetal_ext_attention(q[:, :, 299:], k[:, :, 236:], v[:, :, 236:], np.ones((1, 1, 1, 1), bool), [],
+                                         scale=0.5)
+    np.testing.assert_allclose(out.numpy()[:, :, 299:], alone.numpy(), rtol=0, atol=2e-6)
+
+
+def test_grouped_query_equals_the_repeated_heads_bit_for_bit_forward():
+    """Unrepeated key/value heads read in place give the repeated-heads forward exactly (the same
+    float32 operations in the same order per query head)."""
+    lib = _lib()
+    q, _, _ = qkv(2, 6, 37, 50, 16, seed=42)
+    _, k, v = qkv(2, 2, 37, 50, 16, seed=43)
+    m = np.ones((1, 1, 1, 1), bool)
+    got, got_lse = lib.tfmetal_ext_attention(q, k, v, m, [], causal=True, scale=0.25, sliding_window=11)
+    kr, vr = (np.repeat(t, 3, axis=1) for t in (k, v))
+    want, want_lse = lib.tfmetal_ext_attention(q, kr, vr, m, [], causal=True, scale=0.25, sliding_window=11)
+    np.testing.assert_array_equal(got.numpy(), want.numpy())
+    np.testing.assert_array_equal(got_lse.numpy(), want_lse.numpy())
+
+
 # ---------------------------------------------------------------- rounded once: a derived bound
 
 
@@ -505,6 +589,12 @@ def _bad_calls():
         ("scale='x'", lambda: attention(q, k, v, scale="x")),
         ("scale=True", lambda: attention(q, k, v, scale=True)),
         ("causal=1", lambda: attention(q, k, v, causal=1)),
+        ("key.shape=(2, 2, 5, 8)", lambda: attention(q, k[:, :2], v[:, :2])),  # 2 key heads for 3 query heads
+        ("sliding_window=0", lambda: attention(q, k, v, sliding_window=0)),
+        ("sliding_window=-3", lambda: attention(q, k, v, sliding_window=-3)),
+        ("sliding_window=2.0", lambda: attention(q, k, v, sliding_window=2.0)),
+        ("sliding_window=True", lambda: attention(q, k, v, sliding_window=True)),
+        ("sliding_window=2147483648", lambda: attention(q, k, v, sliding_window=2**31)),
     ]
 
 
@@ -598,6 +688,11 @@ def _raw_bad_calls():
         ("mask rank 3", *fwd(m=m[0])),
         ("key batch", *fwd(k=k[:1])),
         ("value heads", *fwd(v=v[:, :1])),
+        ("key heads 2 of 3", *fwd(k=k[:, :2], v=v[:, :2])),
+        ("grad key heads 2 of 3", "tfmetal_ext_attention_grad", [out, q, k[:, :2], v[:, :2], m, out, lse], [],
+         {"scale": 1.0}),
+        ("sliding_window -1", *fwd(sliding_window=-1)),
+        ("sliding_window 2^31", *fwd(sliding_window=2**31)),
         ("value length", *fwd(v=v[:, :, :4])),
         ("key head dim", *fwd(k=k[..., :7])),
         ("head dim 0", *fwd(q=q[..., :0], k=k[..., :0])),
@@ -677,7 +772,21 @@ _BASELINE_CASES = textwrap.dedent(
             wants = t.np_attention_grad(t.rounded(do, tf_dtype), *r, mask, causal, 0.25)
             for got, want in zip(grads, wants):
                 t.assert_close(t.as64(got), want, 2 * tol, t.case_id(case))
-    print("ok", len(t.CASES))
+    for seed, case in enumerate(t.GROUPED_CASES):
+        b, h, hk, tq, tk, d, dv, kind, causal, window = case
+        rng = np.random.default_rng(seed)
+        q, k, v, do = (rng.normal(0, 1, shape).astype("float32")
+                       for shape in ((b, h, tq, d), (b, hk, tk, d), (b, hk, tk, dv), (b, h, tq, dv)))
+        mask = t.make_mask(kind, b, h, tq, tk, seed)
+        m = np.ones((1, 1, 1, 1), bool) if mask is None else mask
+        attrs = dict(causal=causal, scale=0.25, sliding_window=window)
+        out, lse = lib.tfmetal_ext_attention(q, k, v, m, [], **attrs)
+        grads = lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, [], **attrs)
+        want = t.np_grouped(q, k, v, do, mask, causal, window, 0.25)
+        t.assert_close(t.as64(out), want[0], 2e-5, str(case))
+        for got, w in zip(grads, want[2:]):
+            t.assert_close(t.as64(got), w, 4e-5, str(case))
+    print("ok", len(t.CASES) + len(t.GROUPED_CASES))
     """
 )
 
@@ -694,7 +803,7 @@ def test_baseline_loops_match_numpy():
         env={**env, "TFMETAL_EXT_CPU_BASELINE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-2:] == ["ok", str(len(CASES))]
+    assert proc.stdout.split()[-2:] == ["ok", str(len(CASES) + len(GROUPED_CASES))]
 
 
 # ---------------------------------------------------------------- attention dropout

@@ -45,7 +45,7 @@ PARAMS = np.dtype([("batch", "<u4"), ("heads", "<u4"), ("tq", "<u4"), ("tk", "<u
                    ("mask_stride_b", "<u4"), ("mask_stride_h", "<u4"), ("mask_stride_q", "<u4"),
                    ("mask_stride_k", "<u4"), ("scale", "<f4"), ("causal", "<u4"), ("dropout", "<u4"),
                    ("seed_is_int64", "<u4"), ("mantissa_bits", "<u4"), ("dropout_rate", "<f4"),
-                   ("dropout_scale", "<f4")])
+                   ("dropout_scale", "<f4"), ("kv_heads", "<u4"), ("window", "<u4")])
 BITS = {"float": 23, "half": 10, "bfloat": 7}
 THREADS, BLOCK_Q, BLOCK_K, CHUNK = 128, 8, 32, 64  # attention.h
 GUARD = 37      # elements after each output that no kernel may write
@@ -90,7 +90,7 @@ class Dropout:
         return np.where(u >= self.rate, self.scale, 0.0)
 
 
-def params(q, k, v, mask, causal, scale, dropout=None):
+def params(q, k, v, mask, causal, scale, dropout=None, window=0):
     b, h, tq, d = q.shape
     tk, dv = k.shape[2], v.shape[3]
     bm, hm, tqm, tkm = mask.shape
@@ -99,7 +99,8 @@ def params(q, k, v, mask, causal, scale, dropout=None):
     bits = {np.dtype(t): BITS[name] for name, t in DTYPES.items()}[q.dtype]
     drop = (0, 0, bits, 0.0, 1.0) if dropout is None else (
         1, int(dropout.seed_dtype == np.int64), bits, dropout.rate, dropout.scale)
-    return ("bytes", np.array((b, h, tq, tk, d, dv) + strides + (scale, int(causal)) + drop, PARAMS))
+    return ("bytes", np.array((b, h, tq, tk, d, dv) + strides + (scale, int(causal)) + drop + (k.shape[1], window),
+                              PARAMS))
 
 
 def seed_buffer(dropout):
@@ -120,7 +121,7 @@ def check_guard(flat, shape, what):
     assert (tail == SENTINEL).all(), f"{what}: the kernel wrote past the end of the output"
 
 
-def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="linear", dropout=None):
+def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="linear", dropout=None, window=0):
     b, h, tq, d = q.shape
     scale = 1 / np.sqrt(d) if scale is None else scale
     out_shape, lse_shape = (b, h, tq, v.shape[3]), (b, h, tq)
@@ -128,14 +129,15 @@ def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="li
     lse_flat, lse = guarded(lse_shape, np.float32)
     if out.size:  # the host returns before dispatching when B, H or Tq is 0
         lib.run(FORWARD[dtype], [q, k, v, mask, seed_buffer(dropout), out_flat, lse_flat,
-                                 params(q, k, v, mask, causal, scale, dropout)],
+                                 params(q, k, v, mask, causal, scale, dropout, window)],
                 threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS, order=order, seed=3)
     check_guard(out_flat, out_shape, "output")
     check_guard(lse_flat, lse_shape, "lse")
     return out, lse
 
 
-def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=None, order="linear", dropout=None):
+def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=None, order="linear", dropout=None,
+                   window=0):
     b, h, tq, d = q.shape
     tk, dv = k.shape[2], v.shape[3]
     scale = 1 / np.sqrt(d) if scale is None else scale
@@ -143,13 +145,13 @@ def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=
     dk_flat, dk = guarded(k.shape, DTYPES[dtype])
     dv_flat, dvv = guarded(v.shape, DTYPES[dtype])
     args = [do, q, k, v, mask, np.ascontiguousarray(out), np.ascontiguousarray(lse), seed_buffer(dropout)]
-    p = params(q, k, v, mask, causal, scale, dropout)
+    p = params(q, k, v, mask, causal, scale, dropout, window)
     if dq.size:  # B, H, Tq > 0
         lib.run(DQ[dtype], args + [dq_flat, p], threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS,
                 order=order, seed=5)
-    if dk.size:  # B, H, Tk > 0
+    if dk.size:  # B, Hk, Tk > 0: one threadgroup row per key/value head
         chunks = -(-max(d, dv) // CHUNK)
-        lib.run(DKDV[dtype], args + [dk_flat, dv_flat, p], threadgroups=(-(-tk // BLOCK_K) * chunks, h, b),
+        lib.run(DKDV[dtype], args + [dk_flat, dv_flat, p], threadgroups=(-(-tk // BLOCK_K) * chunks, k.shape[1], b),
                 threadgroup=THREADS, order=order, seed=7)
     for flat, shape, what in ((dq_flat, q.shape, "d_query"), (dk_flat, k.shape, "d_key"),
                               (dv_flat, v.shape, "d_value")):
@@ -161,20 +163,35 @@ def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=
 # float64 reference: softmax attention over the attended keys, written out.
 
 
-def allowed(mask, causal, b, h, tq, tk):
+def allowed(mask, causal, b, h, tq, tk, window=0):
     a = np.broadcast_to(mask, (b, h, tq, tk))
+    i, j = np.arange(tq)[:, None], np.arange(tk)[None, :]
     if causal:
-        a = a & (np.arange(tk)[None, :] <= np.arange(tq)[:, None])
+        a = a & (j <= i)
+    if window:
+        a = a & (np.abs(i - j) < window)
     return a
 
 
-def np_forward(q, k, v, mask, causal, scale, m=1.0):
+def repeat_kv(x, heads):
+    """Grouped-query attention: each key/value head repeated for its consecutive query heads."""
+    return np.repeat(x, heads // x.shape[1], axis=1)
+
+
+def sum_kv(x, kv_heads):
+    """A gradient of the repeated key/value heads summed back per key/value head."""
+    b, h, t, d = x.shape
+    return x.reshape(b, kv_heads, h // kv_heads, t, d).sum(2)
+
+
+def np_forward(q, k, v, mask, causal, scale, m=1.0, window=0):
     """(output, lse, probabilities) in float64; rows attending no key: 0, -inf, 0. `m`: the dropout
     factors (scale or 0) of the probabilities in the output (the lse and probabilities are undropped)."""
     q, k, v = (x.astype(np.float64) for x in (q, k, v))
     b, h, tq, _ = q.shape
+    k, v = repeat_kv(k, h), repeat_kv(v, h)
     drop = m
-    a = allowed(mask, causal, b, h, tq, k.shape[2])
+    a = allowed(mask, causal, b, h, tq, k.shape[2], window)
     s = np.where(a, scale * q @ k.transpose(0, 1, 3, 2), -np.inf)
     m = s.max(-1, keepdims=True, initial=-np.inf)
     e = np.where(a, np.exp(s - np.where(np.isfinite(m), m, 0)), 0.0)
@@ -185,7 +202,7 @@ def np_forward(q, k, v, mask, causal, scale, m=1.0):
     return (p * drop) @ v, lse, p
 
 
-def np_backward(do, q, k, v, mask, causal, scale, m=1.0):
+def np_backward(do, q, k, v, mask, causal, scale, m=1.0, window=0):
     """(dQ, dK, dV) of sum(output * do) in float64, and the size of each element's terms.
 
     ds = p (dp - Dr) cancels where the softmax is peaked (dp ~ Dr), so a
@@ -193,25 +210,29 @@ def np_backward(do, q, k, v, mask, causal, scale, m=1.0):
     from; its rounding error scales with |terms|: scale * (p (|dO| |V|^T +
     rowsum |dO| |O|)) |K| for dQ (likewise dK), p^T |dO| for dV.
     """
-    o, _, p = np_forward(q, k, v, mask, causal, scale, m)
+    o, _, p = np_forward(q, k, v, mask, causal, scale, m, window)
+    kv_heads = k.shape[1]
     do, q, k, v = (x.astype(np.float64) for x in (do, q, k, v))
+    k, v = repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1])
     t = (0, 1, 3, 2)
     pm = p * m  # the dropped probabilities (p without dropout)
     dv = pm.transpose(t) @ do
     dp = m * (do @ v.transpose(t))
     ds = p * (dp - (do * o).sum(-1, keepdims=True))
     ds_terms = p * (m * (np.abs(do) @ np.abs(v).transpose(t)) + (np.abs(do) * np.abs(o)).sum(-1, keepdims=True))
-    grads = (scale * ds @ k, scale * ds.transpose(t) @ q, dv)
-    terms = (scale * ds_terms @ np.abs(k), scale * ds_terms.transpose(t) @ np.abs(q), pm.transpose(t) @ np.abs(do))
+    grads = (scale * ds @ k, sum_kv(scale * ds.transpose(t) @ q, kv_heads), sum_kv(dv, kv_heads))
+    terms = (scale * ds_terms @ np.abs(k), sum_kv(scale * ds_terms.transpose(t) @ np.abs(q), kv_heads),
+             sum_kv(pm.transpose(t) @ np.abs(do), kv_heads))
     return grads, terms
 
 
-def random_case(dtype, b, h, tq, tk, d, dv, seed):
+def random_case(dtype, b, h, tq, tk, d, dv, seed, kv_heads=None):
     rng = np.random.default_rng(seed)
     t = DTYPES[dtype]
+    hk = h if kv_heads is None else kv_heads
     q = rng.normal(0, 1, (b, h, tq, d)).astype(np.float32).astype(t)
-    k = rng.normal(0, 1, (b, h, tk, d)).astype(np.float32).astype(t)
-    v = rng.normal(0, 1, (b, h, tk, dv)).astype(np.float32).astype(t)
+    k = rng.normal(0, 1, (b, hk, tk, d)).astype(np.float32).astype(t)
+    v = rng.normal(0, 1, (b, hk, tk, dv)).astype(np.float32).astype(t)
     do = rng.normal(0, 1, (b, h, tq, dv)).astype(np.float32).astype(t)
     return q, k, v, do
 
@@ -232,14 +253,15 @@ def assert_close(got, want, dtype, what, terms=None):
                            f"got {got[bad][:4]}, want {want[bad][:4]}, bound {bound[bad][:4]}")
 
 
-def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=True, inputs=None, dropout=None):
+def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=True, inputs=None, dropout=None,
+          kv_heads=None, window=0):
     """Runs forward (and backward) on a random case; returns (output, lse, grads)."""
     b, h, tq, tk, d, dv = shape
     scale = 1 / np.sqrt(d) if scale is None else scale
-    q, k, v, do = random_case(dtype, b, h, tq, tk, d, dv, seed) if inputs is None else inputs
+    q, k, v, do = random_case(dtype, b, h, tq, tk, d, dv, seed, kv_heads) if inputs is None else inputs
     m = 1.0 if dropout is None else dropout.factors((b, h, tq, tk))
-    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal, scale, dropout=dropout)
-    want_o, want_lse, _ = np_forward(q, k, v, mask, causal, scale, m)
+    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal, scale, dropout=dropout, window=window)
+    want_o, want_lse, _ = np_forward(q, k, v, mask, causal, scale, m, window)
     assert_close(out, want_o, dtype, "output")
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
     finite = np.isfinite(want_lse)
@@ -248,9 +270,9 @@ def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=Tr
     np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
     if not backward:
         return out, lse, None
-    grads = metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal, scale, dropout=dropout)
+    grads = metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal, scale, dropout=dropout, window=window)
     # Reference: the exact gradient in float64 (of the dtype-rounded inputs).
-    wants, terms = np_backward(do, q, k, v, mask, causal, scale, m)
+    wants, terms = np_backward(do, q, k, v, mask, causal, scale, m, window)
     for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, wants, terms):
         assert got.shape == want.shape
         assert_close(got, want, dtype, name, term)
@@ -459,6 +481,74 @@ def test_matches_the_cpu_kernel(lib, dtype):
     for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, cpu_grads, terms):
         want = want.numpy().astype(np.float64)
         assert got.shape == want.shape
+        assert_close(got, want, dtype, name + " vs CPU", 2 * term)
+
+
+# ----------------------------------------------------------------------------
+# Grouped-query attention and the sliding window
+
+
+@pytest.mark.cover_axes("dtype")  # each dtype is its own instantiation of every kernel
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("case", [
+    # (shape, kv_heads, causal, window): groups of 2 and 4; windows inside one key tile (5), across
+    # tile edges (9, 33), one key (1), wider than the keys (200); a window without causality (two-sided).
+    ((2, 4, 21, 21, 8, 8), 2, True, 5),
+    ((1, 4, 40, 40, 16, 24), 1, True, 9),
+    ((1, 2, 70, 70, 8, 8), 2, True, 33),
+    ((2, 2, 12, 12, 4, 4), 1, True, 1),
+    ((1, 6, 17, 17, 8, 8), 3, True, 200),
+    ((1, 2, 30, 45, 8, 8), 1, False, 9),
+], ids=["g2-w5", "g4-w9", "g1-w33", "g2-w1", "g2-wide", "noncausal-w9"])
+def test_grouped_query_and_sliding_window_match_numpy(lib, dtype, case):
+    # The reference repeats each key/value head for its query heads, masks |i - j| >= w, and sums the
+    # repeated heads' gradients back: the kernels read the unrepeated heads and skip the key (forward,
+    # dQ) and query (dK/dV) tiles outside the band.
+    shape, kv_heads, causal, window = case
+    rng = np.random.default_rng(shape[2] + window)
+    mask = rng.random((shape[0], 1, 1, shape[3])) < 0.85
+    check(lib, dtype, shape, mask, causal=causal, seed=window, kv_heads=kv_heads, window=window)
+
+
+def test_grouped_query_dropout_draws_per_query_head(lib):
+    # Dropout with shared key/value heads: each query head draws its own (b, h, i, j) mask elements,
+    # as the repeated-heads computation does.
+    rng = np.random.default_rng(81)
+    mask = rng.random((1, 1, 1, 37)) < 0.9
+    check(lib, "float", (2, 4, 11, 37, 8, 8), mask, causal=True, seed=82, kv_heads=2, window=7,
+          dropout=Dropout("float", (5, 9)))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_grouped_query_and_window_match_the_cpu_kernel(lib, dtype):
+    import tensorflow as tf
+
+    ops = compiled_ops()
+    if not hasattr(ops, "tfmetal_ext_attention"):
+        pytest.skip("the op library has no TfmetalExt>Attention CPU kernel to compare with")
+    shape, kv_heads, window, scale = (2, 4, 19, 41, 24, 16), 2, 6, 0.3
+    rng = np.random.default_rng(90)
+    mask = rng.random((2, 1, 19, 41)) < 0.8
+    q, k, v, do = random_case(dtype, *shape, seed=91, kv_heads=kv_heads)
+    tf_dtype = {"float": tf.float32, "half": tf.float16, "bfloat": tf.bfloat16}[dtype]
+    t = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, v, do)]
+    attrs = dict(causal=True, scale=scale, sliding_window=window)
+    with tf.device("/CPU:0"):
+        cpu_out, cpu_lse = ops.tfmetal_ext_attention(t[0], t[1], t[2], tf.constant(mask), [], **attrs)
+        cpu_grads = ops.tfmetal_ext_attention_grad(t[3], t[0], t[1], t[2], tf.constant(mask), cpu_out, cpu_lse, [],
+                                                   **attrs)
+    cpu_out = cpu_out.numpy().astype(DTYPES[dtype])
+    cpu_lse = cpu_lse.numpy()
+    out, lse = metal_forward(lib, dtype, q, k, v, mask, causal=True, scale=scale, window=window)
+    assert_close(out, cpu_out.astype(np.float64), dtype, "output vs CPU")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(cpu_lse))
+    finite = np.isfinite(cpu_lse)
+    np.testing.assert_allclose(lse[finite], cpu_lse[finite], rtol=1e-5, atol=1e-5)
+    grads = metal_backward(lib, dtype, do, q, k, v, mask, cpu_out, cpu_lse, causal=True, scale=scale, window=window)
+    _, terms = np_backward(do, q, k, v, mask, True, scale, window=window)
+    for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, cpu_grads, terms):
+        want = want.numpy().astype(np.float64)
+        assert got.shape == want.shape == (k.shape if name != "d_query" else q.shape)[:2] + got.shape[2:]
         assert_close(got, want, dtype, name + " vs CPU", 2 * term)
 
 

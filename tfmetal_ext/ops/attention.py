@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from tfmetal_ext.backends import fusion
@@ -15,11 +16,13 @@ ATTENTION_GRAD_OP = fusion.ATTENTION_GRAD_OP
 
 # The kernels keep a query row's head (and a value row) in registers/tiles.
 MAX_HEAD_DIM = 256
+# Positions and the window are added in 32-bit unsigned arithmetic (tfmetal/attention.h).
+_MAX_WINDOW = 2**31 - 1
 
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
 def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None, name=None,
-              heads_last=False):
+              heads_last=False, sliding_window=None):
     """Scaled dot-product softmax attention, flash-style.
 
     ``output = softmax(scale * query @ key^T, masked) @ value`` per batch
@@ -34,6 +37,13 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
     A query row that attends no key (every key masked out, or no keys) gives
     an output row of 0 and zero gradients, never NaN.
 
+    Grouped-query attention: `key` and `value` may have fewer heads than
+    `query`, a number dividing its heads; query head ``h`` then reads
+    key/value head ``h // (heads // kv_heads)``, as if each key/value head
+    were repeated for its consecutive query heads (keras-hub's
+    ``repeat(key, groups, axis=heads)``), without the repeated copies: the
+    gradient of a key/value head is the sum over the query heads that read it.
+
     Attention dropout (``dropout_rate > 0``) drops the normalized
     probabilities inside the kernels: ``P -> P * mask / (1 - rate)``, the
     softmax itself (and the saved log-sum-exp) of the undropped scores. The
@@ -45,8 +55,10 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
 
     Args:
         query: (batch, heads, q_seq, head_dim), float32, float16 or bfloat16.
-        key: (batch, heads, kv_seq, head_dim), the dtype of `query`.
-        value: (batch, heads, kv_seq, value_dim), the dtype of `query`
+        key: (batch, kv_heads, kv_seq, head_dim), the dtype of `query`;
+            `kv_heads` divides `query`'s heads (equal to them without
+            grouped-query attention).
+        value: (batch, kv_heads, kv_seq, value_dim), the dtype of `query`
             (`value_dim` may differ from `head_dim`).
         mask: None, or a boolean "attend" mask (True = attend, as in Keras)
             broadcastable to (batch, heads, q_seq, kv_seq) with each of its
@@ -55,6 +67,12 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
             applies to every batch and head. No gradient flows to it.
         causal: query i attends key j only if j <= i (top-left aligned, as
             Keras' `use_causal_mask`), combined with `mask` by AND.
+        sliding_window: None, or an int w >= 1: query i attends key j only
+            if ``|i - j| < w`` (top-left aligned, combined by AND). With
+            `causal`, each query attends itself and the w - 1 keys before
+            it: the band of Mistral's, Gemma's and Qwen's sliding-window
+            attention, computed in the kernels (no (q_seq, kv_seq) mask is
+            made, and key tiles outside the band are skipped).
         scale: the score scale, a finite float > 0; None for 1/sqrt(head_dim).
         dropout_rate: the probability of dropping an attention probability,
             a Python float in [0, 1); 0 (the default) for no dropout.
@@ -77,9 +95,11 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
     Raises:
         ValueError: for a dtype other than float32/float16/bfloat16 or
             dtypes that differ, a rank other than 4, dimensions that do not
-            agree, a head or value dim outside [1, 256], a non-boolean mask
+            agree, key/value heads that do not divide the query heads, a
+            head or value dim outside [1, 256], a non-boolean mask
             or one that does not broadcast, a scale that is not a finite
-            float > 0, a `dropout_rate` outside [0, 1), or a seed that is
+            float > 0, a `sliding_window` that is not None or an int in
+            [1, 2^31 - 1], a `dropout_rate` outside [0, 1), or a seed that is
             missing (with ``dropout_rate > 0``) or not 2 int32/int64 values.
 
     >>> q = tf.constant([[[[1.0, 0.0]]]])
@@ -94,6 +114,7 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
     if not isinstance(heads_last, bool):
         raise ValueError(f"Argument `heads_last` must be a bool. Received: heads_last={heads_last!r}")
     scale = _check_scale(scale, query.shape[-1])
+    window = _check_sliding_window(sliding_window)
     mask = _attend_mask(mask, query, key)
     rate, seed = _check_dropout(dropout_rate, seed)
     dropout = None
@@ -101,10 +122,12 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
         threshold, dropout_scale = _dropout.dtype_constants(rate, query.dtype)
         dropout = (seed, threshold, dropout_scale)
     if not uses_kernel():
-        output = _with_reference_gradient(query, key, value, mask, causal, scale, dropout)
+        output = _with_reference_gradient(query, key, value, mask, causal, scale, dropout, window)
         return _to_heads_last(output) if heads_last else output
     lib = _common.library()
     seeds, attrs = [], dict(causal=causal, scale=scale)
+    if window:
+        attrs["sliding_window"] = window
     if dropout is not None:
         seeds, attrs = [seed], dict(attrs, dropout_rate=threshold, dropout_scale=dropout_scale)
     if heads_last:
@@ -178,13 +201,24 @@ def _check_inputs(query, key, value):
     def disagree(a, b):
         return a is not None and b is not None and a != b
 
-    for axis, what in ((0, "batch"), (1, "heads")):
-        for arg, s in (("key", k), ("value", v)):
-            if disagree(q[axis], s[axis]):
-                raise ValueError(
-                    f"`{arg}` must have the {what} dimension (axis {axis}) of `query` ({q[axis]}). "
-                    f"Received: query.shape={query.shape}, {arg}.shape={s}"
-                )
+    for arg, s in (("key", k), ("value", v)):
+        if disagree(q[0], s[0]):
+            raise ValueError(
+                f"`{arg}` must have the batch dimension (axis 0) of `query` ({q[0]}). "
+                f"Received: query.shape={query.shape}, {arg}.shape={s}"
+            )
+    if disagree(k[1], v[1]):
+        raise ValueError(
+            "`key` and `value` must have the same number of heads (axis 1). "
+            f"Received: key.shape={key.shape}, value.shape={value.shape}"
+        )
+    kv_heads = k[1] if k[1] is not None else v[1]
+    if q[1] is not None and kv_heads is not None and (kv_heads < 1 or q[1] % kv_heads) and (q[1] or kv_heads):
+        raise ValueError(
+            f"The key/value heads (axis 1: {kv_heads}) must divide the query heads ({q[1]}): each key/value "
+            f"head serves heads // kv_heads consecutive query heads. Received: query.shape={query.shape}, "
+            f"key.shape={key.shape}"
+        )
     if disagree(k[2], v[2]):
         raise ValueError(
             "`key` and `value` must have the same sequence length (axis 2). "
@@ -229,6 +263,19 @@ def _check_causal(causal):
     if not isinstance(causal, bool):
         raise ValueError(f"Argument `causal` must be a bool. Received: causal={causal!r}")
     return causal
+
+
+def _check_sliding_window(sliding_window):
+    """The op's ``sliding_window`` attr: 0 for None, else the int in [1, 2^31 - 1]."""
+    if sliding_window is None:
+        return 0
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, (int, np.integer)) \
+            or not 1 <= int(sliding_window) <= _MAX_WINDOW:
+        raise ValueError(
+            f"Argument `sliding_window` must be None or an int in [1, {_MAX_WINDOW}]. "
+            f"Received: sliding_window={sliding_window!r}"
+        )
+    return int(sliding_window)
 
 
 def _check_scale(scale, head_dim):
@@ -281,31 +328,53 @@ def _attend_mask(mask, query, key):
 # ---------------------------------------------------------------- pure-TF reference
 
 
-def _allowed(mask, causal, q_len, k_len):
-    """The (broadcast) boolean attend mask: mask AND (causal: j <= i)."""
-    if not causal:
+def _allowed(mask, causal, q_len, k_len, window=0):
+    """The (broadcast) boolean attend mask: mask AND (causal: j <= i) AND (window w: |i - j| < w)."""
+    if not causal and not window:
         return mask
-    band = tf.linalg.band_part(tf.ones(tf.stack([q_len, k_len]), tf.bool), -1, 0)
+    i = tf.range(tf.cast(q_len, tf.int64))[:, tf.newaxis]
+    j = tf.range(tf.cast(k_len, tf.int64))[tf.newaxis, :]
+    band = tf.ones(tf.stack([q_len, k_len]), tf.bool)
+    if causal:
+        band = tf.logical_and(band, j <= i)
+    if window:
+        band = tf.logical_and(band, tf.abs(i - j) < window)
     return tf.logical_and(mask, band)
 
 
-def _reference_scores(query, key, mask, causal, scale):
+def _repeat_heads(query, t):
+    """`t` (batch, kv_heads, seq, dim) with each head repeated for its query heads (grouped-query)."""
+    groups = tf.shape(query)[1] // tf.maximum(tf.shape(t)[1], 1)
+    return tf.repeat(t, groups, axis=1)
+
+
+def _sum_groups(t, like):
+    """The gradient of `_repeat_heads`: `t` (batch, heads, seq, dim) summed over the query heads of each
+    key/value head of `like` (batch, kv_heads, seq, dim)."""
+    shape, kv_heads = tf.shape(t), tf.shape(like)[1]
+    groups = shape[1] // tf.maximum(kv_heads, 1)
+    wide = tf.reshape(t, tf.stack([shape[0], kv_heads, groups, shape[2], shape[3]]))
+    return tf.reduce_sum(wide, axis=2)
+
+
+def _reference_scores(query, key, mask, causal, scale, window=0):
     """float32 scaled scores, -inf where masked out, and the attend mask (both full-size)."""
     q = tf.cast(query, tf.float32)
-    k = tf.cast(key, tf.float32)
+    k = _repeat_heads(query, tf.cast(key, tf.float32))
     s = tf.matmul(q, k, transpose_b=True) * scale
-    allowed = tf.broadcast_to(_allowed(mask, causal, tf.shape(q)[2], tf.shape(k)[2]), tf.shape(s))
+    allowed = tf.broadcast_to(_allowed(mask, causal, tf.shape(q)[2], tf.shape(k)[2], window), tf.shape(s))
     return tf.where(allowed, s, tf.constant(-math.inf, tf.float32)), allowed
 
 
-def _reference_attention(query, key, value, mask, causal, scale, dropout=None):
+def _reference_attention(query, key, value, mask, causal, scale, dropout=None, window=0):
     """The op's forward in pure TF (scores materialized): (output of query's dtype, lse float32).
 
     float32 throughout, the output rounded once to the input dtype. A row
     attending no key gives output 0 and lse -inf. `dropout`: None, or
     ``(seed, rate, scale)`` with rate and scale rounded to query's dtype.
     """
-    output, lse = _reference_attention_f32(query, key, value, mask, causal, scale, _reference_keep(query, key, dropout))
+    output, lse = _reference_attention_f32(query, key, value, mask, causal, scale,
+                                           _reference_keep(query, key, dropout), window)
     return tf.cast(output, query.dtype), lse
 
 
@@ -334,56 +403,59 @@ def _reference_drop(x, keep):
     return tf.where(keep, x * tf.constant(dropout_scale, tf.float32), tf.zeros([], tf.float32))
 
 
-def _reference_attention_f32(query, key, value, mask, causal, scale, keep=None):
-    s, allowed = _reference_scores(query, key, mask, causal, scale)
+def _reference_attention_f32(query, key, value, mask, causal, scale, keep=None, window=0):
+    s, allowed = _reference_scores(query, key, mask, causal, scale, window)
     m = tf.reduce_max(s, axis=-1, keepdims=True)
     m = tf.where(tf.math.is_finite(m), m, tf.zeros_like(m))  # an empty row: no shift
     e = tf.where(allowed, tf.exp(s - m), tf.zeros_like(s))
     total = tf.reduce_sum(e, axis=-1, keepdims=True)
     attended = total > 0.0
     p = e / tf.where(attended, total, tf.ones_like(total))
-    output = tf.matmul(_reference_drop(p, keep), tf.cast(value, tf.float32))
+    output = tf.matmul(_reference_drop(p, keep), _repeat_heads(query, tf.cast(value, tf.float32)))
     neg_inf = tf.constant(-math.inf, tf.float32)
     lse = tf.where(attended, m + tf.math.log(tf.where(attended, total, tf.ones_like(total))), neg_inf)
     return output, tf.squeeze(lse, -1)
 
 
-def _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale, keep=None):
+def _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale, keep=None, window=0):
     """The gradient op in pure TF: (d_query, d_key, d_value) in the input dtype.
 
     The contract's formulas: p = exp(s - lse) (0 where masked or lse = -inf),
     Dr = sum(dO * O), ds = p * (dO . v - Dr), dQ = scale * ds @ k,
-    dK = scale * ds^T @ q, dV = p^T @ dO; float32, rounded once. With
+    dK = scale * ds^T @ q, dV = p^T @ dO (summed over each key/value head's
+    query heads with grouped-query attention); float32, rounded once. With
     dropout (`keep` from `_reference_keep`) O is the dropped output,
     dO . v and p in dV are dropped by the same mask.
     """
-    s, allowed = _reference_scores(query, key, mask, causal, scale)
+    s, allowed = _reference_scores(query, key, mask, causal, scale, window)
     lse = tf.expand_dims(lse, -1)
     live = tf.logical_and(allowed, tf.math.is_finite(lse))
     p = tf.where(live, tf.exp(s - tf.where(tf.math.is_finite(lse), lse, tf.zeros_like(lse))), tf.zeros_like(s))
     d_out = tf.cast(d_output, tf.float32)
-    q, k, v = (tf.cast(t, tf.float32) for t in (query, key, value))
+    q = tf.cast(query, tf.float32)
+    k, v = (_repeat_heads(query, tf.cast(t, tf.float32)) for t in (key, value))
     dr = tf.reduce_sum(d_out * tf.cast(output, tf.float32), axis=-1, keepdims=True)
     dp = _reference_drop(tf.matmul(d_out, v, transpose_b=True), keep)
     ds = p * (dp - dr)
     d_query = tf.matmul(ds, k) * scale
-    d_key = tf.matmul(ds, q, transpose_a=True) * scale
-    d_value = tf.matmul(_reference_drop(p, keep), d_out, transpose_a=True)
+    d_key = _sum_groups(tf.matmul(ds, q, transpose_a=True) * scale, key)
+    d_value = _sum_groups(tf.matmul(_reference_drop(p, keep), d_out, transpose_a=True), value)
     return tuple(tf.cast(t, query.dtype) for t in (d_query, d_key, d_value))
 
 
-def _with_reference_gradient(query, key, value, mask, causal, scale, dropout=None):
+def _with_reference_gradient(query, key, value, mask, causal, scale, dropout=None, window=0):
     keep = _reference_keep(query, key, dropout)
     if _common.portable():
-        output, _ = _reference_attention_f32(query, key, value, mask, causal, scale, keep)
+        output, _ = _reference_attention_f32(query, key, value, mask, causal, scale, keep, window)
         return tf.cast(output, query.dtype)
 
     @tf.custom_gradient
     def fn(query, key, value):
-        output, lse = _reference_attention_f32(query, key, value, mask, causal, scale, keep)
+        output, lse = _reference_attention_f32(query, key, value, mask, causal, scale, keep, window)
 
         def grad(d_output):
-            return _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale, keep)
+            return _reference_attention_grad(d_output, query, key, value, mask, output, lse, causal, scale, keep,
+                                             window)
 
         return tf.cast(output, query.dtype), grad
 
@@ -413,6 +485,7 @@ def _attention_grad(op, d_output, unused_d_lse):
         op.outputs[1],
         seeds,
         causal=op.get_attr("causal"),
+        sliding_window=_attr_or(op, "sliding_window", 0),
         scale=op.get_attr("scale"),
         dropout_rate=_attr_or(op, "dropout_rate", 0.0),
         dropout_scale=_attr_or(op, "dropout_scale", 1.0),

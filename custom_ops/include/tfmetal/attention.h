@@ -16,6 +16,14 @@
 //     Dr_i = dO_i . out_i,  dp_ij = dO_i . v_j,  ds_ij = p_ij (dp_ij - Dr_i)
 //     dQ = scale * ds K,  dK = scale * ds^T Q,  dV = p^T dO.
 // Causal is top-left aligned: key j is attended by query i only if j <= i.
+// A sliding window w > 0 (0: none) keeps the keys within w - 1 positions of
+// the query on either side, |i - j| < w: with causal, the w keys i - w + 1 .. i
+// (Mistral's, Gemma's and Qwen's band), also top-left aligned.
+//
+// Grouped-query attention: key and value have Hk heads, Hk dividing the H
+// query heads; query head h reads key/value head h / (H / Hk), so consecutive
+// query heads share one (keras-hub's repeat of the key/value heads). dK and dV
+// of a key/value head sum over the query heads that read it.
 //
 // Attention dropout (dropout rate r > 0): the normalized probabilities are
 // dropped, p_ij -> p_ij * m_ij with m_ij = keep_ij ? s_d : 0 and s_d =
@@ -44,9 +52,17 @@
 #define INFINITY (__builtin_inff())
 #endif
 
-// Whether query i attends key j: the mask says so and (causal) j <= i.
-TFM_INLINE bool attention_attends(bool mask_value, bool causal, uint32_t i, uint32_t j) {
-  return mask_value && (!causal || j <= i);
+// Whether query i attends key j: the mask says so, (causal) j <= i and
+// (window w > 0) |i - j| < w. Positions and w are < 2^31 (the hosts check),
+// so the sums do not wrap.
+TFM_INLINE bool attention_attends(bool mask_value, bool causal, uint32_t window, uint32_t i, uint32_t j) {
+  return mask_value && (!causal || j <= i) && (window == 0u || (j + window > i && i + window > j));
+}
+
+// The key/value head query head h reads (H query heads, Hk key/value heads,
+// Hk dividing H).
+TFM_INLINE uint32_t attention_kv_head(uint32_t h, uint32_t heads, uint32_t kv_heads) {
+  return h / (heads / kv_heads);
 }
 
 // The running max after a tile whose (masked) max score is tile_max.
@@ -117,20 +133,47 @@ TFM_INLINE float attention_dropout_apply(float x, bool keep, float dropout_scale
 
 TFM_INLINE uint32_t attention_ceil_div(uint32_t a, uint32_t b) { return (a + b - 1u) / b; }
 
-// The end of the keys the query rows [q0, q0 + rows) attend at most: every
-// key, or with causal the keys j <= q0 + rows - 1.
-TFM_INLINE uint32_t attention_key_end(bool causal, uint32_t q0, uint32_t rows, uint32_t tk) {
-  if (!causal) return tk;
-  return rows == 0u ? 0u : tfm_min(tk, q0 + rows);
+// The first key any of the query rows [q0, ...) attends: 0, or with a window
+// w the key q0 - w + 1 (0 when that is negative).
+TFM_INLINE uint32_t attention_key_begin(uint32_t window, uint32_t q0) {
+  return (window == 0u || q0 < window) ? 0u : q0 - window + 1u;
 }
 
-// The first query row that attends any key of [k0, ...): 0, or with causal k0.
-TFM_INLINE uint32_t attention_query_begin(bool causal, uint32_t k0) { return causal ? k0 : 0u; }
+// The end of the keys the query rows [q0, q0 + rows) attend at most: every
+// key, with causal the keys j <= q0 + rows - 1, with a window w the keys
+// j < q0 + rows - 1 + w.
+TFM_INLINE uint32_t attention_key_end(bool causal, uint32_t window, uint32_t q0, uint32_t rows, uint32_t tk) {
+  if (rows == 0u) return 0u;
+  uint32_t end = tk;
+  if (causal) end = tfm_min(end, q0 + rows);
+  if (window != 0u) end = tfm_min(end, q0 + rows - 1u + window);
+  return end;
+}
 
-// Whether causality masks nothing in the tile of query rows [q0, ...) and keys
-// [k0, k0 + keys): every key j <= every row i (always without causal).
-TFM_INLINE bool attention_tile_below_diagonal(bool causal, uint32_t q0, uint32_t k0, uint32_t keys) {
-  return !causal || keys == 0u || k0 + keys - 1u <= q0;
+// The first query row that attends any key of [k0, ...): 0, with causal k0,
+// with a window w (and no causality) k0 - w + 1 (0 when negative).
+TFM_INLINE uint32_t attention_query_begin(bool causal, uint32_t window, uint32_t k0) {
+  if (causal) return k0;
+  return attention_key_begin(window, k0);
+}
+
+// The end of the query rows that attend any key of [k0, k0 + keys): tq, or
+// with a window w the rows i < k0 + keys - 1 + w.
+TFM_INLINE uint32_t attention_query_end(uint32_t window, uint32_t k0, uint32_t keys, uint32_t tq) {
+  if (window == 0u || keys == 0u) return tq;
+  return tfm_min(tq, k0 + keys - 1u + window);
+}
+
+// Whether causality and the window mask nothing in the tile of query rows
+// [q0, q0 + rows) and keys [k0, k0 + keys): every key j <= every row i (with
+// causal), and every |i - j| < w (with a window w).
+TFM_INLINE bool attention_tile_unmasked(bool causal, uint32_t window, uint32_t q0, uint32_t rows, uint32_t k0,
+                                        uint32_t keys) {
+  if (keys == 0u || rows == 0u) return true;
+  const uint32_t last_q = q0 + rows - 1u, last_k = k0 + keys - 1u;
+  if (causal && last_k > q0) return false;
+  if (window != 0u && (last_q >= k0 + window || last_k >= q0 + window)) return false;
+  return true;
 }
 
 #endif  // TFMETAL_ATTENTION_H_

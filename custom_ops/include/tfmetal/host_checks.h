@@ -138,6 +138,26 @@ inline std::string AttentionDropoutAttrsError(float rate, float scale) {
 
 // The attention ops' optional seed input (a list of 0 or 1 tensors): one is
 // needed when dropout_rate > 0. "" when fine, else the InvalidArgument message.
+// The attention ops' sliding window (0: none): a key count below 2^31, as
+// the sequence lengths are (the kernels add positions and the window).
+inline std::string AttentionWindowError(int64_t window) {
+  if (window < 0 || window > kMaxDimension) {
+    return "sliding_window must be in [0, 2^31 - 1] (0: no window), got " + std::to_string(window);
+  }
+  return "";
+}
+
+// Key and value heads of grouped-query attention: at least 1 and dividing the
+// query heads (query head h reads key/value head h / (heads / kv_heads)).
+inline std::string AttentionKvHeadsError(int64_t heads, int64_t kv_heads) {
+  if (heads == 0 && kv_heads == 0) return "";
+  if (kv_heads < 1 || heads % kv_heads != 0) {
+    return "the key/value heads (" + std::to_string(kv_heads) + ") must divide the query heads (" +
+           std::to_string(heads) + ")";
+  }
+  return "";
+}
+
 inline std::string AttentionSeedCountError(int64_t seeds, float dropout_rate) {
   if (seeds > 1) return "seed must be a list of at most one tensor, got " + std::to_string(seeds);
   if (dropout_rate > 0.0f && seeds == 0) {
