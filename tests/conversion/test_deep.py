@@ -564,3 +564,32 @@ def test_transformer_block_with_a_sequential_inside_a_subclass():
     x = np.random.default_rng(0).integers(0, 50, (4, 6))
     _assert_same_outputs(stock, new, x)
     _assert_no_shared_state(stock, new, x)
+
+
+def test_a_copy_keeps_constructor_arguments_its_config_leaves_out():
+    """A layer whose get_config() omits a constructor argument it keeps under its own name (keras-hub's
+    QwenTransformerDecoder drops its sliding window) is copied with that argument, not its default; one
+    whose config is complete is copied from the config alone."""
+    from tfmetal_ext.conversion import copying
+
+    class Scaled(keras.layers.Layer):
+        def __init__(self, factor=1.0, shift=0.0, **kwargs):
+            super().__init__(**kwargs)
+            self.factor = factor
+            self.shift = shift
+
+        def call(self, x):
+            return x * self.factor + self.shift
+
+        def get_config(self):
+            return dict(super().get_config(), factor=self.factor)  # `shift` left out
+
+    layer = Scaled(factor=2.0, shift=3.0, name="scaled")
+    config = layer.get_config()
+    fuller = copying.with_kept_arguments(layer, config)
+    assert fuller["shift"] == 3.0 and fuller["factor"] == 2.0
+    copy = copying.construct(layer, "scaled")
+    assert (copy.factor, copy.shift) == (2.0, 3.0)
+    complete = Scaled(factor=2.0, name="plain")  # shift at its default: nothing to add
+    assert copying.with_kept_arguments(complete, complete.get_config()) is not None
+    assert "shift" not in copying.with_kept_arguments(complete, complete.get_config())

@@ -261,17 +261,19 @@ def _reachable_shapes(graph, fetches):
     return shapes
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
 def test_decoder_hands_mask_factors_to_the_op(family):
     """The fused decoder block's attention gets keras-hub's padding x causal mask as factors: the op's
-    causal flag and a (batch, 1, 1, kv) padding mask. Its outputs and gradients are the stock block's,
+    causal flag and a (batch, 1, 1, kv) padding mask, and Mistral's sliding window (4 of 9 keys here) as
+    the op's own band. Grouped-query heads (Llama 4 over 2, Mistral 2 over 1) reach the op unrepeated.
+    Its outputs and gradients are the stock block's,
     with padded keys and a row that attends no key: float32, the block's accumulation lengths summed
     along its chain (norm 16, projections 16, softmax rows 2t + 8 at t = 9 keys, output 16, norm 16,
     feed-forward 16 and 32: L = 138) bound the forward difference by L u of the largest value and the
     backward by about 2L u; the test allows 32 (2t + 8) u = 832 u, 3x that. The train step depends on
     no (q, kv) tensor; cached decoding (one token at index 5 of a cache of 9) takes the band j <= 5 and
-    gives the stock block's output."""
-    stock, fused = _decoder_pair(family)
+    gives the stock block's output (Mistral's: within the window, keys 2..5)."""
+    stock, fused = _decoder_pair(family, **({"sliding_window": 4} if family == "mistral" else {}))
     b, t = 2, 9
     x = tf.constant(np.random.default_rng(4).standard_normal((b, t, 16)).astype("float32"))
     pad = np.ones((b, t), "int32")
@@ -298,6 +300,9 @@ def test_decoder_hands_mask_factors_to_the_op(family):
     attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
     assert attn and all(op.get_attr("causal") for op in attn)
     assert all(op.inputs[3].shape.as_list() == [b, 1, 1, t] for op in attn)
+    assert [op.get_attr("sliding_window") for op in attn] == [4 if family == "mistral" else 0] * len(attn)
+    kv_heads = {"llama": 2, "gpt2": 2, "mistral": 1}[family]
+    assert all(op.inputs[1].shape.as_list()[1] == kv_heads for op in attn), "the key heads reach the op unrepeated"
     shapes = _reachable_shapes(graph, graph.outputs)
     assert not [sh for sh in shapes if sh and len(sh) >= 2 and sh[-2:] == [t, t]], "a (q, kv) tensor in the step"
     assert "TfmetalExt>AttentionGrad" in ops
@@ -306,6 +311,8 @@ def test_decoder_hands_mask_factors_to_the_op(family):
     xs = x[:, 5:6]
     if family == "gpt2":
         cache = tf.random.stateless_normal((b, 2, t, 2, 8), seed=[1, 2])
+    elif family == "mistral":
+        cache = tf.random.stateless_normal((b, 2, t, 1, 8), seed=[1, 2])
     else:
         cache = tf.random.stateless_normal((b, 2, t, 2, 4), seed=[1, 2])
     out_s, cache_s = stock(xs, self_attention_cache=cache, self_attention_cache_update_index=5)
@@ -318,15 +325,15 @@ def test_decoder_hands_mask_factors_to_the_op(family):
 
 
 def test_decoder_keeps_the_stock_mask_where_it_is_not_padding_times_causal():
-    """A custom decoder_attention_mask, or a Mistral sliding window shorter than the keys: no factors,
-    the op gets keras-hub's mask itself (and the outputs are the stock block's)."""
+    """A custom decoder_attention_mask (with or without Mistral's sliding window): no factors, the op gets
+    keras-hub's mask itself (and the outputs are the stock block's)."""
     b, t = 2, 9
     x = tf.constant(np.random.default_rng(5).standard_normal((b, t, 16)).astype("float32"))
     custom = np.tril(np.ones((t, t), "int32"))[None].repeat(b, 0)
     custom[:, :, 0] = 0
     custom[:, 0, 0] = 1
     for family, kwargs, call in (("llama", {}, {"decoder_attention_mask": tf.constant(custom)}),
-                                 ("mistral", {"sliding_window": 4}, {})):
+                                 ("mistral", {"sliding_window": 4}, {"decoder_attention_mask": tf.constant(custom)})):
         stock, fused = _decoder_pair(family, **kwargs)
         graph = tf.function(lambda: fused(x, training=True, **call)).get_concrete_function().graph
         attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
@@ -478,3 +485,56 @@ def test_converted_backbone_saves_and_loads(tmp_path):
     np.testing.assert_allclose(np.asarray(again(x)), np.asarray(new(x)), rtol=0, atol=1e-5)
     fused_again = tfmetal_ext.convert(again, inputs=x, count_ops=False)
     assert "FusedMistralLayerNormalization" in {r.new_class for r in fused_again.conversion_report.rewrites}
+
+
+@pytest.mark.parametrize("family", ["qwen", "gemma"])
+def test_sliding_window_layers_hand_the_window_to_the_op(family):
+    """Qwen's and Gemma's sliding-window attention (window 5 of 16 tokens) runs as the op's own band (its
+    sliding_window attr) instead of the layer's (q, kv) band mask; the converted backbone verifies
+    (outputs and gradients against the stock one) and the key/value heads reach the op unrepeated."""
+    keras.utils.set_random_seed(2)
+    M = keras_hub.models
+    small = dict(vocabulary_size=1000, num_layers=2, hidden_dim=64, intermediate_dim=128)
+    if family == "qwen":
+        bb = M.QwenBackbone(num_query_heads=4, num_key_value_heads=2, use_sliding_window_attention=True,
+                            sliding_window_size=5, **small)
+        windowed, kv_heads = [5, 5], 2
+    else:  # Gemma slides in every other layer
+        bb = M.GemmaBackbone(num_query_heads=4, num_key_value_heads=2, head_dim=16,
+                             use_sliding_window_attention=True, sliding_window_size=5, **small)
+        windowed, kv_heads = [5, 0], 2
+    x = _ids()
+    new = tfmetal_ext.convert(bb, inputs=x)
+    assert new.conversion_report.verified
+
+    @tf.function
+    def step(inputs):
+        with tf.GradientTape() as tape:
+            y = new(inputs, training=True)
+        return tape.gradient(tf.reduce_sum(y), new.trainable_variables)
+
+    graph = step.get_concrete_function({k: tf.constant(v) for k, v in x.items()}).graph
+    attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
+    assert sorted(op.get_attr("sliding_window") for op in attn) == sorted(windowed)
+    assert all(op.inputs[1].shape.as_list()[1] == kv_heads for op in attn)
+    assert not [op for op in graph.get_operations() if op.type == "MatrixBandPart"], "the layer's band mask was made"
+
+
+def test_unrepeated_reads_through_keras_and_tf_repeat_only():
+    """`_unrepeated` finds the tensor a heads-axis repeat was made from (keras.ops.repeat and tf.repeat:
+    each head repeated consecutively, the op's grouped-query layout) and nothing else."""
+    seen = {}
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None, 2, 4])])
+    def f(x):
+        seen["keras"] = kh._unrepeated(keras.ops.repeat(x, 3, axis=2)) is x
+        seen["tf"] = kh._unrepeated(tf.repeat(x, 2, axis=2)) is x
+        seen["sequence axis"] = kh._unrepeated(tf.repeat(x, 2, axis=1)) is x
+        seen["tiled"] = kh._unrepeated(tf.tile(x, [1, 1, 2, 1])) is x  # heads 0 1 0 1: not the op's layout
+        seen["plain"] = kh._unrepeated(x * 2.0) is x
+        return x
+
+    f.get_concrete_function()
+    assert seen == {"keras": True, "tf": True, "sequence axis": False, "tiled": False, "plain": False}
+    x = tf.ones([1, 1, 2, 4])
+    assert kh._unrepeated(tf.repeat(x, 2, axis=2)).shape == (1, 1, 4, 4)  # eagerly: no graph, the tensor itself

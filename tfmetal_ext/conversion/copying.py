@@ -78,10 +78,12 @@ def construct(layer, label):
             config = None
             errors.append(f"get_config() failed ({type(e).__name__}: {_first_line(e)})")
         if config is not None:
-            try:
-                return step.from_config(layer, config)
-            except Exception as e:  # arbitrary user code
-                errors.append(f"from_config(get_config()) failed ({type(e).__name__}: {_first_line(e)})")
+            fuller = with_kept_arguments(layer, config)
+            for candidate in ([fuller, config] if fuller is not config else [config]):
+                try:
+                    return step.from_config(layer, candidate)
+                except Exception as e:  # arbitrary user code
+                    errors.append(f"from_config(get_config()) failed ({type(e).__name__}: {_first_line(e)})")
         auto = getattr(layer, "_auto_config", None)
         if auto is None:
             errors.append("Keras recorded no constructor arguments (some are not plain values, or *args)")
@@ -109,6 +111,35 @@ def construct(layer, label):
         "convert(..., in_place=True) to swap its sublayers in the input model itself. "
         f"Received: layer={label!r}"
     )
+
+
+_PLAIN_VALUES = (bool, int, float, str, type(None))
+
+
+def with_kept_arguments(layer, config):
+    """`config` plus the constructor arguments its ``get_config()`` leaves out that the layer keeps under
+    their own name as plain values (``self.use_sliding_window_attention = use_sliding_window_attention``),
+    or `config` itself when there are none.
+
+    Some classes' configs omit arguments (keras-hub's ``QwenTransformerDecoder`` drops its sliding window):
+    a copy made from the config alone would silently compute something else. Only arguments the
+    constructor names explicitly and the layer holds as a bool, number, string or None are added.
+    """
+    import inspect
+
+    try:
+        params = inspect.signature(type(layer).__init__).parameters
+    except (TypeError, ValueError):
+        return config
+    missing = {}
+    for name, param in params.items():
+        if name == "self" or name in config or param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+            continue
+        value = layer.__dict__.get(name, inspect.Parameter.empty)
+        if isinstance(value, _PLAIN_VALUES) and not (param.default is not param.empty and value == param.default
+                                              and type(value) is type(param.default)):
+            missing[name] = value
+    return dict(config, **missing) if missing else config
 
 
 def is_ours(obj):

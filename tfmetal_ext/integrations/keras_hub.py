@@ -176,8 +176,8 @@ class HubDecoder:
         path: the class, ``module:ClassName`` under ``keras_hub.src``.
         fused: the fusion-first subclass's name.
         window: the attribute of a sliding window the block's own mask applies (Mistral's and
-            Mixtral's ``sliding_window``), or None. With a window set, the factors are handed over
-            only where the keys fit in it (the band then masks nothing).
+            Mixtral's ``sliding_window``), or None. The factors carry it: the op applies the band
+            itself (without a cache), or the inference-time band mask includes it.
     """
 
     path: str
@@ -332,12 +332,15 @@ class MaskFactors:
             without a custom mask), or None for none.
         offset: the position of the first query row (the cache update index; 0 without a cache).
         cached: whether the keys are a cache (then ``q`` and ``kv`` lengths may differ).
+        window: the block's sliding window (``HubDecoder.window``: query ``i`` attends keys
+            ``j > i - window``), or 0 for none.
     """
 
     mask: object
     keys: object
     offset: object
     cached: bool
+    window: int = 0
 
 
 def _take_factors(layer, attention_mask):
@@ -348,45 +351,94 @@ def _take_factors(layer, attention_mask):
     return factors
 
 
-def _factored_mask(factors, q_len, k_len):
-    """``(causal, mask)`` for the op from `factors`: without a cache, the op's causal flag and the keys'
-    padding as ``(batch, 1, 1, kv)``; with one, the rows' band ``j <= offset + i`` (a ``(q, kv)``
-    inference-time mask, as keras-hub's) with the padding."""
+def _factored_mask(factors, q_len, k_len, window=0):
+    """``(causal, mask, window)`` for the op from `factors` and a sliding `window` (0: none): without a
+    cache, the op's causal flag and window and the keys' padding as ``(batch, 1, 1, kv)``; with one,
+    the rows' band ``offset + i - window < j <= offset + i`` (a ``(q, kv)`` inference-time mask, as
+    keras-hub's) with the padding."""
     keys = None if factors.keys is None else tf.expand_dims(tf.cast(factors.keys, tf.bool), 1)
     if not factors.cached:
-        return True, keys
+        return True, keys, window
     rows = tf.range(q_len) + tf.cast(factors.offset, tf.int32)
-    band = tf.range(k_len)[tf.newaxis, :] <= rows[:, tf.newaxis]
+    cols = tf.range(k_len)[tf.newaxis, :]
+    band = cols <= rows[:, tf.newaxis]
+    if window:
+        band = tf.logical_and(band, cols > rows[:, tf.newaxis] - window)
     band = band[tf.newaxis, tf.newaxis]
-    return False, band if keys is None else tf.logical_and(keys, band)
+    return False, (band if keys is None else tf.logical_and(keys, band)), 0
 
 
-def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_rows="zero", factors=None):
+def _unrepeated(t):
+    """The tensor `t` (batch, seq, heads, dim) was made from by ``repeat(x, groups, axis=2)`` (keras-hub's
+    layers repeat their key/value heads so before `_compute_attention`), read from the graph, or `t`.
+
+    TensorFlow's repeat is ``Reshape(Tile(ExpandDims(x, 3), [1, 1, 1, groups, 1]))``: each head of `x`
+    becomes `groups` consecutive heads, the op's grouped-query layout. Eagerly there is no graph: `t`.
+    """
+    if not tf.is_symbolic_tensor(t) or not hasattr(t, "op") or t.op.type != "Reshape":
+        return t
+    tile = t.op.inputs[0]
+    if tile.op.type != "Tile" or tile.op.inputs[0].op.type != "ExpandDims":
+        return t
+    expand = tile.op.inputs[0].op
+    x = expand.inputs[0]
+    if x.shape.rank != 4 or tf.get_static_value(expand.inputs[1]) not in (3, -2):
+        return t
+    multiples = tile.op.inputs[1]
+    static = tf.get_static_value(multiples)
+    if static is None:  # a Pack of 1s but the repeat count
+        if multiples.op.type != "Pack" or len(multiples.op.inputs) != 5:
+            return t
+        static = [tf.get_static_value(m) for m in multiples.op.inputs]
+        static[3] = None
+    if any(m is None or int(m) != 1 for i, m in enumerate(static) if i != 3):
+        return t
+    heads, kv_heads = t.shape[2], x.shape[2]
+    if heads is None or kv_heads is None or kv_heads < 1 or heads % kv_heads or heads == kv_heads:
+        return t
+    if static[3] is not None and int(static[3]) * kv_heads != heads:
+        return t
+    if any(a is not None and b is not None and a != b for a, b in zip(t.shape[:2] + t.shape[3:],
+                                                                      x.shape[:2] + x.shape[3:])):
+        return t
+    return x
+
+
+def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_rows="zero", factors=None,
+           window=0):
     """keras-hub's attention on the attention op: ``(batch, seq, heads, dim)`` in and out.
 
     Key/value heads that are fewer than the query heads (grouped-query
     attention) are shared by consecutive query heads, as keras-hub's layers
-    repeat them. `mask` is keras-hub's ``(batch, q, kv)`` attend mask (any
-    dtype, nonzero = attend) or None; with `factors` (`MaskFactors` of that
-    mask) the op gets them instead and `mask` is not read. A query row that
+    repeat them; the op reads them in place (no repeated copy is made or kept
+    for the backward pass). `mask` is keras-hub's ``(batch, q, kv)`` attend
+    mask (any dtype, nonzero = attend) or None; with `factors` (`MaskFactors`
+    of that mask) the op gets them instead and `mask` is not read. `window`:
+    a sliding window the op applies (query ``i`` attends keys ``j`` with
+    ``|i - j| < window``, rows counted from the cache offset of `factors`), 0
+    for none; without `factors` the caller passes one only where query row 0
+    is position 0 (no cache offset). A query row that
     attends no key gives ``empty_rows``: ``"zero"`` (the op's own result; what
     Keras' masked ``Softmax`` layer gives, which keras-hub's layers use) or
     ``"mean"`` (the mean of the values: Keras' ``dot_product_attention``,
     which Keras' MultiHeadAttention uses when it has no dropout).
     """
+    if query.shape[2] == key.shape[2] == value.shape[2]:  # heads the layer repeated: the op reads them once
+        key_in, value_in = _unrepeated(key), _unrepeated(value)
+        if key_in.shape[2] == value_in.shape[2]:
+            key, value = key_in, value_in
     groups = query.shape[2] // key.shape[2]
-    if groups > 1:
-        key = tf.repeat(key, groups, axis=2)
-        value = tf.repeat(value, groups, axis=2)
     q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in (query, key, value))
     causal, attend_mask = False, None
     if factors is not None:
-        causal, attend_mask = _factored_mask(factors, tf.shape(q)[2], tf.shape(k)[2])
+        causal, attend_mask, window = _factored_mask(factors, tf.shape(q)[2], tf.shape(k)[2],
+                                                     window or factors.window)
     elif mask is not None:
         attend_mask = tf.expand_dims(tf.cast(mask, tf.bool), 1)  # (batch, 1, q, kv)
     kwargs = {"dropout_rate": dropout_rate, "seed": seed} if dropout_rate > 0 else {}
     # (batch, q, heads, dim) out, as keras-hub's layers return it (one copy kept for the gradient).
-    out = attention(q, k, v, mask=attend_mask, causal=causal, scale=float(scale), heads_last=True, **kwargs)
+    out = attention(q, k, v, mask=attend_mask, causal=causal, scale=float(scale), heads_last=True,
+                    sliding_window=int(window) or None, **kwargs)
     if attend_mask is not None and empty_rows == "mean":
         if causal:  # row i attends a key when one of keys 0..i is not padding: (batch, 1, 1, q)
             attended = tf.cumsum(tf.cast(attend_mask, tf.int32), axis=-1) > 0
@@ -394,13 +446,29 @@ def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_ro
             attended = tf.reduce_any(attend_mask, axis=-1, keepdims=True)
         attended = tf.transpose(attended, [0, 3, 1, 2] if causal else [0, 2, 1, 3])  # (batch, q, 1, 1)
         mean = tf.cast(tf.reduce_mean(tf.cast(value, tf.float32), axis=1, keepdims=True), value.dtype)
+        if groups > 1:  # (batch, 1, kv heads, dim) -> one per query head
+            mean = tf.repeat(mean, groups, axis=2)
         out = tf.where(attended, out, mean)
     return out
 
 
+def _window_in_op(window, query, key, factors, cache_update_index):
+    """`window` (a layer's sliding window) when the op can apply it, else None (the layer's own band
+    mask is made). The op counts rows from the cache offset of `factors`; without factors, from 0: the
+    call must then have no offset (no update index, or 0, and as many queries as keys)."""
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 1 <= window < 2**31:
+        return None
+    if factors is not None:
+        return int(window)
+    no_offset = cache_update_index is None or (isinstance(cache_update_index, (int, np.integer))
+                                               and int(cache_update_index) == 0)
+    same = query.shape[1] is not None and query.shape[1] == key.shape[1]
+    return int(window) if no_offset and same else None
+
+
 def _attention_class(spec, base):
-    def run(self, query, key, value, attention_mask, factors=None):
-        out = attend(query, key, value, attention_mask, self._inv_norm_factor, factors=factors)
+    def run(self, query, key, value, attention_mask, factors=None, window=0):
+        out = attend(query, key, value, attention_mask, self._inv_norm_factor, factors=factors, window=window)
         return tf.cast(out, self.compute_dtype)
 
     if spec.form == "qkv_mask":
@@ -417,12 +485,15 @@ def _attention_class(spec, base):
             factors = _take_factors(self, attention_mask)
             if _call_reason(query, key, value, attention_mask) is not None:
                 return base._compute_attention(self, query, key, value, attention_mask, cache_update_index)
+            window = 0
             if self.use_sliding_window_attention and attention_mask is not None:
-                # The band the stock (unfused) path applies, made by the layer's own method.
-                attention_mask = self._mask_sliding_window(
-                    attention_mask, cache_update_index=cache_update_index if cache_update_index else 0)
-                factors = None
-            return run(self, query, key, value, attention_mask, factors)
+                window = _window_in_op(self.sliding_window_size, query, key, factors, cache_update_index)
+                if window is None:
+                    # The band the stock (unfused) path applies, made by the layer's own method.
+                    attention_mask = self._mask_sliding_window(
+                        attention_mask, cache_update_index=cache_update_index if cache_update_index else 0)
+                    factors, window = None, 0
+            return run(self, query, key, value, attention_mask, factors, window)
 
     elif spec.form == "gemma":
 
@@ -433,12 +504,16 @@ def _attention_class(spec, base):
                 return base._compute_attention(self, q, k, v, attention_mask, training=training,
                                                cache_update_index=cache_update_index)
             width = self.head_dim if self.query_head_dim_normalize else self.hidden_dim // self.num_query_heads
+            window = 0
             if self.use_sliding_window_attention and attention_mask is not None:
-                attention_mask = self._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
+                window = _window_in_op(self.sliding_window_size, q, k, None, cache_update_index)
+                if window is None:
+                    attention_mask = self._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
+                    window = 0
             # Gemma drops the probabilities (its dropout_layer, on (batch, kv heads, groups, q, kv):
             # the (batch, heads, q, kv) order the op draws in).
             seed = self.dropout_layer.seed_generator if rate > 0 else None
-            out = attend(q, k, v, attention_mask, 1.0 / np.sqrt(width), rate, seed)
+            out = attend(q, k, v, attention_mask, 1.0 / np.sqrt(width), rate, seed, window=window)
             return tf.cast(out, self.compute_dtype)
 
     else:  # keras_mha
@@ -488,13 +563,12 @@ def _decoder_class(spec, base):
             return None  # a custom (q, kv) mask, or no causality: the stock mask as it is
         cache = args.get("self_attention_cache")
         window = getattr(self, spec.window, None) if spec.window else None
-        if window is not None:
-            keys = (cache.shape[2] if cache is not None else args["decoder_sequence"].shape[1])
-            if keys is None or keys > window:
-                return None  # the block's band may mask keys: the stock mask
+        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
+                                   or not 1 <= window < 2**31):
+            return None  # a band the op does not take: the stock mask
         keys = merge_padding_and_attention_mask(args["decoder_sequence"], args.get("decoder_padding_mask"), None)
         index = args.get("self_attention_cache_update_index")
-        return MaskFactors(mask, keys, 0 if index is None else index, cache is not None)
+        return MaskFactors(mask, keys, 0 if index is None else index, cache is not None, int(window or 0))
 
     def _compute_self_attention_mask(self, *args, **kwargs):
         mask = base._compute_self_attention_mask(self, *args, **kwargs)
