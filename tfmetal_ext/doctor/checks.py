@@ -528,6 +528,7 @@ def dropout(dtype):
 
 ATTENTION_SCALE = 0.35
 ATTENTION_DROPOUT_RATE = 0.2
+ATTENTION_WINDOW = 9  # keys per query row in the sliding-window case (a fraction of the 45)
 
 
 @register("attention", op=fusion.CUSTOM_OPS["attention"])
@@ -559,7 +560,13 @@ def attention(dtype):
             grads = lib.tfmetal_ext_attention_grad(dy, q, k, v, mask, out, lse, seeds, causal=True, scale=scale,
                                                    **attrs)
             results += [out, *grads]
-        return tuple(results)
+        # Grouped-query (one key/value head for both query heads) with a sliding window of 9 keys.
+        k1, v1 = k[:, :1], v[:, :1]
+        out, lse = lib.tfmetal_ext_attention(q, k1, v1, mask, [], causal=True, scale=scale,
+                                             sliding_window=ATTENTION_WINDOW)
+        grads = lib.tfmetal_ext_attention_grad(dy, q, k1, v1, mask, out, lse, [], causal=True, scale=scale,
+                                               sliding_window=ATTENTION_WINDOW)
+        return tuple(results + [out, *grads])
 
     factors = testing.np_attention_dropout_factors((b, h, tq, tk), seed.numpy(), rate, drop_scale,
                                                    testing.UNIFORM_BITS[tf.as_dtype(dtype).name])
@@ -568,6 +575,10 @@ def attention(dtype):
         out, _ = testing.np_attention(_f64(q), _f64(k), _f64(v), keep, True, scale, factors=m)
         grads = testing.np_attention_grad(_f64(dy), _f64(q), _f64(k), _f64(v), keep, True, scale, factors=m)
         references += [out, *grads]
+    k1, v1 = _f64(k)[:, :1], _f64(v)[:, :1]
+    out, _ = testing.np_attention(_f64(q), k1, v1, keep, True, scale, window=ATTENTION_WINDOW)
+    references += [out, *testing.np_attention_grad(_f64(dy), _f64(q), k1, v1, keep, True, scale,
+                                                   window=ATTENTION_WINDOW)]
     return fused, (q, k, v, mask, dy, seed), tuple(references)
 
 

@@ -13,10 +13,12 @@
 - `multi_tensor_rmsprop(variables, velocities, grads, lr, rho, momentum, epsilon, ...)`:
   ``TfmetalExt>MultiTensorRMSprop``, Keras' RMSprop (momentum, centered,
   decoupled decay) for N variables of one dtype in one op.
-- `attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None)`:
+- `attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None,
+  heads_last=False, sliding_window=None)`:
   ``TfmetalExt>Attention`` (+ ``TfmetalExt>AttentionGrad``), softmax attention
   flash-style: the score matrix is never stored, forward or backward; attention
-  dropout inside, by TensorFlow's stateless dropout mask drawn again from the seed.
+  dropout inside, by TensorFlow's stateless dropout mask drawn again from the seed;
+  grouped-query key/value heads read in place; a sliding window as the op's own band.
 - `dropout(x, rate, seed)`: ``TfmetalExt>Dropout`` (+ ``TfmetalExt>DropoutGrad``), dropout whose
   counter-based (Philox) mask is TensorFlow's stateless dropout's bit for bit, drawn again from the
   seed in the backward pass instead of stored.
