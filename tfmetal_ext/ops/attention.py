@@ -207,22 +207,18 @@ def _check_inputs(query, key, value):
                 f"`{arg}` must have the batch dimension (axis 0) of `query` ({q[0]}). "
                 f"Received: query.shape={query.shape}, {arg}.shape={s}"
             )
-    if disagree(k[1], v[1]):
-        raise ValueError(
-            "`key` and `value` must have the same number of heads (axis 1). "
-            f"Received: key.shape={key.shape}, value.shape={value.shape}"
-        )
+    for axis, what in ((1, "number of heads"), (2, "sequence length")):
+        if disagree(k[axis], v[axis]):
+            raise ValueError(
+                f"`key` and `value` must have the same {what} (axis {axis}). "
+                f"Received: key.shape={key.shape}, value.shape={value.shape}"
+            )
     kv_heads = k[1] if k[1] is not None else v[1]
     if q[1] is not None and kv_heads is not None and (kv_heads < 1 or q[1] % kv_heads) and (q[1] or kv_heads):
         raise ValueError(
             f"The key/value heads (axis 1: {kv_heads}) must divide the query heads ({q[1]}): each key/value "
             f"head serves heads // kv_heads consecutive query heads. Received: query.shape={query.shape}, "
             f"key.shape={key.shape}"
-        )
-    if disagree(k[2], v[2]):
-        raise ValueError(
-            "`key` and `value` must have the same sequence length (axis 2). "
-            f"Received: key.shape={key.shape}, value.shape={value.shape}"
         )
     if disagree(q[3], k[3]):
         raise ValueError(
