@@ -68,12 +68,10 @@ import tensorflow as tf
 
 from tfmetal_ext.conversion import planners
 from tfmetal_ext.ops._common import FLOAT_DTYPES, stock_code_reason
-from tfmetal_ext.ops.attention import attention
+from tfmetal_ext.ops.attention import MAX_HEAD_DIM as _MAX_HEAD_DIM
+from tfmetal_ext.ops.attention import _check_sliding_window, attention
 from tfmetal_ext.ops.rms_norm import epsilon_reason, rms_norm
 from tfmetal_ext.ops.rope import rope
-
-# The attention op's head and value dims (tfmetal_ext.ops.attention).
-_MAX_HEAD_DIM = 256
 
 
 # ----------------------------------------------------------------------------
@@ -452,11 +450,20 @@ def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_ro
     return out
 
 
+def _op_window(window):
+    """`window` as the attention op's ``sliding_window`` (an int), or None where the op does not take it."""
+    try:
+        return _check_sliding_window(window) or None
+    except ValueError:
+        return None
+
+
 def _window_in_op(window, query, key, factors, cache_update_index):
     """`window` (a layer's sliding window) when the op can apply it, else None (the layer's own band
     mask is made). The op counts rows from the cache offset of `factors`; without factors, from 0: the
     call must then have no offset (no update index, or 0, and as many queries as keys)."""
-    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or not 1 <= window < 2**31:
+    window = _op_window(window)
+    if window is None:
         return None
     if factors is not None:
         return int(window)
@@ -563,12 +570,11 @@ def _decoder_class(spec, base):
             return None  # a custom (q, kv) mask, or no causality: the stock mask as it is
         cache = args.get("self_attention_cache")
         window = getattr(self, spec.window, None) if spec.window else None
-        if window is not None and (isinstance(window, bool) or not isinstance(window, (int, np.integer))
-                                   or not 1 <= window < 2**31):
+        if window is not None and _op_window(window) is None:
             return None  # a band the op does not take: the stock mask
         keys = merge_padding_and_attention_mask(args["decoder_sequence"], args.get("decoder_padding_mask"), None)
         index = args.get("self_attention_cache_update_index")
-        return MaskFactors(mask, keys, 0 if index is None else index, cache is not None, int(window or 0))
+        return MaskFactors(mask, keys, 0 if index is None else index, cache is not None, _op_window(window) or 0)
 
     def _compute_self_attention_mask(self, *args, **kwargs):
         mask = base._compute_self_attention_mask(self, *args, **kwargs)
