@@ -333,8 +333,10 @@ def main(argv=None):
             for backend, ops in r["fallbacks"].items():
                 notes.append(f"{r['family']} train step, predicted CPU fallbacks on {backend}: "
                              f"{', '.join(ops) if isinstance(ops, list) and ops else ops or 'none'}")
-    write_results("bench_hub", rows, columns, notes)
-    chart(rows, os.path.join(RESULTS_DIR, "bench_hub.png"))
+    # A --quick run (the tests') writes beside the full table, not over it.
+    name = "bench_hub_quick" if args.quick else "bench_hub"
+    write_results(name, rows, columns, notes)
+    chart(rows, os.path.join(RESULTS_DIR, f"{name}.png"))
     return 0
 
 

@@ -19,7 +19,7 @@ def test_quick_run_writes_rows_with_verified_conversions():
                            "--families", "llama", "--cases", "train,memory"],
                           capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    with open(os.path.join(ROOT, "benchmarks", "results", "bench_hub.json")) as f:
+    with open(os.path.join(ROOT, "benchmarks", "results", "bench_hub_quick.json")) as f:
         data = json.load(f)
     train = next(r for r in data["rows"] if r["case"] == "train")
     assert train["verified"] is True and "error" not in train
@@ -27,7 +27,7 @@ def test_quick_run_writes_rows_with_verified_conversions():
     assert set(train["fallbacks"]) == {"tensorflow-metal", "tensorflow-metal-plugin"}
     memory = next(r for r in data["rows"] if r["case"] == "memory")
     assert memory["stock_mb"] > 0 and memory["ours_mb"] > 0
-    assert os.path.exists(os.path.join(ROOT, "benchmarks", "results", "bench_hub.png"))
+    assert os.path.exists(os.path.join(ROOT, "benchmarks", "results", "bench_hub_quick.png"))
 
 
 def test_unknown_family_is_a_usage_error(capsys):
