@@ -691,6 +691,10 @@ struct AttnBackwardArgs {
   T* dq;
   T* dk;
   T* dv;
+  // Split mode (not null): one item per query head, whose dK and dV go to its own float slice of
+  // these [B, H, Tk, D] / [B, H, Tk, Dv] partials, summed per key/value head afterwards.
+  float* dk_part = nullptr;
+  float* dv_part = nullptr;
   AttnShape s;
   bool causal;
   uint32_t window;  // sliding window, 0: none
@@ -723,14 +727,22 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
   float* kbuf = keep + kBlockK;
   float* qbuf = kbuf + kBlockK * s.d;
   float* dobuf = qbuf + kBlockQ * s.d;
-  // One item per key/value head: its query heads in turn, so dK and dV have one writer.
+  // One item per key/value head: its query heads in turn, so dK and dV have one writer. In split
+  // mode one item per query head, writing its own partial.
+  const bool split = a.dk_part != nullptr;
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t bi = item / s.hk, hki = item % s.hk;
-    const T* kh = a.k + item * s.tk * s.d;
-    const T* vh = a.v + item * s.tk * s.dv;
-    std::fill(dk_head, dk_head + s.tk * s.d, 0.0f);
-    std::fill(dv_head, dv_head + s.tk * s.dv, 0.0f);
-    for (int64_t g = 0; g < s.groups; ++g) {
+    const int64_t bi = item / (split ? s.h : s.hk);
+    const int64_t hki = split ? (item % s.h) / s.groups : item % s.hk;
+    const int64_t g_begin = split ? (item % s.h) % s.groups : 0;
+    const int64_t g_end = split ? g_begin + 1 : s.groups;
+    const int64_t kv = bi * s.hk + hki;
+    const T* kh = a.k + kv * s.tk * s.d;
+    const T* vh = a.v + kv * s.tk * s.dv;
+    float* dk_acc = split ? a.dk_part + item * s.tk * s.d : dk_head;
+    float* dv_acc = split ? a.dv_part + item * s.tk * s.dv : dv_head;
+    std::fill(dk_acc, dk_acc + s.tk * s.d, 0.0f);
+    std::fill(dv_acc, dv_acc + s.tk * s.dv, 0.0f);
+    for (int64_t g = g_begin; g < g_end; ++g) {
       const int64_t hi = hki * s.groups + g;
       const int64_t bh = bi * s.h + hi;
       const T* qh = a.q + bh * s.tq * s.d;
@@ -754,8 +766,8 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
         const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
         AttnTranspose(kf, kn, s.d, kt, kBlockK);
         AttnTranspose(vh + k0 * s.dv, kn, s.dv, vt, kBlockK);
-        float* dk = dk_head + k0 * s.d;
-        float* dv = dv_head + k0 * s.dv;
+        float* dk = dk_acc + k0 * s.d;
+        float* dv = dv_acc + k0 * s.dv;
         for (int64_t q0 = q_begin; q0 < q_end; q0 += kBlockQ) {
           const int64_t qn = std::min(kBlockQ, s.tq - q0);
           const float* qf = AttnAsFloat(qh + q0 * s.d, qn * s.d, qbuf);
@@ -803,10 +815,32 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
       T* dqh = a.dq + bh * s.tq * s.d;
       for (int64_t e = 0; e < s.tq * s.d; ++e) dqh[e] = static_cast<T>(dq[e]);
     }
-    T* dkh = a.dk + item * s.tk * s.d;
-    T* dvh = a.dv + item * s.tk * s.dv;
+    if (split) continue;
+    T* dkh = a.dk + kv * s.tk * s.d;
+    T* dvh = a.dv + kv * s.tk * s.dv;
     for (int64_t e = 0; e < s.tk * s.d; ++e) dkh[e] = static_cast<T>(dk_head[e]);
     for (int64_t e = 0; e < s.tk * s.dv; ++e) dvh[e] = static_cast<T>(dv_head[e]);
+  }
+}
+
+// Split mode's second pass: key rows [begin, end) of [B, Hk, Tk] get the sum of their query heads'
+// partials (in query-head order) in T.
+template <typename T>
+void AttnSumPartials(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end) {
+  const AttnShape& s = a.s;
+  for (int64_t row = begin; row < end; ++row) {
+    const int64_t kv = row / s.tk, j = row % s.tk;
+    const int64_t bi = kv / s.hk, hki = kv % s.hk;
+    const int64_t first = bi * s.h + hki * s.groups;  // the group's first query head
+    const auto sum_into = [&](const float* part, T* out, int64_t width) {
+      for (int64_t c = 0; c < width; ++c) {
+        float sum = 0.0f;
+        for (int64_t g = 0; g < s.groups; ++g) sum += part[((first + g) * s.tk + j) * width + c];
+        out[row * width + c] = static_cast<T>(sum);
+      }
+    };
+    sum_into(a.dk_part, a.dk, s.d);
+    sum_into(a.dv_part, a.dv, s.dv);
   }
 }
 
@@ -987,19 +1021,35 @@ class AttentionGradOp : public OpKernel {
     a.window = attrs_.window_;
     a.scale = attrs_.scale_;
     a.drop = drop;
-    const int64_t items = s.b * s.hk;  // one per key/value head (and its query heads)
-    if (items == 0) return;
+    if (s.b * s.hk == 0) return;
     if (s.tq == 0 || s.h == 0) {  // no query: no gradient flows to key and value
       std::fill(a.dk, a.dk + dk->NumElements(), static_cast<T>(0.0f));
       std::fill(a.dv, a.dv + dv->NumElements(), static_cast<T>(0.0f));
       return;
     }
-    // Cycles per key/value head, roughly: five GEMMs of Tq x Tk x D per query head at ~8 flops a cycle.
-    const int64_t cost = std::max<int64_t>(1, s.groups * s.tq * s.tk * (3 * s.d + 2 * s.dv) / 4);
+    // One item per key/value head (its query heads in turn, one writer per dK/dV element), unless
+    // grouped heads leave fewer of those than threads: then one item per query head, each with its
+    // own float partial of dK/dV, summed per key/value head afterwards.
+    const int threads = ctx->device()->tensorflow_cpu_worker_threads()->num_threads;
+    Tensor dk_part, dv_part;
+    if (s.groups > 1 && s.b * s.hk < threads) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, TensorShape({s.b * s.h, s.tk, s.d}), &dk_part));
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, TensorShape({s.b * s.h, s.tk, s.dv}), &dv_part));
+      a.dk_part = dk_part.flat<float>().data();
+      a.dv_part = dv_part.flat<float>().data();
+    }
+    const int64_t items = a.dk_part != nullptr ? s.b * s.h : s.b * s.hk;
+    const int64_t per_item = a.dk_part != nullptr ? 1 : s.groups;
+    // Cycles per item, roughly: five GEMMs of Tq x Tk x D per query head at ~8 flops a cycle.
+    const int64_t cost = std::max<int64_t>(1, per_item * s.tq * s.tk * (3 * s.d + 2 * s.dv) / 4);
     OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, items, cost, AttnBackwardScratch<T>(s),
                                                [&a](int64_t begin, int64_t end, float* scratch) {
                                                  AttnBackwardItems(a, begin, end, scratch);
                                                }));
+    if (a.dk_part != nullptr) {
+      ParallelFor(ctx, s.b * s.hk * s.tk, std::max<int64_t>(1, s.groups * (s.d + s.dv)),
+                  [&a](int64_t begin, int64_t end) { AttnSumPartials(a, begin, end); });
+    }
   }
 
  private:

@@ -363,6 +363,52 @@ def test_grouped_query_equals_the_repeated_heads_bit_for_bit_forward():
     np.testing.assert_array_equal(got_lse.numpy(), want_lse.numpy())
 
 
+_THREADS_CASE = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import tensorflow as tf
+    tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[2]))
+    sys.path.insert(0, sys.argv[1])
+    import test_attention as t
+    from tfmetal_ext.ops import _common
+    lib = _common.library()
+    rng = np.random.default_rng(7)
+    q, k, v, do = (rng.normal(0, 1, shape).astype("float32")
+                   for shape in ((1, 6, 70, 8), (1, 1, 70, 8), (1, 1, 70, 4), (1, 6, 70, 4)))
+    attrs = dict(causal=True, scale=0.3, sliding_window=20)
+    m = np.ones((1, 1, 1, 1), bool)
+    out, lse = lib.tfmetal_ext_attention(q, k, v, m, [], **attrs)
+    grads = lib.tfmetal_ext_attention_grad(do, q, k, v, m, out, lse, [], **attrs)
+    want = t.np_grouped(q, k, v, do, None, True, 20, 0.3)
+    for got, w in zip(grads, want[2:]):
+        t.assert_close(t.as64(got), w, 4e-5)
+    np.save(sys.argv[3], np.concatenate([g.numpy().ravel() for g in grads]))
+    print("ok")
+    """
+)
+
+
+@pytest.mark.slow
+def test_grouped_backward_split_over_query_heads_matches_the_unsplit_one(tmp_path):
+    """With fewer key/value heads (x batch) than threads, the CPU backward runs one item per query head
+    into float partials summed per key/value head; with one thread, one item per key/value head. Both
+    match float64 numpy, and each other within a few roundings (the sums' order differs)."""
+    if not attention_module.uses_kernel():
+        pytest.skip("the attention kernel is not in the op library")
+    env = {k: v for k, v in os.environ.items() if k != "TFMETAL_EXT_REFERENCE_OPS"}
+    results = {}
+    for threads in (1, 4):
+        path = str(tmp_path / f"grads{threads}.npy")
+        proc = subprocess.run(
+            [sys.executable, "-c", _THREADS_CASE, os.path.dirname(os.path.abspath(__file__)), str(threads), path],
+            capture_output=True, text=True, timeout=600, env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        )
+        assert proc.returncode == 0 and proc.stdout.split()[-1] == "ok", proc.stderr[-3000:]
+        results[threads] = np.load(path)
+    np.testing.assert_allclose(results[4], results[1], rtol=0, atol=8 * 2.0**-24 * np.abs(results[1]).max() * 6)
+
+
 # ---------------------------------------------------------------- rounded once: a derived bound
 
 
