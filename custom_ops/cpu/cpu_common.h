@@ -87,6 +87,14 @@ inline Status CheckVector(const Tensor& t, const char* name, int64_t n, const ch
   return error.empty() ? Status() : errors::InvalidArgument(error);
 }
 
+// `a` and `b` (called `a_name`, `b_name`) have the same shape (tfmetal/host_checks.h, shared with the
+// Metal host code's CheckSameShape).
+inline Status CheckSameShape(const Tensor& a, const char* a_name, const Tensor& b, const char* b_name) {
+  const std::string error = SameShapeError(a_name, a.shape().dim_sizes().data(), a.dims(), b_name,
+                                           b.shape().dim_sizes().data(), b.dims());
+  return error.empty() ? Status() : errors::InvalidArgument(error);
+}
+
 // A stateless-random seed (TfmetalExt>Dropout's, TfmetalExt>Attention's): its
 // two values, int64 or int32 widened with its sign (as TensorFlow reads them).
 inline Status ReadSeed(const Tensor& seed, int64_t* s0, int64_t* s1) {

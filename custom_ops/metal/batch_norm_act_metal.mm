@@ -57,17 +57,6 @@ struct BatchNormActKernel {
   float momentum = 0.0f;
 };
 
-std::string StringAttr(TF_OpKernelConstruction* ctx, const char* attr, TF_Status* status) {
-  int32_t list_size = 0, total_size = 0;
-  TF_OpKernelConstruction_GetAttrSize(ctx, attr, &list_size, &total_size, status);
-  if (!Ok(status)) return "";
-  if (total_size < 0) total_size = 0;
-  std::vector<char> buffer(static_cast<size_t>(total_size) + 1, '\0');
-  TF_OpKernelConstruction_GetAttrString(ctx, attr, buffer.data(), static_cast<size_t>(total_size), status);
-  if (!Ok(status)) return "";
-  return std::string(buffer.data(), static_cast<size_t>(total_size));
-}
-
 // The attrs of both ops: activation, alpha, epsilon, N.
 void ReadAttrs(TF_OpKernelConstruction* ctx, BatchNormActKernel* k, TF_Status* status) {
   const std::string activation = StringAttr(ctx, "activation", status);

@@ -48,17 +48,6 @@ struct Int8Kernel {
   bool same = false;
 };
 
-std::string StringAttr(TF_OpKernelConstruction* ctx, const char* attr, TF_Status* status) {
-  int32_t list_size = 0, total_size = 0;
-  TF_OpKernelConstruction_GetAttrSize(ctx, attr, &list_size, &total_size, status);
-  if (!Ok(status)) return "";
-  if (total_size < 0) total_size = 0;
-  std::vector<char> buffer(static_cast<size_t>(total_size) + 1, '\0');
-  TF_OpKernelConstruction_GetAttrString(ctx, attr, buffer.data(), static_cast<size_t>(total_size), status);
-  if (!Ok(status)) return "";
-  return std::string(buffer.data(), static_cast<size_t>(total_size));
-}
-
 // `attr` as two positive ints (strides / dilations, (h, w)).
 void PairAttr(TF_OpKernelConstruction* ctx, const char* attr, int32_t out[2], TF_Status* status) {
   int32_t list_size = 0, total_size = 0;

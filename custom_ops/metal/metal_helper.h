@@ -216,7 +216,8 @@ inline std::string ShapeString(const std::vector<int64_t>& dims) {
 }
 
 // Whether `a` and `b` have the same shape; InvalidArgument "<a_name> and
-// <b_name> must have the same shape, got [..] and [..]" if not.
+// <b_name> must have the same shape, got [..] and [..]" if not (the CPU
+// kernels' text: tfmetal/host_checks.h SameShapeError).
 bool CheckSameShape(const TF_Tensor* a, const char* a_name, const TF_Tensor* b, const char* b_name,
                     TF_Status* status);
 
@@ -228,6 +229,9 @@ inline bool CheckVector(const TF_Tensor* t, const char* name, int64_t n, const c
   if (!error.empty()) SetStatus(status, TF_INVALID_ARGUMENT, error);
   return error.empty();
 }
+
+// The string attribute `attr` of the kernel being constructed ("" with `status` set on failure).
+std::string StringAttr(TF_OpKernelConstruction* ctx, const char* attr, TF_Status* status);
 
 // Input `index` of the op (null with `status` set on failure), owned.
 inline TensorPtr Input(TF_OpKernelContext* ctx, int index, TF_Status* status) {

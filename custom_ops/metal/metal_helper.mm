@@ -231,13 +231,25 @@ std::string KernelName(const char* op, const char* variant, TF_DataType dtype, T
   return base + "_" + suffix;
 }
 
+std::string StringAttr(TF_OpKernelConstruction* ctx, const char* attr, TF_Status* status) {
+  int32_t list_size = 0, total_size = 0;
+  TF_OpKernelConstruction_GetAttrSize(ctx, attr, &list_size, &total_size, status);
+  if (!Ok(status)) return "";
+  if (total_size < 0) total_size = 0;
+  std::vector<char> buffer(static_cast<size_t>(total_size) + 1, '\0');
+  TF_OpKernelConstruction_GetAttrString(ctx, attr, buffer.data(), static_cast<size_t>(total_size), status);
+  if (!Ok(status)) return "";
+  return std::string(buffer.data(), static_cast<size_t>(total_size));
+}
+
 bool CheckSameShape(const TF_Tensor* a, const char* a_name, const TF_Tensor* b, const char* b_name,
                     TF_Status* status) {
   const std::vector<int64_t> a_dims = Dims(a);
   const std::vector<int64_t> b_dims = Dims(b);
-  if (a_dims == b_dims) return true;
-  SetStatus(status, TF_INVALID_ARGUMENT, std::string(a_name) + " and " + b_name + " must have the same shape, got " +
-                                             ShapeString(a_dims) + " and " + ShapeString(b_dims));
+  const std::string error = SameShapeError(a_name, a_dims.data(), static_cast<int>(a_dims.size()), b_name,
+                                           b_dims.data(), static_cast<int>(b_dims.size()));  // tfmetal/host_checks.h
+  if (error.empty()) return true;
+  SetStatus(status, TF_INVALID_ARGUMENT, error);
   return false;
 }
 

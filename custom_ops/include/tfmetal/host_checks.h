@@ -49,6 +49,18 @@ inline std::string ShapeValuesError(const int64_t* dims, int64_t rank) {
   return "";
 }
 
+// "" if `a` and `b` (called `a_name`, `b_name`) have the same shape, else the
+// InvalidArgument message "<a_name> and <b_name> must have the same shape, got
+// [..] and [..]" (the elementwise gradient ops' dy and x: TfmetalExt>ActivationGrad, ...).
+inline std::string SameShapeError(const char* a_name, const int64_t* a, int a_rank, const char* b_name,
+                                  const int64_t* b, int b_rank) {
+  bool same = a_rank == b_rank;
+  for (int i = 0; same && i < a_rank; ++i) same = a[i] == b[i];
+  if (same) return "";
+  return std::string(a_name) + " and " + b_name + " must have the same shape, got " + ShapeText(a, a_rank) +
+         " and " + ShapeText(b, b_rank);
+}
+
 // "" if `dims` is a vector of `n` elements; otherwise the InvalidArgument
 // message "<name> must be a vector of <what> = <n>, got shape [..]".
 inline std::string VectorShapeError(const char* name, const int64_t* dims, int rank, int64_t n, const char* what) {

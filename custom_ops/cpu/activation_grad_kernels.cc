@@ -1,0 +1,75 @@
+// CPU kernel of TfmetalExt>ActivationGrad: dx = dy * act'(x), elementwise.
+//
+// Elements are split over TF's CPU thread pool (ParallelFor, as the other
+// elementwise kernels). The activation is a template argument, so each loop
+// body is straight-line float math from tfmetal/activation_grad.h (the switch
+// folds away), the same operations as the Metal kernel's: same bits.
+//
+// Helpers live in namespace activation_grad_cpu: all CPU kernel files are one
+// translation unit (tfmetal_ext/ops/_loader.py).
+#include <string>
+
+#include "cpu/activation_grad_attrs.h"
+#include "cpu/cpu_common.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/register_types.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tfmetal/activation_grad.h"
+
+namespace tfmetal_ext {
+namespace activation_grad_cpu {
+
+// Rough cycles per element (an exp, a division or two, a dozen multiplies
+// and adds; erf's polynomial for gelu), for the thread pool's sharding.
+constexpr int64_t kElementCost = 40;
+
+template <typename T, int32_t kKind>
+void Run(OpKernelContext* ctx, const T* dy, const T* x, T* dx, int64_t n) {
+  ParallelFor(ctx, n, kElementCost, [=](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      dx[i] = FromFloat<T>(activation_grad(kKind, ToFloat(dy[i]), ToFloat(x[i])));
+    }
+  });
+}
+
+template <typename T>
+class ActivationGradOp : public OpKernel {
+ public:
+  explicit ActivationGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string name;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &name));
+    const std::string error = activation_grad_attrs::ActivationError(name);
+    OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument(error));
+    kind_ = activation_grad_attrs::ActivationCode(name);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& dy = ctx->input(0);
+    const Tensor& x = ctx->input(1);
+    OP_REQUIRES_OK(ctx, CheckSameShape(dy, "dy", x, "x"));  // tfmetal/host_checks.h, as the Metal host code
+    Tensor* dx = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, x.shape(), &dx));  // dx may reuse dy
+    const int64_t n = x.NumElements();
+    if (n == 0) return;
+    const T* g = dy.flat<T>().data();
+    const T* in = x.flat<T>().data();
+    T* out = dx->flat<T>().data();
+    switch (kind_) {
+      case TFM_ACTGRAD_SILU:
+        return Run<T, TFM_ACTGRAD_SILU>(ctx, g, in, out, n);
+      case TFM_ACTGRAD_GELU:
+        return Run<T, TFM_ACTGRAD_GELU>(ctx, g, in, out, n);
+      default:
+        return Run<T, TFM_ACTGRAD_GELU_APPROXIMATE>(ctx, g, in, out, n);
+    }
+  }
+
+ private:
+  int32_t kind_ = TFM_ACTGRAD_SILU;
+};
+
+}  // namespace activation_grad_cpu
+
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>ActivationGrad"), activation_grad_cpu::ActivationGradOp)
+
+}  // namespace tfmetal_ext
