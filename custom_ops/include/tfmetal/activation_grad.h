@@ -31,11 +31,13 @@
 //   (0 for a finite dy), and no finite x overflows (x^3 of |x| <= 128 is
 //   2.1e6; unclamped it would overflow only past |x| ~ 7e12, and x * (1 - s)
 //   would be inf * 0 at inf).
-//   TensorFlow's autodiff differs at the infinities only: tf.nn.silu's
-//   gradient is s (1 + x (1 - s)), NaN at +-inf (inf * 0); tf.nn.gelu's
-//   (both forms) has x * (...) factors that are inf * 0 = NaN at +-inf.
-//   Those are limits of 0 * inf, not of the function: the limits 1 and 0
-//   are what the derivative tends to, so they are what we return.
+//   TensorFlow's autodiff (float32, TF 2.21) differs only where it makes
+//   inf * 0: at x = +-inf for tf.nn.silu (s (1 + x (1 - s))) and both forms
+//   of tf.nn.gelu, and for tf.nn.gelu(approximate=True) also at finite
+//   |x| > ~7e12, where its x^3 overflows (1e20 gives NaN there). Those NaNs
+//   are artefacts of the formula, not of the function: the derivative tends
+//   to 1 and 0, so that is what we return. Elsewhere (silu at -100,
+//   gelu_approximate at +-50, ...) TF gives our values.
 // - Large finite |x| below 128 is computed by the formulas themselves: silu
 //   at x = -100 is s (1 + x (1 - s)) with exp(100) = inf in float32, s = 0,
 //   so 0 (the true value -3.7e-42 is a float32 subnormal); gelu_approximate
