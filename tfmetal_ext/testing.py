@@ -571,11 +571,31 @@ def np_activation_grad(name, v, alpha=0.2):
     if name == "silu":
         s = 1.0 / (1.0 + np.exp(-v))
         return s + v * s * (1.0 - s)
-    if name == "gelu":
-        cdf = 0.5 * (1.0 + np.vectorize(math.erf, otypes=[np.float64])(v / math.sqrt(2.0)))
+    if name == "gelu":  # Phi as 0.5 erfc(-v / sqrt 2): 0.5 (1 + erf) cancels in the left tail, even in float64
+        cdf = 0.5 * np.vectorize(math.erfc, otypes=[np.float64])(-v / math.sqrt(2.0))
         return cdf + v * np.exp(-0.5 * v * v) / math.sqrt(2.0 * math.pi)
+    if name == "gelu_approximate":  # tf.nn.gelu(approximate=True)
+        # 0.5 (1 + t) + 0.5 v (1 - t^2) c (1 + 3k v^2), t = tanh(w), w = c (v + k v^3); with
+        # e = exp(-2|w|): 0.5 (1 + t) = sigmoid(2w), 1 - t^2 = 4 e / (1 + e)^2 (no cancellation
+        # in float64 as t -> +-1, which would cost ~1e-16 / (1 - |t|) relative).
+        c, k = math.sqrt(2.0 / math.pi), 0.044715
+        w = c * (v + k * v ** 3)
+        e = np.exp(-2.0 * np.abs(w))
+        half_one_plus_t = np.where(w < 0.0, e / (1.0 + e), 1.0 / (1.0 + e))
+        one_minus_t2 = 4.0 * e / (1.0 + e) ** 2
+        return half_one_plus_t + 0.5 * v * one_minus_t2 * c * (1.0 + 3.0 * k * v * v)
     assert name == "linear", name
     return np.ones_like(v)
+
+
+def np_smooth_activation_grad(dy, x, activation):
+    """TfmetalExt>ActivationGrad in float64 from its definition: ``dy * act'(x)`` for ``"silu"``,
+    ``"gelu"`` (erf) or ``"gelu_approximate"`` (tanh); at x = +-inf the derivative's limits 1 and 0."""
+    x = np.asarray(x, np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        finite = np.where(np.isinf(x), 0.0, x)
+        derivative = np.where(np.isinf(x), (x > 0).astype(np.float64), np_activation_grad(activation, finite))
+        return np.asarray(dy, np.float64) * np.where(np.isnan(x), np.nan, derivative)
 
 
 def np_batch_norm_act(x, gamma, beta, side=None, activation="relu", epsilon=1e-3, alpha=0.2):

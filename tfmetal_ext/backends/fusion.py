@@ -244,6 +244,9 @@ CUSTOM_OPS = types.MappingProxyType(
         "rope": CustomOp("TfmetalExt>Rope", "TfmetalExt>RopeGrad", "rope"),
         # Batch norm with batch statistics + optional residual add + activation; one gradient op.
         "batch_norm_act": CustomOp("TfmetalExt>BatchNormAct", "TfmetalExt>BatchNormActGrad", "batch_norm_act"),
+        # dy * act'(x) of a smooth activation (silu, gelu) in one op: itself a gradient (the backward
+        # of a feed-forward's activation); its own gradient is registered in Python.
+        "activation_grad": CustomOp("TfmetalExt>ActivationGrad", None, "activation_grad"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -267,12 +270,19 @@ ROPE_OP = CUSTOM_OPS["rope"].name
 ROPE_GRAD_OP = CUSTOM_OPS["rope"].grad
 BATCH_NORM_ACT_OP = CUSTOM_OPS["batch_norm_act"].name
 BATCH_NORM_ACT_GRAD_OP = CUSTOM_OPS["batch_norm_act"].grad
+ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].name
 
 # The `activation` attribute of TfmetalExt>BatchNormAct, in the order of the TFM_BNA_* codes of
 # custom_ops/include/tfmetal/batch_norm_act.h (Keras activation names; "linear" is none; "gelu" is
 # the exact erf form). BATCH_NORM_ACT_ALIASES maps the other names Keras accepts for them.
 BATCH_NORM_ACT_ACTIVATIONS = ("linear", "relu", "relu6", "elu", "leaky_relu", "silu", "gelu")
 BATCH_NORM_ACT_ALIASES = types.MappingProxyType({None: "linear", "swish": "silu"})
+
+# The `activation` attribute of TfmetalExt>ActivationGrad, in the order of the TFM_ACTGRAD_* codes of
+# custom_ops/include/tfmetal/activation_grad.h ("gelu" is the exact erf form, "gelu_approximate" the
+# tanh form). ACTIVATION_GRAD_ALIASES maps the other names Keras accepts for them.
+ACTIVATION_GRAD_ACTIVATIONS = ("silu", "gelu", "gelu_approximate")
+ACTIVATION_GRAD_ALIASES = types.MappingProxyType({"swish": "silu"})
 
 # The `activation` attribute of the int8 ops, in the order of the TFM_INT8_* codes of
 # custom_ops/include/tfmetal/int8.h (Keras activation names; "linear" is none).
@@ -534,6 +544,13 @@ SAFE_FORMS = _safe_forms(
         f"AddV2 and the activation's ops; the same float32 statistics) instead of {BATCH_NORM_ACT_OP}",
         implies=CUSTOM_OPS["batch_norm_act"].op_names,
         custom_op="batch_norm_act",
+    ),
+    SafeForm(
+        "activation_grad",
+        "tfmetal_ext.ops.activation_grad runs its pure-TF reference (Cast, Exp, Erf, Mul, AddV2, RealDiv, "
+        f"SelectV2: the same float32 formula) instead of {ACTIVATION_GRAD_OP}",
+        implies=CUSTOM_OPS["activation_grad"].op_names,
+        custom_op="activation_grad",
     ),
 )
 

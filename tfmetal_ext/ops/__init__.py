@@ -34,6 +34,9 @@
   ``TfmetalExt>BatchNormAct`` (+ ``TfmetalExt>BatchNormActGrad``: dx, dgamma, dbeta and d side in
   one op), batch normalization with batch statistics (training), an optional residual input and the
   activation in one op; returns ``(y, mean, variance)`` for the moving averages.
+- `activation_grad(dy, x, activation)`: ``TfmetalExt>ActivationGrad``, ``dy * act'(x)`` of silu
+  (swish), exact gelu or tanh gelu in one op (a feed-forward's backward pass; TF's autodiff makes
+  3-5 temporaries of the activation's size); its own gradient (second order) is registered.
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
@@ -42,13 +45,14 @@ its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
 ``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``,
-``"batch_norm_act"``).
+``"batch_norm_act"``, ``"activation_grad"``).
 """
 
 from __future__ import annotations
 
 from tfmetal_ext.ops import _loader  # noqa: F401  (ops._loader: the library loader, reached by tests)
 from tfmetal_ext.ops._loader import BuildError, OpCacheError
+from tfmetal_ext.ops.activation_grad import activation_grad
 from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.batch_norm_act import batch_norm_act
 from tfmetal_ext.ops.dropout import dropout
@@ -62,6 +66,6 @@ from tfmetal_ext.ops.rope import rope
 from tfmetal_ext.ops.softshrink import softshrink
 from tfmetal_ext.ops.status import OpsStatus, build, status
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "attention", "batch_norm_act", "build", "dropout", "int8_conv2d", "int8_matmul",
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "activation_grad", "attention", "batch_norm_act", "build", "dropout", "int8_conv2d", "int8_matmul",
            "layer_norm", "multi_tensor_adam", "quantize_int8",
            "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "rope", "softshrink", "status"]

@@ -207,3 +207,44 @@ def rope(x, positions, inv_freq, scale=1.0, inverse=False):
     else:
         y1, y2 = x1 * c - x2 * s, x2 * c + x1 * s
     return tf.cast(tf.concat([y1, y2], -1), x.dtype)
+
+
+# The activation_grad math (tfmetal/activation_grad.h), once, in float32 TF ops.
+_ACTIVATION_GRAD_SATURATION = 128.0  # TFM_ACTGRAD_SATURATION
+_SQRT_2_OVER_PI = 0.79788456080286536
+_GELU_TANH_K = 0.044715
+
+
+def activation_derivative(xf, activation):
+    """act'(x) of float32 `xf` as the kernels compute it: ``"silu"``, ``"gelu"`` (erf) or ``"gelu_approximate"``.
+
+    Differentiable (the op's second-order gradient is its autodiff). x beyond +-128 (+-inf
+    included) is taken at +-128, where every derivative is exactly 1 or 0 in float32; NaN stays NaN.
+    """
+    sat = tf.constant(_ACTIVATION_GRAD_SATURATION, xf.dtype)
+    v = tf.where(xf > sat, sat, tf.where(xf < -sat, -sat, xf))
+    one, half = tf.constant(1.0, xf.dtype), tf.constant(0.5, xf.dtype)
+    if activation == "silu":
+        s = one / (one + tf.exp(-v))
+        return s * (one + v * (one - s))
+    if activation == "gelu":
+        cdf = half * (one + tf.math.erf(v * tf.constant(0.70710678118654752, xf.dtype)))
+        return cdf + v * tf.constant(0.39894228040143268, xf.dtype) * tf.exp(-half * v * v)
+    if activation == "gelu_approximate":
+        c, k = tf.constant(_SQRT_2_OVER_PI, xf.dtype), tf.constant(_GELU_TANH_K, xf.dtype)
+        v2 = v * v
+        u = c * v * (one + k * v2)
+        # |u| as a select, not Abs: Abs's gradient at 0 is 0, the select's takes the u >= 0 branch, so
+        # the autodiff (the op's second-order gradient) is right at x = 0 too.
+        abs_u = tf.where(u < 0, -u, u)
+        e = tf.exp(tf.constant(-2.0, xf.dtype) * abs_u)  # sigmoid(2u) = 0.5 (1 + tanh u), without cancellation
+        r = one / (one + e)
+        s = tf.where(u < 0, e * r, r)
+        return s + tf.constant(2.0, xf.dtype) * v * (e * r * r) * c * (one + tf.constant(3.0, xf.dtype) * k * v2)
+    raise ValueError(f"Unknown activation for activation_grad's reference. Received: activation={activation!r}")
+
+
+def activation_grad(dy, x, activation):
+    """dy * act'(x) in float32, rounded once to x's dtype (TfmetalExt>ActivationGrad)."""
+    xf = tf.cast(x, tf.float32)
+    return tf.cast(tf.cast(dy, tf.float32) * activation_derivative(xf, activation), x.dtype)
