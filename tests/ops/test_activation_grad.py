@@ -147,6 +147,7 @@ def test_the_ops_attribute_lists_the_python_tuple():
         assert f"#define TFM_ACTGRAD_{name.upper()} {code}" in header
 
 
+@pytest.mark.cover_axes("dtype", "activation")  # each dtype's rounding and each activation's formula
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("activation", ACTIVATIONS)

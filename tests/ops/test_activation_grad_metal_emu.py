@@ -112,6 +112,7 @@ def test_library_instantiates_every_dtype(lib):
         assert lib.params(name)[3].size == PARAMS.itemsize
 
 
+@pytest.mark.cover_axes("dtype", "activation")  # each instantiation and each activation code: different code paths
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", list(DTYPES))
