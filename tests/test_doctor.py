@@ -155,7 +155,7 @@ def test_selftest_str_and_json(healthy):
 def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
         "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
-        "rms_norm", "batch_norm_act", "rope", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion",
+        "rms_norm", "batch_norm_act", "rope", "activation_grad", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion",
         "multi_tensor_rmsprop",
         "dropout", "attention", "cpu_fallback", "gap_kernels",
     )
@@ -297,6 +297,14 @@ def test_batch_norm_act_check_passes_and_catches_a_fault():
     assert faulty.status == "FAIL" and "avoid_fusions=['batch_norm_act']" in faulty.fix and "report it" in faulty.fix
 
 
+def test_activation_grad_check_passes_and_catches_a_fault():
+    check = doctor.selftest(checks=["activation_grad"]).check("activation_grad")
+    assert check.status == "PASS", check
+    assert fusion.ACTIVATION_GRAD_OP in check.fused
+    faulty = doctor.selftest(checks=["activation_grad"], faults=["activation_grad"]).check("activation_grad")
+    assert faulty.status == "FAIL" and "avoid_fusions=['activation_grad']" in faulty.fix and "report it" in faulty.fix
+
+
 def test_dropout_check_passes_and_catches_a_fault():
     check = doctor.selftest(checks=["dropout"]).check("dropout")
     assert check.status == "PASS", check
@@ -339,7 +347,8 @@ def test_custom_op_checks_skip_without_library(monkeypatch):
 
     monkeypatch.setattr(_loader, "load", lambda: None)
     result = doctor.selftest(checks=["softshrink", "layer_norm", "rms_norm", "multi_tensor_adam", "multi_tensor_lion",
-                                     "multi_tensor_rmsprop", "attention", "dropout", "batch_norm_act"])
+                                     "multi_tensor_rmsprop", "attention", "dropout", "batch_norm_act",
+                                     "activation_grad"])
     for c in result.checks:
         assert c.status == "SKIP" and c.fix == "tfmetal-ext build-ops" and "not loaded" in c.detail
     assert result.passed

@@ -84,6 +84,7 @@ def test_safe_forms_names():
         "dropout",
         "rope",
         "batch_norm_act",
+        "activation_grad",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

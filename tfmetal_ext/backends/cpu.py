@@ -80,6 +80,12 @@ _EITHER = {
         f"tfmetal_ext custom op: one {fusion.SOFTSHRINK_OP} forward, one {fusion.SOFTSHRINK_GRAD_OP} backward",
         dtypes=_CUSTOM,
     ),
+    # Its CPU kernel exists; whether it beats TF's autodiff ops on a CPU is not measured yet.
+    "custom_activation_grad": Fusion(
+        f"tfmetal_ext custom op: one {fusion.ACTIVATION_GRAD_OP} (its second-order gradient: the op again and "
+        "the reference's autodiff)",
+        dtypes=_CUSTOM,
+    ),
     # Measured (train step x -> Dropout(0.5) -> sum(y^2) -> dx, float32, paired rounds, 2-core AMD EPYC
     # AVX-512, TF 2.21, oneDNN on / off): the op's CPU kernel draws the Philox mask twice (forward and
     # backward, one scalar Philox block per 4 elements) where Keras' stateless dropout draws it once and

@@ -46,6 +46,7 @@ CUDA = backend(
             "no CUDA kernel: FusedBatchNormV3 runs (cuDNN; _FusedBatchNormEx with Relu in half)"
         ),
         "custom_softshrink": never("no CUDA kernel: the op runs on the CPU (copies each way); use the reference there"),
+        "custom_activation_grad": never("no CUDA kernel: the pure-TF reference runs (TF's elementwise ops)"),
         "custom_dropout": never("no CUDA kernel: the pure-TF reference runs (TensorFlow's stateless dropout)"),
         "custom_attention": never("no CUDA kernel: the pure-TF reference runs (the score matrix is materialized)"),
         "custom_int8_matmul": never(

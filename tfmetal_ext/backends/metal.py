@@ -99,6 +99,9 @@ METAL = backend(
         "custom_softshrink": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),
+        "custom_activation_grad": Fusion(
+            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
+        ),
         "custom_attention": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),

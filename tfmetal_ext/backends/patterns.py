@@ -74,6 +74,12 @@ PATTERNS = types.MappingProxyType(
                 _F.SOFTSHRINK_OP,
             ),
             Pattern(
+                "custom_activation_grad",
+                "the backward of a smooth activation, dy * act'(x) (silu, exact and tanh gelu): TF's autodiff of "
+                "tf.nn.silu / tf.nn.gelu is 3-5 elementwise ops",
+                _F.ACTIVATION_GRAD_OP,
+            ),
+            Pattern(
                 "custom_dropout",
                 "dropout whose counter-based mask the backward pass draws again from the seed (FusedDropout; "
                 "Keras' Dropout is five ops and keeps a boolean mask)",

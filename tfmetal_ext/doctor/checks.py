@@ -323,6 +323,23 @@ def rope(dtype):
     return fused, (x, dy), reference
 
 
+@register("activation_grad", op=fusion.CUSTOM_OPS["activation_grad"])
+def activation_grad(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(10)
+    x = tf.constant(rng.standard_normal((5, 37)) * 3.0, dtype)  # both tails and the roots of silu', gelu'
+    dy = tf.constant(rng.standard_normal((5, 37)), dtype)
+    names = fusion.ACTIVATION_GRAD_ACTIVATIONS
+
+    def fused(x, dy):
+        return tuple(lib.tfmetal_ext_activation_grad(dy, x, activation=name) for name in names)
+
+    reference = tuple(testing.np_smooth_activation_grad(_f64(dy), _f64(x), name) for name in names)
+    return fused, (x, dy), reference
+
+
 # The int8 contractions: numpy float64 of Keras' convention (w = q / scale), the TF conv padding rules.
 
 def _np_int8_activate(z, activation, alpha=fusion.LEAKY_RELU_ALPHA):
