@@ -383,3 +383,20 @@ def test_second_order_gradient(activation, mode):
     assert_close(d_dy, want_dy, tolerance(g, x, want_dy, activation, "float32"))
     m, k, _, _ = error_terms(x, activation)
     assert_close(d_x, want_x, np.abs(g * dy) * 48 * U * m * k * (1.0 + np.abs(x)) ** 2 + U * np.abs(want_x))
+
+
+# ----------------------------------------------------------------------------
+# Where its kernels run, as placement prediction reads the backend tables.
+
+
+def test_placement_prediction_reads_the_custom_activation_grad_rows():
+    from tfmetal_ext.backends import registry
+    from tfmetal_ext.inspect import predict
+
+    lib()  # its CPU kernel registered: a dtype without a GPU kernel falls back, it does not fail
+    for dtype in ("float32", "float16", "bfloat16"):
+        assert predict.judge(registry.TABLES["metal"], fusion.ACTIVATION_GRAD_OP, {"T": dtype}) is None
+    for dtype in ("float32", "float16"):
+        assert predict.judge(registry.TABLES["metal_plugin"], fusion.ACTIVATION_GRAD_OP, {"T": dtype}) is None
+    outcome, dtype, _ = predict.judge(registry.TABLES["metal_plugin"], fusion.ACTIVATION_GRAD_OP, {"T": "bfloat16"})
+    assert (outcome, dtype) == (predict.FALLBACK, "bfloat16")  # the open plugin has no bfloat16 at all
