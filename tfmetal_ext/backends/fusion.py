@@ -215,11 +215,14 @@ class CustomOp:
         name: the registered op name (``"TfmetalExt>Softshrink"``).
         grad: the gradient op's name, or None when the op has none.
         safe_form: its `SAFE_FORMS` key (the pure-TF reference runs instead).
+        backward: the op is itself a gradient, made only by backward passes (inside a custom
+            gradient, whose ops TF names outside its ``gradient_tape/`` scope).
     """
 
     name: str
     grad: str | None
     safe_form: str
+    backward: bool = False
 
     @property
     def op_names(self):
@@ -246,7 +249,7 @@ CUSTOM_OPS = types.MappingProxyType(
         "batch_norm_act": CustomOp("TfmetalExt>BatchNormAct", "TfmetalExt>BatchNormActGrad", "batch_norm_act"),
         # dy * act'(x) of a smooth activation (silu, gelu) in one op: itself a gradient (the backward
         # of a feed-forward's activation); its own gradient is registered in Python.
-        "activation_grad": CustomOp("TfmetalExt>ActivationGrad", None, "activation_grad"),
+        "activation_grad": CustomOp("TfmetalExt>ActivationGrad", None, "activation_grad", backward=True),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -310,6 +313,13 @@ def node_fused_ops(node):
     if "fused_ops" in node.attr:
         return [s.decode() for s in node.attr["fused_ops"].list.s]
     return []
+
+
+# Op types that only a backward pass makes: the custom ops' gradient ops, and the custom ops that are
+# gradients themselves. Reports tell backward nodes by these as well as by their name scope.
+BACKWARD_OPS = frozenset(
+    {op.grad for op in CUSTOM_OPS.values() if op.grad} | {op.name for op in CUSTOM_OPS.values() if op.backward}
+)
 
 
 def is_fused_op(op):

@@ -226,8 +226,10 @@ def _matches(path, layer):
     return path == layer or path.endswith("/" + layer)
 
 
-def _is_backward(node_name):
-    return "gradient_tape/" in node_name or "/gradients/" in node_name
+def _is_backward(node):
+    """A backward-pass node: by its name scope, or by its op (`fusion.BACKWARD_OPS`: a custom
+    gradient's ops are named outside the tape's scope)."""
+    return "gradient_tape/" in node.name or "/gradients/" in node.name or node.op in fusion.BACKWARD_OPS
 
 
 def _dtype_name(node):
@@ -502,7 +504,7 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
         if node.op in NON_COMPUTE_OPS:
             continue
         counts[node.op] += 1
-        if node.op not in _PLUMBING_OPS and not _is_backward(node.name):
+        if node.op not in _PLUMBING_OPS and not _is_backward(node):
             path = index.layer_of(node.name)
             if path is not None:
                 ran[path][_ran_label(node)] += 1
@@ -522,7 +524,7 @@ def build_fusion_report(capture, index, ctx, policy=None, notes=()):
                     device=_short_device(node.device),
                     name=node.name,
                     dtype=_dtype_name(node),
-                    backward=_is_backward(node.name),
+                    backward=_is_backward(node),
                 )
             )
     verdicts = []
