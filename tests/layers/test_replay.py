@@ -113,6 +113,119 @@ def test_plan_leaves_a_norm_to_its_own_gradient():
 
 
 # ----------------------------------------------------------------------------
+# Activations with a one-op gradient inside the chain.
+
+
+def _hub_gelu_approximate(x):
+    keras_utils = pytest.importorskip("keras_hub.src.utils.keras_utils", reason="keras-hub is not installed")
+    return keras_utils.gelu_approximate(x)
+
+
+def _layers_gelu(name):
+    from tfmetal_ext.layers import _contraction as C
+
+    return lambda x: C.apply_activation(x, None, name, training=True)
+
+
+ACTIVATION_FORMS = {
+    "tf.nn.silu": ("silu", tf.nn.silu),
+    "keras.silu": ("silu", keras.activations.silu),
+    "keras.swish": ("silu", keras.activations.swish),
+    "tf.nn.gelu": ("gelu", tf.nn.gelu),
+    "keras.gelu": ("gelu", keras.activations.gelu),
+    "tf.nn.gelu(approximate)": ("gelu_approximate", lambda x: tf.nn.gelu(x, approximate=True)),
+    "keras.gelu(approximate)": ("gelu_approximate", lambda x: keras.activations.gelu(x, approximate=True)),
+    "keras_hub.gelu_approximate": ("gelu_approximate", _hub_gelu_approximate),
+    "FusedDense gelu (training)": ("gelu", _layers_gelu("gelu")),
+    "FusedDense gelu_approximate (training)": ("gelu_approximate", _layers_gelu("gelu_approximate")),
+}
+
+
+@pytest.mark.parametrize("form", sorted(ACTIVATION_FORMS))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_plan_finds_the_activation_of_each_form(form, dtype):
+    kind, act = ACTIVATION_FORMS[form]
+    g = tf.constant(_rng(20).standard_normal((4, 6)).astype(dtype))
+    u = tf.constant(_rng(21).standard_normal((4, 6)).astype(dtype))
+
+    def run(g, u):
+        gate = tf.identity(g)
+        p = act(gate) * tf.identity(u)
+        replay = _replay.plan(p)
+        assert replay is not None
+        assert [(k, x.ref()) for _, k, _, x in replay.activations] == [(kind, gate.ref())]
+        return p, replay.rebuild([tf.identity(a) for a in replay.anchors])
+
+    p, again = _in_graph(run, g, u)
+    np.testing.assert_array_equal(p.numpy(), again.numpy())  # the form's own ops, made again
+
+
+@pytest.mark.parametrize("act", [
+    lambda x: x * tf.sigmoid(1.702 * x),  # the sigmoid GELU: not one of the forms
+    lambda x: 0.5 * x * (1.0 + tf.tanh(0.7978845608 * (x + 0.044715 * x * x * x))),  # a hand-written tanh GELU
+    lambda x: tf.sigmoid(x) * x,  # silu with the operands swapped: other ops than TF's
+])
+def test_plan_replays_other_activations_through_tfs_gradient(act):
+    """An activation written otherwise is replayed op by op (TF's gradient), never taken for a form."""
+    g = tf.constant(_rng(22).standard_normal((4, 6)).astype("float32"))
+
+    def run(g):
+        p = act(tf.identity(g)) * tf.identity(g + 1.0)
+        replay = _replay.plan(p)
+        assert replay is not None and replay.activations == ()
+        return p
+
+    _in_graph(run, g)
+
+
+def test_plan_activation_input_must_be_one_tensor():
+    """A form's ops over two different tensors (``x * sigmoid(beta * y)``) are no silu of either."""
+    g = tf.constant(_rng(23).standard_normal((4, 6)).astype("float32"))
+
+    def run(g):
+        a, b = tf.identity(g), tf.identity(g * 2.0)
+        p = a * tf.sigmoid(1.0 * b) * tf.identity(g + 1.0)
+        replay = _replay.plan(p)
+        assert replay is not None and replay.activations == ()
+        return p
+
+    _in_graph(run, g)
+
+
+@pytest.mark.parametrize("form", ["tf.nn.silu", "keras.gelu(approximate)", "FusedDense gelu (training)"])
+def test_replayed_backward_differentiates_the_activation_in_one_op(form):
+    """The train step's backward pass differentiates the chain's activation with one
+    ``TfmetalExt>ActivationGrad`` and none of TF's gradient ops for its inner ops."""
+    if not importlib.import_module("tfmetal_ext.ops.activation_grad").uses_kernel():
+        pytest.skip("no op library here: ops.activation_grad runs its pure-TF reference")
+    from tfmetal_ext.backends import fusion
+
+    _, act = ACTIVATION_FORMS[form]
+    layer = FusedDense(5)
+    layer.build((2, 7, 12))
+    g, u, dy = _operands("float32")
+
+    def run(g, u):
+        with tf.GradientTape() as tape:
+            tape.watch([g, u])
+            y = layer(act(g) * u, training=True)
+        return tape.gradient(y, [g, u] + layer.trainable_variables, output_gradients=dy)
+
+    graph = tf.function(run).get_concrete_function(g, u).graph
+    types = [op.type for op in graph.get_operations()]
+    assert types.count(fusion.CUSTOM_OPS["activation_grad"].name) == 1, types
+    assert not {"SigmoidGrad", "TanhGrad"} & set(types), types
+    # The activation's own transcendental: the forward pass's and the replay's (for the kernel's
+    # gradient), none for its derivative.
+    assert sum(types.count(t) for t in ("Sigmoid", "Tanh", "Erfc")) == 2, types
+    with _replay_plans(False):
+        plain = tf.function(run)(g, u)
+    got = tf.function(run)(g, u)
+    for a, b in zip(got, plain):  # the activation's gradient within the layer tests' float32 bounds
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------
 # The layers: gradients with and without the replay.
 
 

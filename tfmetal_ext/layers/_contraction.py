@@ -72,8 +72,9 @@ def apply_activation(x, fn, name, training=None):
     pass keeps only its input."""
     if name == "linear":
         return x
-    if training and recomputed_name(fn, name) is not None:
-        return recomputed(lambda t: apply_activation(t, fn, name))(x)
+    kind = recomputed_name(fn, name) if training else None
+    if kind is not None:
+        return recomputed(lambda t: apply_activation(t, fn, name), kind)(x)
     if name == GELU_APPROXIMATE:
         return gelu_approximate(x)
     emit = _SINGLE_OP_ACTIVATIONS.get(name)
@@ -88,21 +89,32 @@ def recomputed_name(fn, name):
     return name if name in fusion.RECOMPUTED_ACTIVATIONS else None
 
 
-def recomputed(fn):
-    """`fn` (an elementwise activation) as a function whose gradient recomputes it from its input.
+def recomputed(fn, kind=None):
+    """`fn` (an elementwise activation) as a function whose backward pass keeps only its input `x`.
 
-    The forward pass runs `fn` itself (the same ops, the same values). The backward pass keeps only
-    the input `x`: it runs `fn` again on `x` and takes TF's own gradient of that, so the gradient is
-    the one TF computes for `fn` (bit for bit eagerly; inside a tf.function grappler may round the
-    two gradient chains differently), while the activation's intermediate tensors (several of the
-    activation's size for a composite like the tanh GELU) are freed after the forward pass.
-    The recomputation depends on the incoming gradient, so TF's graph optimizer cannot merge it
-    with the forward ops (which would keep their tensors alive again).
+    The forward pass runs `fn` itself (the same ops, the same values), and the activation's
+    intermediate tensors (several of the activation's size for a composite like the tanh GELU) are
+    freed after it.
+
+    With `kind`, what `fn` computes (a `fusion.ACTIVATION_GRAD_ACTIVATIONS` name), the gradient is
+    one ``ops.activation_grad(dy, x, kind)``: ``dy * act'(x)`` in float32, rounded once, where TF's
+    autodiff of the same ops makes 3-5 temporaries of the activation's size (and rounds each under a
+    mixed policy). Without it, the backward pass runs `fn` again on `x` and takes TF's own gradient
+    of that (bit for bit eagerly); the recomputation depends on the incoming gradient, so TF's graph
+    optimizer cannot merge it with the forward ops (which would keep their tensors alive again).
     """
+    if kind is not None and kind not in fusion.ACTIVATION_GRAD_ACTIVATIONS:
+        raise ValueError(
+            f"`kind` must be one of {fusion.ACTIVATION_GRAD_ACTIVATIONS} or None. Received: kind={kind!r}"
+        )
 
     @tf.custom_gradient
     def run(x):
         def grad(dy):
+            if kind is not None:
+                from tfmetal_ext.ops import activation_grad  # lazy: the ops import the layers' helpers
+
+                return activation_grad(dy, x, kind)
             (again,) = waiting_for(dy, [x])
             with tf.GradientTape() as tape:
                 tape.watch(again)

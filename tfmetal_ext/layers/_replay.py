@@ -15,6 +15,12 @@ runs the projection on that, and takes TensorFlow's own gradient of both, for th
 the projection's variables (its kernel, LoRA factors, bias). The projection's forward output is
 pruned from that backward graph by grappler: only its gradient ops are used.
 
+A smooth activation inside the chain (SiLU, exact or tanh GELU, as TF, Keras, keras-hub and our
+layers write them: `_ACTIVATION_FORMS`) is found by its ops and made again with the same ops, but
+differentiated by one ``TfmetalExt>ActivationGrad`` (`_contraction.recomputed`) instead of TF's chain of
+3-5 elementwise gradient ops, each a temporary of the feed-forward's width alive at the step's
+memory peak.
+
 Eagerly (`run_eagerly=True`, a plain GradientTape loop) there is no graph to read: the layers keep
 the ordinary path.
 """
@@ -22,7 +28,9 @@ the ordinary path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import numpy as np
 import tensorflow as tf
 from keras.src import backend as keras_backend
 
@@ -41,14 +49,22 @@ class Replay:
     target: tf.Tensor
     anchors: tuple
     ops: tuple  # the replayed ops (`rebuild` makes each once its inputs are made)
+    # The chain's activations with a one-op gradient: (output, `fusion.ACTIVATION_GRAD_ACTIVATIONS`
+    # name, the form that made it, its input), outermost first.
+    activations: tuple = ()
 
     def rebuild(self, anchors):
         """`target` made again from `anchors` (tensors standing for `self.anchors`, in order)."""
         made = {a.ref(): b for a, b in zip(self.anchors, anchors)}
         replayed = {id(op) for op in self.ops}
+        activations = {out.ref(): (kind, form, x) for out, kind, form, x in self.activations}
 
         def value(t):
             if t.ref() in made:
+                return made[t.ref()]
+            if t.ref() in activations:
+                kind, form, x = activations[t.ref()]
+                made[t.ref()] = C.recomputed(form, kind)(value(x))
                 return made[t.ref()]
             op = t.op
             if id(op) in replayed:
@@ -137,7 +153,120 @@ def plan(x, max_ops=MAX_OPS, max_anchors=MAX_ANCHORS):
 
     if not visit(x) or not gain:
         return None
-    return Replay(x, tuple(anchors), tuple(ops))
+    return Replay(x, tuple(anchors), tuple(ops), _chain_activations(x, anchors, ops))
+
+
+# ----------------------------------------------------------------------------
+# Activations with a one-op gradient inside a replayed chain.
+
+def _forms():
+    """(name, function) for each way the chain's smooth activations are written, as data for `plan`:
+    TF's and Keras' functions (keras-hub's ``gelu_approximate`` is Keras' tanh GELU) and our
+    contraction layers' training form (`_contraction.recomputed`, a custom gradient around the same
+    ops). Names are `fusion.ACTIVATION_GRAD_ACTIVATIONS`."""
+    import keras
+
+    return (
+        ("silu", tf.nn.silu),
+        ("silu", keras.activations.silu),
+        ("gelu", functools.partial(tf.nn.gelu, approximate=False)),
+        ("gelu", functools.partial(keras.activations.gelu, approximate=False)),
+        ("gelu_approximate", functools.partial(tf.nn.gelu, approximate=True)),
+        ("gelu_approximate", functools.partial(keras.activations.gelu, approximate=True)),
+        ("gelu", lambda t: C.apply_activation(t, None, "gelu", training=True)),
+        ("gelu_approximate", lambda t: C.apply_activation(t, None, C.GELU_APPROXIMATE, training=True)),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _templates(dtype):
+    """Each form of `_forms` made once in a scratch graph on a placeholder of `dtype` (a DType's
+    enum): (name, function, placeholder, output). Forms whose ops coincide are kept once."""
+    dtype = tf.as_dtype(dtype)
+    made, signatures = [], set()
+    for kind, form in _forms():
+        assert kind in fusion.ACTIVATION_GRAD_ACTIVATIONS, kind
+        graph = tf.Graph()
+        with graph.as_default():
+            x = tf.compat.v1.placeholder(dtype, None)
+            y = form(x)
+        signature = (kind, tuple((op.type, tuple(i.op.type for i in op.inputs)) for op in graph.get_operations()))
+        if signature not in signatures:
+            signatures.add(signature)
+            made.append((kind, form, x, y))
+    return tuple(made)
+
+
+def _const_value(op):
+    return tf.make_ndarray(op.get_attr("value"))
+
+
+def _same_attrs(a, b):
+    op_def = a.op_def
+    inferred = set()
+    for arg in op_def.input_arg:
+        inferred.update(n for n in (arg.type_attr, arg.number_attr, arg.type_list_attr) if n)
+    return all(a.get_attr(attr.name) == b.get_attr(attr.name) for attr in op_def.attr if attr.name not in inferred)
+
+
+def _matches(pattern, t, placeholder, bound):
+    """Whether tensor `t` is made by the same ops as `pattern` (a template's tensor), with
+    `placeholder` standing for one tensor throughout (appended to `bound` once found)."""
+    if pattern is placeholder:
+        if bound:
+            return bound[0] is t
+        bound.append(t)
+        return True
+    a, b = pattern.op, t.op
+    if (a.type != b.type or pattern.value_index != t.value_index or pattern.dtype != t.dtype
+            or len(a.inputs) != len(b.inputs) or b.control_inputs):
+        return False
+    if a.type == "Const":
+        want, got = _const_value(a), _const_value(b)
+        return want.shape == got.shape and want.dtype == got.dtype and np.array_equal(want, got)
+    if a.type == "Placeholder" or not _same_attrs(a, b):
+        return False
+    return all(_matches(p, i, placeholder, bound) for p, i in zip(a.inputs, b.inputs))
+
+
+def match_activation(t):
+    """``(name, form, input)`` when tensor `t` is one of `_forms`' activations of `input`, else None."""
+    if not t.dtype.is_floating:
+        return None
+    for kind, form, placeholder, output in _templates(t.dtype.as_datatype_enum):
+        bound = []
+        if _matches(output, t, placeholder, bound):
+            return kind, form, bound[0]
+    return None
+
+
+def _chain_activations(target, anchors, ops):
+    """`Replay.activations`: the chain's tensors that `match_activation` finds, from `target` down
+    through the replayed ops (and custom gradients' outputs, as `plan` walks them); a match's own
+    ops are not searched further."""
+    inside = {id(op) for op in ops}
+    stop = {a.ref() for a in anchors}
+    found, seen = [], set()
+
+    def walk(t):
+        if t.ref() in seen or t.ref() in stop:
+            return
+        seen.add(t.ref())
+        match = match_activation(t)
+        if match is not None:
+            kind, form, x = match
+            found.append((t, kind, form, x))
+            walk(x)
+            return
+        op = t.op
+        if op.type == "IdentityN" and len(op.inputs) == len(op.outputs):
+            walk(op.inputs[t.value_index])
+        elif id(op) in inside:
+            for i in op.inputs:
+                walk(i)
+
+    walk(target)
+    return tuple(found)
 
 
 def _replayable(op):
