@@ -249,6 +249,41 @@ def test_keras_masks_match_stock(causal, path):
         assert_close(np.asarray(g), np.asarray(g_ref), "float32")
 
 
+@pytest.mark.parametrize("masked", [False, True], ids=["", "value_mask"])
+def test_dropout_training_keeps_one_copy_of_the_attention_output(masked):
+    """In training with dropout, the op's output is made heads-last once: the op's gradient and the
+    output projection's kernel gradient read that one tensor (the op's own-layout output feeds only
+    its transpose, and the MatMul reads a reshape of it). A row that attends no key is replaced by
+    the output bias after the projection, not by a select before it (a second copy)."""
+    if not attention_ops.uses_kernel():
+        pytest.skip("no op library here: the attention runs its pure-TF reference")
+    rng = np.random.default_rng(31)
+    q, v, _ = _inputs(rng, 2, 5, 6, 8, 8)
+    layer = FusedMultiHeadAttention(num_heads=2, key_dim=4, dropout=0.3, seed=2)
+    kwargs = {"value_mask": np.array([[0] * 6, [1, 1, 0, 1, 1, 1]], bool)} if masked else {}
+    layer(q, v, **kwargs)
+
+    def step():
+        with tf.GradientTape() as tape:
+            y = layer(q, v, training=True, **kwargs)
+        return tape.gradient(y, layer.trainable_variables)
+
+    graph = tf.function(step).get_concrete_function().graph
+    op = [o for o in graph.get_operations() if o.type == fusion.ATTENTION_OP]
+    assert len(op) == 1
+    (transpose,) = op[0].outputs[0].consumers()
+    assert transpose.type == "Transpose"
+
+    def source(t):  # through reshapes and identities (the custom gradient's IdentityN among them)
+        while t.op.type in ("Reshape", "Identity", "IdentityN"):
+            t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
+        return t
+
+    matmuls = [o for o in graph.get_operations() if o.type == "MatMul" and source(o.inputs[0]) is transpose.outputs[0]]
+    # The output projection and its kernel's gradient read the one heads-last copy.
+    assert sorted(m.name.startswith("gradient_tape/") for m in matmuls) == [False, True], matmuls
+
+
 @pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
 @pytest.mark.parametrize("call", ["plain", "mask", "causal", "keras_mask"])
 def test_mixed_precision_within_the_derived_rounding_bound(policy, call, path):

@@ -297,28 +297,38 @@ class FusedMultiHeadAttention(_STOCK):
         q, k, v = self._project_heads(query, key, value, q_dims, kv_dims)
 
         rate = self._dropout_rate() if self._dropout > 0 and training else 0.0
+        # The op's output comes as (batch, q, heads, value_dim), the layout the output MatMul reads:
+        # one copy is kept for the backward pass (the op's gradient and the kernel's read the same).
         if rate > 0:
             # The stock sublayer's generator, drawn once as its Dropout would draw it: the same mask.
             out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim,
-                            dropout_rate=rate, seed=self._dropout_layer.seed_generator)
+                            dropout_rate=rate, seed=self._dropout_layer.seed_generator, heads_last=True)
         else:
-            out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim)
+            out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim, heads_last=True)
+        zero_rows = None
         if self._dropout == 0 and (attended is not None or mask is not None):
-            if attended is None:
-                attended = tf.reduce_any(mask, axis=-1, keepdims=True)
-            out = tf.where(attended, out, _mean_value(v, kv_dims[1]))
+            if attended is None:  # (batch, 1 or heads, q, 1) -> heads last
+                attended = tf.transpose(tf.reduce_any(mask, axis=-1, keepdims=True), [0, 2, 1, 3])
+            else:  # (batch, q or 1) -> (batch, q or 1, 1, 1)
+                attended = attended[:, :, None, None]
+            out = tf.where(attended, out, tf.transpose(_mean_value(v, kv_dims[1]), [0, 2, 1, 3]))
         elif attended is not None:
             # Stock's dropout path zeroes a row that attends no key (the op's own 0 where its mask
-            # says so; a query-masked row is not masked in the op's key mask).
-            out = tf.where(attended, out, tf.zeros([], out.dtype))
+            # says so; a query-masked row is not masked in the op's key mask). A zero row projects
+            # to the output bias exactly (0 * kernel sums to 0), so the row is replaced after the
+            # projection: a select before it would be a second copy of the output, kept for the
+            # kernel's gradient beside the op's.
+            zero_rows = attended
 
-        # (batch, heads, q, value_dim) -> (batch * q, heads * value_dim) for the output MatMul.
-        flat = tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [-1, self._num_heads * self._value_dim])
+        # (batch, q, heads, value_dim) -> (batch * q, heads * value_dim) for the output MatMul.
+        flat = tf.reshape(out, [-1, self._num_heads * self._value_dim])
         if self._use_gate:
             flat = flat * self._matmul_bias(self._gate_dense, self._flat(query), q_dims[0])
         y = self._matmul_bias(self._output_dense, flat, q_dims[0])
         out_dims = list(self._output_dense.kernel.shape[2:])
         y = tf.reshape(y, q_dims[:2] + out_dims)
+        if zero_rows is not None:  # (batch, q or 1) -> (batch, q or 1, 1, ...)
+            y = tf.where(zero_rows[(slice(None), slice(None)) + (None,) * len(out_dims)], y, self._zero_row_output())
         y.set_shape(query.shape[:2].concatenate(out_dims))
         if query_mask is not None:
             keras_backend.set_keras_mask(y, query_mask)
@@ -377,6 +387,15 @@ class FusedMultiHeadAttention(_STOCK):
     def _flat(x):
         """(batch, seq, dim) -> (batch * seq, dim)."""
         return tf.reshape(x, [-1, x.shape[-1]])
+
+    def _zero_row_output(self):
+        """What the output projection makes of a zero row: its bias (0 without one), in the output's shape."""
+        dense = self._output_dense
+        if dense.bias is None:
+            return tf.zeros([], self.compute_dtype)
+        bias = tf.cast(dense.bias, self.compute_dtype)
+        out_dims = list(dense.kernel.shape[2:])
+        return bias if bias.shape.as_list() == out_dims else tf.reshape(bias, out_dims)
 
     def _matmul_bias(self, dense, flat, batch):
         """``activation(BiasAdd(MatMul(flat, kernel_2d), bias_1d))`` for an EinsumDense sublayer.
@@ -446,7 +465,7 @@ def _factored_masks(query_mask, value_mask, key_mask, causal, q_len, kv_len):
 
     Returns ``(mask, attended)``: mask None or the (batch, 1, 1, kv) AND of
     the value and key masks; attended None (every row attends a key) or a
-    boolean broadcastable to (batch, 1, q, 1): the query mask, AND some
+    boolean broadcastable to (batch, q): the query mask, AND some
     unmasked key (with ``causal``: some unmasked key j <= i, i.e. the first
     unmasked key is at most i). These are the rows stock's combined mask
     leaves with at least one attended key.
@@ -465,7 +484,7 @@ def _factored_masks(query_mask, value_mask, key_mask, causal, q_len, kv_len):
             has_key = tf.reduce_any(kv, axis=-1, keepdims=True)  # (batch, 1)
         attended = has_key if attended is None else tf.logical_and(attended, has_key)
         kv = kv[:, None, None, :]
-    return kv, None if attended is None else attended[:, None, :, None]
+    return kv, attended
 
 
 def _mean_value(v, kv_len):
