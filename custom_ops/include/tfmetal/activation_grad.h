@@ -4,12 +4,14 @@
 //
 // act' per activation code (tfmetal_ext/backends/fusion.py
 // ACTIVATION_GRAD_ACTIVATIONS lists the names in this order):
-//   silu              s = sigmoid(x); s * (1 + x * (1 - s))
-//                     (batch_norm_act.h's bna_activation_grad, TFM_BNA_SILU)
+//   silu              s = sigmoid(x); s * (1 + x * (1 - s)), with
+//                     e = exp(-|x|) in (0, 1]: s = 1 / (1 + e) (x >= 0) or
+//                     e / (1 + e) (x < 0) (no exp overflow)
 //   gelu              Phi(x) + x * phi(x), Phi = 0.5 (1 + erf(x / sqrt 2)),
-//                     phi the standard normal density (bna_activation_grad,
-//                     TFM_BNA_GELU; erf is tfm_int8_erf: erfc's fractional
-//                     error < 1.2e-7, so Phi is off by at most ~1.2e-7 absolute)
+//                     phi the standard normal density; Phi = 1 - erfc(z) / 2
+//                     (x >= 0) or erfc(z) / 2 (x < 0), z = |x| / sqrt 2, erfc
+//                     int8.h's form (tfm_int8_erfc_terms: fractional error
+//                     < 1.2e-7), so no 1 + erf cancellation for x < 0
 //   gelu_approximate  the derivative of 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3),
 //                     c = sqrt(2 / pi):
 //                       0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2),  t = tanh(u)
@@ -19,6 +21,10 @@
 //                     s (1 - s) = e / (1 + e)^2. Same function; no 1 - t^2
 //                     cancellation (which costs ~|x|^3 ulps near |x| = 3..5)
 //                     and no tanh call: exp saturates to 0 cleanly.
+// Every exp here has an argument <= 0 and is tfm_exp_poly (portable.h: a
+// polynomial of about 1 ulp, branch-free), so the CPU kernel's loop vectorizes
+// (expf is a scalar library call, ~5x slower per element than TF's own
+// vectorized ops) and the CPU and the emulator agree bit for bit.
 //
 // Edge cases:
 // - NaN in x or dy gives NaN (every comparison below is false for NaN, and
@@ -39,13 +45,14 @@
 //   to 1 and 0, so that is what we return. Elsewhere (silu at -100,
 //   gelu_approximate at +-50, ...) TF gives our values.
 // - Large finite |x| below 128 is computed by the formulas themselves: silu
-//   at x = -100 is s (1 + x (1 - s)) with exp(100) = inf in float32, s = 0,
-//   so 0 (the true value -3.7e-42 is a float32 subnormal); gelu_approximate
-//   at +-50: e = exp(-2|u|) = 0, so exactly 1 / 0.
+//   at x = -100 is s (1 + x (1 - s)) with s = exp(-100) / (1 + exp(-100)) = 0
+//   (tfm_exp_poly gives 0 below -87.3), so 0 (the true value -3.7e-42 is a
+//   float32 subnormal); gelu_approximate at +-50: e = exp(-2|u|) = 0, so
+//   exactly 1 / 0.
 #ifndef TFMETAL_ACTIVATION_GRAD_H_
 #define TFMETAL_ACTIVATION_GRAD_H_
 
-#include "tfmetal/batch_norm_act.h"  // bna_activation_grad: silu's and exact gelu's derivatives
+#include "tfmetal/int8.h"  // tfm_int8_erfc_terms: the erfc of exact gelu's Phi
 #include "tfmetal/portable.h"
 
 // Activation codes: the op's `activation` attribute maps to one of these.
@@ -57,29 +64,60 @@
 // Beyond +-this x is evaluated here (see the edge cases above).
 #define TFM_ACTGRAD_SATURATION 128.0f
 
+// sigmoid(v) from e = exp(-|v|) (no overflow): r = 1 / (1 + e) for v >= 0,
+// e * r below. The selects pick constants or values computed either way
+// (here: the factor 1 or e, by their bits), never an operation done in one arm
+// only, which g++ keeps as a branch (it might trap), stopping the loop vectorizing.
+TFM_INLINE float actgrad_sigmoid(float v) {
+  const float e = tfm_exp_poly(-tfm_abs(v));
+  const float r = 1.0f / (1.0f + e);
+  const uint32_t positive = 0u - static_cast<uint32_t>(v >= 0.0f);  // a select on bits (g++ keeps a branch for ?:)
+  return tfm_bits_to_float((tfm_float_to_bits(1.0f) & positive) | (tfm_float_to_bits(e) & ~positive)) * r;
+}
+
+// d/dx of x * sigmoid(x).
+TFM_INLINE float actgrad_silu_grad(float x) {
+  const float s = actgrad_sigmoid(x);
+  return s * (1.0f + x * (1.0f - s));
+}
+
+// d/dx of 0.5 x (1 + erf(x / sqrt 2)): Phi(x) + x phi(x).
+TFM_INLINE float actgrad_gelu_grad(float x) {
+  const tfm_erfc_terms terms = tfm_int8_erfc_terms(tfm_abs(x) * 0.70710678118654752f);
+  const float half_erfc = 0.5f * terms.t * tfm_exp_poly(terms.exponent);
+  const bool upper = x >= 0.0f;  // 1 - half_erfc, else half_erfc (selects of constants: see actgrad_sigmoid)
+  const float cdf = (upper ? 1.0f : 0.0f) + (upper ? -1.0f : 1.0f) * half_erfc;
+  return cdf + x * 0.39894228040143268f * tfm_exp_poly(-0.5f * x * x);
+}
+
 // d/dx of 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
 TFM_INLINE float actgrad_gelu_tanh_grad(float x) {
   const float c = 0.79788456080286536f;  // sqrt(2 / pi)
   const float k = 0.044715f;
   const float x2 = x * x;
   const float u = c * x * (1.0f + k * x2);
-  const float e = tfm_exp(-2.0f * tfm_abs(u));  // in (0, 1]; 0 once |u| > ~52
+  const float e = tfm_exp_poly(-2.0f * tfm_abs(u));  // in (0, 1]; 0 once |u| > ~44
   const float r = 1.0f / (1.0f + e);
-  const float s = u < 0.0f ? e * r : r;  // sigmoid(2u) = 0.5 (1 + tanh(u))
-  const float sech2_over_4 = e * r * r;  // s (1 - s) = (1 - tanh(u)^2) / 4
+  const float er = e * r;
+  const float s = u < 0.0f ? er : r;  // sigmoid(2u) = 0.5 (1 + tanh(u))
+  const float sech2_over_4 = er * r;  // s (1 - s) = (1 - tanh(u)^2) / 4
   return s + 2.0f * x * sech2_over_4 * c * (1.0f + 3.0f * k * x2);
 }
 
 // act'(x) for one of the TFM_ACTGRAD_* codes, in float32.
 TFM_INLINE float actgrad_derivative(int32_t kind, float x) {
-  // Clamped by selects, not tfm_clamp: NaN must stay NaN (tfm_clamp returns a bound for NaN).
-  float v = x > TFM_ACTGRAD_SATURATION ? TFM_ACTGRAD_SATURATION : x;
-  v = v < -TFM_ACTGRAD_SATURATION ? -TFM_ACTGRAD_SATURATION : v;
+  // Clamped by selects on bits, not tfm_clamp: NaN must stay NaN (tfm_clamp returns a bound for NaN),
+  // and ?: keeps branches (see actgrad_sigmoid).
+  const uint32_t high = 0u - static_cast<uint32_t>(x > TFM_ACTGRAD_SATURATION);
+  const uint32_t low = 0u - static_cast<uint32_t>(x < -TFM_ACTGRAD_SATURATION);
+  const float v = tfm_bits_to_float((tfm_float_to_bits(TFM_ACTGRAD_SATURATION) & high) |
+                                    (tfm_float_to_bits(-TFM_ACTGRAD_SATURATION) & low) |
+                                    (tfm_float_to_bits(x) & ~(high | low)));
   switch (kind) {
     case TFM_ACTGRAD_SILU:
-      return bna_activation_grad(TFM_BNA_SILU, v, 0.0f);
+      return actgrad_silu_grad(v);
     case TFM_ACTGRAD_GELU:
-      return bna_activation_grad(TFM_BNA_GELU, v, 0.0f);
+      return actgrad_gelu_grad(v);
     default:
       return actgrad_gelu_tanh_grad(v);
   }

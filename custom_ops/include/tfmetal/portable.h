@@ -192,4 +192,30 @@ TFM_INLINE uint32_t tfm_float_to_bits(float x) {
 }
 #endif
 
+// exp(x) in float32 from a polynomial, branch-free (selects on bits), so CPU
+// loops over it vectorize where expf() is a scalar library call; the same float
+// operations in every mode, so the CPU and the emulator agree bit for bit.
+// Cephes' expf: x = n ln 2 + r with n = round(x / ln 2) and ln 2 split in two
+// parts, exp(r) by a degree-6 polynomial, times 2^n from the exponent bits;
+// |error| about 1 ulp on [-87.3, 88.3]. Below -87.3 (and -inf): 0. NaN: NaN.
+// Above 88.3 it returns exp(88.3): callers pass arguments <= 0.
+TFM_INLINE float tfm_exp_poly(float x) {
+  const uint32_t low = 0u - static_cast<uint32_t>(x < -87.3f);
+  const uint32_t high = 0u - static_cast<uint32_t>(x > 88.3f);
+  const float xc = tfm_bits_to_float((tfm_float_to_bits(-87.3f) & low) | (tfm_float_to_bits(88.3f) & high) |
+                                     (tfm_float_to_bits(x) & ~(low | high)));
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * (r * r) + r) + 1.0f;
+  const float two_n = tfm_bits_to_float(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+  return tfm_bits_to_float(tfm_float_to_bits(y * two_n) & ~low);
+}
+
 #endif  // TFMETAL_PORTABLE_H_
