@@ -20,6 +20,10 @@ with ``--sections``):
   residual input) and their gradients (``FusedBatchNormGradV3``, ``ReluGrad``), one tf.function
   giving y, dx, dgamma, dbeta (and d side) at 64x32x32x64 float32: the issue-33 target is >= 2x
   on 2 threads. Run it with oneDNN on (TF's default on x86) and with ``TF_ENABLE_ONEDNN_OPTS=0``.
+- ``activation_grad``: what a feed-forward's backward pass computes for its activation, y = act(x) and
+  dx = dy * act'(x), at 4096x512 float32 (batch 4 x T=1024 x 512, bench_hub's feed-forward): stock =
+  TF's autodiff of ``tf.nn.silu`` / ``tf.nn.gelu`` (exact, tanh), ours = the same forward ops and one
+  ``TfmetalExt>ActivationGrad``. Ops counted per step.
 - ``multi_tensor_adam``: `FusedAdam(multi_tensor=True)` (one ``TfmetalExt>MultiTensorAdam``
   per step) vs `FusedAdam(multi_tensor=False)` (one ``ResourceApplyAdam`` per variable) vs `keras.optimizers.Adam`,
   one ``optimizer.apply`` step, at 100 variables of 64x64 and 40 of 512x512.
@@ -443,10 +447,66 @@ def bench_dropout(ctx):
 
 
 # ----------------------------------------------------------------------------
+# Activation gradients (a feed-forward's backward pass).
+
+ACTIVATION_GRAD_SHAPE = (4096, 512)
+ACTIVATION_GRAD_FORMS = {
+    "silu": tf.nn.silu,
+    "gelu": lambda t: tf.nn.gelu(t, approximate=False),
+    "gelu_approximate": lambda t: tf.nn.gelu(t, approximate=True),
+}
+
+
+def bench_activation_grad(ctx):
+    rng = np.random.default_rng(6)
+    x = tf.constant(rng.normal(0.0, 2.0, ACTIVATION_GRAD_SHAPE).astype("float32"))
+    dy = tf.constant(rng.normal(0.0, 1.0, ACTIVATION_GRAD_SHAPE).astype("float32"))
+    rows = []
+    for kind in fusion.ACTIVATION_GRAD_ACTIVATIONS:
+        act = ACTIVATION_GRAD_FORMS[kind]
+
+        @tf.function(autograph=False)
+        def stock(x, dy, act=act):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = act(x)
+            return y, tape.gradient(y, x, output_gradients=dy)
+
+        @tf.function(autograph=False)
+        def ours(x, dy, act=act, kind=kind):
+            return act(x), ops.activation_grad(dy, x, kind)
+
+        # A sanity check of the timed functions, not the op's accuracy test (tests/ops/test_activation_grad.py):
+        # TF's tanh-GELU gradient loses ~1e-5 absolute where 1 - tanh(u)^2 cancels (|dy| up to ~5 here).
+        for got, want in zip(ours(x, dy), stock(x, dy)):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-4)
+        times = paired_rounds({"stock": lambda: [t.numpy() for t in stock(x, dy)],
+                               "ours": lambda: [t.numpy() for t in ours(x, dy)]},
+                              rounds=max(ctx.rounds, 5), repeats=ctx.repeats)
+        row = {
+            "section": "activation_grad",
+            "case": f"{kind} float32 {'x'.join(map(str, ACTIVATION_GRAD_SHAPE))}",
+            "stock_ms": round(statistics.median(times["stock"]), 3),
+            "ours_ms": round(statistics.median(times["ours"]), 3),
+            "speedup": round(ratio(times, "stock", "ours"), 2),
+            "stock_ops": _num_ops(stock, x, dy),
+            "ours_ops": _num_ops(ours, x, dy),
+        }
+        print(row, flush=True)
+        rows.append(row)
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset: TF's default)")
+    return rows, [
+        "activation_grad: one step = y = act(x) and dx = dy * act'(x) in one tf.function; stock = TF's autodiff "
+        f"of tf.nn.silu / tf.nn.gelu, ours = the same forward and one {fusion.ACTIVATION_GRAD_OP}; "
+        f"TF_ENABLE_ONEDNN_OPTS={onednn}. speedup = median over paired rounds of stock / ours."
+    ]
+
+
+# ----------------------------------------------------------------------------
 
 SECTIONS = {"copy": bench_copy, "layer_norm": bench_layer_norm, "softshrink": bench_softshrink,
             "batch_norm_act": bench_batch_norm_act, "multi_tensor_adam": bench_multi_tensor_adam,
-            "dropout": bench_dropout}
+            "dropout": bench_dropout, "activation_grad": bench_activation_grad}
 
 
 def main(argv=None):
