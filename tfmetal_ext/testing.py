@@ -163,6 +163,23 @@ def assert_close(got, want, policy):
         assert err < 1e-2, f"relative error {err:.3g}"
 
 
+def float_bits(a):
+    """`a`'s IEEE-754 bits (uint32 for 4-byte floats, uint16 for float16 / bfloat16)."""
+    a = np.asarray(a)
+    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
+
+
+def assert_same_bits(got, want):
+    """Bitwise equal, NaN where the other is NaN (payloads may differ): emulated Metal against CPU kernels."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    mismatch = np.flatnonzero(float_bits(got)[~nan] != float_bits(want)[~nan])
+    assert mismatch.size == 0, f"{mismatch.size} elements differ, first at {mismatch[:5]}: " \
+                               f"{got[~nan][mismatch[:5]]} != {want[~nan][mismatch[:5]]}"
+
+
 def assert_close_scaled(actual, expected, rtol):
     """`assert_allclose` with `atol` = `rtol` times the reference's largest magnitude (at least 1)."""
     import keras

@@ -77,30 +77,10 @@ TFMETAL_ATTN_INLINE uint32_t AttnFloatBits(float f) {
   return u;
 }
 
-// exp(x) in float32, branch-free so its loops vectorize (Cephes' expf: a
-// degree-7 polynomial on x - n ln 2, |error| about 1 ulp). 0 for x < -87.3
-// (and -inf: masked scores), NaN for NaN. The arguments here are <= 0 but
-// for rounding.
-TFMETAL_ATTN_INLINE float AttnExp(float x) {
-  // Clamped by bit selects: conditional float moves keep branches (g++ under
-  // -ftrapping-math) and stop the loops vectorizing.
-  const uint32_t low = 0u - static_cast<uint32_t>(x < -87.3f);
-  const uint32_t high = 0u - static_cast<uint32_t>(x > 88.3f);
-  const float xc = AttnBitsFloat((AttnFloatBits(-87.3f) & low) | (AttnFloatBits(88.3f) & high) |
-                                 (AttnFloatBits(x) & ~(low | high)));
-  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = (p * (r * r) + r) + 1.0f;
-  const float two_n = AttnBitsFloat(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
-  return AttnBitsFloat(AttnFloatBits(y * two_n) & ~low);  // 0 below the range
-}
+// exp(x) in float32, branch-free so its loops vectorize: portable.h's
+// tfm_exp_poly (Cephes' expf, |error| about 1 ulp; 0 for x < -87.3 and -inf:
+// masked scores; NaN for NaN). The arguments here are <= 0 but for rounding.
+TFMETAL_ATTN_INLINE float AttnExp(float x) { return tfm_exp_poly(x); }
 
 TFMETAL_ATTN_INLINE float AttnReduceLanes(float* acc, bool take_max) {
   for (int width = kLanes / 2; width > 0; width /= 2)

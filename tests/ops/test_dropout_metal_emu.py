@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfmetal_ext import testing
 from tfmetal_ext.ops.dropout import dtype_constants
-from tfmetal_ext.testing import compiled_ops, load_emu, threadgroup_size_1d
+from tfmetal_ext.testing import assert_same_bits, compiled_ops, float_bits, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32, 23), "half": (np.float16, tf.float16, 10),
@@ -84,19 +84,6 @@ def random_input(dtype, n, seed):
     return np.random.default_rng(seed).normal(0, 2, n).astype(np.float32).astype(DTYPES[dtype][0])
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
-
-
-def assert_same_bits(got, want):
-    """Bitwise equal, NaN where the other is NaN (payloads may differ)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    nan = np.isnan(want.astype(np.float32))
-    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
-    mismatch = np.flatnonzero(bits(got)[~nan] != bits(want)[~nan])
-    assert mismatch.size == 0, f"{mismatch.size} elements differ, first at {mismatch[:5]}"
 
 
 # ----------------------------------------------------------------------------
@@ -154,7 +141,7 @@ def test_non_finite_values_dropped_to_zero_or_kept(lib, cpu, dtype):
     _, keep = testing.np_dropout(x, (1, 2), rate, scale, DTYPES[dtype][2])
     assert keep.any() and not keep.all()
     gf = got.astype(np.float32)
-    assert (bits(got)[~keep] == 0).all()  # dropped: +0, NaN and infinities included
+    assert (float_bits(got)[~keep] == 0).all()  # dropped: +0, NaN and infinities included
     np.testing.assert_array_equal(np.isnan(gf[keep]), np.isnan(x.astype(np.float32)[keep]))
 
 

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 from tfmetal_ext import testing
-from tfmetal_ext.testing import compiled_ops, dispatch_chunks, load_emu, threadgroup_size_1d
+from tfmetal_ext.testing import assert_same_bits, compiled_ops, dispatch_chunks, load_emu, threadgroup_size_1d
 
 ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": (np.float32, tf.float32), "half": (np.float16, tf.float16), "bfloat": (ml_dtypes.bfloat16, tf.bfloat16)}
@@ -93,20 +93,6 @@ def random_input(dtype, n, seed, lambd=0.5):
     return x.astype(DTYPES[dtype][0])
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
-
-
-def assert_same_bits(got, want):
-    """Bitwise equal, NaN where the other is NaN (payloads may differ)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    nan = np.isnan(want.astype(np.float32))
-    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
-    mismatch = np.flatnonzero(bits(got)[~nan] != bits(want)[~nan])
-    assert mismatch.size == 0, f"{mismatch.size} elements differ, first at {mismatch[:5]}: " \
-                               f"{got[~nan][mismatch[:5]]} != {want[~nan][mismatch[:5]]}"
 
 
 def cpu_forward(cpu, dtype, x, lambd):
