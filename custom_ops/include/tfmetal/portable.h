@@ -20,6 +20,9 @@
 //                                    every mode: tfm_max/tfm_min return the
 //                                    other argument when one is NaN (C fmax);
 //                                    tfm_select(c, a, b) is c ? a : b.
+//   tfm_bits_to_float tfm_float_to_bits   a float's IEEE-754 bits and back
+//   tfm_exp_poly                    exp as a branch-free polynomial (CPU loops
+//                                    over it vectorize; arguments <= 0)
 // Metal kernel files also get TFM_KERNEL_BUILTINS, TFM_INSTANTIATE_KERNEL and
 // TFM_REGISTER_KERNEL (see below), and TFM_HAS_BFLOAT says whether `bfloat`
 // exists.
