@@ -16,7 +16,7 @@ the projection's variables (its kernel, LoRA factors, bias). The projection's fo
 pruned from that backward graph by grappler: only its gradient ops are used.
 
 A smooth activation inside the chain (SiLU, exact or tanh GELU, as TF, Keras, keras-hub and our
-layers write them: `_ACTIVATION_FORMS`) is found by its ops and made again with the same ops, but
+layers write them: `_forms`) is found by its ops and made again with the same ops, but
 differentiated by one ``TfmetalExt>ActivationGrad`` (`_contraction.recomputed`) instead of TF's chain of
 3-5 elementwise gradient ops, each a temporary of the feed-forward's width alive at the step's
 memory peak.
@@ -215,6 +215,8 @@ def _matches(pattern, t, placeholder, bound):
     if pattern is placeholder:
         if bound:
             return bound[0] is t
+        if t.dtype != placeholder.dtype:
+            return False
         bound.append(t)
         return True
     a, b = pattern.op, t.op
