@@ -10,7 +10,7 @@
 //   gelu              Phi(x) + x * phi(x), Phi = 0.5 (1 + erf(x / sqrt 2)),
 //                     phi the standard normal density; Phi = 1 - erfc(z) / 2
 //                     (x >= 0) or erfc(z) / 2 (x < 0), z = |x| / sqrt 2, erfc
-//                     int8.h's form (tfm_int8_erfc_terms: fractional error
+//                     int8.h's form (tfm_int8_erfc_exponent: fractional error
 //                     < 1.2e-7), so no 1 + erf cancellation for x < 0
 //   gelu_approximate  the derivative of 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3),
 //                     c = sqrt(2 / pi):
@@ -52,7 +52,7 @@
 #ifndef TFMETAL_ACTIVATION_GRAD_H_
 #define TFMETAL_ACTIVATION_GRAD_H_
 
-#include "tfmetal/int8.h"  // tfm_int8_erfc_terms: the erfc of exact gelu's Phi
+#include "tfmetal/int8.h"  // tfm_int8_erfc_exponent: the erfc of exact gelu's Phi
 #include "tfmetal/portable.h"
 
 // Activation codes: the op's `activation` attribute maps to one of these.
@@ -83,8 +83,9 @@ TFM_INLINE float actgrad_silu_grad(float x) {
 
 // d/dx of 0.5 x (1 + erf(x / sqrt 2)): Phi(x) + x phi(x).
 TFM_INLINE float actgrad_gelu_grad(float x) {
-  const tfm_erfc_terms terms = tfm_int8_erfc_terms(tfm_abs(x) * 0.70710678118654752f);
-  const float half_erfc = 0.5f * terms.t * tfm_exp_poly(terms.exponent);
+  const float z = tfm_abs(x) * 0.70710678118654752f;
+  const float t = 1.0f / (1.0f + 0.5f * z);
+  const float half_erfc = 0.5f * t * tfm_exp_poly(tfm_int8_erfc_exponent(z, t));
   const bool upper = x >= 0.0f;  // 1 - half_erfc, else half_erfc (selects of constants: see actgrad_sigmoid)
   const float cdf = (upper ? 1.0f : 0.0f) + (upper ? -1.0f : 1.0f) * half_erfc;
   return cdf + x * 0.39894228040143268f * tfm_exp_poly(-0.5f * x * x);

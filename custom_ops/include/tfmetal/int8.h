@@ -30,33 +30,26 @@
 // erf(x) for float, the same in every mode (Metal has no erf). Abramowitz & Stegun
 // 7.1.26 refined to a maximum absolute error of 1.2e-7 (Numerical Recipes' erfc
 // Chebyshev form): within float32 rounding of erff for every x.
-// erfc(z) for z >= 0 in that form is t * exp(exponent): the two terms, for
-// callers that choose the exp (tfmetal/activation_grad.h takes tfm_exp_poly).
-struct tfm_erfc_terms {
-  float t;
-  float exponent;
-};
-
-TFM_INLINE tfm_erfc_terms tfm_int8_erfc_terms(float z) {
-  tfm_erfc_terms terms;
-  terms.t = 1.0f / (1.0f + 0.5f * z);
-  const float t = terms.t;
-  terms.exponent = -z * z - 1.26551223f +
-                   t * (1.00002368f +
-                   t * (0.37409196f +
-                   t * (0.09678418f +
-                   t * (-0.18628806f +
-                   t * (0.27886807f +
-                   t * (-1.13520398f +
-                   t * (1.48851587f +
-                   t * (-0.82215223f +
-                   t * 0.17087277f))))))));
-  return terms;
+// erfc(z) for z >= 0 in that form is t * exp(exponent), t = 1 / (1 + z / 2): the
+// exponent, for callers that choose the exp (tfmetal/activation_grad.h takes tfm_exp_poly).
+TFM_INLINE float tfm_int8_erfc_exponent(float z, float t) {
+  return -z * z - 1.26551223f +
+         t * (1.00002368f +
+         t * (0.37409196f +
+         t * (0.09678418f +
+         t * (-0.18628806f +
+         t * (0.27886807f +
+         t * (-1.13520398f +
+         t * (1.48851587f +
+         t * (-0.82215223f +
+         t * 0.17087277f))))))));
 }
 
 TFM_INLINE float tfm_int8_erf(float x) {
-  const tfm_erfc_terms terms = tfm_int8_erfc_terms(tfm_abs(x));
-  float erfc = terms.t * tfm_exp(terms.exponent);
+  float z = tfm_abs(x);
+  float t = 1.0f / (1.0f + 0.5f * z);
+  float poly = tfm_int8_erfc_exponent(z, t);
+  float erfc = t * tfm_exp(poly);
   float r = 1.0f - erfc;
   return x < 0.0f ? -r : r;
 }
