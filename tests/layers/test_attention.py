@@ -27,7 +27,9 @@ MHA = keras.layers.MultiHeadAttention
 attention_ops = importlib.import_module("tfmetal_ext.ops.attention")
 
 
-@pytest.fixture(params=["kernel", "reference"])
+# The quick tier runs the layer on the kernel; the full tier on the reference too (the reference op
+# itself against numpy is in tests/ops/test_attention.py's quick tier).
+@pytest.fixture(params=["kernel", pytest.param("reference", marks=pytest.mark.full)])
 def path(request, monkeypatch):
     """The attention op's kernel (where it is loaded), then its pure-TF reference (always)."""
     if request.param == "kernel":

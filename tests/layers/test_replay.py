@@ -142,7 +142,7 @@ ACTIVATION_FORMS = {
 
 
 @pytest.mark.parametrize("form", sorted(ACTIVATION_FORMS))
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float16", marks=pytest.mark.full)])  # quick: float32
 def test_plan_finds_the_activation_of_each_form(form, dtype):
     kind, act = ACTIVATION_FORMS[form]
     g = tf.constant(_rng(20).standard_normal((4, 6)).astype(dtype))
