@@ -9,25 +9,11 @@ import tensorflow as tf
 
 from tfmetal_ext import inspect, ops, testing
 from tfmetal_ext.backends import fusion
+from tfmetal_ext.testing import assert_same_bits, float_bits
 
 dropout_ops = importlib.import_module("tfmetal_ext.ops.dropout")  # `ops.dropout` is the function
 
 DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
-
-
-def bits(t):
-    a = np.asarray(t.numpy() if hasattr(t, "numpy") else t)
-    return a.view(np.uint32 if a.dtype.itemsize == 4 else np.uint16)
-
-
-def assert_same_bits(got, want):
-    """Bitwise equal, NaN where the other is NaN (payloads may differ)."""
-    g, w = np.asarray(got), np.asarray(want)
-    assert g.dtype == w.dtype and g.shape == w.shape
-    nan = np.isnan(w.astype(np.float32))
-    np.testing.assert_array_equal(np.isnan(g.astype(np.float32)), nan)
-    np.testing.assert_array_equal(g.view(np.uint8).reshape(g.shape + (-1,))[~nan],
-                                  w.view(np.uint8).reshape(w.shape + (-1,))[~nan])
 
 
 def stock(x, rate, seed, traced):
@@ -86,7 +72,7 @@ def test_rounded_constants_follow_tensorflow_in_both_modes(impl):
     x = tf.ones([4096], tf.float16)
     seed = tf.constant([1, 1])
     eager, traced = ops.dropout(x, tie, seed), tf.function(lambda t: ops.dropout(t, tie, seed))(x)
-    assert not np.array_equal(bits(eager), bits(traced))
+    assert not np.array_equal(float_bits(eager), float_bits(traced))
     assert_same_bits(eager.numpy(), stock(x, tie, seed, False).numpy())
     assert_same_bits(traced.numpy(), stock(x, tie, seed, True).numpy())
 
@@ -97,7 +83,7 @@ def test_non_finite_values(impl, dtype):
     got = ours(x, 0.5, [9, 9], True)
     assert_same_bits(got.numpy(), stock(x, 0.5, tf.constant([9, 9]), True).numpy())
     g = tf.cast(got, tf.float32).numpy()
-    dropped = bits(got) == 0
+    dropped = float_bits(got) == 0
     assert dropped.any() and not dropped.all()  # dropped NaN and infinities are +0
     np.testing.assert_array_equal(np.isnan(g[~dropped]), np.isnan(tf.cast(x, tf.float32).numpy()[~dropped]))
 
