@@ -106,6 +106,11 @@ class Capabilities:
             the remapper leaves bfloat16 nodes unfused.
         cublaslt: ``TF_USE_CUBLASLT=1`` in the environment when probed (TF's
             remapper fuses MatMul on a GPU only through cuBLASLt).
+        cpu_avx512: the CPU has AVX-512F with AVX2 and FMA: our op library's
+            CPU kernels that have AVX-512 code (attention) run it, unless
+            ``TFMETAL_EXT_CPU_LEVEL=avx2`` (or ``baseline``) caps them. With
+            AVX2 and FMA alone they run their AVX2 code; the two give the
+            same bits.
     """
 
     backend: str
@@ -127,6 +132,7 @@ class Capabilities:
     macos: str | None = None
     onednn_bf16: bool = False
     cublaslt: bool = False
+    cpu_avx512: bool = False
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -408,4 +414,5 @@ def probe_capabilities(assumed_plugin=None):
         macos=macos,
         onednn_bf16=_onednn_enabled() and bool(flags & ONEDNN_BF16_FLAGS),
         cublaslt=_cublaslt(),
+        cpu_avx512={"avx512f", "avx2", "fma"} <= flags,
     )

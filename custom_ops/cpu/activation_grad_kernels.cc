@@ -46,18 +46,13 @@ template <typename T, int32_t kKind>
 __attribute__((target("avx2"))) void LoopAvx2(const T* dy, const T* x, T* dx, int64_t begin, int64_t end) {
   Loop<T, kKind>(dy, x, dx, begin, end);
 }
-
-inline bool UseAvx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 #endif
 
 template <typename T, int32_t kKind>
 void Run(OpKernelContext* ctx, const T* dy, const T* x, T* dx, int64_t n) {
   auto loop = &LoopBaseline<T, kKind>;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (UseAvx2()) loop = &LoopAvx2<T, kKind>;
+  if (CpuUseAvx2()) loop = &LoopAvx2<T, kKind>;
 #endif
   ParallelFor(ctx, n, kElementCost, [=](int64_t begin, int64_t end) { loop(dy, x, dx, begin, end); });
 }

@@ -19,9 +19,13 @@
 // written at the end). No atomics: the summation order depends on the shapes
 // only, so the results do not depend on the number of threads.
 //
-// The GEMMs are Eigen products of float32 tiles; on x86-64 with AVX2 + FMA
-// (picked at run time) a register-blocked AVX2 micro-kernel, and the
-// element-wise loops (exp, masking, online softmax) are compiled for AVX2 too.
+// The GEMMs are Eigen products of float32 tiles; on x86-64 (picked at run
+// time, cpu_common.h's CpuVectorLevel) register-blocked micro-kernels, AVX2 +
+// FMA or AVX-512, and the element-wise loops (exp, masking, online softmax)
+// are compiled for that level too. Both micro-kernels sum each output
+// element in the same order, one fused multiply-add per term: their GEMMs
+// give the same bits (the element-wise loops may not, in the last bit, where
+// the compiler fuses a multiply and an add at one level and not the other).
 // Half and bfloat16 tiles are widened to float32 once per tile; every sum is
 // float32.
 //
@@ -245,22 +249,104 @@ TFMETAL_ATTN_AVX2 void AttnGemmAvx2(const AttnGemm& g) {
   }
 }
 
-// TFMETAL_EXT_CPU_BASELINE=1 runs the baseline code (as arm64 does).
-inline bool AttnHasAvx2() {
-  static const bool has = [] {
-    const char* baseline = std::getenv("TFMETAL_EXT_CPU_BASELINE");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           !(baseline != nullptr && baseline[0] == '1');
-  }();
-  return has;
+#define TFMETAL_ATTN_AVX512 __attribute__((target("avx512f,avx2,fma")))
+
+// R rows x 16 V columns of C (V zmm registers a row), over the whole k; `cols`
+// (1..16) columns in the last register when kTail (masked loads and stores).
+// Each element is summed as AttnMicro16 sums it: C (or 0), then one fused
+// multiply-add per p in order.
+template <int R, int V, bool kAT, bool kTail>
+TFMETAL_ATTN_AVX512 TFMETAL_ATTN_INLINE void AttnMicro512(const AttnGemm& g, int64_t r0, int64_t c0, int cols) {
+  const __mmask16 last = kTail ? static_cast<__mmask16>((1u << cols) - 1u) : static_cast<__mmask16>(0xFFFF);
+  __m512 acc[R][V];
+  float* c = g.c + r0 * g.ldc + c0;
+  const int64_t ldc = g.ldc, ldb = g.ldb, a_rs = kAT ? 1 : g.a_rs, a_cs = kAT ? g.a_cs : 1;
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) {
+      const __mmask16 mk = v == V - 1 ? last : static_cast<__mmask16>(0xFFFF);
+      acc[r][v] = g.accumulate ? _mm512_maskz_loadu_ps(mk, c + r * ldc + 16 * v) : _mm512_setzero_ps();
+    }
+  }
+  const float* ap = g.a + r0 * a_rs;
+  const float* bp = g.b + c0;
+  for (int64_t p = g.k; p > 0; --p) {
+    __m512 bv[V];
+    for (int v = 0; v < V; ++v) {
+      bv[v] = (kTail && v == V - 1) ? _mm512_maskz_loadu_ps(last, bp + 16 * v) : _mm512_loadu_ps(bp + 16 * v);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 av = _mm512_set1_ps(ap[r * a_rs]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(av, bv[v], acc[r][v]);
+    }
+    ap += a_cs;
+    bp += ldb;
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) {
+      if (kTail && v == V - 1) {
+        _mm512_mask_storeu_ps(c + r * ldc + 16 * v, last, acc[r][v]);
+      } else {
+        _mm512_storeu_ps(c + r * ldc + 16 * v, acc[r][v]);
+      }
+    }
+  }
+}
+
+// Rows [r0, r0 + R) of C: blocks of 64 columns, then one of 16-48, then a masked one.
+template <int R, bool kAT>
+TFMETAL_ATTN_AVX512 TFMETAL_ATTN_INLINE void AttnRowBlock512(const AttnGemm& g, int64_t r0) {
+  int64_t c0 = 0;
+  for (; c0 + 64 <= g.n; c0 += 64) AttnMicro512<R, 4, kAT, false>(g, r0, c0, 16);
+  const int64_t left = g.n - c0;
+  if (left >= 48) {
+    AttnMicro512<R, 3, kAT, false>(g, r0, c0, 16);
+    c0 += 48;
+  } else if (left >= 32) {
+    AttnMicro512<R, 2, kAT, false>(g, r0, c0, 16);
+    c0 += 32;
+  } else if (left >= 16) {
+    AttnMicro512<R, 1, kAT, false>(g, r0, c0, 16);
+    c0 += 16;
+  }
+  if (c0 < g.n) AttnMicro512<R, 1, kAT, true>(g, r0, c0, static_cast<int>(g.n - c0));
+}
+
+template <int R>
+TFMETAL_ATTN_AVX512 TFMETAL_ATTN_INLINE void AttnRows512(const AttnGemm& g, int64_t r0) {
+  if (g.a_rs == 1) {
+    AttnRowBlock512<R, true>(g, r0);
+  } else {
+    AttnRowBlock512<R, false>(g, r0);
+  }
+}
+
+// 6 rows x 64 columns a block: 24 accumulators of the 32 registers.
+TFMETAL_ATTN_AVX512 void AttnGemmAvx512(const AttnGemm& g) {
+  constexpr int kRows = 6;
+  int64_t r0 = 0;
+  for (; r0 + kRows <= g.m; r0 += kRows) AttnRows512<kRows>(g, r0);
+  switch (g.m - r0) {
+    case 5: AttnRows512<5>(g, r0); break;
+    case 4: AttnRows512<4>(g, r0); break;
+    case 3: AttnRows512<3>(g, r0); break;
+    case 2: AttnRows512<2>(g, r0); break;
+    case 1: AttnRows512<1>(g, r0); break;
+    default: break;
+  }
 }
 #endif
 
-template <bool kAvx2>
+// The code level of a work function (cpu_common.h): kLevel is a CpuLevel.
+constexpr int kAttnBaseline = static_cast<int>(CpuLevel::kBaseline);
+constexpr int kAttnAvx2 = static_cast<int>(CpuLevel::kAvx2);
+constexpr int kAttnAvx512 = static_cast<int>(CpuLevel::kAvx512);
+
+template <int kLevel>
 TFMETAL_ATTN_INLINE void AttnRunGemm(const AttnGemm& g) {
   if (g.m == 0 || g.n == 0) return;
 #ifdef TFMETAL_ATTN_X86
-  if (kAvx2) return AttnGemmAvx2(g);
+  if (kLevel == kAttnAvx512) return AttnGemmAvx512(g);
+  if (kLevel == kAttnAvx2) return AttnGemmAvx2(g);
 #endif
   AttnGemmEigen(g);
 }
@@ -399,7 +485,7 @@ TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first
     }
     uint32_t k0 = d.stream.key[0], k1 = d.stream.key[1];
 #ifdef TFMETAL_ATTN_X86
-    if (AttnHasAvx2()) {
+    if (CpuUseAvx2()) {
       AttnPhilox16Avx2(c0, c1, c2, c3, k0, k1);
     } else
 #endif
@@ -568,7 +654,7 @@ inline int64_t AttnForwardScratch(const AttnShape& s) {
 // The scores are kept transposed, st[j * kBlockQ + i] for key j and query i:
 // S^T = K Q^T needs the query tile transposed once (not each key tile), and
 // the softmax loops over a key row run along the queries (vectorized).
-template <typename T, bool kAvx2>
+template <typename T, int kLevel>
 TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64_t begin, int64_t end,
                                               float* scratch) {
   const AttnShape& s = a.s;
@@ -603,7 +689,7 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlockK) {
       const int64_t kn = std::min(kBlockK, key_end - k0);
       const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
-      AttnRunGemm<kAvx2>(AttnMakeGemm(kn, qn, s.d, kf, s.d, 1, qt, kBlockQ, st, kBlockQ, false));
+      AttnRunGemm<kLevel>(AttnMakeGemm(kn, qn, s.d, kf, s.d, 1, qt, kBlockQ, st, kBlockQ, false));
       const bool masked = !s.mask_trivial ||
                           !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
                                                    static_cast<uint32_t>(qn), static_cast<uint32_t>(k0),
@@ -645,7 +731,7 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
       }
       // O += P V, P = (S^T)^T.
       const float* vf = AttnAsFloat(vh + k0 * s.dv, kn * s.dv, vbuf);
-      AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.dv, kn, st, 1, kBlockQ, vf, s.dv, o, s.dv, true));
+      AttnRunGemm<kLevel>(AttnMakeGemm(qn, s.dv, kn, st, 1, kBlockQ, vf, s.dv, o, s.dv, true));
     }
     T* out = a.out + (bh * s.tq + q0) * s.dv;
     float* lse = a.lse + bh * s.tq + q0;
@@ -691,7 +777,7 @@ inline int64_t AttnBackwardScratch(const AttnShape& s) {
          2 * kBlockQ * kBlockK + kBlockK + (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockQ * s.d + kBlockQ * s.dv);
 }
 
-template <typename T, bool kAvx2>
+template <typename T, int kLevel>
 TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end,
                                                float* scratch) {
   const AttnShape& s = a.s;
@@ -752,8 +838,8 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
           const int64_t qn = std::min(kBlockQ, s.tq - q0);
           const float* qf = AttnAsFloat(qh + q0 * s.d, qn * s.d, qbuf);
           const float* dof = AttnAsFloat(doh + q0 * s.dv, qn * s.dv, dobuf);
-          AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
-          AttnRunGemm<kAvx2>(AttnMakeGemm(qn, kn, s.dv, dof, s.dv, 1, vt, kBlockK, dp, kBlockK, false));
+          AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
+          AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.dv, dof, s.dv, 1, vt, kBlockK, dp, kBlockK, false));
           const bool masked = !s.mask_trivial ||
                               !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
                                                        static_cast<uint32_t>(qn), static_cast<uint32_t>(k0),
@@ -787,9 +873,9 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
             }
           }
           // dV += P^T dO, dK += dS^T Q (scale folded into dS), dQ += dS K.
-          AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.dv, qn, st, 1, kBlockK, dof, s.dv, dv, s.dv, true));
-          AttnRunGemm<kAvx2>(AttnMakeGemm(kn, s.d, qn, dp, 1, kBlockK, qf, s.d, dk, s.d, true));
-          AttnRunGemm<kAvx2>(AttnMakeGemm(qn, s.d, kn, dp, kBlockK, 1, kf, s.d, dq + q0 * s.d, s.d, true));
+          AttnRunGemm<kLevel>(AttnMakeGemm(kn, s.dv, qn, st, 1, kBlockK, dof, s.dv, dv, s.dv, true));
+          AttnRunGemm<kLevel>(AttnMakeGemm(kn, s.d, qn, dp, 1, kBlockK, qf, s.d, dk, s.d, true));
+          AttnRunGemm<kLevel>(AttnMakeGemm(qn, s.d, kn, dp, kBlockK, 1, kf, s.d, dq + q0 * s.d, s.d, true));
         }
       }
       T* dqh = a.dq + bh * s.tq * s.d;
@@ -828,30 +914,41 @@ void AttnSumPartials(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end) {
 
 template <typename T>
 void AttnForwardItemsBaseline(const AttnForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
-  AttnForwardItemsImpl<T, false>(a, begin, end, scratch);
+  AttnForwardItemsImpl<T, kAttnBaseline>(a, begin, end, scratch);
 }
 template <typename T>
 void AttnBackwardItemsBaseline(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
-  AttnBackwardItemsImpl<T, false>(a, begin, end, scratch);
+  AttnBackwardItemsImpl<T, kAttnBaseline>(a, begin, end, scratch);
 }
 
 #ifdef TFMETAL_ATTN_X86
 template <typename T>
 TFMETAL_ATTN_AVX2 void AttnForwardItemsAvx2(const AttnForwardArgs<T>& a, int64_t begin, int64_t end,
                                             float* scratch) {
-  AttnForwardItemsImpl<T, true>(a, begin, end, scratch);
+  AttnForwardItemsImpl<T, kAttnAvx2>(a, begin, end, scratch);
+}
+template <typename T>
+TFMETAL_ATTN_AVX512 void AttnForwardItemsAvx512(const AttnForwardArgs<T>& a, int64_t begin, int64_t end,
+                                                float* scratch) {
+  AttnForwardItemsImpl<T, kAttnAvx512>(a, begin, end, scratch);
 }
 template <typename T>
 TFMETAL_ATTN_AVX2 void AttnBackwardItemsAvx2(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end,
                                              float* scratch) {
-  AttnBackwardItemsImpl<T, true>(a, begin, end, scratch);
+  AttnBackwardItemsImpl<T, kAttnAvx2>(a, begin, end, scratch);
+}
+template <typename T>
+TFMETAL_ATTN_AVX512 void AttnBackwardItemsAvx512(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end,
+                                                 float* scratch) {
+  AttnBackwardItemsImpl<T, kAttnAvx512>(a, begin, end, scratch);
 }
 #endif
 
 template <typename T>
 void AttnForwardItems(const AttnForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
 #ifdef TFMETAL_ATTN_X86
-  if (AttnHasAvx2()) return AttnForwardItemsAvx2(a, begin, end, scratch);
+  if (CpuUseAvx512()) return AttnForwardItemsAvx512(a, begin, end, scratch);
+  if (CpuUseAvx2()) return AttnForwardItemsAvx2(a, begin, end, scratch);
 #endif
   AttnForwardItemsBaseline(a, begin, end, scratch);
 }
@@ -859,7 +956,8 @@ void AttnForwardItems(const AttnForwardArgs<T>& a, int64_t begin, int64_t end, f
 template <typename T>
 void AttnBackwardItems(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
 #ifdef TFMETAL_ATTN_X86
-  if (AttnHasAvx2()) return AttnBackwardItemsAvx2(a, begin, end, scratch);
+  if (CpuUseAvx512()) return AttnBackwardItemsAvx512(a, begin, end, scratch);
+  if (CpuUseAvx2()) return AttnBackwardItemsAvx2(a, begin, end, scratch);
 #endif
   AttnBackwardItemsBaseline(a, begin, end, scratch);
 }

@@ -63,10 +63,6 @@ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 #define TFM_BNA_X86 1
 #define TFM_BNA_BODY inline __attribute__((always_inline))
 #define TFM_BNA_AVX2 __attribute__((target("avx2,fma")))
-inline bool UseAvx2() {
-  static const bool yes = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return yes;
-}
 #else
 #define TFM_BNA_X86 0
 #define TFM_BNA_BODY inline
@@ -240,7 +236,7 @@ TFM_BNA_AVX2 void NormalizeRowsAvx2(const ForwardArgs<T>& a, int64_t begin, int6
 template <typename T>
 RowsFn<T> StatsFn() {
 #if TFM_BNA_X86
-  if (UseAvx2()) return &StatsItemsAvx2<T>;
+  if (CpuUseAvx2()) return &StatsItemsAvx2<T>;
 #endif
   return &StatsItems<T>;
 }
@@ -248,7 +244,7 @@ RowsFn<T> StatsFn() {
 template <int kAct, typename T>
 RowsFn<T> NormalizeFor(bool side) {
 #if TFM_BNA_X86
-  if (UseAvx2()) return side ? &NormalizeRowsAvx2<kAct, true, T> : &NormalizeRowsAvx2<kAct, false, T>;
+  if (CpuUseAvx2()) return side ? &NormalizeRowsAvx2<kAct, true, T> : &NormalizeRowsAvx2<kAct, false, T>;
 #endif
   return side ? &NormalizeRows<kAct, true, T> : &NormalizeRows<kAct, false, T>;
 }
@@ -390,7 +386,7 @@ TFM_BNA_AVX2 void GradRowsAvx2(const BackwardArgs<T>& a, int64_t begin, int64_t 
 template <int kAct, typename T>
 GradFns<T> GradFor(bool side) {
 #if TFM_BNA_X86
-  if (UseAvx2()) {
+  if (CpuUseAvx2()) {
     if (side) return {&GradSumsAvx2<kAct, true, T>, &GradRowsAvx2<kAct, true, T>};
     return {&GradSumsAvx2<kAct, false, T>, &GradRowsAvx2<kAct, false, T>};
   }

@@ -9,6 +9,8 @@
 #define TFMETAL_CPU_COMMON_H_
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "tfmetal/host_checks.h"
@@ -66,6 +68,40 @@ Status ParallelForWithScratch(OpKernelContext* ctx, int64_t n, int64_t cost_per_
   });
   return Status();
 }
+
+// The vector code a CPU kernel may pick at run time, decided once for every
+// kernel: kBaseline (portable loops: what arm64 runs, NEON-vectorized by the
+// compiler), kAvx2 (AVX2 and FMA), kAvx512 (AVX-512F as well). Each kernel
+// runs the highest level it has code for, at most this one.
+// TFMETAL_EXT_CPU_BASELINE=1 forces kBaseline; TFMETAL_EXT_CPU_LEVEL=baseline,
+// avx2 or avx512 caps the level, so the tests compare the levels' results on
+// one machine.
+enum class CpuLevel : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline CpuLevel CpuVectorLevel() {
+  static const CpuLevel level = [] {
+    CpuLevel have = CpuLevel::kBaseline;
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      have = __builtin_cpu_supports("avx512f") ? CpuLevel::kAvx512 : CpuLevel::kAvx2;
+    }
+#endif
+    const char* baseline = std::getenv("TFMETAL_EXT_CPU_BASELINE");
+    if (baseline != nullptr && std::strcmp(baseline, "1") == 0) return CpuLevel::kBaseline;
+    const char* cap = std::getenv("TFMETAL_EXT_CPU_LEVEL");
+    CpuLevel most = CpuLevel::kAvx512;
+    if (cap != nullptr && std::strcmp(cap, "baseline") == 0) most = CpuLevel::kBaseline;
+    if (cap != nullptr && std::strcmp(cap, "avx2") == 0) most = CpuLevel::kAvx2;
+    return static_cast<int>(have) < static_cast<int>(most) ? have : most;
+  }();
+  return level;
+}
+
+// AVX2 and FMA code may run (the level is kAvx2 or higher).
+inline bool CpuUseAvx2() { return static_cast<int>(CpuVectorLevel()) >= static_cast<int>(CpuLevel::kAvx2); }
+
+// AVX-512F code may run.
+inline bool CpuUseAvx512() { return CpuVectorLevel() == CpuLevel::kAvx512; }
 
 template <typename T>
 inline float ToFloat(T v) { return static_cast<float>(v); }

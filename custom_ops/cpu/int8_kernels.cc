@@ -27,15 +27,11 @@
 namespace tfmetal_ext {
 namespace int8_cpu {
 
-// TFMETAL_EXT_CPU_BASELINE=1 runs the portable loops (what arm64 runs).
+// The AVX2 loops where cpu_common.h's level allows them (TFMETAL_EXT_CPU_BASELINE=1: the portable
+// loops, what arm64 runs).
 inline bool Int8HasAvx2() {
 #ifdef TFMETAL_INT8_X86
-  static const bool has = [] {
-    const char* baseline = std::getenv("TFMETAL_EXT_CPU_BASELINE");
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           !(baseline != nullptr && baseline[0] == '1');
-  }();
-  return has;
+  return CpuUseAvx2();
 #else
   return false;
 #endif

@@ -310,21 +310,14 @@ __attribute__((target("avx2"))) void BackwardBlocksAvx2(const BackwardArgs<T>& a
   BackwardBlocksImpl(a, begin, end, scratch);
 }
 
-// TFMETAL_EXT_CPU_BASELINE=1 runs the baseline loops (the tests compare them
-// with the AVX2 ones; they are also what arm64 runs, NEON-vectorized).
-inline bool HasAvx2() {
-  static const bool has = [] {
-    const char* baseline = std::getenv("TFMETAL_EXT_CPU_BASELINE");
-    return __builtin_cpu_supports("avx2") && !(baseline != nullptr && baseline[0] == '1');
-  }();
-  return has;
-}
 #endif
 
+// The AVX2 loops where cpu_common.h's level allows them; the tests compare them with the baseline
+// loops (TFMETAL_EXT_CPU_BASELINE=1), which are also what arm64 runs, NEON-vectorized.
 template <typename T>
 void ForwardRows(const ForwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
 #ifdef TFMETAL_LN_AVX2
-  if (HasAvx2()) return ForwardRowsAvx2(a, begin, end, scratch);
+  if (CpuUseAvx2()) return ForwardRowsAvx2(a, begin, end, scratch);
 #endif
   ForwardRowsBaseline(a, begin, end, scratch);
 }
@@ -332,7 +325,7 @@ void ForwardRows(const ForwardArgs<T>& a, int64_t begin, int64_t end, float* scr
 template <typename T>
 void BackwardBlocks(const BackwardArgs<T>& a, int64_t begin, int64_t end, float* scratch) {
 #ifdef TFMETAL_LN_AVX2
-  if (HasAvx2()) return BackwardBlocksAvx2(a, begin, end, scratch);
+  if (CpuUseAvx2()) return BackwardBlocksAvx2(a, begin, end, scratch);
 #endif
   BackwardBlocksBaseline(a, begin, end, scratch);
 }

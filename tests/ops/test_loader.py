@@ -185,6 +185,42 @@ def test_status_describes_the_loaded_library():
     assert set(st.to_dict()) >= {"loaded", "library", "tf_version", "metal_kernels"}
 
 
+def _expected_cpu_level():
+    """The level cpu/cpu_common.h picks here, from the CPU's flags (devices' reading of /proc/cpuinfo)."""
+    from tfmetal_ext import devices
+
+    if devices.capabilities().cpu_avx512:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= devices._cpu_flags() else "baseline"
+
+
+def test_status_names_the_cpu_kernels_vector_level():
+    st = ops.status()
+    assert st.cpu_level == _expected_cpu_level()
+    assert f"vector code: {st.cpu_level}" in str(st)
+
+
+@pytest.mark.full  # three TF imports in subprocesses
+@pytest.mark.parametrize("env, cap", [({"TFMETAL_EXT_CPU_LEVEL": "avx2"}, "avx2"),
+                                      ({"TFMETAL_EXT_CPU_LEVEL": "baseline"}, "baseline"),
+                                      ({"TFMETAL_EXT_CPU_BASELINE": "1"}, "baseline"),
+                                      ({"TFMETAL_EXT_CPU_LEVEL": "avx512"}, "avx512"),
+                                      ({"TFMETAL_EXT_CPU_LEVEL": "fastest"}, "avx512")])
+def test_the_cpu_level_is_capped_by_the_environment(env, cap):
+    """The cap lowers the level, never raises it above the CPU's; an unknown value caps nothing, with a warning."""
+    order = ["baseline", "avx2", "avx512"]
+    want = order[min(order.index(cap), order.index(_expected_cpu_level()))]
+    full_env = {k: v for k, v in os.environ.items()
+                if k not in ("TFMETAL_EXT_REFERENCE_OPS", "TFMETAL_EXT_CPU_LEVEL", "TFMETAL_EXT_CPU_BASELINE")}
+    result = subprocess.run([sys.executable, "-c", "from tfmetal_ext import ops; print(ops.status().cpu_level)"],
+                            capture_output=True, text=True, timeout=600,
+                            env={**full_env, "TF_CPP_MIN_LOG_LEVEL": "2", **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == want
+    unknown = env.get("TFMETAL_EXT_CPU_LEVEL") == "fastest"
+    assert ("TFMETAL_EXT_CPU_LEVEL must be one of baseline, avx2, avx512" in result.stderr) == unknown
+
+
 def test_build_ops_cli(capsys):
     from tfmetal_ext import cli
 

@@ -307,6 +307,7 @@ def load():
         try:
             _state.module, _state.plan = _load_or_rebuild()
             _log_gpu_fallback()
+            _warn_unknown_cpu_level()
         except (BuildError, FileNotFoundError, OSError) as e:
             _state.error = str(e)
             warnings.warn(
@@ -433,6 +434,35 @@ def _read_gpu_status_text(library: Path) -> str | None:
     fn.argtypes = []
     raw = fn()
     return raw.decode("utf-8", "replace") if raw is not None else None
+
+
+CPU_LEVELS = ("baseline", "avx2", "avx512")
+
+
+def _warn_unknown_cpu_level() -> None:
+    cap = os.environ.get("TFMETAL_EXT_CPU_LEVEL")
+    if cap is not None and cap not in CPU_LEVELS:
+        warnings.warn(f"tfmetal_ext: TFMETAL_EXT_CPU_LEVEL must be one of {', '.join(CPU_LEVELS)}; it caps "
+                      f"nothing. Received: TFMETAL_EXT_CPU_LEVEL={cap!r}", RuntimeWarning, stacklevel=4)
+
+
+def cpu_vector_level() -> str | None:
+    """The loaded library's CPU kernel level, ``"avx512"``, ``"avx2"`` or ``"baseline"``; None unloaded.
+
+    Picked once per process from the CPU (cpu/cpu_common.h), at most ``TFMETAL_EXT_CPU_LEVEL``.
+    """
+    import ctypes
+
+    if _state.module is None or _state.plan is None:
+        return None
+    try:
+        fn = ctypes.CDLL(str(_state.plan.library)).TfmetalExt_CpuVectorLevel  # already loaded: the same image
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    raw = fn()
+    return raw.decode("ascii", "replace") if raw is not None else None
 
 
 def gpu_registrations() -> dict | None:

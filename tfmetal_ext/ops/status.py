@@ -42,6 +42,11 @@ class OpsStatus:
             Metal backend because it has no kernel of its own, or why not
             (the backend has one, no Metal backend here, the library not
             loaded or built without Metal, the host code's refusal).
+        cpu_level: the vector code the CPU kernels run in this process:
+            ``"avx512"``, ``"avx2"`` (with FMA) or ``"baseline"`` (portable
+            loops, as on arm64), picked from the CPU at load and capped by
+            ``TFMETAL_EXT_CPU_LEVEL`` (``TFMETAL_EXT_CPU_BASELINE=1``:
+            ``"baseline"``); None when the library is not loaded.
     """
 
     loaded: bool
@@ -53,6 +58,7 @@ class OpsStatus:
     metal_backend: str | None = None
     kernels: dict = dataclasses.field(default_factory=dict)
     gap_kernels: tuple = ()
+    cpu_level: str | None = None
 
     def to_dict(self):
         return dataclasses.asdict(self)
@@ -63,6 +69,8 @@ class OpsStatus:
         if not self.loaded:
             return "\n".join([f"custom ops: not loaded ({self.error or 'not used yet'})"] + gap_lines(self.gap_kernels))
         metal = "with Metal kernels" if self.metal_kernels else "CPU kernels only"
+        if self.cpu_level:
+            metal += f", CPU kernels' vector code: {self.cpu_level}"
         if self.metal_backend:
             metal += f" for {self.metal_backend}"
         lines = [f"custom ops: {self.library} (TF {self.tf_version}, {metal})"]
@@ -172,6 +180,7 @@ def status(load: bool = True) -> OpsStatus:
         metal_backend=next(iter(backends)) if len(backends) == 1 else None,
         kernels=_kernels(loaded, forced, st.error, with_metal, registrations),
         gap_kernels=_gap_rows(loaded, forced, st.error, with_metal, registrations),
+        cpu_level=_loader.cpu_vector_level() if loaded else None,
     )
 
 
