@@ -591,6 +591,71 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
   return Status();
 }
 
+// The positions [lo, hi) of `n` consecutive keys (first: key `k0`, for the
+// query at `qi`) or queries (first: query `q0`, for the key at `kj`) that the
+// causal mask and the sliding window let attend: attention_attends without its
+// mask value, as a range (both conditions bound a contiguous run).
+struct AttnRange {
+  int32_t lo, hi;
+};
+
+inline AttnRange AttnClampRange(int64_t lo, int64_t hi, int64_t n) {
+  lo = std::min<int64_t>(std::max<int64_t>(lo, 0), n);
+  hi = std::min<int64_t>(std::max<int64_t>(hi, lo), n);
+  return AttnRange{static_cast<int32_t>(lo), static_cast<int32_t>(hi)};
+}
+
+// Keys k0 + j for query qi: j <= qi - k0 (causal), qi - w < k0 + j < qi + w (window w).
+inline AttnRange AttnKeyRange(bool causal, uint32_t window, int64_t qi, int64_t k0, int64_t n) {
+  int64_t lo = 0, hi = n;
+  if (causal) hi = std::min<int64_t>(hi, qi - k0 + 1);
+  if (window != 0u) {
+    lo = std::max<int64_t>(lo, qi - k0 - static_cast<int64_t>(window) + 1);
+    hi = std::min<int64_t>(hi, qi - k0 + static_cast<int64_t>(window));
+  }
+  return AttnClampRange(lo, hi, n);
+}
+
+// Queries q0 + i for key kj: q0 + i >= kj (causal), kj - w < q0 + i < kj + w (window w).
+inline AttnRange AttnQueryRange(bool causal, uint32_t window, int64_t q0, int64_t kj, int64_t n) {
+  int64_t lo = 0, hi = n;
+  if (causal) lo = std::max<int64_t>(lo, kj - q0);
+  if (window != 0u) {
+    lo = std::max<int64_t>(lo, kj - q0 - static_cast<int64_t>(window) + 1);
+    hi = std::min<int64_t>(hi, kj - q0 + static_cast<int64_t>(window));
+  }
+  return AttnClampRange(lo, hi, n);
+}
+
+// s[e] * scale where position e is in r and its mask byte (mask[e * stride]) is
+// set, else -inf. stride is 0 (one mask value for all) or 1 (one byte each):
+// branch-free loops the compiler vectorizes; any other stride, a plain loop.
+TFMETAL_ATTN_INLINE void AttnScaleAndMaskRun(float* __restrict s, int64_t n, float scale, const bool* mask,
+                                             int64_t stride, AttnRange r) {
+  const uint32_t neg_inf = AttnFloatBits(kNegInf);
+  const int32_t count = static_cast<int32_t>(n);
+  if (stride == 0 || stride == 1) {
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(mask);
+    const uint32_t all = stride == 0 ? 0u - static_cast<uint32_t>(bytes[0] != 0) : 0u;
+    if (stride == 0 && all == 0u) {
+      for (int32_t e = 0; e < count; ++e) s[e] = kNegInf;
+      return;
+    }
+    for (int32_t e = 0; e < count; ++e) {
+      const uint32_t in_range = 0u - static_cast<uint32_t>((e >= r.lo) & (e < r.hi));
+      const uint32_t set = stride == 0 ? all : 0u - static_cast<uint32_t>(bytes[e] != 0);
+      const uint32_t keep = in_range & set;
+      s[e] = AttnBitsFloat((AttnFloatBits(s[e] * scale) & keep) | (neg_inf & ~keep));
+    }
+    return;
+  }
+  for (int32_t e = 0; e < count; ++e) {
+    const bool ok = e >= r.lo && e < r.hi && mask[e * stride];
+    const uint32_t keep = 0u - static_cast<uint32_t>(ok);
+    s[e] = AttnBitsFloat((AttnFloatBits(s[e] * scale) & keep) | (neg_inf & ~keep));
+  }
+}
+
 // Scales row i of the tile (scores of query q0 + i, keys k0 ..) and sets the
 // scores it does not attend to -inf.
 TFMETAL_ATTN_INLINE void AttnScaleAndMaskRow(float* __restrict s, int64_t kn, float scale, const bool* mask_row,
@@ -600,12 +665,7 @@ TFMETAL_ATTN_INLINE void AttnScaleAndMaskRow(float* __restrict s, int64_t kn, fl
     AttnScaleRow(s, kn, scale);
     return;
   }
-  for (int64_t j = 0; j < kn; ++j) {
-    const bool ok = attention_attends(mask_row[(k0 + j) * mask_k], causal, window, static_cast<uint32_t>(qi),
-                                      static_cast<uint32_t>(k0 + j));
-    const uint32_t keep = 0u - static_cast<uint32_t>(ok);
-    s[j] = AttnBitsFloat((AttnFloatBits(s[j] * scale) & keep) | (AttnFloatBits(kNegInf) & ~keep));
-  }
+  AttnScaleAndMaskRun(s, kn, scale, mask_row + k0 * mask_k, mask_k, AttnKeyRange(causal, window, qi, k0, kn));
 }
 
 // Scales the scores of key kj for the queries q0 .. q0 + n - 1 (a key row of
@@ -618,12 +678,7 @@ TFMETAL_ATTN_INLINE void AttnScaleAndMaskColumn(float* __restrict s, int64_t n, 
     AttnScaleRow(s, n, scale);
     return;
   }
-  for (int64_t i = 0; i < n; ++i) {
-    const bool ok = attention_attends(mask_col[i * mask_q], causal, window, static_cast<uint32_t>(q0 + i),
-                                      static_cast<uint32_t>(kj));
-    const uint32_t keep = 0u - static_cast<uint32_t>(ok);
-    s[i] = AttnBitsFloat((AttnFloatBits(s[i] * scale) & keep) | (AttnFloatBits(kNegInf) & ~keep));
-  }
+  AttnScaleAndMaskRun(s, n, scale, mask_col, mask_q, AttnQueryRange(causal, window, q0, kj, n));
 }
 
 // ---------------------------------------------------------------- forward

@@ -123,6 +123,7 @@ CASES = [
     (3, 2, 17, 17, 3, 5, "full", True),
     (2, 4, 70, 130, 32, 24, "heads", False),  # several key and query tiles
     (1, 1, 129, 129, 64, 64, "padding", True),
+    (2, 2, 70, 130, 16, 8, "query_rows", True),  # a mask broadcast along the keys, some rows attending none
 ]
 
 
@@ -136,6 +137,8 @@ def make_mask(kind, b, h, tq, tk, seed=0):
         return rng.random((b, h, tq, tk)) < 0.7
     if kind == "heads":  # (1, h, tq, 1)... and (b, 1, 1, tk) combined: per-head query rows
         return (rng.random((1, h, tq, 1)) < 0.8) & (rng.random((b, 1, 1, tk)) < 0.8)
+    if kind == "query_rows":  # (b, 1, tq, 1): a query row attends every key it may, or none
+        return rng.random((b, 1, tq, 1)) < 0.8
     raise ValueError(kind)
 
 
