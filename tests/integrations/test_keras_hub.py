@@ -324,6 +324,62 @@ def test_decoder_hands_mask_factors_to_the_op(family):
     assert "_tfmetal_mask_factors" not in vars(fused._self_attention_layer)
 
 
+@pytest.mark.parametrize("window", [0, 4])
+def test_gemma_decoder_hands_mask_factors_to_the_op(window):
+    """Gemma's block makes its mask in ``_compute_attention_mask`` (its own argument names) and holds its
+    attention as ``attention``: the op still gets the causal flag, a (batch, 1, 1, kv) padding mask and
+    the sliding window (4 of 9 keys), so it skips the key tiles above the diagonal and the step keeps no
+    (q, kv) mask for the backward pass. Outputs and gradients are the stock block's within the bound of
+    test_decoder_hands_mask_factors_to_the_op (the same chain lengths), and cached decoding (one token
+    at index 5 of a cache of 9) the stock block's output."""
+    keras.utils.set_random_seed(3)
+    kwargs = {"use_sliding_window_attention": True, "sliding_window_size": window} if window else {}
+    stock = _class("models.gemma.gemma_decoder_block:GemmaDecoderBlock")(
+        hidden_dim=16, intermediate_dim=32, head_dim=4, num_query_heads=4, num_key_value_heads=2, **kwargs)
+    seq = keras.Input((None, 16))
+    pad_in = keras.Input((None,), dtype="int32")
+    model = keras.Model([seq, pad_in], stock(seq, padding_mask=pad_in))
+    new = tfmetal_ext.convert(model, verify=False, count_ops=False)
+    fused = next(x for x in new.layers if type(x).__mro__[1] is type(stock))
+    assert type(fused) is kh.FUSED[type(stock)] and type(fused.attention) is kh.FUSED[type(stock.attention)]
+    b, t = 2, 9
+    x = tf.constant(np.random.default_rng(4).standard_normal((b, t, 16)).astype("float32"))
+    pad = np.ones((b, t), "int32")
+    pad[1, 6:] = 0
+    pad[1, 0] = 0  # row 0 of the second sequence attends no key
+    pad = tf.constant(pad)
+
+    def step(layer):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, padding_mask=pad)
+            loss = tf.reduce_sum(y * tf.cos(tf.range(16, dtype=tf.float32)))
+        return [y] + tape.gradient(loss, [x] + layer.trainable_variables)
+
+    got, want = tf.function(lambda: step(fused))(), tf.function(lambda: step(stock))()
+    grad_scale = max(float(np.max(np.abs(w))) for w in want[1:])
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = float(np.max(np.abs(w))) if i == 0 else grad_scale
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=(2 * t + 8) * U32 * scale * 4 * 8)
+    graph = tf.function(lambda: step(fused)).get_concrete_function().graph
+    attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
+    assert attn and all(op.get_attr("causal") for op in attn)
+    assert all(op.inputs[3].shape.as_list() == [b, 1, 1, t] for op in attn)
+    assert [op.get_attr("sliding_window") for op in attn] == [window] * len(attn)
+    grads = [op for op in graph.get_operations() if op.type == "TfmetalExt>AttentionGrad"]
+    assert grads and all(op.inputs[4].shape.as_list() == [b, 1, 1, t] for op in grads), \
+        "the backward pass keeps the padding mask only"
+
+    cache = tf.random.stateless_normal((b, 2, t, 2, 4), seed=[1, 2])
+    xs = x[:, 5:6]
+    out_s, cache_s = stock(xs, padding_mask=pad, cache=cache, cache_update_index=5)
+    out_f, cache_f = fused(xs, padding_mask=pad, cache=cache, cache_update_index=5)
+    np.testing.assert_allclose(np.asarray(cache_f), np.asarray(cache_s), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out_f), np.asarray(out_s), rtol=0,
+                               atol=(2 * t + 8) * U32 * float(np.max(np.abs(out_s))) * 4 * 8)
+    assert "_tfmetal_mask_factors" not in vars(fused.attention)
+
+
 def test_decoder_keeps_the_stock_mask_where_it_is_not_padding_times_causal():
     """A custom decoder_attention_mask (with or without Mistral's sliding window): no factors, the op gets
     keras-hub's mask itself (and the outputs are the stock block's)."""

@@ -23,8 +23,9 @@ replaced:
   cache of ``generate()`` and grouped-query head sharing stay the layer's own
   code, so training and cached decoding both take the op.
 
-* Decoder blocks (`HUB_DECODERS`): ``_compute_self_attention_mask`` still
-  returns keras-hub's own ``(batch, q, kv)`` mask, and also hands the fused
+* Decoder blocks (`HUB_DECODERS`): the method that makes the self-attention
+  mask (``_compute_self_attention_mask``; Gemma's ``_compute_attention_mask``)
+  still returns keras-hub's own ``(batch, q, kv)`` mask, and also hands the fused
   self-attention layer its factors (the keys' padding and the causal
   offset). Where that layer receives this very mask, the op takes the
   padding as a ``(batch, 1, 1, kv)`` mask and computes causality itself, so
@@ -176,11 +177,18 @@ class HubDecoder:
         window: the attribute of a sliding window the block's own mask applies (Mistral's and
             Mixtral's ``sliding_window``), or None. The factors carry it: the op applies the band
             itself (without a cache), or the inference-time band mask includes it.
+        mask_method: the block's method that makes the mask (Gemma's: ``_compute_attention_mask``).
+        attention: the block's attribute holding its self-attention layer (Gemma's: ``attention``).
+        arguments: ``(block's name, name above)`` for the mask method's arguments named otherwise
+            (Gemma's ``x``, ``padding_mask``, ``cache``, ``cache_update_index``; its mask is always causal).
     """
 
     path: str
     fused: str
     window: str = None
+    mask_method: str = "_compute_self_attention_mask"
+    attention: str = "_self_attention_layer"
+    arguments: tuple = ()
 
 
 HUB_DECODERS = (
@@ -192,6 +200,10 @@ HUB_DECODERS = (
                window="sliding_window"),
     HubDecoder("models.qwen.qwen_decoder:QwenTransformerDecoder", "FusedQwenTransformerDecoder"),
     HubDecoder("models.qwen3.qwen3_decoder:Qwen3TransformerDecoder", "FusedQwen3TransformerDecoder"),
+    HubDecoder("models.gemma.gemma_decoder_block:GemmaDecoderBlock", "FusedGemmaDecoderBlock",
+               mask_method="_compute_attention_mask", attention="attention",
+               arguments=(("x", "decoder_sequence"), ("padding_mask", "decoder_padding_mask"),
+                          ("cache", "self_attention_cache"), ("cache_update_index", "self_attention_cache_update_index"))),
 )
 
 HUB_ROPES = (
@@ -505,6 +517,7 @@ def _attention_class(spec, base):
     elif spec.form == "gemma":
 
         def _compute_attention(self, q, k, v, attention_mask, training=False, cache_update_index=0):
+            factors = _take_factors(self, attention_mask)
             rate = float(self.dropout) if training and self.dropout else 0.0
             if self.logit_soft_cap is not None or rate >= 1.0 \
                     or _call_reason(q, k, v, attention_mask) is not None:
@@ -513,14 +526,14 @@ def _attention_class(spec, base):
             width = self.head_dim if self.query_head_dim_normalize else self.hidden_dim // self.num_query_heads
             window = 0
             if self.use_sliding_window_attention and attention_mask is not None:
-                window = _window_in_op(self.sliding_window_size, q, k, None, cache_update_index)
+                window = _window_in_op(self.sliding_window_size, q, k, factors, cache_update_index)
                 if window is None:
                     attention_mask = self._mask_sliding_window(attention_mask, cache_update_index=cache_update_index)
-                    window = 0
+                    factors, window = None, 0
             # Gemma drops the probabilities (its dropout_layer, on (batch, kv heads, groups, q, kv):
             # the (batch, heads, q, kv) order the op draws in).
             seed = self.dropout_layer.seed_generator if rate > 0 else None
-            out = attend(q, k, v, attention_mask, 1.0 / np.sqrt(width), rate, seed, window=window)
+            out = attend(q, k, v, attention_mask, 1.0 / np.sqrt(width), rate, seed, factors=factors, window=window)
             return tf.cast(out, self.compute_dtype)
 
     else:  # keras_mha
@@ -563,7 +576,9 @@ def _attention_class(spec, base):
 def _decoder_class(spec, base):
     from keras_hub.src.layers.modeling.transformer_layer_utils import merge_padding_and_attention_mask
 
-    signature = inspect.signature(base._compute_self_attention_mask)
+    method = getattr(base, spec.mask_method)
+    signature = inspect.signature(method)
+    renamed = dict(spec.arguments)
 
     def factors_of(self, mask, args):
         if mask is None or args.get("decoder_attention_mask") is not None or not args.get("use_causal_mask", True):
@@ -576,20 +591,22 @@ def _decoder_class(spec, base):
         index = args.get("self_attention_cache_update_index")
         return MaskFactors(mask, keys, 0 if index is None else index, cache is not None, _op_window(window) or 0)
 
-    def _compute_self_attention_mask(self, *args, **kwargs):
-        mask = base._compute_self_attention_mask(self, *args, **kwargs)
-        attention = getattr(self, "_self_attention_layer", None)
+    def compute_mask(self, *args, **kwargs):
+        mask = method(self, *args, **kwargs)
+        attention = getattr(self, spec.attention, None)
         if hasattr(type(attention), "fused_name") and type(attention).__mro__[1] in FUSED:
             bound = signature.bind(self, *args, **kwargs)
             bound.apply_defaults()
-            object.__setattr__(attention, "_tfmetal_mask_factors", factors_of(self, mask, bound.arguments))
+            arguments = {renamed.get(k, k): v for k, v in bound.arguments.items()}
+            object.__setattr__(attention, "_tfmetal_mask_factors", factors_of(self, mask, arguments))
         return mask
 
     doc = (f"`{base.__module__}.{base.__name__}` whose self-attention mask also reaches its fused attention "
            "layer as factors (the keys' padding, causality, the cache offset), so the attention op computes "
            "causality itself and no (q, kv) mask is kept for the backward pass. The same constructor, weights, "
            "config and outputs.")
-    return _subclass(base, spec.fused, {"_compute_self_attention_mask": _compute_self_attention_mask}, doc)
+    compute_mask.__name__ = compute_mask.__qualname__ = spec.mask_method
+    return _subclass(base, spec.fused, {spec.mask_method: compute_mask}, doc)
 
 
 # ----------------------------------------------------------------------------
