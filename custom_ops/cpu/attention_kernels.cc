@@ -469,6 +469,37 @@ TFMETAL_ATTN_AVX2 void AttnPhilox16Avx2(uint32_t* c0, uint32_t* c1, uint32_t* c2
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3 + 8), b3);
 }
 #undef TFMETAL_ATTN_PHILOX8_ROUND
+
+// The 10 rounds of 16 Philox blocks in one AVX-512 register per word: the
+// round of AttnPhilox16Avx2, 16 lanes wide.
+__attribute__((target("avx512f"))) void AttnPhilox16Avx512(uint32_t* c0, uint32_t* c1, uint32_t* c2,
+                                                           uint32_t* c3, uint32_t k0, uint32_t k1) {
+  __m512i w0 = _mm512_loadu_si512(c0);
+  __m512i w1 = _mm512_loadu_si512(c1);
+  __m512i w2 = _mm512_loadu_si512(c2);
+  __m512i w3 = _mm512_loadu_si512(c3);
+  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  const __mmask16 odd = 0xAAAA;
+  for (int round = 0; round < 10; ++round) {
+    const __m512i e0 = _mm512_mul_epu32(w0, m0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(w0, 32), m0);
+    const __m512i e1 = _mm512_mul_epu32(w2, m1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(w2, 32), m1);
+    const __m512i lo0 = _mm512_mask_blend_epi32(odd, e0, _mm512_slli_epi64(o0, 32));
+    const __m512i hi0 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e0, 32), o0);
+    const __m512i lo1 = _mm512_mask_blend_epi32(odd, e1, _mm512_slli_epi64(o1, 32));
+    const __m512i hi1 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e1, 32), o1);
+    w0 = _mm512_xor_si512(_mm512_xor_si512(hi1, w1), _mm512_set1_epi32(static_cast<int>(k0)));
+    w2 = _mm512_xor_si512(_mm512_xor_si512(hi0, w3), _mm512_set1_epi32(static_cast<int>(k1)));
+    w1 = lo1;
+    w3 = lo0;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  _mm512_storeu_si512(c0, w0);
+  _mm512_storeu_si512(c1, w1);
+  _mm512_storeu_si512(c2, w2);
+  _mm512_storeu_si512(c3, w3);
+}
 #endif
 
 TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first, int64_t n, float* keep) {
@@ -485,7 +516,9 @@ TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first
     }
     uint32_t k0 = d.stream.key[0], k1 = d.stream.key[1];
 #ifdef TFMETAL_ATTN_X86
-    if (CpuUseAvx2()) {
+    if (CpuUseAvx512()) {
+      AttnPhilox16Avx512(c0, c1, c2, c3, k0, k1);
+    } else if (CpuUseAvx2()) {
       AttnPhilox16Avx2(c0, c1, c2, c3, k0, k1);
     } else
 #endif
@@ -681,6 +714,30 @@ TFMETAL_ATTN_INLINE void AttnScaleAndMaskColumn(float* __restrict s, int64_t n, 
   AttnScaleAndMaskRun(s, n, scale, mask_col, mask_q, AttnQueryRange(causal, window, q0, kj, n));
 }
 
+// st[j * kBlockQ + i] (the transposed tile) dropped by keep[i * kBlockK + j]
+// (the mask's rows), in 16 x 16 blocks: the blocks' rows of both stay in L1
+// (a whole column of either, one row per 256 or 512 bytes, falls on a few
+// cache sets only).
+TFMETAL_ATTN_INLINE void AttnDropTransposed(float* __restrict st, const float* __restrict keep, int64_t qn,
+                                            int64_t kn, float drop_scale) {
+  constexpr int64_t kB = 16;
+  for (int64_t j0 = 0; j0 < kn; j0 += kB) {
+    const int64_t j1 = std::min(kn, j0 + kB);
+    for (int64_t i0 = 0; i0 < qn; i0 += kB) {
+      const int64_t i1 = std::min(qn, i0 + kB);
+      for (int64_t j = j0; j < j1; ++j) {
+        float* row = st + j * kBlockQ;
+        for (int64_t i = i0; i < i1; ++i) {
+          // attention_dropout_apply, on bits (no branch: a tenth of the keys drop at random): the kept
+          // product, or +0 (keep is 1.0f or +0.0f).
+          const uint32_t kept = 0u - static_cast<uint32_t>(AttnFloatBits(keep[i * kBlockK + j]) != 0u);
+          row[i] = AttnBitsFloat(AttnFloatBits(row[i] * drop_scale) & kept);
+        }
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- forward
 
 template <typename T>
@@ -701,8 +758,8 @@ struct AttnForwardArgs {
 
 template <typename T>
 inline int64_t AttnForwardScratch(const AttnShape& s) {
-  // qt [D x BQ], st [BK x BQ], o [BQ x Dv], six vectors [BQ], keep [BK]; widened k [BK x D], v [BK x Dv].
-  return s.d * kBlockQ + kBlockK * kBlockQ + kBlockQ * s.dv + 6 * kBlockQ + kBlockK +
+  // qt [D x BQ], st [BK x BQ], o [BQ x Dv], six vectors [BQ], keep [BQ x BK]; widened k [BK x D], v [BK x Dv].
+  return s.d * kBlockQ + kBlockK * kBlockQ + kBlockQ * s.dv + 6 * kBlockQ + kBlockQ * kBlockK +
          (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockK * s.dv);
 }
 
@@ -722,8 +779,8 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
   float* rescale = tile_max + kBlockQ;
   float* shift = rescale + kBlockQ;   // the max exp(s - shift) uses (0 while nothing is attended)
   float* tile_sum = shift + kBlockQ;
-  float* keep = tile_sum + kBlockQ;  // one row's dropout mask
-  float* kbuf = keep + kBlockK;
+  float* keep = tile_sum + kBlockQ;  // the tile's dropout mask, a row of kBlockK per query
+  float* kbuf = keep + kBlockQ * kBlockK;
   float* vbuf = kbuf + kBlockK * s.d;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t bh = item / a.q_tiles;
@@ -777,12 +834,10 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
       }
       if (a.drop.on) {  // drop the summed probabilities of each row (row i is column i of st)
         for (int64_t i = 0; i < qn; ++i) {
-          AttnDropoutKeepRow(a.drop, static_cast<uint64_t>((bh * s.tq + q0 + i) * s.tk + k0), kn, keep);
-          for (int64_t j = 0; j < kn; ++j) {
-            float& e = st[j * kBlockQ + i];
-            e = attention_dropout_apply(e, keep[j] != 0.0f, a.drop.scale);
-          }
+          AttnDropoutKeepRow(a.drop, static_cast<uint64_t>((bh * s.tq + q0 + i) * s.tk + k0), kn,
+                             keep + i * kBlockK);
         }
+        AttnDropTransposed(st, keep, qn, kn, a.drop.scale);
       }
       // O += P V, P = (S^T)^T.
       const float* vf = AttnAsFloat(vh + k0 * s.dv, kn * s.dv, vbuf);
