@@ -1,9 +1,10 @@
 // CPU kernels of TfmetalExt>Rope and TfmetalExt>RopeGrad.
 //
 // Rows (b, t) are split over TF's CPU thread pool. Each row's cos/sin are
-// computed once into a per-thread scratch and applied to all of its heads (the
-// dimensions between sequence and features), so a [B, T, N, H] input costs
-// B*T*H/2 cos/sin, not N times that. The math is tfmetal/rope.h, shared with
+// computed once and applied to all of its heads (the dimensions between
+// sequence and features), so a [B, T, N, H] input costs B*T*H/2 cos/sin, not
+// N times that; where every batch element has the same positions (a [T] or
+// [1, T] positions input), a [T, H] table of them is made first, T*H/2. The math is tfmetal/rope.h, shared with
 // the Metal kernel: same float32 operations, so the same bits given the same
 // cos/sin.
 //
@@ -59,31 +60,51 @@ class RopeOp : public OpKernel {
     const float* freq = inv_freq.flat<float>().data();
     const float scale = scale_;
     const int64_t half = g.half, inner = g.inner, sequence = g.sequence, stride = g.position_batch_stride;
+    // Every row's pairs turned by its cos/sin (cs: half cos, then half sin).
+    const auto rotate_row = [=](int64_t row, const float* cs) {
+      for (int64_t m = 0; m < inner; ++m) {
+        const int64_t base = (row * inner + m) * 2 * half;
+        const T* xr = in + base;
+        T* yr = out + base;
+        for (int64_t i = 0; i < half; ++i) {
+          const tfm_rope_cos_sin c{cs[i], cs[half + i]};
+          const float x1 = ToFloat(xr[i]), x2 = ToFloat(xr[i + half]);
+          const tfm_rope_pair r = kBack ? rope_rotate_back(x1, x2, c) : rope_rotate(x1, x2, c);
+          yr[i] = FromFloat<T>(r.first);  // each element is read before it is written: y may alias x
+          yr[i + half] = FromFloat<T>(r.second);
+        }
+      }
+    };
+    const auto cos_sin_of = [=](const float* p_row, int64_t t, float* cs) {
+      const float p = p_row[t];
+      for (int64_t i = 0; i < half; ++i) {
+        const tfm_rope_cos_sin c = rope_cos_sin(p, freq[i], scale);
+        cs[i] = c.c;
+        cs[half + i] = c.s;
+      }
+    };
+    if (stride == 0 && g.batch > 1) {
+      // One positions row for every batch element: the [sequence, 2 * half] cos/sin once, then the
+      // rows (the same values, so the same bits, as computing them per row).
+      Tensor table;
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, TensorShape({sequence, 2 * half}), &table));
+      float* cs = table.flat<float>().data();
+      ParallelFor(ctx, sequence, half * kCosSinCost,
+                  [=](int64_t begin, int64_t end) {
+                    for (int64_t t = begin; t < end; ++t) cos_sin_of(pos, t, cs + t * 2 * half);
+                  });
+      ParallelFor(ctx, rows, inner * half * kPairCost, [=](int64_t begin, int64_t end) {
+        for (int64_t row = begin; row < end; ++row) rotate_row(row, cs + (row % sequence) * 2 * half);
+      });
+      return;
+    }
     const int64_t cost = inner * half * kPairCost + half * kCosSinCost;
     OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, rows, cost, 2 * half, [=](int64_t begin, int64_t end,
                                                                                  float* scratch) {
-      float* cos_s = scratch;
-      float* sin_s = scratch + half;
       for (int64_t row = begin; row < end; ++row) {
         const int64_t b = row / sequence, t = row % sequence;
-        const float p = pos[b * stride + t];
-        for (int64_t i = 0; i < half; ++i) {
-          const tfm_rope_cos_sin cs = rope_cos_sin(p, freq[i], scale);
-          cos_s[i] = cs.c;
-          sin_s[i] = cs.s;
-        }
-        for (int64_t m = 0; m < inner; ++m) {
-          const int64_t base = (row * inner + m) * 2 * half;
-          const T* xr = in + base;
-          T* yr = out + base;
-          for (int64_t i = 0; i < half; ++i) {
-            const tfm_rope_cos_sin cs{cos_s[i], sin_s[i]};
-            const float x1 = ToFloat(xr[i]), x2 = ToFloat(xr[i + half]);
-            const tfm_rope_pair r = kBack ? rope_rotate_back(x1, x2, cs) : rope_rotate(x1, x2, cs);
-            yr[i] = FromFloat<T>(r.first);  // each element is read before it is written: y may alias x
-            yr[i + half] = FromFloat<T>(r.second);
-          }
-        }
+        cos_sin_of(pos + b * stride, t, scratch);
+        rotate_row(row, scratch);
       }
     }));
   }
