@@ -43,6 +43,7 @@
 
 #include "Eigen/Core"
 #include "cpu/cpu_common.h"
+#include "cpu/philox_lanes.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -412,136 +413,27 @@ struct AttnDropout {
 };
 
 // keep[j] (1 kept, 0 dropped) for the n consecutive mask elements from flat
-// index `first`: one Philox block per 4 of them. The blocks are computed
-// kAttnPhiloxLanes at a time, word by word across the lanes (structure of
-// arrays), so the compiler turns the rounds' 32 x 32 -> 64-bit products into
-// vector multiplies; each lane is tfm_philox4x32 (tfmetal/philox.h) exactly.
-constexpr int kAttnPhiloxLanes = 16;
-
-#ifdef TFMETAL_ATTN_X86
-// One Philox round of 8 blocks in AVX2 registers: _mm256_mul_epu32 multiplies
-// the even 32-bit lanes into 64-bit products (the odd lanes shifted down
-// first), and the products' low and high words are blended back into 8 lanes.
-#define TFMETAL_ATTN_PHILOX8_ROUND(w0, w1, w2, w3, kk0, kk1)                                           \
-  do {                                                                                                  \
-    const __m256i e0_ = _mm256_mul_epu32(w0, m0), o0_ = _mm256_mul_epu32(_mm256_srli_epi64(w0, 32), m0); \
-    const __m256i e1_ = _mm256_mul_epu32(w2, m1), o1_ = _mm256_mul_epu32(_mm256_srli_epi64(w2, 32), m1); \
-    const __m256i lo0_ = _mm256_blend_epi32(e0_, _mm256_slli_epi64(o0_, 32), 0xAA);                      \
-    const __m256i hi0_ = _mm256_blend_epi32(_mm256_srli_epi64(e0_, 32), o0_, 0xAA);                      \
-    const __m256i lo1_ = _mm256_blend_epi32(e1_, _mm256_slli_epi64(o1_, 32), 0xAA);                      \
-    const __m256i hi1_ = _mm256_blend_epi32(_mm256_srli_epi64(e1_, 32), o1_, 0xAA);                      \
-    w0 = _mm256_xor_si256(_mm256_xor_si256(hi1_, w1), kk0);                                             \
-    w2 = _mm256_xor_si256(_mm256_xor_si256(hi0_, w3), kk1);                                             \
-    w1 = lo1_;                                                                                          \
-    w3 = lo0_;                                                                                          \
-  } while (0)
-
-// The 10 rounds of 16 Philox blocks with AVX2: two independent groups of 8
-// interleaved, so each round's multiply latency of one group overlaps the
-// other's work.
-TFMETAL_ATTN_AVX2 void AttnPhilox16Avx2(uint32_t* c0, uint32_t* c1, uint32_t* c2, uint32_t* c3, uint32_t k0,
-                                        uint32_t k1) {
-  __m256i a0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0));
-  __m256i a1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1));
-  __m256i a2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c2));
-  __m256i a3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c3));
-  __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0 + 8));
-  __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1 + 8));
-  __m256i b2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c2 + 8));
-  __m256i b3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c3 + 8));
-  const __m256i m0 = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
-  const __m256i m1 = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
-  for (int round = 0; round < 10; ++round) {
-    const __m256i kk0 = _mm256_set1_epi32(static_cast<int>(k0));
-    const __m256i kk1 = _mm256_set1_epi32(static_cast<int>(k1));
-    TFMETAL_ATTN_PHILOX8_ROUND(a0, a1, a2, a3, kk0, kk1);
-    TFMETAL_ATTN_PHILOX8_ROUND(b0, b1, b2, b3, kk0, kk1);
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0), a0);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1), a1);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c2), a2);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3), a3);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0 + 8), b0);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1 + 8), b1);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c2 + 8), b2);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3 + 8), b3);
-}
-#undef TFMETAL_ATTN_PHILOX8_ROUND
-
-// The 10 rounds of 16 Philox blocks in one AVX-512 register per word: the
-// round of AttnPhilox16Avx2, 16 lanes wide.
-__attribute__((target("avx512f"))) void AttnPhilox16Avx512(uint32_t* c0, uint32_t* c1, uint32_t* c2,
-                                                           uint32_t* c3, uint32_t k0, uint32_t k1) {
-  __m512i w0 = _mm512_loadu_si512(c0);
-  __m512i w1 = _mm512_loadu_si512(c1);
-  __m512i w2 = _mm512_loadu_si512(c2);
-  __m512i w3 = _mm512_loadu_si512(c3);
-  const __m512i m0 = _mm512_set1_epi32(static_cast<int>(0xD2511F53u));
-  const __m512i m1 = _mm512_set1_epi32(static_cast<int>(0xCD9E8D57u));
-  const __mmask16 odd = 0xAAAA;
-  for (int round = 0; round < 10; ++round) {
-    const __m512i e0 = _mm512_mul_epu32(w0, m0), o0 = _mm512_mul_epu32(_mm512_srli_epi64(w0, 32), m0);
-    const __m512i e1 = _mm512_mul_epu32(w2, m1), o1 = _mm512_mul_epu32(_mm512_srli_epi64(w2, 32), m1);
-    const __m512i lo0 = _mm512_mask_blend_epi32(odd, e0, _mm512_slli_epi64(o0, 32));
-    const __m512i hi0 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e0, 32), o0);
-    const __m512i lo1 = _mm512_mask_blend_epi32(odd, e1, _mm512_slli_epi64(o1, 32));
-    const __m512i hi1 = _mm512_mask_blend_epi32(odd, _mm512_srli_epi64(e1, 32), o1);
-    w0 = _mm512_xor_si512(_mm512_xor_si512(hi1, w1), _mm512_set1_epi32(static_cast<int>(k0)));
-    w2 = _mm512_xor_si512(_mm512_xor_si512(hi0, w3), _mm512_set1_epi32(static_cast<int>(k1)));
-    w1 = lo1;
-    w3 = lo0;
-    k0 += 0x9E3779B9u;
-    k1 += 0xBB67AE85u;
-  }
-  _mm512_storeu_si512(c0, w0);
-  _mm512_storeu_si512(c1, w1);
-  _mm512_storeu_si512(c2, w2);
-  _mm512_storeu_si512(c3, w3);
-}
-#endif
-
+// index `first`: one Philox block per 4 of them, kPhiloxLanes blocks at a time
+// (cpu/philox_lanes.h: each lane is tfm_philox4x32 exactly).
 TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first, int64_t n, float* keep) {
   if (n <= 0) return;
   const uint64_t end = first + static_cast<uint64_t>(n);
-  for (uint64_t g = first / 4u; g * 4u < end; g += kAttnPhiloxLanes) {
-    uint32_t c0[kAttnPhiloxLanes], c1[kAttnPhiloxLanes], c2[kAttnPhiloxLanes], c3[kAttnPhiloxLanes];
-    for (int l = 0; l < kAttnPhiloxLanes; ++l) {
+  for (uint64_t g = first / 4u; g * 4u < end; g += kPhiloxLanes) {
+    uint32_t c0[kPhiloxLanes], c1[kPhiloxLanes], c2[kPhiloxLanes], c3[kPhiloxLanes];
+    for (int l = 0; l < kPhiloxLanes; ++l) {
       const tfm_philox_block ctr = tfm_philox_skip(d.stream.counter, g + static_cast<uint64_t>(l));
       c0[l] = ctr.w[0];
       c1[l] = ctr.w[1];
       c2[l] = ctr.w[2];
       c3[l] = ctr.w[3];
     }
-    uint32_t k0 = d.stream.key[0], k1 = d.stream.key[1];
-#ifdef TFMETAL_ATTN_X86
-    if (CpuUseAvx512()) {
-      AttnPhilox16Avx512(c0, c1, c2, c3, k0, k1);
-    } else if (CpuUseAvx2()) {
-      AttnPhilox16Avx2(c0, c1, c2, c3, k0, k1);
-    } else
-#endif
-    for (int round = 0; round < 10; ++round) {
-      for (int l = 0; l < kAttnPhiloxLanes; ++l) {
-        const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0[l];
-        const uint64_t p1 = static_cast<uint64_t>(0xCD9E8D57u) * c2[l];
-        const uint32_t n0 = static_cast<uint32_t>(p1 >> 32) ^ c1[l] ^ k0;
-        const uint32_t n2 = static_cast<uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
-        c1[l] = static_cast<uint32_t>(p1);
-        c3[l] = static_cast<uint32_t>(p0);
-        c0[l] = n0;
-        c2[l] = n2;
-      }
-      k0 += 0x9E3779B9u;
-      k1 += 0xBB67AE85u;
-    }
+    PhiloxLanes(c0, c1, c2, c3, d.stream.key[0], d.stream.key[1]);
     const uint64_t base = g * 4u;
-    if (base >= first && base + 4u * kAttnPhiloxLanes <= end) {
+    if (base >= first && base + 4u * kPhiloxLanes <= end) {
       // Every word of the lanes' blocks is in [first, end) (all but a row's first and last
       // groups): no bounds test per word, so the loop vectorizes.
       float* out = keep + (base - first);
-      for (int l = 0; l < kAttnPhiloxLanes; ++l) {
+      for (int l = 0; l < kPhiloxLanes; ++l) {
         out[4 * l + 0] = attention_dropout_keeps(c0[l], d.bits, d.rate) ? 1.0f : 0.0f;
         out[4 * l + 1] = attention_dropout_keeps(c1[l], d.bits, d.rate) ? 1.0f : 0.0f;
         out[4 * l + 2] = attention_dropout_keeps(c2[l], d.bits, d.rate) ? 1.0f : 0.0f;
@@ -549,7 +441,7 @@ TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first
       }
       continue;
     }
-    for (int l = 0; l < kAttnPhiloxLanes; ++l) {
+    for (int l = 0; l < kPhiloxLanes; ++l) {
       const uint32_t words[4] = {c0[l], c1[l], c2[l], c3[l]};
       for (uint32_t w = 0; w < 4u; ++w) {
         const uint64_t at = (g + static_cast<uint64_t>(l)) * 4u + w;

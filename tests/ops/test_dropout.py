@@ -55,6 +55,46 @@ def test_same_bits_as_numpy_philox(dtype):
     assert 0.3 < 1 - keep.mean() < 0.5
 
 
+_LEVEL_CASE = """
+import sys
+import numpy as np
+import tensorflow as tf
+from tfmetal_ext import ops, testing
+import importlib
+dropout_ops = importlib.import_module("tfmetal_ext.ops.dropout")
+assert ops.status().cpu_level == sys.argv[1], ops.status().cpu_level
+for dtype in (tf.float32, tf.float16, tf.bfloat16):
+    x = tf.constant(np.random.default_rng(1).normal(0, 2, (1003,)).astype("float32"), dtype)
+    with tf.Graph().as_default():
+        rate, scale = dropout_ops.dtype_constants(0.4, dtype)
+    want, _ = testing.np_dropout(x.numpy(), (12, -34), rate, scale, testing.UNIFORM_BITS[dtype.name])
+    got = ops.dropout(x, 0.4, (12, -34)).numpy()
+    testing.assert_same_bits(got, want)
+print("ok")
+"""
+
+
+@pytest.mark.full  # a TF import in a subprocess per level
+@pytest.mark.parametrize("level", ["baseline", "avx2"])
+def test_lower_cpu_levels_draw_the_same_mask(level):
+    """The Philox lanes of a CPU below this one's level (cpu/philox_lanes.h: portable, AVX2), in a fresh
+    process capped with TFMETAL_EXT_CPU_LEVEL, against numpy's Philox, bit for bit."""
+    from tfmetal_ext import devices
+
+    if level == "avx2" and not devices.capabilities().cpu_avx512:
+        pytest.skip("no AVX-512 on this CPU: its AVX2 code is what the rest of this file runs")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TFMETAL_EXT_REFERENCE_OPS", "TFMETAL_EXT_CPU_BASELINE", "TFMETAL_EXT_CPU_LEVEL")}
+    proc = subprocess.run([sys.executable, "-c", _LEVEL_CASE, level], capture_output=True, text=True, timeout=600,
+                          env={**env, "TFMETAL_EXT_CPU_LEVEL": level, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "ok"
+
+
 def test_kernel_and_reference_agree_bit_for_bit(monkeypatch):
     # The reference draws its mask with StatelessRandomUniformV2 from the same key and counter.
     x = normal((4, 257), "float16", seed=2)

@@ -89,20 +89,18 @@ _EITHER = {
         "the reference's autodiff)",
         dtypes=_CUSTOM,
     ),
-    # Measured (train step x -> Dropout(0.5) -> sum(y^2) -> dx, float32, paired rounds, 2-core AMD EPYC
-    # AVX-512, TF 2.21, oneDNN on / off): the op's CPU kernel draws the Philox mask twice (forward and
-    # backward, one scalar Philox block per 4 elements) where Keras' stateless dropout draws it once and
-    # keeps a boolean mask: ours / stock time 1.5-2.6x slower at (64, 1600), (64, 128, 256),
-    # (32, 197, 192) and (8, 64, 64, 32); the keras.io MNIST convnet's step 0.94x stock with it, 1.0x
-    # without. So FusedDropout runs Keras' own call on CPUs; the op is for Metal, where the stock random
-    # ops have no kernels.
-    "custom_dropout": never(
-        f"tfmetal_ext custom op {fusion.DROPOUT_OP}: not used on CPUs (Keras' stateless dropout is faster)",
-        why_not=(
-            f"measured slower than Keras' Dropout on a CPU ({fusion.DROPOUT_OP} regenerates the Philox mask "
-            "in the backward pass: 1.5-2.6x the stock train step's dropout time, oneDNN on and off); "
-            "FusedDropout runs Keras' call"
-        ),
+    # Measured (benchmarks/bench_ops.py --sections dropout: train step x -> Dropout(0.5) -> sum(y^2) -> dx,
+    # float32, paired rounds, 2-core AMD EPYC with AVX-512, TF 2.21): the op's CPU kernel draws the Philox
+    # mask twice (forward and backward) where Keras' stateless dropout draws it once and keeps a boolean
+    # mask, yet with 16 Philox blocks in vector registers at once and its select on bits (a branch per
+    # element before: mispredicted at random) it is 1.58-1.90x Keras' step with oneDNN, 1.34-1.80x
+    # without, 1.39-1.62x with its AVX2 code (TFMETAL_EXT_CPU_LEVEL=avx2) and 1.09-1.25x with its
+    # portable code (arm64's) at (64, 1600), (64, 128, 256), (32, 197, 192) and (8, 64, 64, 32); it
+    # keeps no mask. (Before: 1.5-2.6x slower, and this row kept Keras' call on CPUs.)
+    "custom_dropout": Fusion(
+        f"tfmetal_ext custom op: one {fusion.DROPOUT_OP} forward, one {fusion.DROPOUT_GRAD_OP} backward "
+        "(the mask drawn again, never stored)",
+        dtypes=_CUSTOM,
     ),
     "custom_attention": Fusion(
         f"tfmetal_ext custom op: one {fusion.ATTENTION_OP} forward, one {fusion.ATTENTION_GRAD_OP} backward",

@@ -111,9 +111,9 @@ def table_reason(dtype, table=None):
 
     The ``custom_dropout`` row of the backend table (`tfmetal_ext.backends`)
     says where the op was measured worth it: on both Metal backends (the
-    stock random ops have no kernel there); not on CPUs, where Keras'
-    stateless dropout measured faster. Then the layer runs Keras' call, the
-    same numbers.
+    stock random ops have no kernel there) and on CPUs (its CPU kernel
+    measured faster than Keras' stateless dropout). Where a row leaves a
+    dtype out, the layer runs Keras' call, the same numbers.
     """
     from tfmetal_ext import backends
 
