@@ -261,6 +261,28 @@ def _reachable_shapes(graph, fetches):
     return shapes
 
 
+def _block_step_matches_stock(stock, fused, x, t, **call):
+    """One step (outputs, then gradients of a fixed projection of them for x and the weights) of the
+    fused decoder block against the stock one, within (2t + 8) u x 32 of each tensor's scale (the
+    callers derive the bound); returns the graph of the fused block's step."""
+
+    def step(layer):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, **call)
+            loss = tf.reduce_sum(y * tf.cos(tf.range(16, dtype=tf.float32)))
+        return [y] + tape.gradient(loss, [x] + layer.trainable_variables)
+
+    got, want = tf.function(lambda: step(fused))(), tf.function(lambda: step(stock))()
+    # Gradients whose true value is 0 (the key bias: softmax ignores a shift of a row's scores) are
+    # rounding noise on both sides: every tensor is compared on the scale of the largest gradient.
+    grad_scale = max(float(np.max(np.abs(w))) for w in want[1:])
+    for i, (g, w) in enumerate(zip(got, want)):
+        scale = float(np.max(np.abs(w))) if i == 0 else grad_scale
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=(2 * t + 8) * U32 * scale * 4 * 8)
+    return tf.function(lambda: step(fused)).get_concrete_function().graph
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
 def test_decoder_hands_mask_factors_to_the_op(family):
     """The fused decoder block's attention gets keras-hub's padding x causal mask as factors: the op's
@@ -281,21 +303,7 @@ def test_decoder_hands_mask_factors_to_the_op(family):
     pad[1, 0] = 0  # row 0 of the second sequence attends no key (its only key is padding)
     pad = tf.constant(pad)
 
-    def step(layer):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, decoder_padding_mask=pad, training=True)
-            loss = tf.reduce_sum(y * tf.cos(tf.range(16, dtype=tf.float32)))
-        return [y] + tape.gradient(loss, [x] + layer.trainable_variables)
-
-    got, want = tf.function(lambda: step(fused))(), tf.function(lambda: step(stock))()
-    # Gradients whose true value is 0 (the key bias: softmax ignores a shift of a row's scores) are
-    # rounding noise on both sides: every tensor is compared on the scale of the largest gradient.
-    grad_scale = max(float(np.max(np.abs(w))) for w in want[1:])
-    for i, (g, w) in enumerate(zip(got, want)):
-        scale = float(np.max(np.abs(w))) if i == 0 else grad_scale
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=(2 * t + 8) * U32 * scale * 4 * 8)
-    graph = tf.function(lambda: step(fused)).get_concrete_function().graph
+    graph = _block_step_matches_stock(stock, fused, x, t, decoder_padding_mask=pad, training=True)
     ops = {op.type: op for op in graph.get_operations()}
     attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
     assert attn and all(op.get_attr("causal") for op in attn)
@@ -349,19 +357,7 @@ def test_gemma_decoder_hands_mask_factors_to_the_op(window):
     pad[1, 0] = 0  # row 0 of the second sequence attends no key
     pad = tf.constant(pad)
 
-    def step(layer):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y = layer(x, padding_mask=pad)
-            loss = tf.reduce_sum(y * tf.cos(tf.range(16, dtype=tf.float32)))
-        return [y] + tape.gradient(loss, [x] + layer.trainable_variables)
-
-    got, want = tf.function(lambda: step(fused))(), tf.function(lambda: step(stock))()
-    grad_scale = max(float(np.max(np.abs(w))) for w in want[1:])
-    for i, (g, w) in enumerate(zip(got, want)):
-        scale = float(np.max(np.abs(w))) if i == 0 else grad_scale
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=0, atol=(2 * t + 8) * U32 * scale * 4 * 8)
-    graph = tf.function(lambda: step(fused)).get_concrete_function().graph
+    graph = _block_step_matches_stock(stock, fused, x, t, padding_mask=pad)
     attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
     assert attn and all(op.get_attr("causal") for op in attn)
     assert all(op.inputs[3].shape.as_list() == [b, 1, 1, t] for op in attn)

@@ -93,10 +93,11 @@ _EITHER = {
     # float32, paired rounds, 2-core AMD EPYC with AVX-512, TF 2.21): the op's CPU kernel draws the Philox
     # mask twice (forward and backward) where Keras' stateless dropout draws it once and keeps a boolean
     # mask, yet with 16 Philox blocks in vector registers at once and its select on bits (a branch per
-    # element before: mispredicted at random) it is 1.58-1.90x Keras' step with oneDNN, 1.34-1.80x
-    # without, 1.39-1.62x with its AVX2 code (TFMETAL_EXT_CPU_LEVEL=avx2) and 1.09-1.25x with its
-    # portable code (arm64's) at (64, 1600), (64, 128, 256), (32, 197, 192) and (8, 64, 64, 32); it
-    # keeps no mask. (Before: 1.5-2.6x slower, and this row kept Keras' call on CPUs.)
+    # element before: mispredicted at random) it is 1.29-2.10x Keras' step with oneDNN, 1.34-1.93x
+    # without (benchmarks/results/bench_ops_dropout[_no_onednn].md and earlier runs), 1.39-1.62x with
+    # its AVX2 code (TFMETAL_EXT_CPU_LEVEL=avx2) and 1.09-1.25x with its portable code (arm64's) at
+    # (64, 1600), (64, 128, 256), (32, 197, 192) and (8, 64, 64, 32); it keeps no mask. (Before:
+    # 1.5-2.6x slower, and this row kept Keras' call on CPUs.)
     "custom_dropout": Fusion(
         f"tfmetal_ext custom op: one {fusion.DROPOUT_OP} forward, one {fusion.DROPOUT_GRAD_OP} backward "
         "(the mask drawn again, never stored)",
