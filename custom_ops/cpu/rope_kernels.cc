@@ -4,9 +4,9 @@
 // computed once and applied to all of its heads (the dimensions between
 // sequence and features), so a [B, T, N, H] input costs B*T*H/2 cos/sin, not
 // N times that; where every batch element has the same positions (a [T] or
-// [1, T] positions input), a [T, H] table of them is made first, T*H/2. The math is tfmetal/rope.h, shared with
-// the Metal kernel: same float32 operations, so the same bits given the same
-// cos/sin.
+// [1, T] positions input), a [T, H] table of them is made first: T*H/2. The
+// math is tfmetal/rope.h, shared with the Metal kernel: same float32
+// operations, so the same bits given the same cos/sin.
 //
 // Helpers live in namespace rope_cpu: all CPU kernel files are one
 // translation unit (tfmetal_ext/ops/_loader.py).

@@ -332,7 +332,7 @@ def test_decoder_hands_mask_factors_to_the_op(family):
     assert "_tfmetal_mask_factors" not in vars(fused._self_attention_layer)
 
 
-@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("window", [0, pytest.param(4, marks=pytest.mark.full)])  # the quick tier's time budget
 def test_gemma_decoder_hands_mask_factors_to_the_op(window):
     """Gemma's block makes its mask in ``_compute_attention_mask`` (its own argument names) and holds its
     attention as ``attention``: the op still gets the causal flag, a (batch, 1, 1, kv) padding mask and
