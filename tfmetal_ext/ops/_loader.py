@@ -421,19 +421,23 @@ def parse_gpu_registrations(text: str) -> dict:
     return found
 
 
-def _read_gpu_status_text(library: Path) -> str | None:
-    """The loaded library's ``TfmetalExt_MetalKernelStatus()``, or None without it."""
+def _library_text(library: Path, symbol: str) -> str | None:
+    """The string the loaded library's ``const char* symbol()`` returns, or None without it."""
     import ctypes
 
     try:
-        lib = ctypes.CDLL(str(library))  # already loaded: the same image
-        fn = lib.TfmetalExt_MetalKernelStatus
+        fn = getattr(ctypes.CDLL(str(library)), symbol)  # already loaded: the same image
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_char_p
     fn.argtypes = []
     raw = fn()
     return raw.decode("utf-8", "replace") if raw is not None else None
+
+
+def _read_gpu_status_text(library: Path) -> str | None:
+    """The loaded library's ``TfmetalExt_MetalKernelStatus()``, or None without it."""
+    return _library_text(library, "TfmetalExt_MetalKernelStatus")
 
 
 CPU_LEVELS = ("baseline", "avx2", "avx512")
@@ -451,18 +455,9 @@ def cpu_vector_level() -> str | None:
 
     Picked once per process from the CPU (cpu/cpu_common.h), at most ``TFMETAL_EXT_CPU_LEVEL``.
     """
-    import ctypes
-
     if _state.module is None or _state.plan is None:
         return None
-    try:
-        fn = ctypes.CDLL(str(_state.plan.library)).TfmetalExt_CpuVectorLevel  # already loaded: the same image
-    except (OSError, AttributeError):
-        return None
-    fn.restype = ctypes.c_char_p
-    fn.argtypes = []
-    raw = fn()
-    return raw.decode("ascii", "replace") if raw is not None else None
+    return _library_text(_state.plan.library, "TfmetalExt_CpuVectorLevel")
 
 
 def gpu_registrations() -> dict | None:
