@@ -107,10 +107,12 @@ class Capabilities:
         cublaslt: ``TF_USE_CUBLASLT=1`` in the environment when probed (TF's
             remapper fuses MatMul on a GPU only through cuBLASLt).
         cpu_avx512: the CPU has AVX-512F with AVX2 and FMA: our op library's
-            CPU kernels that have AVX-512 code (attention) run it, unless
+            CPU kernels that have AVX-512 code (attention's tile products,
+            the dropout kernels' Philox) run it, unless
             ``TFMETAL_EXT_CPU_LEVEL=avx2`` (or ``baseline``) caps them. With
-            AVX2 and FMA alone they run their AVX2 code; the two give the
-            same bits.
+            AVX2 and FMA alone they run their AVX2 code: the same Philox
+            words and the same products' bits (attention's element-wise
+            loops may differ in the last bit).
     """
 
     backend: str
