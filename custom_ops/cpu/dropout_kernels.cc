@@ -2,8 +2,9 @@
 //
 // One Philox block gives the mask of 4 consecutive elements
 // (tfmetal/dropout.h), so the element range is split over TF's CPU thread
-// pool in whole groups of kPhiloxLanes blocks (cpu/philox_lanes.h: 16 blocks
-// in vector registers at once): each shard skips to its first block and needs
+// pool in whole draws of kPhiloxMaxGroups x kPhiloxLanes blocks
+// (cpu/philox_lanes.h: 4 groups of 16 blocks in vector registers, their rounds
+// interleaved): each shard skips to its first block and needs
 // no other state, and the result does not depend on the number of threads.
 // y may reuse x's buffer (each element is read before it is written).
 //
@@ -22,10 +23,11 @@
 namespace tfmetal_ext {
 namespace dropout_cpu {
 
-// Rough cycles per group of kPhiloxLanes Philox blocks (10 rounds) and their 4 * kPhiloxLanes
-// elements, for the thread pool's sharding.
-constexpr int64_t kGroupCost = 400;
-constexpr int64_t kGroupElements = 4 * kPhiloxLanes;
+// Philox blocks per draw, rough cycles per draw (10 rounds) and its 4 elements per block, for the
+// thread pool's sharding.
+constexpr int kDrawBlocks = kPhiloxLanes * kPhiloxMaxGroups;
+constexpr int64_t kGroupCost = 25 * kDrawBlocks;
+constexpr int64_t kGroupElements = 4 * kDrawBlocks;
 
 // Both ops are the same map of their first input: y = kept ? x * scale : 0.
 template <typename T>
@@ -50,19 +52,19 @@ class DropoutOp : public OpKernel {
     const dropout_stream stream = dropout_stream_from_seed(s0, s1);
     const float rate = rate_, scale = scale_;
     ParallelFor(ctx, (n + kGroupElements - 1) / kGroupElements, kGroupCost, [=](int64_t begin, int64_t end) {
-      uint32_t c0[kPhiloxLanes], c1[kPhiloxLanes], c2[kPhiloxLanes], c3[kPhiloxLanes];
+      uint32_t c0[kDrawBlocks], c1[kDrawBlocks], c2[kDrawBlocks], c3[kDrawBlocks];
       uint32_t words[kGroupElements];  // element e of the group: word e % 4 of block e / 4
       for (int64_t group = begin; group < end; ++group) {
-        const uint64_t g0 = static_cast<uint64_t>(group) * kPhiloxLanes;
-        for (int l = 0; l < kPhiloxLanes; ++l) {  // dropout_block's counters
+        const uint64_t g0 = static_cast<uint64_t>(group) * kDrawBlocks;
+        for (int l = 0; l < kDrawBlocks; ++l) {  // dropout_block's counters
           const tfm_philox_block ctr = tfm_philox_skip(stream.counter, g0 + static_cast<uint64_t>(l));
           c0[l] = ctr.w[0];
           c1[l] = ctr.w[1];
           c2[l] = ctr.w[2];
           c3[l] = ctr.w[3];
         }
-        PhiloxLanes(c0, c1, c2, c3, stream.key[0], stream.key[1]);
-        for (int l = 0; l < kPhiloxLanes; ++l) {
+        PhiloxLanes(c0, c1, c2, c3, stream.key[0], stream.key[1], kPhiloxMaxGroups);
+        for (int l = 0; l < kDrawBlocks; ++l) {
           words[4 * l + 0] = c0[l];
           words[4 * l + 1] = c1[l];
           words[4 * l + 2] = c2[l];
