@@ -29,11 +29,16 @@
 // Half and bfloat16 tiles are widened to float32 once per tile; every sum is
 // float32.
 //
+// A tile whose mask bytes are all set (a padding mask short of the padding)
+// skips the mask test, as an unmasked tile does.
+//
 // Attention dropout (dropout_rate > 0; tfmetal/attention.h): each query row
 // of a tile draws the Philox blocks of its keys' mask (4 keys a block) and the
 // tile's probabilities are dropped after the online softmax has summed them
 // (forward, before O += P V); the backward draws the same blocks again and
-// drops P (for dV) and dP.
+// drops P (for dV) and dP. Where every row starts at the same word of a block
+// (tk % 4 == 0), the forward draws with the query rows as the Philox lanes:
+// the transposed tile's layout.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -412,44 +417,52 @@ struct AttnDropout {
   float rate = 0.0f, scale = 1.0f;
 };
 
+// Philox blocks one draw computes: the interleaved groups of cpu/philox_lanes.h.
+constexpr int kAttnDrawBlocks = kPhiloxLanes * kPhiloxMaxGroups;
+static_assert(kBlockQ <= kAttnDrawBlocks, "AttnDropTileByLanes draws a tile's rows at once");
+
 // keep[j] (1 kept, 0 dropped) for the n consecutive mask elements from flat
-// index `first`: one Philox block per 4 of them, kPhiloxLanes blocks at a time
-// (cpu/philox_lanes.h: each lane is tfm_philox4x32 exactly).
+// index `first`: one Philox block per 4 of them (cpu/philox_lanes.h: each lane
+// is tfm_philox4x32 exactly), up to kAttnDrawBlocks blocks in one draw.
 TFMETAL_ATTN_INLINE void AttnDropoutKeepRow(const AttnDropout& d, uint64_t first, int64_t n, float* keep) {
   if (n <= 0) return;
   const uint64_t end = first + static_cast<uint64_t>(n);
-  for (uint64_t g = first / 4u; g * 4u < end; g += kPhiloxLanes) {
-    uint32_t c0[kPhiloxLanes], c1[kPhiloxLanes], c2[kPhiloxLanes], c3[kPhiloxLanes];
-    for (int l = 0; l < kPhiloxLanes; ++l) {
+  for (uint64_t g = first / 4u; g * 4u < end; g += kAttnDrawBlocks) {
+    const int blocks = static_cast<int>(std::min<uint64_t>(kAttnDrawBlocks, (end + 3u) / 4u - g));
+    const int groups = (blocks + kPhiloxLanes - 1) / kPhiloxLanes;
+    uint32_t c0[kAttnDrawBlocks], c1[kAttnDrawBlocks], c2[kAttnDrawBlocks], c3[kAttnDrawBlocks];
+    for (int l = 0; l < groups * kPhiloxLanes; ++l) {
       const tfm_philox_block ctr = tfm_philox_skip(d.stream.counter, g + static_cast<uint64_t>(l));
       c0[l] = ctr.w[0];
       c1[l] = ctr.w[1];
       c2[l] = ctr.w[2];
       c3[l] = ctr.w[3];
     }
-    PhiloxLanes(c0, c1, c2, c3, d.stream.key[0], d.stream.key[1]);
+    PhiloxLanes(c0, c1, c2, c3, d.stream.key[0], d.stream.key[1], groups);
+    // Lanes [whole_lo, whole_hi) have all 4 words in [first, end): no bounds test per word, so
+    // their loop vectorizes. Only a row's first and last lanes can be partial.
     const uint64_t base = g * 4u;
-    if (base >= first && base + 4u * kPhiloxLanes <= end) {
-      // Every word of the lanes' blocks is in [first, end) (all but a row's first and last
-      // groups): no bounds test per word, so the loop vectorizes.
-      float* out = keep + (base - first);
-      for (int l = 0; l < kPhiloxLanes; ++l) {
-        out[4 * l + 0] = attention_dropout_keeps(c0[l], d.bits, d.rate) ? 1.0f : 0.0f;
-        out[4 * l + 1] = attention_dropout_keeps(c1[l], d.bits, d.rate) ? 1.0f : 0.0f;
-        out[4 * l + 2] = attention_dropout_keeps(c2[l], d.bits, d.rate) ? 1.0f : 0.0f;
-        out[4 * l + 3] = attention_dropout_keeps(c3[l], d.bits, d.rate) ? 1.0f : 0.0f;
-      }
-      continue;
+    const int whole_lo = first > base ? static_cast<int>((first - base + 3u) / 4u) : 0;
+    const int whole_hi = std::max(whole_lo, std::min(blocks, static_cast<int>((end - base) / 4u)));
+    float* out = keep + (base + 4u * static_cast<uint64_t>(whole_lo) - first);
+    for (int l = whole_lo; l < whole_hi; ++l) {
+      const int at = 4 * (l - whole_lo);
+      out[at + 0] = attention_dropout_keeps(c0[l], d.bits, d.rate) ? 1.0f : 0.0f;
+      out[at + 1] = attention_dropout_keeps(c1[l], d.bits, d.rate) ? 1.0f : 0.0f;
+      out[at + 2] = attention_dropout_keeps(c2[l], d.bits, d.rate) ? 1.0f : 0.0f;
+      out[at + 3] = attention_dropout_keeps(c3[l], d.bits, d.rate) ? 1.0f : 0.0f;
     }
-    for (int l = 0; l < kPhiloxLanes; ++l) {
+    const auto partial_lane = [&](int l) {
       const uint32_t words[4] = {c0[l], c1[l], c2[l], c3[l]};
       for (uint32_t w = 0; w < 4u; ++w) {
-        const uint64_t at = (g + static_cast<uint64_t>(l)) * 4u + w;
+        const uint64_t at = base + 4u * static_cast<uint64_t>(l) + w;
         if (at >= first && at < end) {
           keep[at - first] = attention_dropout_keeps(words[w], d.bits, d.rate) ? 1.0f : 0.0f;
         }
       }
-    }
+    };
+    for (int l = 0; l < whole_lo; ++l) partial_lane(l);
+    for (int l = whole_hi; l < blocks; ++l) partial_lane(l);
   }
 }
 
@@ -581,6 +594,27 @@ TFMETAL_ATTN_INLINE void AttnScaleAndMaskRun(float* __restrict s, int64_t n, flo
   }
 }
 
+// Whether every mask byte of a tile (qn queries, kn keys; `mask` at its first
+// query and key, strides 0 along a broadcast dimension) is set. Such a tile
+// needs no mask test: a padding mask's tiles short of the padding. A row
+// broadcast along the queries (mask_q == 0) is read once.
+TFMETAL_ATTN_INLINE bool AttnMaskTileAllSet(const bool* mask, int64_t mask_q, int64_t mask_k, int64_t qn,
+                                            int64_t kn) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(mask);
+  const int64_t rows = mask_q == 0 ? 1 : qn, cols = mask_k == 0 ? 1 : kn;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = bytes + r * mask_q;
+    uint8_t least = 1;
+    if (mask_k <= 1) {
+      for (int64_t c = 0; c < cols; ++c) least = std::min<uint8_t>(least, row[c]);  // vectorizes (bytes: 0 or 1)
+    } else {
+      for (int64_t c = 0; c < cols; ++c) least = std::min<uint8_t>(least, row[c * mask_k]);
+    }
+    if (least == 0) return false;
+  }
+  return true;
+}
+
 // Scales row i of the tile (scores of query q0 + i, keys k0 ..) and sets the
 // scores it does not attend to -inf.
 TFMETAL_ATTN_INLINE void AttnScaleAndMaskRow(float* __restrict s, int64_t kn, float scale, const bool* mask_row,
@@ -624,6 +658,45 @@ TFMETAL_ATTN_INLINE void AttnDropTransposed(float* __restrict st, const float* _
           // product, or +0 (keep is 1.0f or +0.0f).
           const uint32_t kept = 0u - static_cast<uint32_t>(AttnFloatBits(keep[i * kBlockK + j]) != 0u);
           row[i] = AttnBitsFloat(AttnFloatBits(row[i] * drop_scale) & kept);
+        }
+      }
+    }
+  }
+}
+
+// The forward's dropout of the transposed tile st[j * kBlockQ + i] with the
+// mask drawn in that layout: the Philox lanes are the tile's query rows, so
+// word w of lane l's block holds the mask element of one key of row i0 + l,
+// and a key's rows are one contiguous run of st (the loop vectorizes; no
+// transposed reads). Row i's elements start at flat index first + i * row_stride; the
+// rows must start at the same offset within a Philox block (row_stride % 4 ==
+// 0, i.e. tk % 4 == 0). The same mask and the same select as
+// AttnDropoutKeepRow + AttnDropTransposed, so the same bits.
+TFMETAL_ATTN_INLINE void AttnDropTileByLanes(const AttnDropout& d, uint64_t first, uint64_t row_stride,
+                                             int64_t qn, int64_t kn, float* __restrict st) {
+  const int64_t offset = static_cast<int64_t>(first % 4u);  // key 0's word in its block (every row's)
+  for (int64_t i0 = 0; i0 < qn; i0 += kAttnDrawBlocks) {
+    const int64_t ln = std::min<int64_t>(kAttnDrawBlocks, qn - i0);
+    const int groups = static_cast<int>((ln + kPhiloxLanes - 1) / kPhiloxLanes);
+    for (int64_t t = 0; 4 * t - offset < kn; ++t) {
+      uint32_t c[4][kAttnDrawBlocks];
+      for (int l = 0; l < groups * kPhiloxLanes; ++l) {
+        // Lanes past the tile's last row draw that row's block again; they are not stored.
+        const uint64_t row = static_cast<uint64_t>(i0 + std::min<int64_t>(l, ln - 1));
+        const tfm_philox_block ctr =
+            tfm_philox_skip(d.stream.counter, (first + row * row_stride) / 4u + static_cast<uint64_t>(t));
+        for (int w = 0; w < 4; ++w) c[w][l] = ctr.w[w];
+      }
+      PhiloxLanes(c[0], c[1], c[2], c[3], d.stream.key[0], d.stream.key[1], groups);
+      for (int w = 0; w < 4; ++w) {
+        const int64_t j = 4 * t + w - offset;
+        if (j < 0 || j >= kn) continue;
+        float* row = st + j * kBlockQ + i0;
+        const uint32_t* words = c[w];
+        // attention_dropout_apply on bits (no branch: the keys drop at random): the kept product, or +0.
+        for (int64_t l = 0; l < ln; ++l) {
+          const uint32_t kept = 0u - static_cast<uint32_t>(attention_dropout_keeps(words[l], d.bits, d.rate));
+          row[l] = AttnBitsFloat(AttnFloatBits(row[l] * d.scale) & kept);
         }
       }
     }
@@ -694,10 +767,10 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
       const int64_t kn = std::min(kBlockK, key_end - k0);
       const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
       AttnRunGemm<kLevel>(AttnMakeGemm(kn, qn, s.d, kf, s.d, 1, qt, kBlockQ, st, kBlockQ, false));
-      const bool masked = !s.mask_trivial ||
-                          !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
+      const bool masked = !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
                                                    static_cast<uint32_t>(qn), static_cast<uint32_t>(k0),
-                                                   static_cast<uint32_t>(kn));
+                                                   static_cast<uint32_t>(kn)) ||
+                          (!s.mask_trivial && !AttnMaskTileAllSet(mask_q + k0 * s.mask_k, s.mask_q, s.mask_k, qn, kn));
       std::fill(tile_max, tile_max + qn, kNegInf);
       for (int64_t j = 0; j < kn; ++j) {
         float* row = st + j * kBlockQ;
@@ -724,7 +797,10 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
         l[i] = l[i] * rescale[i] + tile_sum[i];
         if (rescale[i] != 1.0f) AttnScaleRow(o + i * s.dv, s.dv, rescale[i]);
       }
-      if (a.drop.on) {  // drop the summed probabilities of each row (row i is column i of st)
+      if (a.drop.on && s.tk % 4 == 0) {  // drop the summed probabilities (row i is column i of st)
+        AttnDropTileByLanes(a.drop, static_cast<uint64_t>((bh * s.tq + q0) * s.tk + k0), static_cast<uint64_t>(s.tk),
+                            qn, kn, st);
+      } else if (a.drop.on) {  // rows that start at different words of a Philox block: drawn row by row
         for (int64_t i = 0; i < qn; ++i) {
           AttnDropoutKeepRow(a.drop, static_cast<uint64_t>((bh * s.tq + q0 + i) * s.tk + k0), kn,
                              keep + i * kBlockK);
@@ -842,10 +918,11 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
           const float* dof = AttnAsFloat(doh + q0 * s.dv, qn * s.dv, dobuf);
           AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
           AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.dv, dof, s.dv, 1, vt, kBlockK, dp, kBlockK, false));
-          const bool masked = !s.mask_trivial ||
-                              !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
-                                                       static_cast<uint32_t>(qn), static_cast<uint32_t>(k0),
-                                                       static_cast<uint32_t>(kn));
+          const bool masked =
+              !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0), static_cast<uint32_t>(qn),
+                                       static_cast<uint32_t>(k0), static_cast<uint32_t>(kn)) ||
+              (!s.mask_trivial &&
+               !AttnMaskTileAllSet(mask_bh + q0 * s.mask_q + k0 * s.mask_k, s.mask_q, s.mask_k, qn, kn));
           for (int64_t i = 0; i < qn; ++i) {
             float* srow = st + i * kBlockK;
             float* dprow = dp + i * kBlockK;

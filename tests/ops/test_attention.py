@@ -945,6 +945,45 @@ def test_dropout_matches_numpy(path, dtype):
             assert_close(as64(got), w, 3 * tol, f"d{what}, {case_id(case)}")
 
 
+# (b, h, tq, tk, d, mask kind, causal, window). tk % 4 == 0: every query row starts at the same word of a
+# Philox block, so the CPU kernel's forward draws a tile's mask 16 query rows at a time. tq = 70 leaves a
+# query tile of 6 rows (a part of the 16); window 38 starts the tiles of queries 64.. and 128.. at keys 27
+# and 91, inside a block.
+DROPOUT_LANE_CASES = [
+    (1, 2, 70, 132, 8, "padding", False, None),
+    (2, 1, 132, 132, 4, None, True, 38),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_dropout_rows_in_whole_blocks_and_windows_match_numpy(path, dtype):
+    """Output and gradients against float64 attention with the numpy Philox mask where tk % 4 == 0 (the
+    kernel's forward draws the mask across query rows), with and without a sliding window."""
+    tf_dtype, tol = DTYPES[dtype]
+    rate = 0.3
+    for seed, (b, h, tq, tk, d, kind, causal, window) in enumerate(DROPOUT_LANE_CASES):
+        q, k, v = qkv(b, h, tq, tk, d, seed=seed + 40)
+        mask = make_mask(kind, b, h, tq, tk, seed)
+        allowed = None if mask is None else np.asarray(mask, bool)
+        if window:
+            band = np.abs(np.arange(tq)[:, None] - np.arange(tk)[None, :]) < window
+            allowed = band[None, None] if allowed is None else allowed & band
+        do = np.random.default_rng(seed + 90).normal(0, 1, (b, h, tq, d)).astype("float32")
+        qt, kt, vt = (tf.constant(t, tf_dtype) for t in (q, k, v))
+        with tf.GradientTape() as tape:
+            tape.watch([qt, kt, vt])
+            out = attention(qt, kt, vt, mask=mask, causal=causal, sliding_window=window, dropout_rate=rate,
+                            seed=SEED)
+        grads = tape.gradient(out, [qt, kt, vt], output_gradients=tf.constant(do, tf_dtype))
+        keep = np_keep(SEED, (b, h, tq, tk), dtype, rate)
+        want, want_grads = np_dropout_attention(*(rounded(t, tf_dtype) for t in (q, k, v)), allowed, causal,
+                                                1 / math.sqrt(d), keep, np_rounded(1 / (1 - rate), dtype))
+        what = f"{b}x{h}x{tq}x{tk}-{kind}-causal={causal}-window={window}"
+        assert_close(as64(out), want, 2 * tol, what)
+        for got, w, name in zip(grads, want_grads(rounded(do, tf_dtype)), "qkv"):
+            assert_close(as64(got), w, 3 * tol, f"d{name}, {what}")
+
+
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_dropout_mask_is_tensorflows_stateless_dropout_mask(path, dtype):
     """Bit for bit: with value = identity (dv = tk), output row i is p_i * m_i, zero exactly where
