@@ -615,6 +615,23 @@ def np_smooth_activation_grad(dy, x, activation):
         return np.asarray(dy, np.float64) * np.where(np.isnan(x), np.nan, derivative)
 
 
+def np_gated_activation_grad(dy, gate, up, activation):
+    """TfmetalExt>GatedActivationGrad in float64 from its definition: ``(dy * up * act'(gate),
+    dy * act(gate))``, act(gate) = gate * f(gate) (f: sigmoid, Phi, or sigmoid(2w) of the tanh form)."""
+    import math
+
+    dy, gate, up = (np.asarray(t, np.float64) for t in (dy, gate, up))
+    with np.errstate(over="ignore", invalid="ignore"):
+        if activation == "silu":
+            f = 1.0 / (1.0 + np.exp(-gate))
+        elif activation == "gelu":
+            f = 0.5 * np.vectorize(math.erfc, otypes=[np.float64])(-gate / math.sqrt(2.0))
+        else:
+            w = np.clip(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3), -1e4, 1e4)
+            f = 1.0 / (1.0 + np.exp(-2.0 * w))
+        return np_smooth_activation_grad(dy * up, gate, activation), dy * (gate * f)
+
+
 def np_batch_norm_act(x, gamma, beta, side=None, activation="relu", epsilon=1e-3, alpha=0.2):
     """TfmetalExt>BatchNormAct in float64: ``(y, mean, inv_std, variance)``, statistics over every
     axis but the last (biased variance; NaN for an empty batch)."""

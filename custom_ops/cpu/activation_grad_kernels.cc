@@ -1,4 +1,6 @@
-// CPU kernel of TfmetalExt>ActivationGrad: dx = dy * act'(x), elementwise.
+// CPU kernels of TfmetalExt>ActivationGrad: dx = dy * act'(x), and of
+// TfmetalExt>GatedActivationGrad: d_gate = dy * up * act'(gate) and
+// d_up = dy * act(gate), elementwise.
 //
 // Elements are split over TF's CPU thread pool (ParallelFor, as the other
 // elementwise kernels). The activation is a template argument, so each loop
@@ -93,8 +95,92 @@ class ActivationGradOp : public OpKernel {
   int32_t kind_ = TFM_ACTGRAD_SILU;
 };
 
+// ---------------------------------------------------------------- gated form
+
+template <typename T, int32_t kKind>
+inline __attribute__((always_inline)) void GatedLoop(const T* dy, const T* gate, const T* up, T* d_gate, T* d_up,
+                                                     int64_t begin, int64_t end) {
+  // No __restrict: d_gate may reuse dy's or gate's buffer and d_up up's (each element is read
+  // before it is written).
+  for (int64_t i = begin; i < end; ++i) {
+    float dg, du;
+    gated_activation_grad(kKind, ToFloat(dy[i]), ToFloat(gate[i]), ToFloat(up[i]), &dg, &du);
+    d_gate[i] = FromFloat<T>(dg);
+    d_up[i] = FromFloat<T>(du);
+  }
+}
+
+template <typename T, int32_t kKind>
+void GatedLoopBaseline(const T* dy, const T* gate, const T* up, T* d_gate, T* d_up, int64_t begin, int64_t end) {
+  GatedLoop<T, kKind>(dy, gate, up, d_gate, d_up, begin, end);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+template <typename T, int32_t kKind>
+__attribute__((target("avx2"))) void GatedLoopAvx2(const T* dy, const T* gate, const T* up, T* d_gate, T* d_up,
+                                                   int64_t begin, int64_t end) {
+  GatedLoop<T, kKind>(dy, gate, up, d_gate, d_up, begin, end);
+}
+#endif
+
+template <typename T, int32_t kKind>
+void GatedRun(OpKernelContext* ctx, const T* dy, const T* gate, const T* up, T* d_gate, T* d_up, int64_t n) {
+  auto loop = &GatedLoopBaseline<T, kKind>;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (CpuUseAvx2()) loop = &GatedLoopAvx2<T, kKind>;
+#endif
+  ParallelFor(ctx, n, 2 * kElementCost,
+              [=](int64_t begin, int64_t end) { loop(dy, gate, up, d_gate, d_up, begin, end); });
+}
+
+template <typename T>
+class GatedActivationGradOp : public OpKernel {
+ public:
+  explicit GatedActivationGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string name;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &name));
+    const std::string error = activation_grad_attrs::ActivationError(name);
+    OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument(error));
+    kind_ = activation_grad_attrs::ActivationCode(name);
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& dy = ctx->input(0);
+    const Tensor& gate = ctx->input(1);
+    const Tensor& up = ctx->input(2);
+    OP_REQUIRES_OK(ctx, CheckSameShape(dy, "dy", gate, "gate"));  // tfmetal/host_checks.h, as the Metal host code
+    OP_REQUIRES_OK(ctx, CheckSameShape(up, "up", gate, "gate"));
+    Tensor* d_gate = nullptr;
+    Tensor* d_up = nullptr;
+    // The outputs may reuse inputs nothing else holds (the backward pass's dy, the replayed gate
+    // and up): a gated feed-forward's backward then allocates nothing of its width.
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0, 1}, 0, gate.shape(), &d_gate));
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({2}, 1, gate.shape(), &d_up));
+    const int64_t n = gate.NumElements();
+    if (n == 0) return;
+    const T* g = dy.flat<T>().data();
+    const T* a = gate.flat<T>().data();
+    const T* b = up.flat<T>().data();
+    T* da = d_gate->flat<T>().data();
+    T* db = d_up->flat<T>().data();
+    switch (kind_) {
+      case TFM_ACTGRAD_SILU:
+        return GatedRun<T, TFM_ACTGRAD_SILU>(ctx, g, a, b, da, db, n);
+      case TFM_ACTGRAD_GELU:
+        return GatedRun<T, TFM_ACTGRAD_GELU>(ctx, g, a, b, da, db, n);
+      default:
+        return GatedRun<T, TFM_ACTGRAD_GELU_APPROXIMATE>(ctx, g, a, b, da, db, n);
+    }
+  }
+
+ private:
+  int32_t kind_ = TFM_ACTGRAD_SILU;
+};
+
 }  // namespace activation_grad_cpu
 
 TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>ActivationGrad"), activation_grad_cpu::ActivationGradOp)
+TFMETAL_EXT_REGISTER_CPU_FLOAT_KERNELS(Name("TfmetalExt>GatedActivationGrad"),
+                                       activation_grad_cpu::GatedActivationGradOp)
 
 }  // namespace tfmetal_ext

@@ -1,4 +1,4 @@
-// Metal kernels of TfmetalExt>ActivationGrad (instantiated in
+// Metal kernels of TfmetalExt>ActivationGrad and TfmetalExt>GatedActivationGrad (instantiated in
 // activation_grad.metal; host code in activation_grad_metal.mm).
 //
 // Elementwise over contiguous buffers: one thread per element, launched with
@@ -35,6 +35,26 @@ template <typename T>
   if (gid.x >= p.n) return;
   const uint i = gid.x;
   dx[i] = static_cast<T>(activation_grad(p.activation, static_cast<float>(dy[i]), static_cast<float>(x[i])));
+}
+
+// d_gate = dy * up * act'(gate), d_up = dy * act(gate) (the backward of act(gate) * up). d_gate may
+// alias dy or gate, d_up may alias up (the host forwards buffers when it can): each thread reads its
+// element of every input before it writes.
+template <typename T>
+[[kernel]] void gated_activation_grad_kernel(device const T* dy [[buffer(0)]],
+                                             device const T* gate [[buffer(1)]],
+                                             device const T* up [[buffer(2)]],
+                                             device T* d_gate [[buffer(3)]],
+                                             device T* d_up [[buffer(4)]],
+                                             constant tfm_activation_grad_params& p [[buffer(5)]],
+                                             TFM_KERNEL_BUILTINS) {
+  if (gid.x >= p.n) return;
+  const uint i = gid.x;
+  float dg, du;
+  gated_activation_grad(p.activation, static_cast<float>(dy[i]), static_cast<float>(gate[i]),
+                        static_cast<float>(up[i]), &dg, &du);
+  d_gate[i] = static_cast<T>(dg);
+  d_up[i] = static_cast<T>(du);
 }
 
 #endif  // TFM_METAL

@@ -1,5 +1,5 @@
-// activation_grad_metal.mm: Metal (GPU) kernels of TfmetalExt>ActivationGrad,
-// registered through TF's C kernel API for the Metal PluggableDevice (either
+// activation_grad_metal.mm: Metal (GPU) kernels of TfmetalExt>ActivationGrad
+// and TfmetalExt>GatedActivationGrad, registered through TF's C kernel API for the Metal PluggableDevice (either
 // backend: see metal_helper.h). Objective-C++ with ARC, macOS arm64 only.
 //
 // Thin by design: check the attr and the shapes (the CPU kernel's checks and
@@ -71,8 +71,50 @@ void ActivationGradCompute(const ActivationGradKernel& kernel, TF_OpKernelContex
                });
 }
 
+// d_gate may reuse dy's buffer, d_up up's (gated_activation_grad_kernel reads each element first).
+void GatedActivationGradCompute(const ActivationGradKernel& kernel, TF_OpKernelContext* ctx, TF_Status* status) {
+  TensorPtr dy = Input(ctx, 0, status);
+  if (!Ok(status)) return;
+  TensorPtr gate = Input(ctx, 1, status);
+  if (!Ok(status)) return;
+  TensorPtr up = Input(ctx, 2, status);
+  if (!Ok(status)) return;
+  if (!CheckSameShape(dy.get(), "dy", gate.get(), "gate", status)) return;  // tfmetal/host_checks.h, as the CPU kernel
+  if (!CheckSameShape(up.get(), "up", gate.get(), "gate", status)) return;
+  const TF_DataType dtype = TF_TensorType(gate.get());
+  const std::string name = KernelName("gated_activation_grad", "", dtype, status);
+  if (!Ok(status)) return;
+  TensorPtr d_gate = ForwardInputOrAllocateOutput(ctx, 0, 0, Dims(gate.get()), status);
+  if (!Ok(status)) return;
+  TensorPtr d_up = ForwardInputOrAllocateOutput(ctx, 2, 1, Dims(gate.get()), status);
+  if (!Ok(status)) return;
+  const int64_t n = TF_TensorElementCount(gate.get());
+  if (n == 0) return;  // Metal rejects empty dispatches
+  const int32_t activation = kernel.activation;
+  MetalSlice dys, gates, ups, dgs, dus;
+  if (!Resolve(dy.get(), "dy", &dys, status) || !Resolve(gate.get(), "gate", &gates, status) ||
+      !Resolve(up.get(), "up", &ups, status) || !Resolve(d_gate.get(), "d_gate", &dgs, status) ||
+      !Resolve(d_up.get(), "d_up", &dus, status)) {
+    return;
+  }
+  EncodeKernel(ctx, kLibrary, name.c_str(), status,
+               [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
+                 DispatchChunked1D(encoder, pipeline, n, TF_DataTypeSize(dtype), [&](NSUInteger offset, uint32_t count) {
+                   const tfm_activation_grad_params params{count, activation};
+                   [encoder setBuffer:dys.buffer offset:dys.offset + offset atIndex:0];      // device const T* dy [[buffer(0)]]
+                   [encoder setBuffer:gates.buffer offset:gates.offset + offset atIndex:1];  // device const T* gate [[buffer(1)]]
+                   [encoder setBuffer:ups.buffer offset:ups.offset + offset atIndex:2];      // device const T* up [[buffer(2)]]
+                   [encoder setBuffer:dgs.buffer offset:dgs.offset + offset atIndex:3];      // device T* d_gate [[buffer(3)]]
+                   [encoder setBuffer:dus.buffer offset:dus.offset + offset atIndex:4];      // device T* d_up [[buffer(4)]]
+                   SetBytes(encoder, params, 5);  // constant tfm_activation_grad_params& p [[buffer(5)]]
+                 });
+               });
+}
+
 const KernelRegistrar registrar([] {
   RegisterFloatKernels<ActivationGradKernel, &ActivationGradCompute>("TfmetalExt>ActivationGrad", &Create);
+  RegisterFloatKernels<ActivationGradKernel, &GatedActivationGradCompute>("TfmetalExt>GatedActivationGrad",
+                                                                          &Create);
 });
 
 }  // namespace

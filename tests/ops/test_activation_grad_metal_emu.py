@@ -1,5 +1,9 @@
 """The activation-gradient Metal kernels (custom_ops/metal/activation_grad.metal) on the Metal emulator.
 
+The gated kernels (gated_activation_grad_<dtype>, TfmetalExt>GatedActivationGrad) are checked the
+same way, against the CPU kernel bit for bit and float64 numpy within the bounds derived in
+tests/ops/test_gated_activation_grad.py.
+
 Every instantiation -- activation_grad_float, activation_grad_half, activation_grad_bfloat -- is
 dispatched the way activation_grad_metal.mm dispatches it (dispatchThreads, the helper's
 threadgroup size, chunks bound at buffer offsets), for every activation code, and compared with
@@ -24,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
 TF_DTYPE_NAME = {"float": "float32", "half": "float16", "bfloat": "bfloat16"}
 KERNELS = {"float": "activation_grad_float", "half": "activation_grad_half", "bfloat": "activation_grad_bfloat"}
+GATED_KERNELS = {d: "gated_" + name for d, name in KERNELS.items()}
 ACTIVATIONS = list(fusion.ACTIVATION_GRAD_ACTIVATIONS)  # index = the TFM_ACTGRAD_* code
 SIZES = [1, 33, 1000]
 PARAMS = np.dtype([("n", "<u4"), ("activation", "<i4")])  # tfm_activation_grad_params
@@ -44,6 +49,17 @@ def _load_op_tests():
 
 
 op_tests = _load_op_tests()
+
+
+def _load_gated_tests():
+    spec = importlib.util.spec_from_file_location("gated_activation_grad_op_tests", Path(__file__).with_name(
+        "test_gated_activation_grad.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gated_tests = _load_gated_tests()
 
 
 @pytest.fixture(scope="module")
@@ -91,11 +107,75 @@ def random_input(dtype, n, seed):
 
 
 def test_library_instantiates_every_dtype(lib):
-    assert lib.kernels() == sorted(KERNELS.values())
+    assert lib.kernels() == sorted(list(KERNELS.values()) + list(GATED_KERNELS.values()))
     for name in KERNELS.values():
         assert [p.kind for p in lib.params(name)] == ["pointer", "pointer", "pointer", "reference"]
         assert [p.const for p in lib.params(name)] == [True, True, False, False]
         assert lib.params(name)[3].size == PARAMS.itemsize
+    for name in GATED_KERNELS.values():
+        assert [p.kind for p in lib.params(name)] == ["pointer"] * 5 + ["reference"]
+        assert [p.const for p in lib.params(name)] == [True, True, True, False, False, False]
+        assert lib.params(name)[5].size == PARAMS.itemsize
+
+
+def metal_gated(lib, dtype, dy, gate, up, activation, chunk=None):
+    """activation_grad_metal.mm's dispatch of the gated kernel over the flat buffers."""
+    dy, gate, up = (np.ascontiguousarray(t).ravel() for t in (dy, gate, up))
+    d_gate, d_up = np.full_like(gate, np.nan), np.full_like(gate, np.nan)
+    code = ACTIVATIONS.index(activation)
+    for start, count in dispatch_chunks(gate.size, chunk):
+        part = slice(start, start + count)
+        lib.run(GATED_KERNELS[dtype], [dy[part], gate[part], up[part], d_gate[part], d_up[part],
+                                       ("bytes", np.array((count, code), PARAMS))],
+                grid=count, threadgroup=threadgroup_size_1d(count))
+    return d_gate, d_up
+
+
+def gated_input(dtype, n, seed):
+    dy, gate = random_input(dtype, n, seed)
+    up = np.random.default_rng(seed + 1).normal(0.0, 2.0, n).astype(np.float32).astype(DTYPES[dtype])
+    up[: min(n, 2)] = [np.inf, -0.0][: min(n, 2)]
+    return dy, gate, up
+
+
+@pytest.mark.cover_axes("dtype", "activation")
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gated_matches_cpu_kernel_bit_for_bit_and_numpy(lib, cpu, dtype, activation, n):
+    dy, gate, up = gated_input(dtype, n, seed=n + 5 * ACTIVATIONS.index(activation))
+    got = metal_gated(lib, dtype, dy, gate, up, activation)
+    want_cpu = cpu.tfmetal_ext_gated_activation_grad(*(tf.constant(t) for t in (dy, gate, up)), activation=activation)
+    for g, c in zip(got, want_cpu):
+        assert_same_bits(g, c.numpy())
+    want = gated_tests.np_gated(dy, gate, up, activation)
+    for g, w, tol in zip(got, want, gated_tests.tolerances(dy, gate, up, want, activation, TF_DTYPE_NAME[dtype])):
+        op_tests.assert_close(g, w, tol)
+
+
+def test_gated_outputs_may_alias_dy_and_up(lib):
+    # The host forwards dy's buffer to d_gate and up's to d_up when TF allows it.
+    dy, gate, up = gated_input("float", 1000, seed=4)
+    want = metal_gated(lib, "float", dy, gate, up, "silu")
+    a, b = dy.copy(), up.copy()
+    lib.run(GATED_KERNELS["float"], [a, gate, b, a, b, ("bytes", np.array((gate.size, 0), PARAMS))], grid=gate.size,
+            threadgroup=threadgroup_size_1d(gate.size))
+    assert_same_bits(a, want[0])
+    assert_same_bits(b, want[1])
+
+
+def test_gated_chunks_and_threads_past_the_end(lib):
+    dy, gate, up = gated_input("bfloat", 5003, seed=12)
+    for g, w in zip(metal_gated(lib, "bfloat", dy, gate, up, "gelu", chunk=1000),
+                    metal_gated(lib, "bfloat", dy, gate, up, "gelu")):
+        assert_same_bits(g, w)
+    n, extra = 33, 31
+    dy, gate, up = gated_input("float", n + extra, seed=6)
+    outs = [np.full(n + extra, 9, np.float32) for _ in range(2)]
+    lib.run(GATED_KERNELS["float"], [dy, gate, up, *outs, ("bytes", np.array((n, 2), PARAMS))], threadgroups=2,
+            threadgroup=32)
+    for out in outs:
+        np.testing.assert_array_equal(out[n:], 9.0)
 
 
 @pytest.mark.cover_axes("dtype", "activation")  # each instantiation and each activation code: different code paths
@@ -159,3 +239,17 @@ def test_gpu_kernels_match_the_cpu_kernels_bit_for_bit(cpu, dtype):
             dx = cpu.tfmetal_ext_activation_grad(tf.constant(dy), tf.constant(x), activation=activation)
         assert "GPU" in dx.device
         assert_same_bits(dx.numpy(), cpu_grad(cpu, dy, x, activation))
+
+
+@pytest.mark.metal
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gpu_gated_kernels_match_the_cpu_kernels_bit_for_bit(cpu, dtype):
+    dy, gate, up = gated_input(dtype, 100003, seed=19)
+    args = [tf.constant(t) for t in (dy, gate, up)]
+    for activation in ACTIVATIONS:
+        with tf.device("/GPU:0"):
+            got = cpu.tfmetal_ext_gated_activation_grad(*args, activation=activation)
+        assert all("GPU" in t.device for t in got)
+        want = cpu.tfmetal_ext_gated_activation_grad(*args, activation=activation)
+        for g, w in zip(got, want):
+            assert_same_bits(g.numpy(), w.numpy())

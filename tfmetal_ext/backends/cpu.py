@@ -85,8 +85,8 @@ _EITHER = {
     # is 1.24x / 1.01x / 1.50x (silu / gelu / tanh gelu) oneDNN on, 1.24x / 1.10x / 2.02x off, with one
     # tensor where TF's gradient makes 3-5 temporaries of x's size.
     "custom_activation_grad": Fusion(
-        f"tfmetal_ext custom op: one {fusion.ACTIVATION_GRAD_OP} (its second-order gradient: the op again and "
-        "the reference's autodiff)",
+        f"tfmetal_ext custom op: one {fusion.ACTIVATION_GRAD_OP}, or one {fusion.GATED_ACTIVATION_GRAD_OP} for a "
+        "gated product (their second-order gradients: the op again and the reference's autodiff)",
         dtypes=_CUSTOM,
     ),
     # Measured (benchmarks/bench_ops.py --sections dropout: train step x -> Dropout(0.5) -> sum(y^2) -> dx,

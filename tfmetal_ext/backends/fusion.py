@@ -140,6 +140,9 @@ REPLAYED_OPS = frozenset(
 # (q, k, v; gate, up), each would normalize again, and that cost a Llama train step ~10% of its time
 # for 4 MiB per norm (bench_hub, T=512 / 1024).
 REPLAY_GAIN_OPS = frozenset({"Mul", "RealDiv", "Pow"})
+# A replayed product act(gate) * up of two same-shape tensors, act a smooth activation the chain
+# finds (ACTIVATION_GRAD_ACTIVATIONS): differentiated by one TfmetalExt>GatedActivationGrad.
+GATED_PRODUCT_OPS = frozenset({"Mul"})
 
 
 def activation_name(act, sources=(KERAS, TF_FUNCTIONS)):
@@ -217,16 +220,19 @@ class CustomOp:
         safe_form: its `SAFE_FORMS` key (the pure-TF reference runs instead).
         backward: the op is itself a gradient, made only by backward passes (inside a custom
             gradient, whose ops TF names outside its ``gradient_tape/`` scope).
+        variants: further op names of the same family (the same math header, kernels file,
+            table row and `ops.status()` entry).
     """
 
     name: str
     grad: str | None
     safe_form: str
     backward: bool = False
+    variants: tuple = ()  # further ops of the same kernels, row and status entry
 
     @property
     def op_names(self):
-        return (self.name,) + ((self.grad,) if self.grad else ())
+        return (self.name,) + ((self.grad,) if self.grad else ()) + self.variants
 
 
 CUSTOM_OPS = types.MappingProxyType(
@@ -248,8 +254,10 @@ CUSTOM_OPS = types.MappingProxyType(
         # Batch norm with batch statistics + optional residual add + activation; one gradient op.
         "batch_norm_act": CustomOp("TfmetalExt>BatchNormAct", "TfmetalExt>BatchNormActGrad", "batch_norm_act"),
         # dy * act'(x) of a smooth activation (silu, gelu) in one op: itself a gradient (the backward
-        # of a feed-forward's activation); its own gradient is registered in Python.
-        "activation_grad": CustomOp("TfmetalExt>ActivationGrad", None, "activation_grad", backward=True),
+        # of a feed-forward's activation); its own gradient is registered in Python. Its gated variant
+        # is the backward of act(gate) * up.
+        "activation_grad": CustomOp("TfmetalExt>ActivationGrad", None, "activation_grad", backward=True,
+                                    variants=("TfmetalExt>GatedActivationGrad",)),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -274,6 +282,7 @@ ROPE_GRAD_OP = CUSTOM_OPS["rope"].grad
 BATCH_NORM_ACT_OP = CUSTOM_OPS["batch_norm_act"].name
 BATCH_NORM_ACT_GRAD_OP = CUSTOM_OPS["batch_norm_act"].grad
 ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].name
+GATED_ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].variants[0]
 
 # The `activation` attribute of TfmetalExt>BatchNormAct, in the order of the TFM_BNA_* codes of
 # custom_ops/include/tfmetal/batch_norm_act.h (Keras activation names; "linear" is none; "gelu" is

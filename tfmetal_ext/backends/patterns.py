@@ -75,8 +75,9 @@ PATTERNS = types.MappingProxyType(
             ),
             Pattern(
                 "custom_activation_grad",
-                "the backward of a smooth activation, dy * act'(x) (silu, exact and tanh gelu): TF's autodiff of "
-                "tf.nn.silu / tf.nn.gelu is 3-5 elementwise ops",
+                "the backward of a smooth activation, dy * act'(x) (silu, exact and tanh gelu), and of a gated "
+                "product act(gate) * up (TfmetalExt>GatedActivationGrad): TF's autodiff of tf.nn.silu / tf.nn.gelu "
+                "is 3-5 elementwise ops",
                 _F.ACTIVATION_GRAD_OP,
             ),
             Pattern(

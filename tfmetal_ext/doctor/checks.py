@@ -331,13 +331,17 @@ def activation_grad(dtype):
     rng = _rng(10)
     x = tf.constant(rng.standard_normal((5, 37)) * 3.0, dtype)  # both tails and the roots of silu', gelu'
     dy = tf.constant(rng.standard_normal((5, 37)), dtype)
+    up = tf.constant(rng.standard_normal((5, 37)) * 2.0, dtype)
     names = fusion.ACTIVATION_GRAD_ACTIVATIONS
 
-    def fused(x, dy):
-        return tuple(lib.tfmetal_ext_activation_grad(dy, x, activation=name) for name in names)
+    def fused(x, dy, up):
+        plain = tuple(lib.tfmetal_ext_activation_grad(dy, x, activation=name) for name in names)
+        gated = tuple(t for name in names for t in lib.tfmetal_ext_gated_activation_grad(dy, x, up, activation=name))
+        return plain + gated
 
     reference = tuple(testing.np_smooth_activation_grad(_f64(dy), _f64(x), name) for name in names)
-    return fused, (x, dy), reference
+    gated = tuple(t for name in names for t in testing.np_gated_activation_grad(_f64(dy), _f64(x), _f64(up), name))
+    return fused, (x, dy, up), reference + gated
 
 
 # The int8 contractions: numpy float64 of Keras' convention (w = q / scale), the TF conv padding rules.

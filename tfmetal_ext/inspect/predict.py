@@ -395,7 +395,7 @@ def _judged_dtypes(table, op, attrs):
 def _custom_op_kernel(table, op, dtype):
     """Our custom ops: the backend table's row for their pattern says where their kernels run."""
     for key, custom in fusion.CUSTOM_OPS.items():
-        if op in (custom.name, custom.grad):
+        if op in custom.op_names:
             row = table.fusions.get(f"custom_{key}") or table.fusions.get(key)
             if row is None:
                 return None

@@ -37,6 +37,9 @@
 - `activation_grad(dy, x, activation)`: ``TfmetalExt>ActivationGrad``, ``dy * act'(x)`` of silu
   (swish), exact gelu or tanh gelu in one op (a feed-forward's backward pass; TF's autodiff makes
   3-5 temporaries of the activation's size); its own gradient (second order) is registered.
+- `gated_activation_grad(dy, gate, up, activation)`: ``TfmetalExt>GatedActivationGrad``, the
+  backward of ``act(gate) * up`` (``dy * up * act'(gate)``, ``dy * act(gate)``) in one op, for gated
+  feed-forwards (Llama, Gemma); ``"activation_grad"`` covers it too.
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
@@ -52,7 +55,7 @@ from __future__ import annotations
 
 from tfmetal_ext.ops import _loader  # noqa: F401  (ops._loader: the library loader, reached by tests)
 from tfmetal_ext.ops._loader import BuildError, OpCacheError
-from tfmetal_ext.ops.activation_grad import activation_grad
+from tfmetal_ext.ops.activation_grad import activation_grad, gated_activation_grad
 from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.batch_norm_act import batch_norm_act
 from tfmetal_ext.ops.dropout import dropout
@@ -66,6 +69,6 @@ from tfmetal_ext.ops.rope import rope
 from tfmetal_ext.ops.softshrink import softshrink
 from tfmetal_ext.ops.status import OpsStatus, build, status
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "activation_grad", "attention", "batch_norm_act", "build", "dropout", "int8_conv2d", "int8_matmul",
-           "layer_norm", "multi_tensor_adam", "quantize_int8",
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "activation_grad", "attention", "batch_norm_act", "build", "dropout", "gated_activation_grad",
+           "int8_conv2d", "int8_matmul", "layer_norm", "multi_tensor_adam", "quantize_int8",
            "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "rope", "softshrink", "status"]

@@ -248,3 +248,26 @@ def activation_grad(dy, x, activation):
     """dy * act'(x) in float32, rounded once to x's dtype (TfmetalExt>ActivationGrad)."""
     xf = tf.cast(x, tf.float32)
     return tf.cast(tf.cast(dy, tf.float32) * activation_derivative(xf, activation), x.dtype)
+
+
+def activation_factor(xf, activation):
+    """f(x) of act(x) = x * f(x) for float32 `xf`, at x clamped to +-128 (exactly 1 or 0 beyond)."""
+    sat = tf.constant(_ACTIVATION_GRAD_SATURATION, xf.dtype)
+    v = tf.where(xf > sat, sat, tf.where(xf < -sat, -sat, xf))
+    one, half = tf.constant(1.0, xf.dtype), tf.constant(0.5, xf.dtype)
+    if activation == "silu":
+        return tf.math.sigmoid(v)
+    if activation == "gelu":
+        return half * (one + tf.math.erf(v * tf.constant(0.70710678118654752, xf.dtype)))
+    if activation == "gelu_approximate":
+        c, k = tf.constant(_SQRT_2_OVER_PI, xf.dtype), tf.constant(_GELU_TANH_K, xf.dtype)
+        return tf.math.sigmoid(tf.constant(2.0, xf.dtype) * c * v * (one + k * v * v))
+    raise ValueError(f"Unknown activation for gated_activation_grad's reference. Received: activation={activation!r}")
+
+
+def gated_activation_grad(dy, gate, up, activation):
+    """(dy * up * act'(gate), dy * act(gate)) in float32, each rounded once (TfmetalExt>GatedActivationGrad)."""
+    dyf, gf, uf = (tf.cast(t, tf.float32) for t in (dy, gate, up))
+    d_gate = (dyf * uf) * activation_derivative(gf, activation)
+    d_up = dyf * (gf * activation_factor(gf, activation))
+    return tf.cast(d_gate, gate.dtype), tf.cast(d_up, gate.dtype)

@@ -1,4 +1,5 @@
-"""activation_grad: ``dy * act'(x)`` of a smooth activation in one op (``TfmetalExt>ActivationGrad``)."""
+"""activation_grad: ``dy * act'(x)`` of a smooth activation in one op (``TfmetalExt>ActivationGrad``), and
+gated_activation_grad: the backward of ``act(gate) * up`` in one op (``TfmetalExt>GatedActivationGrad``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from tfmetal_ext.backends import fusion
 from tfmetal_ext.ops import _common, _reference
 
 ACTIVATION_GRAD_OP = fusion.ACTIVATION_GRAD_OP
+GATED_ACTIVATION_GRAD_OP = fusion.GATED_ACTIVATION_GRAD_OP
 ACTIVATIONS = fusion.ACTIVATION_GRAD_ACTIVATIONS
 
 
@@ -65,6 +67,56 @@ def activation_grad(dy, x, activation, name=None):
         return _reference.activation_grad(dy, x, activation)
 
 
+def gated_activation_grad(dy, gate, up, activation, name=None):
+    """The backward of a gated product ``y = act(gate) * up`` in one op: ``(d_gate, d_up)``.
+
+    What a gated feed-forward's backward pass computes (Llama's ``silu(gate) * up``, Gemma's
+    ``gelu(x1) * x2``): ``d_gate = dy * up * act'(gate)`` and ``d_up = dy * act(gate)``, float32 math
+    per element rounded once to the dtype. TensorFlow's autodiff of the product and the activation
+    keeps ``act(gate)`` for ``d_up`` and makes ``dy * up`` and the activation's temporaries; this op
+    needs only `dy`, `gate` and `up`, and its CPU kernel writes its outputs into inputs nothing else
+    holds any more.
+
+    `act(gate)` is ``gate * f(gate)`` with ``f`` = sigmoid (silu), Phi (gelu) or
+    ``0.5 (1 + tanh(u))`` (gelu_approximate), as TensorFlow's forward formulas compute it: ``+inf``
+    gives ``+inf`` and ``-inf`` NaN (``-inf * 0``), as there. `d_gate` is `activation_grad`'s
+    ``dy * up * act'(gate)``. NaN propagates.
+
+    Args:
+        dy: the gradient of ``y``, float32, float16 or bfloat16.
+        gate: the activation's input, the dtype and shape of `dy`.
+        up: the other factor, the dtype and shape of `dy`.
+        activation: ``"silu"`` (or ``"swish"``), ``"gelu"`` or ``"gelu_approximate"``.
+        name: optional op name.
+
+    Returns:
+        ``(d_gate, d_up)``, tensors of `gate`'s shape and dtype.
+
+    Raises:
+        ValueError: for another activation, dtype, mismatched dtypes or (statically) mismatched shapes.
+
+    >>> d_gate, d_up = gated_activation_grad(tf.constant([2.0]), tf.constant([0.0]), tf.constant([3.0]), "silu")
+    >>> float(d_gate[0]), float(d_up[0])
+    (3.0, 0.0)
+    """
+    activation = _check_activation(activation)
+    dy, gate, up = (tf.convert_to_tensor(t) for t in (dy, gate, up))
+    for label, t in (("gate", gate), ("dy", dy), ("up", up)):
+        _common.check_float(label, t)
+    for label, t in (("dy", dy), ("up", up)):
+        if t.dtype != gate.dtype:
+            raise ValueError(f"`{label}` and `gate` must have the same dtype. Received: {label}.dtype={t.dtype.name}, "
+                             f"gate.dtype={gate.dtype.name}")
+        if not t.shape.is_compatible_with(gate.shape):
+            raise ValueError(f"`{label}` and `gate` must have the same shape. Received: {label}.shape={t.shape}, "
+                             f"gate.shape={gate.shape}")
+    if uses_kernel():
+        return tuple(_common.library().tfmetal_ext_gated_activation_grad(dy, gate, up, activation=activation,
+                                                                         name=name))
+    with tf.name_scope(name or "gated_activation_grad"):
+        return _reference.gated_activation_grad(dy, gate, up, activation)
+
+
 def uses_kernel() -> bool:
     """`activation_grad` runs the custom op here (else its pure-TF reference)."""
     return _common.uses_kernel(ACTIVATION_GRAD_OP)
@@ -99,3 +151,25 @@ def _loaded_library():
     from tfmetal_ext.ops import _loader
 
     return _loader.load()
+
+
+@tf.RegisterGradient(GATED_ACTIVATION_GRAD_OP)
+def _gated_activation_grad_grad(op, g_gate, g_up):
+    """Second order, by autodiff of the reference (its float32 formula; the op's values)."""
+    dy, gate, up = op.inputs
+    activation = op.get_attr("activation")
+    activation = activation.decode() if isinstance(activation, bytes) else activation
+    inputs = [tf.cast(t, tf.float32) for t in (dy, gate, up)]
+    with tf.GradientTape() as tape:
+        tape.watch(inputs)
+        dyf, gf, uf = inputs
+        d_gate = (dyf * uf) * _reference.activation_derivative(gf, activation)
+        d_up = dyf * (gf * _reference.activation_factor(gf, activation))
+    grads = tape.gradient([d_gate, d_up], inputs,
+                          output_gradients=[tf.cast(_zeros_if_none(g_gate, gate), tf.float32),
+                                            tf.cast(_zeros_if_none(g_up, gate), tf.float32)])
+    return tuple(tf.cast(_zeros_if_none(d, t), t.dtype) for d, t in zip(grads, op.inputs))
+
+
+def _zeros_if_none(g, like):
+    return tf.zeros_like(like) if g is None else g

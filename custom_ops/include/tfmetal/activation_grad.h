@@ -127,4 +127,50 @@ TFM_INLINE float actgrad_derivative(int32_t kind, float x) {
 // dx = dy * act'(x), float32; the kernels round it once to T.
 TFM_INLINE float activation_grad(int32_t kind, float dy, float x) { return dy * actgrad_derivative(kind, x); }
 
+// ---------------------------------------------------------------- gated form
+//
+// TfmetalExt>GatedActivationGrad: the backward of y = act(gate) * up (a gated
+// feed-forward's product: Llama's silu(gate) * up, Gemma's gelu(x1) * x2):
+//   d_gate = dy * up * act'(gate),   d_up = dy * act(gate),
+// each in float32 and rounded once to T. act(gate) = gate * f(gate) with
+// f = sigmoid (silu), Phi (gelu) or 0.5 (1 + tanh(u)) = sigmoid(2u)
+// (gelu_approximate), the factor computed at the clamped gate (it is exactly
+// 1 or 0 in float32 beyond +-128) and multiplied by the gate itself: so
+// act(+inf) = +inf and act(-inf) = -inf * 0 = NaN, as TensorFlow's forward
+// formulas give. NaN propagates.
+
+// f(v) of act(v) = v * f(v), v within +-TFM_ACTGRAD_SATURATION.
+TFM_INLINE float actgrad_factor(int32_t kind, float v) {
+  switch (kind) {
+    case TFM_ACTGRAD_SILU:
+      return actgrad_sigmoid(v);
+    case TFM_ACTGRAD_GELU: {
+      const float z = tfm_abs(v) * 0.70710678118654752f;
+      const float t = 1.0f / (1.0f + 0.5f * z);
+      const float half_erfc = 0.5f * t * tfm_exp_poly(tfm_int8_erfc_exponent(z, t));
+      const bool upper = v >= 0.0f;  // Phi = 1 - half_erfc, else half_erfc (selects of constants)
+      return (upper ? 1.0f : 0.0f) + (upper ? -1.0f : 1.0f) * half_erfc;
+    }
+    default: {
+      const float u = 0.79788456080286536f * v * (1.0f + 0.044715f * v * v);
+      return actgrad_sigmoid(2.0f * u);
+    }
+  }
+}
+
+// The gate clamped to +-TFM_ACTGRAD_SATURATION by selects on bits (NaN stays NaN).
+TFM_INLINE float actgrad_clamped(float x) {
+  const uint32_t high = 0u - static_cast<uint32_t>(x > TFM_ACTGRAD_SATURATION);
+  const uint32_t low = 0u - static_cast<uint32_t>(x < -TFM_ACTGRAD_SATURATION);
+  return tfm_bits_to_float((tfm_float_to_bits(TFM_ACTGRAD_SATURATION) & high) |
+                           (tfm_float_to_bits(-TFM_ACTGRAD_SATURATION) & low) | (tfm_float_to_bits(x) & ~(high | low)));
+}
+
+// d_gate and d_up of y = act(gate) * up, float32; the kernels round each once to T.
+TFM_INLINE void gated_activation_grad(int32_t kind, float dy, float gate, float up, TFM_THREAD float* d_gate,
+                                      TFM_THREAD float* d_up) {
+  *d_gate = (dy * up) * actgrad_derivative(kind, gate);
+  *d_up = dy * (gate * actgrad_factor(kind, actgrad_clamped(gate)));
+}
+
 #endif  // TFMETAL_ACTIVATION_GRAD_H_
