@@ -192,15 +192,20 @@ def test_plan_activation_input_must_be_one_tensor():
     _in_graph(run, g)
 
 
+@pytest.mark.parametrize("chain", ["act(g) * u", "u * act(g)", "act(g * u)"])
 @pytest.mark.parametrize("form", ["tf.nn.silu", "keras.gelu(approximate)", "FusedDense gelu (training)"])
-def test_replayed_backward_differentiates_the_activation_in_one_op(form):
-    """The train step's backward pass differentiates the chain's activation with one
-    ``TfmetalExt>ActivationGrad`` and none of TF's gradient ops for its inner ops."""
+def test_replayed_backward_differentiates_the_activation_in_one_op(form, chain):
+    """The train step's backward pass differentiates the chain's activation with one op and none of
+    TF's gradient ops for its inner ops: ``TfmetalExt>GatedActivationGrad`` where the activation is a
+    factor of the product (a gated feed-forward; it also takes the product's gradient), else
+    ``TfmetalExt>ActivationGrad``."""
     if not importlib.import_module("tfmetal_ext.ops.activation_grad").uses_kernel():
         pytest.skip("no op library here: ops.activation_grad runs its pure-TF reference")
     from tfmetal_ext.backends import fusion
 
     _, act = ACTIVATION_FORMS[form]
+    make = {"act(g) * u": lambda g, u: act(g) * u, "u * act(g)": lambda g, u: u * act(g),
+            "act(g * u)": lambda g, u: act(g * u)}[chain]
     layer = FusedDense(5)
     layer.build((2, 7, 12))
     g, u, dy = _operands("float32")
@@ -208,12 +213,14 @@ def test_replayed_backward_differentiates_the_activation_in_one_op(form):
     def run(g, u):
         with tf.GradientTape() as tape:
             tape.watch([g, u])
-            y = layer(act(g) * u, training=True)
+            y = layer(make(g, u), training=True)
         return tape.gradient(y, [g, u] + layer.trainable_variables, output_gradients=dy)
 
     graph = tf.function(run).get_concrete_function(g, u).graph
     types = [op.type for op in graph.get_operations()]
-    assert types.count(fusion.CUSTOM_OPS["activation_grad"].name) == 1, types
+    gated = chain != "act(g * u)"
+    assert types.count(fusion.GATED_ACTIVATION_GRAD_OP) == int(gated), types
+    assert types.count(fusion.ACTIVATION_GRAD_OP) == int(not gated), types
     assert not {"SigmoidGrad", "TanhGrad"} & set(types), types
     # The activation's own transcendental: the forward pass's and the replay's (for the kernel's
     # gradient), none for its derivative.

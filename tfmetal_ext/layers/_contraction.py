@@ -126,6 +126,31 @@ def recomputed(fn, kind=None):
     return run
 
 
+def recomputed_gated(fn, kind, act_first=True):
+    """``fn(gate) * up`` (``up * fn(gate)`` when not `act_first`) whose backward pass is one
+    ``ops.gated_activation_grad(dy, gate, up, kind)``.
+
+    `fn` computes the activation `kind` (a `fusion.ACTIVATION_GRAD_ACTIVATIONS` name). The forward
+    pass runs `fn` and the product with the same ops as written (the same values); the gradient keeps
+    only `gate` and `up`, and needs neither ``fn(gate)`` nor ``dy * up``, which TF's autodiff of the
+    product and `recomputed`'s gradient keep or make. `gate` and `up` must have the same shape.
+    """
+    if kind not in fusion.ACTIVATION_GRAD_ACTIVATIONS:
+        raise ValueError(f"`kind` must be one of {fusion.ACTIVATION_GRAD_ACTIVATIONS}. Received: kind={kind!r}")
+
+    @tf.custom_gradient
+    def run(gate, up):
+        def grad(dy):
+            from tfmetal_ext.ops import gated_activation_grad  # lazy: the ops import the layers' helpers
+
+            return gated_activation_grad(dy, gate, up, kind)
+
+        act = fn(gate)
+        return (act * up if act_first else up * act), grad
+
+    return run
+
+
 def waiting_for(dy, tensors):
     """`tensors` as identities that run once gradient `dy` exists: what a backward pass recomputes from.
 

@@ -19,7 +19,10 @@ A smooth activation inside the chain (SiLU, exact or tanh GELU, as TF, Keras, ke
 layers write them: `_forms`) is found by its ops and made again with the same ops, but
 differentiated by one ``TfmetalExt>ActivationGrad`` (`_contraction.recomputed`) instead of TF's chain of
 3-5 elementwise gradient ops, each a temporary of the feed-forward's width alive at the step's
-memory peak.
+memory peak. Where the activation's output is one factor of a product of two same-shape tensors (a
+gated feed-forward's ``silu(gate) * up``), the product and the activation are differentiated together
+by one ``TfmetalExt>GatedActivationGrad`` (`_contraction.recomputed_gated`): its backward keeps neither
+the activation's output nor ``dy * up``.
 
 Eagerly (`run_eagerly=True`, a plain GradientTape loop) there is no graph to read: the layers keep
 the ordinary path.
@@ -68,6 +71,11 @@ class Replay:
                 return made[t.ref()]
             op = t.op
             if id(op) in replayed:
+                gated = _gated_operands(op, activations)
+                if gated is not None:
+                    k, (kind, form, x), other = gated
+                    made[t.ref()] = C.recomputed_gated(form, kind, act_first=k == 0)(value(x), value(other))
+                    return made[t.ref()]
                 for old, new in zip(op.outputs, _clone(op, [value(i) for i in op.inputs])):
                     made[old.ref()] = new
                 return made[t.ref()]
@@ -76,6 +84,24 @@ class Replay:
             return t  # a constant or a non-float leaf: the forward pass's own tensor
 
         return value(self.target)
+
+
+def _gated_operands(op, activations):
+    """``(k, (kind, form, x), other)`` when `op` is a gated product ``act(x) * other``
+    (`fusion.GATED_PRODUCT_OPS`, input `k` a chain activation with a one-op gradient), its operands
+    of one dtype and one static shape (so no broadcast), else None: its backward pass is then one
+    ``TfmetalExt>GatedActivationGrad`` (`_contraction.recomputed_gated`)."""
+    if op.type not in fusion.GATED_PRODUCT_OPS or len(op.inputs) != 2:
+        return None
+    for k, t in enumerate(op.inputs):
+        other = op.inputs[1 - k]
+        if t.ref() not in activations or t.dtype != other.dtype:
+            continue
+        a, b = t.shape, other.shape
+        if a.rank is None or a.rank != b.rank or a.as_list() != b.as_list():
+            continue  # a broadcast, or shapes it cannot tell apart
+        return k, activations[t.ref()], other
+    return None
 
 
 def _clone(op, inputs):
