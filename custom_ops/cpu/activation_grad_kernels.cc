@@ -97,16 +97,25 @@ class ActivationGradOp : public OpKernel {
 
 // ---------------------------------------------------------------- gated form
 
+// Elements per block of GatedLoop.
+constexpr int64_t kGatedBlock = 256;
+
 template <typename T, int32_t kKind>
 inline __attribute__((always_inline)) void GatedLoop(const T* dy, const T* gate, const T* up, T* d_gate, T* d_up,
                                                      int64_t begin, int64_t end) {
-  // No __restrict: d_gate may reuse dy's or gate's buffer and d_up up's (each element is read
-  // before it is written).
-  for (int64_t i = begin; i < end; ++i) {
-    float dg, du;
-    gated_activation_grad(kKind, ToFloat(dy[i]), ToFloat(gate[i]), ToFloat(up[i]), &dg, &du);
-    d_gate[i] = FromFloat<T>(dg);
-    d_up[i] = FromFloat<T>(du);
+  // d_gate may reuse dy's or gate's buffer and d_up up's. So each block is computed from the inputs
+  // into local arrays (a loop that only reads the inputs: it vectorizes with no overlap test), then
+  // stored.
+  float dg[kGatedBlock], du[kGatedBlock];
+  for (int64_t b = begin; b < end; b += kGatedBlock) {
+    const int64_t n = end - b < kGatedBlock ? end - b : kGatedBlock;
+    for (int64_t i = 0; i < n; ++i) {
+      gated_activation_grad(kKind, ToFloat(dy[b + i]), ToFloat(gate[b + i]), ToFloat(up[b + i]), &dg[i], &du[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      d_gate[b + i] = FromFloat<T>(dg[i]);
+      d_up[b + i] = FromFloat<T>(du[i]);
+    }
   }
 }
 

@@ -668,10 +668,10 @@ TFMETAL_ATTN_INLINE void AttnDropTransposed(float* __restrict st, const float* _
 // mask drawn in that layout: the Philox lanes are the tile's query rows, so
 // word w of lane l's block holds the mask element of one key of row i0 + l,
 // and a key's rows are one contiguous run of st (the loop vectorizes; no
-// transposed reads). Row i's elements start at flat index first + i * row_stride; the
-// rows must start at the same offset within a Philox block (row_stride % 4 ==
-// 0, i.e. tk % 4 == 0). The same mask and the same select as
-// AttnDropoutKeepRow + AttnDropTransposed, so the same bits.
+// transposed reads). Row i's elements start at flat index
+// first + i * row_stride; the rows must start at the same word of a Philox
+// block (row_stride % 4 == 0, i.e. tk % 4 == 0). The same mask and the same
+// select as AttnDropoutKeepRow + AttnDropTransposed, so the same bits.
 TFMETAL_ATTN_INLINE void AttnDropTileByLanes(const AttnDropout& d, uint64_t first, uint64_t row_stride,
                                              int64_t qn, int64_t kn, float* __restrict st) {
   const int64_t offset = static_cast<int64_t>(first % 4u);  // key 0's word in its block (every row's)
