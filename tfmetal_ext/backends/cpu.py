@@ -92,9 +92,10 @@ _EITHER = {
     # Measured (benchmarks/bench_ops.py --sections dropout: train step x -> Dropout(0.5) -> sum(y^2) -> dx,
     # float32, paired rounds, 2-core AMD EPYC with AVX-512, TF 2.21): the op's CPU kernel draws the Philox
     # mask twice (forward and backward) where Keras' stateless dropout draws it once and keeps a boolean
-    # mask, yet with 16 Philox blocks in vector registers at once and its select on bits (a branch per
-    # element before: mispredicted at random) it is 1.29-2.10x Keras' step with oneDNN, 1.34-1.93x
-    # without (benchmarks/results/bench_ops_dropout[_no_onednn].md and earlier runs), 1.39-1.62x with
+    # mask, yet with 64 Philox blocks in vector registers at once (4 interleaved groups of 16) and its
+    # select on bits (a branch per element before: mispredicted at random) it is 1.52-2.42x Keras' step
+    # with oneDNN, 1.48-2.14x without (benchmarks/results/bench_ops_dropout[_no_onednn].md and earlier
+    # runs; 1.29-2.10x and 1.34-1.93x with one group of 16 at a time), 1.39-1.62x with
     # its AVX2 code (TFMETAL_EXT_CPU_LEVEL=avx2) and 1.09-1.25x with its portable code (arm64's) at
     # (64, 1600), (64, 128, 256), (32, 197, 192) and (8, 64, 64, 32); it keeps no mask. (Before:
     # 1.5-2.6x slower, and this row kept Keras' call on CPUs.)
