@@ -59,16 +59,25 @@ void Run(OpKernelContext* ctx, const T* dy, const T* x, T* dx, int64_t n) {
   ParallelFor(ctx, n, kElementCost, [=](int64_t begin, int64_t end) { loop(dy, x, dx, begin, end); });
 }
 
-template <typename T>
-class ActivationGradOp : public OpKernel {
+// Both ops' `activation` attribute, checked once at construction (cpu/activation_grad_attrs.h).
+class ActivationKernel : public OpKernel {
  public:
-  explicit ActivationGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit ActivationKernel(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::string name;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &name));
     const std::string error = activation_grad_attrs::ActivationError(name);
     OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument(error));
     kind_ = activation_grad_attrs::ActivationCode(name);
   }
+
+ protected:
+  int32_t kind_ = TFM_ACTGRAD_SILU;
+};
+
+template <typename T>
+class ActivationGradOp : public ActivationKernel {
+ public:
+  explicit ActivationGradOp(OpKernelConstruction* ctx) : ActivationKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
@@ -90,9 +99,6 @@ class ActivationGradOp : public OpKernel {
         return Run<T, TFM_ACTGRAD_GELU_APPROXIMATE>(ctx, g, in, out, n);
     }
   }
-
- private:
-  int32_t kind_ = TFM_ACTGRAD_SILU;
 };
 
 // ---------------------------------------------------------------- gated form
@@ -143,15 +149,9 @@ void GatedRun(OpKernelContext* ctx, const T* dy, const T* gate, const T* up, T* 
 }
 
 template <typename T>
-class GatedActivationGradOp : public OpKernel {
+class GatedActivationGradOp : public ActivationKernel {
  public:
-  explicit GatedActivationGradOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string name;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation", &name));
-    const std::string error = activation_grad_attrs::ActivationError(name);
-    OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument(error));
-    kind_ = activation_grad_attrs::ActivationCode(name);
-  }
+  explicit GatedActivationGradOp(OpKernelConstruction* ctx) : ActivationKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& dy = ctx->input(0);
@@ -181,9 +181,6 @@ class GatedActivationGradOp : public OpKernel {
         return GatedRun<T, TFM_ACTGRAD_GELU_APPROXIMATE>(ctx, g, a, b, da, db, n);
     }
   }
-
- private:
-  int32_t kind_ = TFM_ACTGRAD_SILU;
 };
 
 }  // namespace activation_grad_cpu

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DTYPES = {"float": np.float32, "half": np.float16, "bfloat": ml_dtypes.bfloat16}
 TF_DTYPE_NAME = {"float": "float32", "half": "float16", "bfloat": "bfloat16"}
 KERNELS = {"float": "activation_grad_float", "half": "activation_grad_half", "bfloat": "activation_grad_bfloat"}
-GATED_KERNELS = {d: "gated_" + name for d, name in KERNELS.items()}
+GATED_KERNELS = {"float": "gated_activation_grad_float", "half": "gated_activation_grad_half",
+                 "bfloat": "gated_activation_grad_bfloat"}
 ACTIVATIONS = list(fusion.ACTIVATION_GRAD_ACTIVATIONS)  # index = the TFM_ACTGRAD_* code
 SIZES = [1, 33, 1000]
 PARAMS = np.dtype([("n", "<u4"), ("activation", "<i4")])  # tfm_activation_grad_params
@@ -39,19 +40,9 @@ emu = load_emu()
 pytestmark = pytest.mark.no_keras
 
 
-def _load_op_tests():
-    # The derived tolerance lives once, in the CPU test file (loaded by path: tests/ is no package).
-    spec = importlib.util.spec_from_file_location("activation_grad_op_tests", Path(__file__).with_name(
-        "test_activation_grad.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-op_tests = _load_op_tests()
-
-
 def _load_gated_tests():
+    # The derived tolerances live once, in the CPU test files (loaded by path: tests/ is no package);
+    # the gated op's file loads the plain op's as its `A`.
     spec = importlib.util.spec_from_file_location("gated_activation_grad_op_tests", Path(__file__).with_name(
         "test_gated_activation_grad.py"))
     module = importlib.util.module_from_spec(spec)
@@ -60,6 +51,7 @@ def _load_gated_tests():
 
 
 gated_tests = _load_gated_tests()
+op_tests = gated_tests.A
 
 
 @pytest.fixture(scope="module")
