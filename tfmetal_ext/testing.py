@@ -615,21 +615,27 @@ def np_smooth_activation_grad(dy, x, activation):
         return np.asarray(dy, np.float64) * np.where(np.isnan(x), np.nan, derivative)
 
 
-def np_gated_activation_grad(dy, gate, up, activation):
-    """TfmetalExt>GatedActivationGrad in float64 from its definition: ``(dy * up * act'(gate),
-    dy * act(gate))``, act(gate) = gate * f(gate) (f: sigmoid, Phi, or sigmoid(2w) of the tanh form)."""
+def np_activation_factor(x, activation):
+    """f of act(x) = x * f(x) in float64 (sigmoid, Phi, or the tanh GELU's 0.5 (1 + tanh w) =
+    sigmoid(2w)); at x = +-inf its limits 1 and 0."""
     import math
 
-    dy, gate, up = (np.asarray(t, np.float64) for t in (dy, gate, up))
+    x = np.asarray(x, np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
         if activation == "silu":
-            f = 1.0 / (1.0 + np.exp(-gate))
-        elif activation == "gelu":
-            f = 0.5 * np.vectorize(math.erfc, otypes=[np.float64])(-gate / math.sqrt(2.0))
-        else:
-            w = np.clip(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate ** 3), -1e4, 1e4)
-            f = 1.0 / (1.0 + np.exp(-2.0 * w))
-        return np_smooth_activation_grad(dy * up, gate, activation), dy * (gate * f)
+            return 1.0 / (1.0 + np.exp(-x))
+        if activation == "gelu":
+            return 0.5 * np.vectorize(math.erfc, otypes=[np.float64])(-x / math.sqrt(2.0))
+        w = np.clip(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3), -1e4, 1e4)
+        return 1.0 / (1.0 + np.exp(-2.0 * w))
+
+
+def np_gated_activation_grad(dy, gate, up, activation):
+    """TfmetalExt>GatedActivationGrad in float64 from its definition: ``(dy * up * act'(gate),
+    dy * act(gate))``, act(gate) = gate * f(gate) (`np_activation_factor`)."""
+    dy, gate, up = (np.asarray(t, np.float64) for t in (dy, gate, up))
+    with np.errstate(invalid="ignore"):
+        return np_smooth_activation_grad(dy * up, gate, activation), dy * (gate * np_activation_factor(gate, activation))
 
 
 def np_batch_norm_act(x, gamma, beta, side=None, activation="relu", epsilon=1e-3, alpha=0.2):

@@ -232,6 +232,35 @@ def test_replayed_backward_differentiates_the_activation_in_one_op(form, chain):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
+def test_broadcast_gated_product_keeps_the_separate_gradients():
+    """``silu(g) * w`` with w broadcast along the rows (a per-channel gate): no GatedActivationGrad
+    (its operands must have one shape), the activation's ActivationGrad instead; the gradients are
+    those of the unreplayed layer within its bound."""
+    if not importlib.import_module("tfmetal_ext.ops.activation_grad").uses_kernel():
+        pytest.skip("no op library here: ops.activation_grad runs its pure-TF reference")
+    from tfmetal_ext.backends import fusion
+
+    layer = FusedDense(5)
+    layer.build((2, 7, 12))
+    g, _, dy = _operands("float32")
+    w = tf.constant(_rng(30).standard_normal(12).astype("float32"))
+
+    def run(g, w):
+        with tf.GradientTape() as tape:
+            tape.watch([g, w])
+            y = layer(tf.nn.silu(g) * w, training=True)
+        return tape.gradient(y, [g, w] + layer.trainable_variables, output_gradients=dy)
+
+    types = [op.type for op in tf.function(run).get_concrete_function(g, w).graph.get_operations()]
+    assert fusion.GATED_ACTIVATION_GRAD_OP not in types and types.count(fusion.ACTIVATION_GRAD_OP) == 1, types
+    got = tf.function(run)(g, w)
+    with _replay_plans(False):
+        plain = tf.function(run)(g, w)
+    assert got[1].shape == (12,)
+    for a, b in zip(got, plain):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------
 # The layers: gradients with and without the replay.
 

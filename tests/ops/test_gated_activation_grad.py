@@ -20,7 +20,6 @@ T-rounded inputs the op gets):
 
 import importlib
 import importlib.util
-import math
 from pathlib import Path
 
 import numpy as np
@@ -55,18 +54,7 @@ def lib():
     return testing.compiled_ops()
 
 
-def np_factor(x, activation):
-    """f of act(x) = x f(x), float64 (at +-inf its limits 1 and 0)."""
-    x = np.asarray(x, np.float64)
-    with np.errstate(over="ignore"):
-        if activation == "silu":
-            return 1.0 / (1.0 + np.exp(-x))
-        if activation == "gelu":
-            return 0.5 * np.vectorize(math.erfc, otypes=[np.float64])(-x / math.sqrt(2.0))
-        w = np.clip(C * (x + K * x ** 3), -1e4, 1e4)
-        return 1.0 / (1.0 + np.exp(-2.0 * w))
-
-
+np_factor = testing.np_activation_factor
 np_gated = testing.np_gated_activation_grad
 
 
@@ -208,9 +196,7 @@ def _reference_grads_float64(gg, gu, dy, gate, up, activation):
     ins = [tf.constant(t, tf.float64) for t in (dy, gate, up)]
     with tf.GradientTape() as tape:
         tape.watch(ins)
-        d, g, u = ins
-        d_gate = d * u * _reference.activation_derivative(g, activation)
-        d_up = d * g * _reference.activation_factor(g, activation)
+        d_gate, d_up = _reference.gated_activation_grad_terms(*ins, activation)
     out = tape.gradient([d_gate, d_up], ins, output_gradients=[tf.constant(gg, tf.float64), tf.constant(gu, tf.float64)])
     return [t.numpy() for t in out]
 

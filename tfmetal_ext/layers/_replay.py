@@ -90,7 +90,10 @@ def _gated_operands(op, activations):
     """``(k, (kind, form, x), other)`` when `op` is a gated product ``act(x) * other``
     (`fusion.GATED_PRODUCT_OPS`, input `k` a chain activation with a one-op gradient), its operands
     of one dtype and one static shape (so no broadcast), else None: its backward pass is then one
-    ``TfmetalExt>GatedActivationGrad`` (`_contraction.recomputed_gated`)."""
+    ``TfmetalExt>GatedActivationGrad`` (`_contraction.recomputed_gated`). Unknown dimensions count as
+    equal when both are unknown at the same place (a feed-forward's batch and time: gate and up are
+    two projections of one tensor); operands that broadcast along such a dimension at run time get
+    the op's InvalidArgumentError, naming both shapes, in the backward pass."""
     if op.type not in fusion.GATED_PRODUCT_OPS or len(op.inputs) != 2:
         return None
     for k, t in enumerate(op.inputs):

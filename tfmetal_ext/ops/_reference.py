@@ -265,9 +265,13 @@ def activation_factor(xf, activation):
     raise ValueError(f"Unknown activation for gated_activation_grad's reference. Received: activation={activation!r}")
 
 
+def gated_activation_grad_terms(dyf, gf, uf, activation):
+    """(dy * up * act'(gate), dy * act(gate)) in the inputs' float dtype: the kernels' formula (float32
+    there). Differentiable: the op's second-order gradient is its autodiff."""
+    return (dyf * uf) * activation_derivative(gf, activation), dyf * (gf * activation_factor(gf, activation))
+
+
 def gated_activation_grad(dy, gate, up, activation):
     """(dy * up * act'(gate), dy * act(gate)) in float32, each rounded once (TfmetalExt>GatedActivationGrad)."""
-    dyf, gf, uf = (tf.cast(t, tf.float32) for t in (dy, gate, up))
-    d_gate = (dyf * uf) * activation_derivative(gf, activation)
-    d_up = dyf * (gf * activation_factor(gf, activation))
+    d_gate, d_up = gated_activation_grad_terms(*(tf.cast(t, tf.float32) for t in (dy, gate, up)), activation)
     return tf.cast(d_gate, gate.dtype), tf.cast(d_up, gate.dtype)

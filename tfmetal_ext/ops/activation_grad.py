@@ -162,9 +162,7 @@ def _gated_activation_grad_grad(op, g_gate, g_up):
     inputs = [tf.cast(t, tf.float32) for t in (dy, gate, up)]
     with tf.GradientTape() as tape:
         tape.watch(inputs)
-        dyf, gf, uf = inputs
-        d_gate = (dyf * uf) * _reference.activation_derivative(gf, activation)
-        d_up = dyf * (gf * _reference.activation_factor(gf, activation))
+        d_gate, d_up = _reference.gated_activation_grad_terms(*inputs, activation)
     grads = tape.gradient([d_gate, d_up], inputs,
                           output_gradients=[tf.cast(_zeros_if_none(g_gate, gate), tf.float32),
                                             tf.cast(_zeros_if_none(g_up, gate), tf.float32)])
