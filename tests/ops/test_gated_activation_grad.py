@@ -254,6 +254,7 @@ def test_raw_op_rejects_mismatched_shapes():
 @pytest.mark.parametrize("impl", ["kernel", "reference"])
 def test_python_wrapper_eager_and_function(impl, monkeypatch):
     monkeypatch.setenv("TFMETAL_EXT_REFERENCE_OPS", "1" if impl == "reference" else "0")
+    assert gated_module.uses_kernel() is (impl == "kernel")
     dy, gate, up = gated_inputs((4, 9), "float32", seed=3)
     want = np_gated(dy, gate, up, "silu")
     tols = tolerances(dy, gate, up, want, "silu", "float32")
