@@ -539,6 +539,9 @@ def test_converted_backbone_saves_and_loads(tmp_path):
     assert "FusedMistralLayerNormalization" in {r.new_class for r in fused_again.conversion_report.rewrites}
 
 
+# Quick tier: one family (the full tier runs each; Gemma's decoder block hands the window in
+# test_gemma_decoder_hands_mask_factors_to_the_op's full-tier case too).
+@pytest.mark.sample_axes("family")
 @pytest.mark.parametrize("family", ["qwen", "gemma"])
 def test_sliding_window_layers_hand_the_window_to_the_op(family):
     """Qwen's and Gemma's sliding-window attention (window 5 of 16 tokens) runs as the op's own band (its

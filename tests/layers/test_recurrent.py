@@ -417,6 +417,8 @@ CUDNN_CASES = [
 ]
 
 
+# Quick tier: one kind through the cuDNN path (the same code for both; the full tier runs each).
+@pytest.mark.sample_axes("kind")
 @pytest.mark.parametrize("kind, backend", [("lstm", "cuda"), ("gru", "cuda")])
 def test_cudnn_path_matches_keras(kind, backend, force_backend, monkeypatch):
     """The layers forced onto the CudnnRNNV3 path, the op replaced by the cuDNN reference, match Keras on CPU.
