@@ -215,14 +215,19 @@ _SQRT_2_OVER_PI = 0.79788456080286536
 _GELU_TANH_K = 0.044715
 
 
+def _saturated(xf):
+    """x clamped to +-128 (TFM_ACTGRAD_SATURATION); NaN stays NaN."""
+    sat = tf.constant(_ACTIVATION_GRAD_SATURATION, xf.dtype)
+    return tf.where(xf > sat, sat, tf.where(xf < -sat, -sat, xf))
+
+
 def activation_derivative(xf, activation):
     """act'(x) of float32 `xf` as the kernels compute it: ``"silu"``, ``"gelu"`` (erf) or ``"gelu_approximate"``.
 
     Differentiable (the op's second-order gradient is its autodiff). x beyond +-128 (+-inf
     included) is taken at +-128, where every derivative is exactly 1 or 0 in float32; NaN stays NaN.
     """
-    sat = tf.constant(_ACTIVATION_GRAD_SATURATION, xf.dtype)
-    v = tf.where(xf > sat, sat, tf.where(xf < -sat, -sat, xf))
+    v = _saturated(xf)
     one, half = tf.constant(1.0, xf.dtype), tf.constant(0.5, xf.dtype)
     if activation == "silu":
         s = one / (one + tf.exp(-v))
@@ -252,8 +257,7 @@ def activation_grad(dy, x, activation):
 
 def activation_factor(xf, activation):
     """f(x) of act(x) = x * f(x) for float32 `xf`, at x clamped to +-128 (exactly 1 or 0 beyond)."""
-    sat = tf.constant(_ACTIVATION_GRAD_SATURATION, xf.dtype)
-    v = tf.where(xf > sat, sat, tf.where(xf < -sat, -sat, xf))
+    v = _saturated(xf)
     one, half = tf.constant(1.0, xf.dtype), tf.constant(0.5, xf.dtype)
     if activation == "silu":
         return tf.math.sigmoid(v)

@@ -81,14 +81,18 @@ TFM_INLINE float actgrad_silu_grad(float x) {
   return s * (1.0f + x * (1.0f - s));
 }
 
-// d/dx of 0.5 x (1 + erf(x / sqrt 2)): Phi(x) + x phi(x).
-TFM_INLINE float actgrad_gelu_grad(float x) {
+// Phi(x) = 0.5 (1 + erf(x / sqrt 2)), as 1 - erfc(z) / 2 (x >= 0) or erfc(z) / 2 (x < 0), z = |x| / sqrt 2.
+TFM_INLINE float actgrad_gelu_cdf(float x) {
   const float z = tfm_abs(x) * 0.70710678118654752f;
   const float t = 1.0f / (1.0f + 0.5f * z);
   const float half_erfc = 0.5f * t * tfm_exp_poly(tfm_int8_erfc_exponent(z, t));
   const bool upper = x >= 0.0f;  // 1 - half_erfc, else half_erfc (selects of constants: see actgrad_sigmoid)
-  const float cdf = (upper ? 1.0f : 0.0f) + (upper ? -1.0f : 1.0f) * half_erfc;
-  return cdf + x * 0.39894228040143268f * tfm_exp_poly(-0.5f * x * x);
+  return (upper ? 1.0f : 0.0f) + (upper ? -1.0f : 1.0f) * half_erfc;
+}
+
+// d/dx of 0.5 x (1 + erf(x / sqrt 2)): Phi(x) + x phi(x).
+TFM_INLINE float actgrad_gelu_grad(float x) {
+  return actgrad_gelu_cdf(x) + x * 0.39894228040143268f * tfm_exp_poly(-0.5f * x * x);
 }
 
 // d/dx of 0.5 x (1 + tanh(c (x + 0.044715 x^3))).
@@ -105,15 +109,18 @@ TFM_INLINE float actgrad_gelu_tanh_grad(float x) {
   return s + 2.0f * x * sech2_over_4 * c * (1.0f + 3.0f * k * x2);
 }
 
-// act'(x) for one of the TFM_ACTGRAD_* codes, in float32.
-TFM_INLINE float actgrad_derivative(int32_t kind, float x) {
-  // Clamped by selects on bits, not tfm_clamp: NaN must stay NaN (tfm_clamp returns a bound for NaN),
-  // and ?: keeps branches (see actgrad_sigmoid).
+// x clamped to +-TFM_ACTGRAD_SATURATION by selects on bits, not tfm_clamp: NaN must stay NaN
+// (tfm_clamp returns a bound for NaN), and ?: keeps branches (see actgrad_sigmoid).
+TFM_INLINE float actgrad_clamped(float x) {
   const uint32_t high = 0u - static_cast<uint32_t>(x > TFM_ACTGRAD_SATURATION);
   const uint32_t low = 0u - static_cast<uint32_t>(x < -TFM_ACTGRAD_SATURATION);
-  const float v = tfm_bits_to_float((tfm_float_to_bits(TFM_ACTGRAD_SATURATION) & high) |
-                                    (tfm_float_to_bits(-TFM_ACTGRAD_SATURATION) & low) |
-                                    (tfm_float_to_bits(x) & ~(high | low)));
+  return tfm_bits_to_float((tfm_float_to_bits(TFM_ACTGRAD_SATURATION) & high) |
+                           (tfm_float_to_bits(-TFM_ACTGRAD_SATURATION) & low) | (tfm_float_to_bits(x) & ~(high | low)));
+}
+
+// act'(x) for one of the TFM_ACTGRAD_* codes, in float32.
+TFM_INLINE float actgrad_derivative(int32_t kind, float x) {
+  const float v = actgrad_clamped(x);
   switch (kind) {
     case TFM_ACTGRAD_SILU:
       return actgrad_silu_grad(v);
@@ -144,26 +151,13 @@ TFM_INLINE float actgrad_factor(int32_t kind, float v) {
   switch (kind) {
     case TFM_ACTGRAD_SILU:
       return actgrad_sigmoid(v);
-    case TFM_ACTGRAD_GELU: {
-      const float z = tfm_abs(v) * 0.70710678118654752f;
-      const float t = 1.0f / (1.0f + 0.5f * z);
-      const float half_erfc = 0.5f * t * tfm_exp_poly(tfm_int8_erfc_exponent(z, t));
-      const bool upper = v >= 0.0f;  // Phi = 1 - half_erfc, else half_erfc (selects of constants)
-      return (upper ? 1.0f : 0.0f) + (upper ? -1.0f : 1.0f) * half_erfc;
-    }
+    case TFM_ACTGRAD_GELU:
+      return actgrad_gelu_cdf(v);
     default: {
       const float u = 0.79788456080286536f * v * (1.0f + 0.044715f * v * v);
       return actgrad_sigmoid(2.0f * u);
     }
   }
-}
-
-// The gate clamped to +-TFM_ACTGRAD_SATURATION by selects on bits (NaN stays NaN).
-TFM_INLINE float actgrad_clamped(float x) {
-  const uint32_t high = 0u - static_cast<uint32_t>(x > TFM_ACTGRAD_SATURATION);
-  const uint32_t low = 0u - static_cast<uint32_t>(x < -TFM_ACTGRAD_SATURATION);
-  return tfm_bits_to_float((tfm_float_to_bits(TFM_ACTGRAD_SATURATION) & high) |
-                           (tfm_float_to_bits(-TFM_ACTGRAD_SATURATION) & low) | (tfm_float_to_bits(x) & ~(high | low)));
 }
 
 // d_gate and d_up of y = act(gate) * up, float32; the kernels round each once to T.
