@@ -382,20 +382,31 @@ TFMETAL_ATTN_INLINE void AttnWiden(const T* __restrict src, int64_t count, float
   for (int64_t e = 0; e < count; ++e) dst[e] = static_cast<float>(src[e]);
 }
 
-// The rows as float: src itself for float, else widened into scratch.
-TFMETAL_ATTN_INLINE const float* AttnAsFloat(const float* src, int64_t, float*) { return src; }
+// rows x cols of `src` (row stride src_rs) as float, with *rs their row stride:
+// src itself for float, else widened into scratch (row stride cols).
+TFMETAL_ATTN_INLINE const float* AttnRowsAsFloat(const float* src, int64_t, int64_t, int64_t src_rs, float*,
+                                                 int64_t* rs) {
+  *rs = src_rs;
+  return src;
+}
 template <typename T>
-TFMETAL_ATTN_INLINE const float* AttnAsFloat(const T* src, int64_t count, float* scratch) {
-  AttnWiden(src, count, scratch);
+TFMETAL_ATTN_INLINE const float* AttnRowsAsFloat(const T* src, int64_t rows, int64_t cols, int64_t src_rs,
+                                                 float* scratch, int64_t* rs) {
+  if (src_rs == cols) {
+    AttnWiden(src, rows * cols, scratch);
+  } else {
+    for (int64_t r = 0; r < rows; ++r) AttnWiden(src + r * src_rs, cols, scratch + r * cols);
+  }
+  *rs = cols;
   return scratch;
 }
 
-// dst[c * ld + r] = src[r * cols + c] for rows x cols of src, as float.
+// dst[c * ld + r] = src[r * src_rs + c] for rows x cols of src, as float.
 template <typename T>
-TFMETAL_ATTN_INLINE void AttnTranspose(const T* __restrict src, int64_t rows, int64_t cols, float* __restrict dst,
-                                       int64_t ld) {
+TFMETAL_ATTN_INLINE void AttnTranspose(const T* __restrict src, int64_t rows, int64_t cols, int64_t src_rs,
+                                       float* __restrict dst, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<float>(src[r * cols + c]);
+    for (int64_t c = 0; c < cols; ++c) dst[c * ld + r] = static_cast<float>(src[r * src_rs + c]);
 }
 
 // ---------------------------------------------------------------- shapes and the mask
@@ -407,6 +418,21 @@ struct AttnShape {
   // Element strides of the mask along b, h, q, k (0 along a broadcast dimension).
   int64_t mask_b = 0, mask_h = 0, mask_q = 0, mask_k = 0;
   bool mask_trivial = false;  // [1, 1, 1, 1] True: no mask
+  // TFM_ATTENTION_LAYOUT_* of query, key, value, output and the gradients, and their row strides.
+  uint32_t layout = TFM_ATTENTION_LAYOUT_BHSD;
+  int64_t q_rs = 0, k_rs = 0, v_rs = 0, o_rs = 0;
+
+  // The offset of row 0 of a head: query (and dQ), output (and dO), key (and dK), value (and dV).
+  int64_t QHead(int64_t bi, int64_t hi) const { return Head(bi, hi, h, tq, d); }
+  int64_t OHead(int64_t bi, int64_t hi) const { return Head(bi, hi, h, tq, dv); }
+  int64_t KHead(int64_t bi, int64_t hki) const { return Head(bi, hki, hk, tk, d); }
+  int64_t VHead(int64_t bi, int64_t hki) const { return Head(bi, hki, hk, tk, dv); }
+
+  int64_t Head(int64_t bi, int64_t hi, int64_t heads, int64_t t, int64_t width) const {
+    return static_cast<int64_t>(attention_head_offset(layout, static_cast<uint32_t>(bi), static_cast<uint32_t>(hi),
+                                                      static_cast<uint32_t>(heads), static_cast<uint32_t>(t),
+                                                      static_cast<uint32_t>(width)));
+  }
 };
 
 // Attention dropout of one op call (tfmetal/attention.h).
@@ -473,17 +499,25 @@ Status AttnCheckRank4(const Tensor& t, const char* name) {
   return Status();
 }
 
-Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, AttnShape* s) {
+// The [B, heads, T, width] shape `layout` stores ("BSHD": [B, T, heads, width]).
+TensorShape AttnInLayout(uint32_t layout, int64_t b, int64_t heads, int64_t t, int64_t width) {
+  return layout == TFM_ATTENTION_LAYOUT_BSHD ? TensorShape({b, t, heads, width}) : TensorShape({b, heads, t, width});
+}
+
+Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, uint32_t layout,
+                       AttnShape* s) {
   TF_RETURN_IF_ERROR(AttnCheckRank4(q, "query"));
   TF_RETURN_IF_ERROR(AttnCheckRank4(k, "key"));
   TF_RETURN_IF_ERROR(AttnCheckRank4(v, "value"));
   TF_RETURN_IF_ERROR(AttnCheckRank4(mask, "mask"));
+  const int ha = layout == TFM_ATTENTION_LAYOUT_BSHD ? 2 : 1, sa = 3 - ha;  // the heads and sequence axes
+  s->layout = layout;
   s->b = q.dim_size(0);
-  s->h = q.dim_size(1);
-  s->tq = q.dim_size(2);
+  s->h = q.dim_size(ha);
+  s->tq = q.dim_size(sa);
   s->d = q.dim_size(3);
-  s->hk = k.dim_size(1);
-  s->tk = k.dim_size(2);
+  s->hk = k.dim_size(ha);
+  s->tk = k.dim_size(sa);
   s->dv = v.dim_size(3);
   if (k.dim_size(0) != s->b || k.dim_size(3) != s->d) {
     return errors::InvalidArgument("key must have the batch and head dim of query, got shapes ",
@@ -495,7 +529,7 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
                                    k.shape().DebugString());
   }
   s->groups = s->hk == 0 ? 1 : s->h / s->hk;
-  if (v.dim_size(0) != s->b || v.dim_size(1) != s->hk || v.dim_size(2) != s->tk) {
+  if (v.dim_size(0) != s->b || v.dim_size(ha) != s->hk || v.dim_size(sa) != s->tk) {
     return errors::InvalidArgument("value must have the batch of query and the heads and sequence length of key, ",
                                    "got shapes ", q.shape().DebugString(), ", ", k.shape().DebugString(), " and ",
                                    v.shape().DebugString());
@@ -526,6 +560,11 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
   s->mask_q = stride[2];
   s->mask_k = stride[3];
   s->mask_trivial = mask.NumElements() == 1 && mask.flat<bool>()(0);
+  s->q_rs = static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->h), static_cast<uint32_t>(s->d)));
+  s->o_rs = static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->h), static_cast<uint32_t>(s->dv)));
+  s->k_rs = static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->hk), static_cast<uint32_t>(s->d)));
+  s->v_rs =
+      static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->hk), static_cast<uint32_t>(s->dv)));
   return Status();
 }
 
@@ -752,10 +791,9 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
     const int64_t q0 = (item % a.q_tiles) * kBlockQ;
     const int64_t qn = std::min(kBlockQ, s.tq - q0);
     const int64_t bi = bh / s.h, hi = bh % s.h;
-    AttnTranspose(a.q + (bh * s.tq + q0) * s.d, qn, s.d, qt, kBlockQ);
-    const int64_t bkv = bi * s.hk + hi / s.groups;  // the key/value head this query head reads
-    const T* kh = a.k + bkv * s.tk * s.d;
-    const T* vh = a.v + bkv * s.tk * s.dv;
+    AttnTranspose(a.q + s.QHead(bi, hi) + q0 * s.q_rs, qn, s.d, s.q_rs, qt, kBlockQ);
+    const T* kh = a.k + s.KHead(bi, hi / s.groups);  // the key/value head this query head reads
+    const T* vh = a.v + s.VHead(bi, hi / s.groups);
     const bool* mask_q = a.mask + bi * s.mask_b + hi * s.mask_h + q0 * s.mask_q;
     std::fill(o, o + qn * s.dv, 0.0f);
     std::fill(m, m + qn, kNegInf);
@@ -765,8 +803,9 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
     const int64_t key_begin = std::min<int64_t>(key_end, attention_key_begin(a.window, static_cast<uint32_t>(q0)));
     for (int64_t k0 = key_begin; k0 < key_end; k0 += kBlockK) {
       const int64_t kn = std::min(kBlockK, key_end - k0);
-      const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
-      AttnRunGemm<kLevel>(AttnMakeGemm(kn, qn, s.d, kf, s.d, 1, qt, kBlockQ, st, kBlockQ, false));
+      int64_t kf_rs = 0;
+      const float* kf = AttnRowsAsFloat(kh + k0 * s.k_rs, kn, s.d, s.k_rs, kbuf, &kf_rs);
+      AttnRunGemm<kLevel>(AttnMakeGemm(kn, qn, s.d, kf, kf_rs, 1, qt, kBlockQ, st, kBlockQ, false));
       const bool masked = !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0),
                                                    static_cast<uint32_t>(qn), static_cast<uint32_t>(k0),
                                                    static_cast<uint32_t>(kn)) ||
@@ -808,14 +847,15 @@ TFMETAL_ATTN_INLINE void AttnForwardItemsImpl(const AttnForwardArgs<T>& a, int64
         AttnDropTransposed(st, keep, qn, kn, a.drop.scale);
       }
       // O += P V, P = (S^T)^T.
-      const float* vf = AttnAsFloat(vh + k0 * s.dv, kn * s.dv, vbuf);
-      AttnRunGemm<kLevel>(AttnMakeGemm(qn, s.dv, kn, st, 1, kBlockQ, vf, s.dv, o, s.dv, true));
+      int64_t vf_rs = 0;
+      const float* vf = AttnRowsAsFloat(vh + k0 * s.v_rs, kn, s.dv, s.v_rs, vbuf, &vf_rs);
+      AttnRunGemm<kLevel>(AttnMakeGemm(qn, s.dv, kn, st, 1, kBlockQ, vf, vf_rs, o, s.dv, true));
     }
-    T* out = a.out + (bh * s.tq + q0) * s.dv;
+    T* out = a.out + s.OHead(bi, hi) + q0 * s.o_rs;
     float* lse = a.lse + bh * s.tq + q0;
     for (int64_t i = 0; i < qn; ++i) {
       const float inv = attention_inv_sum(l[i]);
-      for (int64_t c = 0; c < s.dv; ++c) out[i * s.dv + c] = static_cast<T>(o[i * s.dv + c] * inv);
+      for (int64_t c = 0; c < s.dv; ++c) out[i * s.o_rs + c] = static_cast<T>(o[i * s.dv + c] * inv);
       lse[i] = attention_lse(m[i], l[i]);
     }
   }
@@ -855,6 +895,14 @@ inline int64_t AttnBackwardScratch(const AttnShape& s) {
          2 * kBlockQ * kBlockK + kBlockK + (std::is_same<T, float>::value ? 0 : kBlockK * s.d + kBlockQ * s.d + kBlockQ * s.dv);
 }
 
+// rows x cols of float `src` (row stride cols) into dst (row stride dst_rs), as T.
+template <typename T>
+TFMETAL_ATTN_INLINE void AttnStoreRows(const float* __restrict src, int64_t rows, int64_t cols, T* __restrict dst,
+                                       int64_t dst_rs) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) dst[r * dst_rs + c] = static_cast<T>(src[r * cols + c]);
+}
+
 template <typename T, int kLevel>
 TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end,
                                                float* scratch) {
@@ -879,9 +927,8 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
     const int64_t hki = split ? (item % s.h) / s.groups : item % s.hk;
     const int64_t g_begin = split ? (item % s.h) % s.groups : 0;
     const int64_t g_end = split ? g_begin + 1 : s.groups;
-    const int64_t kv = bi * s.hk + hki;
-    const T* kh = a.k + kv * s.tk * s.d;
-    const T* vh = a.v + kv * s.tk * s.dv;
+    const T* kh = a.k + s.KHead(bi, hki);
+    const T* vh = a.v + s.VHead(bi, hki);
     float* dk_acc = split ? a.dk_part + item * s.tk * s.d : dk_head;
     float* dv_acc = split ? a.dv_part + item * s.tk * s.dv : dv_head;
     std::fill(dk_acc, dk_acc + s.tk * s.d, 0.0f);
@@ -889,15 +936,17 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
     for (int64_t g = g_begin; g < g_end; ++g) {
       const int64_t hi = hki * s.groups + g;
       const int64_t bh = bi * s.h + hi;
-      const T* qh = a.q + bh * s.tq * s.d;
-      const T* doh = a.d_out + bh * s.tq * s.dv;
-      const T* oh = a.out + bh * s.tq * s.dv;
+      const T* qh = a.q + s.QHead(bi, hi);
+      const T* doh = a.d_out + s.OHead(bi, hi);
+      const T* oh = a.out + s.OHead(bi, hi);
       const float* lse = a.lse + bh * s.tq;
       const bool* mask_bh = a.mask + bi * s.mask_b + hi * s.mask_h;
       std::fill(dq, dq + s.tq * s.d, 0.0f);
       for (int64_t i = 0; i < s.tq; ++i) {
         float acc = 0.0f;
-        for (int64_t c = 0; c < s.dv; ++c) acc += static_cast<float>(doh[i * s.dv + c]) * static_cast<float>(oh[i * s.dv + c]);
+        const T* do_row = doh + i * s.o_rs;
+        const T* o_row = oh + i * s.o_rs;
+        for (int64_t c = 0; c < s.dv; ++c) acc += static_cast<float>(do_row[c]) * static_cast<float>(o_row[c]);
         dr[i] = acc;
       }
       for (int64_t k0 = 0; k0 < s.tk; k0 += kBlockK) {
@@ -907,17 +956,19 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
         const int64_t q_end = attention_query_end(a.window, static_cast<uint32_t>(k0), static_cast<uint32_t>(kn),
                                                   static_cast<uint32_t>(s.tq));
         if (q_begin >= q_end) continue;  // no query row attends these keys: their dK, dV stay 0
-        const float* kf = AttnAsFloat(kh + k0 * s.d, kn * s.d, kbuf);
-        AttnTranspose(kf, kn, s.d, kt, kBlockK);
-        AttnTranspose(vh + k0 * s.dv, kn, s.dv, vt, kBlockK);
+        int64_t kf_rs = 0;
+        const float* kf = AttnRowsAsFloat(kh + k0 * s.k_rs, kn, s.d, s.k_rs, kbuf, &kf_rs);
+        AttnTranspose(kf, kn, s.d, kf_rs, kt, kBlockK);
+        AttnTranspose(vh + k0 * s.v_rs, kn, s.dv, s.v_rs, vt, kBlockK);
         float* dk = dk_acc + k0 * s.d;
         float* dv = dv_acc + k0 * s.dv;
         for (int64_t q0 = q_begin; q0 < q_end; q0 += kBlockQ) {
           const int64_t qn = std::min(kBlockQ, s.tq - q0);
-          const float* qf = AttnAsFloat(qh + q0 * s.d, qn * s.d, qbuf);
-          const float* dof = AttnAsFloat(doh + q0 * s.dv, qn * s.dv, dobuf);
-          AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.d, qf, s.d, 1, kt, kBlockK, st, kBlockK, false));
-          AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.dv, dof, s.dv, 1, vt, kBlockK, dp, kBlockK, false));
+          int64_t qf_rs = 0, dof_rs = 0;
+          const float* qf = AttnRowsAsFloat(qh + q0 * s.q_rs, qn, s.d, s.q_rs, qbuf, &qf_rs);
+          const float* dof = AttnRowsAsFloat(doh + q0 * s.o_rs, qn, s.dv, s.o_rs, dobuf, &dof_rs);
+          AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.d, qf, qf_rs, 1, kt, kBlockK, st, kBlockK, false));
+          AttnRunGemm<kLevel>(AttnMakeGemm(qn, kn, s.dv, dof, dof_rs, 1, vt, kBlockK, dp, kBlockK, false));
           const bool masked =
               !attention_tile_unmasked(a.causal, a.window, static_cast<uint32_t>(q0), static_cast<uint32_t>(qn),
                                        static_cast<uint32_t>(k0), static_cast<uint32_t>(kn)) ||
@@ -952,19 +1003,16 @@ TFMETAL_ATTN_INLINE void AttnBackwardItemsImpl(const AttnBackwardArgs<T>& a, int
             }
           }
           // dV += P^T dO, dK += dS^T Q (scale folded into dS), dQ += dS K.
-          AttnRunGemm<kLevel>(AttnMakeGemm(kn, s.dv, qn, st, 1, kBlockK, dof, s.dv, dv, s.dv, true));
-          AttnRunGemm<kLevel>(AttnMakeGemm(kn, s.d, qn, dp, 1, kBlockK, qf, s.d, dk, s.d, true));
-          AttnRunGemm<kLevel>(AttnMakeGemm(qn, s.d, kn, dp, kBlockK, 1, kf, s.d, dq + q0 * s.d, s.d, true));
+          AttnRunGemm<kLevel>(AttnMakeGemm(kn, s.dv, qn, st, 1, kBlockK, dof, dof_rs, dv, s.dv, true));
+          AttnRunGemm<kLevel>(AttnMakeGemm(kn, s.d, qn, dp, 1, kBlockK, qf, qf_rs, dk, s.d, true));
+          AttnRunGemm<kLevel>(AttnMakeGemm(qn, s.d, kn, dp, kBlockK, 1, kf, kf_rs, dq + q0 * s.d, s.d, true));
         }
       }
-      T* dqh = a.dq + bh * s.tq * s.d;
-      for (int64_t e = 0; e < s.tq * s.d; ++e) dqh[e] = static_cast<T>(dq[e]);
+      AttnStoreRows(dq, s.tq, s.d, a.dq + s.QHead(bi, hi), s.q_rs);
     }
     if (split) continue;
-    T* dkh = a.dk + kv * s.tk * s.d;
-    T* dvh = a.dv + kv * s.tk * s.dv;
-    for (int64_t e = 0; e < s.tk * s.d; ++e) dkh[e] = static_cast<T>(dk_head[e]);
-    for (int64_t e = 0; e < s.tk * s.dv; ++e) dvh[e] = static_cast<T>(dv_head[e]);
+    AttnStoreRows(dk_head, s.tk, s.d, a.dk + s.KHead(bi, hki), s.k_rs);
+    AttnStoreRows(dv_head, s.tk, s.dv, a.dv + s.VHead(bi, hki), s.v_rs);
   }
 }
 
@@ -977,15 +1025,15 @@ void AttnSumPartials(const AttnBackwardArgs<T>& a, int64_t begin, int64_t end) {
     const int64_t kv = row / s.tk, j = row % s.tk;
     const int64_t bi = kv / s.hk, hki = kv % s.hk;
     const int64_t first = bi * s.h + hki * s.groups;  // the group's first query head
-    const auto sum_into = [&](const float* part, T* out, int64_t width) {
+    const auto sum_into = [&](const float* part, T* out, int64_t width) {  // out: key j's row
       for (int64_t c = 0; c < width; ++c) {
         float sum = 0.0f;
         for (int64_t g = 0; g < s.groups; ++g) sum += part[((first + g) * s.tk + j) * width + c];
-        out[row * width + c] = static_cast<T>(sum);
+        out[c] = static_cast<T>(sum);
       }
     };
-    sum_into(a.dk_part, a.dk, s.d);
-    sum_into(a.dv_part, a.dv, s.dv);
+    sum_into(a.dk_part, a.dk + s.KHead(bi, hki) + j * s.k_rs, s.d);
+    sum_into(a.dv_part, a.dv + s.VHead(bi, hki) + j * s.v_rs, s.dv);
   }
 }
 
@@ -1059,6 +1107,10 @@ class AttnAttrs {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dropout_scale", &dropout_scale_));
     const std::string error = AttentionDropoutAttrsError(dropout_rate_, dropout_scale_);  // tfmetal/host_checks.h
     OP_REQUIRES(ctx, error.empty(), errors::InvalidArgument(error));
+    std::string layout;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("layout", &layout));
+    const std::string layout_error = AttentionLayoutFromString(layout, &layout_);  // tfmetal/host_checks.h
+    OP_REQUIRES(ctx, layout_error.empty(), errors::InvalidArgument(layout_error));
   }
 
   // The dropout of a call from its seed list (input `seed`: 0 or 1 tensors).
@@ -1084,6 +1136,7 @@ class AttnAttrs {
   float scale_ = 1.0f;
   float dropout_rate_ = 0.0f;
   float dropout_scale_ = 1.0f;
+  uint32_t layout_ = TFM_ATTENTION_LAYOUT_BHSD;
 };
 
 template <typename T>
@@ -1097,11 +1150,11 @@ class AttentionOp : public OpKernel {
     const Tensor& v = ctx->input(2);
     const Tensor& mask = ctx->input(3);
     AttnShape s;
-    OP_REQUIRES_OK(ctx, AttnCheckInputs(q, k, v, mask, &s));
+    OP_REQUIRES_OK(ctx, AttnCheckInputs(q, k, v, mask, attrs_.layout_, &s));
     AttnDropout drop;
     OP_REQUIRES_OK(ctx, attrs_.Dropout<T>(ctx, &drop));
     Tensor *out = nullptr, *lse = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({s.b, s.h, s.tq, s.dv}), &out));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, AttnInLayout(s.layout, s.b, s.h, s.tq, s.dv), &out));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({s.b, s.h, s.tq}), &lse));
     AttnForwardArgs<T> a;
     a.q = q.flat<T>().data();
@@ -1151,8 +1204,8 @@ class AttentionGradOp : public OpKernel {
     const Tensor& out = ctx->input(5);
     const Tensor& lse = ctx->input(6);
     AttnShape s;
-    OP_REQUIRES_OK(ctx, AttnCheckInputs(q, k, v, mask, &s));
-    const TensorShape out_shape({s.b, s.h, s.tq, s.dv});
+    OP_REQUIRES_OK(ctx, AttnCheckInputs(q, k, v, mask, attrs_.layout_, &s));
+    const TensorShape out_shape = AttnInLayout(s.layout, s.b, s.h, s.tq, s.dv);
     OP_REQUIRES_OK(ctx, AttnCheckShape(d_out, "d_output", out_shape));
     OP_REQUIRES_OK(ctx, AttnCheckShape(out, "output", out_shape));
     OP_REQUIRES_OK(ctx, AttnCheckShape(lse, "lse", TensorShape({s.b, s.h, s.tq})));

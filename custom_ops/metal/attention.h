@@ -1,8 +1,9 @@
 // Metal kernels of TfmetalExt>Attention and TfmetalExt>AttentionGrad
 // (instantiated in attention.metal; host code in attention_metal.mm; the op
 // contract: query [B, H, Tq, D], key [B, Hk, Tk, D], value [B, Hk, Tk, Dv]
-// with Hk dividing H (grouped-query attention), a broadcast bool mask
-// [Bm, Hm, Tqm, Tkm], causal, sliding window, scale).
+// with Hk dividing H (grouped-query attention), output and the gradients
+// alike; or with layout BSHD [B, Tq, H, D], [B, Tk, Hk, D], [B, Tk, Hk, Dv];
+// a broadcast bool mask [Bm, Hm, Tqm, Tkm], causal, sliding window, scale).
 //
 // Flash-style: the Tq x Tk score matrix is never stored, only tiles of it in
 // threadgroup memory; softmax statistics and every sum are float32 whatever T.
@@ -41,6 +42,11 @@
 //                         tile is recomputed here instead of being stored: no
 //                         scratch tensor, no atomics, one writer per element.
 // Deterministic: the summation order depends only on the shapes.
+//
+// Layouts (p.layout, tfmetal/attention.h): a head's rows are contiguous (BHSD)
+// or H (key/value: Hk) rows apart (BSHD). Tiles are read and written row by
+// row through that stride, so the layout moves addresses only: the same sums
+// in the same order, BSHD's results are BHSD's bits. lse is [B, H, Tq] in both.
 //
 // Attention dropout (p.dropout = 1): every kernel derives the Philox key and
 // counter from the seed buffer (2 int32, or 4 words of 2 int64; one Philox
@@ -83,8 +89,9 @@ struct tfm_attention_params {
   float dropout_scale;     // 1 / (1 - rate), rounded to T (may be inf in half: nothing is kept then)
   uint32_t kv_heads;       // Hk: key/value heads, dividing H (query head h reads h / (H / Hk))
   uint32_t window;         // sliding window w: |i - j| < w; 0: none
+  uint32_t layout;         // TFM_ATTENTION_LAYOUT_* of query, key, value, output and the gradients
 };
-static_assert(sizeof(tfm_attention_params) == 76, "tfm_attention_params layout is shared with the host");
+static_assert(sizeof(tfm_attention_params) == 80, "tfm_attention_params layout is shared with the host");
 
 #define TFM_ATTN_THREADS 128u      // threads per threadgroup, every kernel
 #define TFM_ATTN_BLOCK_Q 8u        // query rows per tile
@@ -135,10 +142,20 @@ inline bool attn_dropout_keeps(dropout_stream stream, constant tfm_attention_par
                                     p.mantissa_bits, p.dropout_rate);
 }
 
-// The key/value head (b, kv head) query head h of batch b reads, as a flat
-// index of [B, Hk].
-inline ulong attn_kv_index(constant tfm_attention_params& p, uint b, uint h) {
-  return static_cast<ulong>(b) * p.kv_heads + attention_kv_head(h, p.heads, p.kv_heads);
+// Row addressing in p.layout: the element offset of row 0 of a head and the
+// stride between its rows, of `width` elements each. Query, output and their
+// gradients have H heads of Tq rows (q); key, value and theirs Hk of Tk (kv).
+inline ulong attn_q_offset(constant tfm_attention_params& p, uint b, uint h, uint width) {
+  return attention_head_offset(p.layout, b, h, p.heads, p.tq, width);
+}
+inline ulong attn_q_stride(constant tfm_attention_params& p, uint width) {
+  return attention_row_stride(p.layout, p.heads, width);
+}
+inline ulong attn_kv_offset(constant tfm_attention_params& p, uint b, uint hk, uint width) {
+  return attention_head_offset(p.layout, b, hk, p.kv_heads, p.tk, width);
+}
+inline ulong attn_kv_stride(constant tfm_attention_params& p, uint width) {
+  return attention_row_stride(p.layout, p.kv_heads, width);
 }
 
 // Key tiles [first, end) a query tile [q0, q0 + rows) visits: all of them, or
@@ -162,27 +179,28 @@ inline uint attn_query_tiles_end(constant tfm_attention_params& p, uint k0, uint
 }
 
 // Dot products of a tile of 8 rows of `a` with a tile of 32 rows of `b`
-// (both [rows, len] row-major, T), in float: out[r] = a[row(r)] . b[simd_lane]
-// for the SIMD-group's rows row(r) = simd_id * 2 + r. Rows past a_rows /
-// b_rows are staged as 0. Stages chunks of 64 columns in a_st [8 * 64] and
-// b_st [32 * 65]; starts each chunk with a barrier, so the caller's previous
-// reads of a_st/b_st are complete. All threads must call it.
+// (both rows of `len` T, a_stride / b_stride elements apart), in float:
+// out[r] = a[row(r)] . b[simd_lane] for the SIMD-group's rows
+// row(r) = simd_id * 2 + r. Rows past a_rows / b_rows are staged as 0. Stages
+// chunks of 64 columns in a_st [8 * 64] and b_st [32 * 65]; starts each chunk
+// with a barrier, so the caller's previous reads of a_st/b_st are complete.
+// All threads must call it.
 template <typename T>
-inline void attn_tile_dots(device const T* a, uint a_rows, device const T* b, uint b_rows, uint len,
-                           threadgroup float* a_st, threadgroup float* b_st, uint tid, uint simd_lane, uint simd_id,
-                           thread float* out) {
+inline void attn_tile_dots(device const T* a, ulong a_stride, uint a_rows, device const T* b, ulong b_stride,
+                           uint b_rows, uint len, threadgroup float* a_st, threadgroup float* b_st, uint tid,
+                           uint simd_lane, uint simd_id, thread float* out) {
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) out[r] = 0.0f;
   for (uint c0 = 0; c0 < len; c0 += TFM_ATTN_CHUNK) {
     const uint width = tfm_min(TFM_ATTN_CHUNK, len - c0);
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint e = tid; e < TFM_ATTN_BLOCK_Q * TFM_ATTN_CHUNK; e += TFM_ATTN_THREADS) {
       const uint row = e / TFM_ATTN_CHUNK, col = e % TFM_ATTN_CHUNK;
-      a_st[e] = (row < a_rows && col < width) ? static_cast<float>(a[static_cast<ulong>(row) * len + c0 + col]) : 0.0f;
+      a_st[e] = (row < a_rows && col < width) ? static_cast<float>(a[row * a_stride + c0 + col]) : 0.0f;
     }
     for (uint e = tid; e < TFM_ATTN_BLOCK_K * TFM_ATTN_CHUNK; e += TFM_ATTN_THREADS) {
       const uint row = e / TFM_ATTN_CHUNK, col = e % TFM_ATTN_CHUNK;
       b_st[row * TFM_ATTN_KEY_STRIDE + col] =
-          (row < b_rows && col < width) ? static_cast<float>(b[static_cast<ulong>(row) * len + c0 + col]) : 0.0f;
+          (row < b_rows && col < width) ? static_cast<float>(b[row * b_stride + c0 + col]) : 0.0f;
     }
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
@@ -195,17 +213,18 @@ inline void attn_tile_dots(device const T* a, uint a_rows, device const T* b, ui
   }
 }
 
-// Stages a chunk of 64 columns [c0, c0 + 64) of `rows_total` x `len` rows of
-// `src` (T) in `dst` (float, row stride `stride`), rows past `rows` and columns
-// past `len` as 0. Barrier before (previous readers done) and after.
+// Stages a chunk of 64 columns [c0, c0 + 64) of `rows_total` rows of `len` T
+// of `src` (src_stride elements apart) in `dst` (float, row stride
+// `dst_stride`), rows past `rows` and columns past `len` as 0. Barrier before
+// (previous readers done) and after.
 template <typename T>
-inline void attn_stage_chunk(device const T* src, uint rows, uint rows_total, uint len, uint c0,
-                             threadgroup float* dst, uint stride, uint tid) {
+inline void attn_stage_chunk(device const T* src, ulong src_stride, uint rows, uint rows_total, uint len, uint c0,
+                             threadgroup float* dst, uint dst_stride, uint tid) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint e = tid; e < rows_total * TFM_ATTN_CHUNK; e += TFM_ATTN_THREADS) {
     const uint row = e / TFM_ATTN_CHUNK, col = e % TFM_ATTN_CHUNK;
-    dst[row * stride + col] =
-        (row < rows && c0 + col < len) ? static_cast<float>(src[static_cast<ulong>(row) * len + c0 + col]) : 0.0f;
+    dst[row * dst_stride + col] =
+        (row < rows && c0 + col < len) ? static_cast<float>(src[row * src_stride + c0 + col]) : 0.0f;
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
@@ -231,10 +250,11 @@ template <typename T>
   const uint q0 = tgid.x * TFM_ATTN_BLOCK_Q;
   const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
   const ulong bh = static_cast<ulong>(b) * p.heads + h;
-  const ulong bkv = attn_kv_index(p, b, h);
-  device const T* q_tile = query + (bh * p.tq + q0) * p.d;
-  device const T* k_head = key + bkv * p.tk * p.d;
-  device const T* v_head = value + bkv * p.tk * p.dv;
+  const uint hk = attention_kv_head(h, p.heads, p.kv_heads);
+  const ulong q_stride = attn_q_stride(p, p.d), k_stride = attn_kv_stride(p, p.d), v_stride = attn_kv_stride(p, p.dv);
+  device const T* q_tile = query + attn_q_offset(p, b, h, p.d) + q0 * q_stride;
+  device const T* k_head = key + attn_kv_offset(p, b, hk, p.d);
+  device const T* v_head = value + attn_kv_offset(p, b, hk, p.dv);
   const bool causal = p.causal != 0u;
   const bool dropout = p.dropout != 0u;
   const dropout_stream stream = attn_dropout_stream(seed, p);
@@ -254,7 +274,7 @@ template <typename T>
     const uint k0 = kt * TFM_ATTN_BLOCK_K;
     const uint keys = tfm_min(TFM_ATTN_BLOCK_K, p.tk - k0);
     float dots[TFM_ATTN_ROWS_PER_SIMD];
-    attn_tile_dots(q_tile, rows, k_head + static_cast<ulong>(k0) * p.d, keys, p.d, a_st, b_st, tid, simd_lane,
+    attn_tile_dots(q_tile, q_stride, rows, k_head + k0 * k_stride, k_stride, keys, p.d, a_st, b_st, tid, simd_lane,
                    simd_id, dots);
     const uint j = k0 + simd_lane;
     for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
@@ -277,7 +297,7 @@ template <typename T>
     // acc = acc * alpha + P V, V staged chunk by chunk (the staging's barrier
     // also publishes p_st to the SIMD-group's other lanes).
     for (uint c0 = 0; c0 < p.dv; c0 += TFM_ATTN_CHUNK) {
-      attn_stage_chunk(v_head + static_cast<ulong>(k0) * p.dv, keys, TFM_ATTN_BLOCK_K, p.dv, c0, b_st,
+      attn_stage_chunk(v_head + k0 * v_stride, v_stride, keys, TFM_ATTN_BLOCK_K, p.dv, c0, b_st,
                        TFM_ATTN_KEY_STRIDE, tid);
       for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
         threadgroup const float* pr = p_st + (simd_id * TFM_ATTN_ROWS_PER_SIMD + r) * TFM_ATTN_BLOCK_K;
@@ -292,10 +312,11 @@ template <typename T>
     }
   }
 
+  const ulong out_head = attn_q_offset(p, b, h, p.dv), out_stride = attn_q_stride(p, p.dv);
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
     const uint row = simd_id * TFM_ATTN_ROWS_PER_SIMD + r;
     if (row >= rows) continue;
-    const ulong out_row = (bh * p.tq + q0 + row) * p.dv;
+    const ulong out_row = out_head + (q0 + row) * out_stride;
     const float inv_sum = attention_inv_sum(run_sum[r]);
     for (uint t = 0; t < TFM_ATTN_DIMS_PER_LANE; ++t) {
       const uint c = t * 32u + simd_lane;
@@ -308,16 +329,17 @@ template <typename T>
 // ---------------------------------------------------------------------------
 // Backward.
 
-// Dr = sum_c dO[i, c] * O[i, c] of the SIMD-group's rows of a query tile.
+// Dr = sum_c dO[i, c] * O[i, c] of the SIMD-group's rows of a query tile
+// (rows of both `stride` elements apart).
 template <typename T>
-inline void attn_rows_dr(device const T* d_out_tile, device const T* out_tile, uint rows, uint dv, uint simd_lane,
-                         uint simd_id, thread float* dr) {
+inline void attn_rows_dr(device const T* d_out_tile, device const T* out_tile, ulong stride, uint rows, uint dv,
+                         uint simd_lane, uint simd_id, thread float* dr) {
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
     const uint row = simd_id * TFM_ATTN_ROWS_PER_SIMD + r;
     float sum = 0.0f;
     if (row < rows) {
       for (uint c = simd_lane; c < dv; c += 32u) {
-        const ulong at = static_cast<ulong>(row) * dv + c;
+        const ulong at = row * stride + c;
         sum += static_cast<float>(d_out_tile[at]) * static_cast<float>(out_tile[at]);
       }
     }
@@ -337,14 +359,17 @@ inline void attn_tile_p_ds(device const T* query, device const T* key, device co
                            threadgroup float* a_st, threadgroup float* b_st, threadgroup float* p_st,
                            threadgroup float* ds_st, uint tid, uint simd_lane, uint simd_id) {
   const ulong bh = static_cast<ulong>(b) * p.heads + h;
-  const ulong bkv = attn_kv_index(p, b, h);
+  const uint hk = attention_kv_head(h, p.heads, p.kv_heads);
   float dots[TFM_ATTN_ROWS_PER_SIMD];
   float dps[TFM_ATTN_ROWS_PER_SIMD];
-  device const T* q_tile = query + (bh * p.tq + q0) * p.d;
-  device const T* do_tile = d_output + (bh * p.tq + q0) * p.dv;
-  attn_tile_dots(q_tile, rows, key + (bkv * p.tk + k0) * p.d, keys, p.d, a_st, b_st, tid, simd_lane, simd_id, dots);
-  attn_tile_dots(do_tile, rows, value + (bkv * p.tk + k0) * p.dv, keys, p.dv, a_st, b_st, tid, simd_lane, simd_id,
-                 dps);
+  const ulong q_stride = attn_q_stride(p, p.d), do_stride = attn_q_stride(p, p.dv);
+  const ulong k_stride = attn_kv_stride(p, p.d), v_stride = attn_kv_stride(p, p.dv);
+  device const T* q_tile = query + attn_q_offset(p, b, h, p.d) + q0 * q_stride;
+  device const T* do_tile = d_output + attn_q_offset(p, b, h, p.dv) + q0 * do_stride;
+  attn_tile_dots(q_tile, q_stride, rows, key + attn_kv_offset(p, b, hk, p.d) + k0 * k_stride, k_stride, keys, p.d,
+                 a_st, b_st, tid, simd_lane, simd_id, dots);
+  attn_tile_dots(do_tile, do_stride, rows, value + attn_kv_offset(p, b, hk, p.dv) + k0 * v_stride, v_stride, keys,
+                 p.dv, a_st, b_st, tid, simd_lane, simd_id, dps);
   const uint j = k0 + simd_lane;
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
     const uint row = simd_id * TFM_ATTN_ROWS_PER_SIMD + r;
@@ -383,16 +408,17 @@ template <typename T>
   const uint b = tgid.z, h = tgid.y;
   const uint q0 = tgid.x * TFM_ATTN_BLOCK_Q;
   const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
-  const ulong bh = static_cast<ulong>(b) * p.heads + h;
-  device const T* k_head = key + attn_kv_index(p, b, h) * p.tk * p.d;
+  const ulong k_stride = attn_kv_stride(p, p.d);
+  device const T* k_head = key + attn_kv_offset(p, b, attention_kv_head(h, p.heads, p.kv_heads), p.d);
   const dropout_stream stream = attn_dropout_stream(seed, p);
 
   float acc[TFM_ATTN_ROWS_PER_SIMD][TFM_ATTN_DIMS_PER_LANE];
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r)
     for (uint t = 0; t < TFM_ATTN_DIMS_PER_LANE; ++t) acc[r][t] = 0.0f;
   float dr[TFM_ATTN_ROWS_PER_SIMD];
-  attn_rows_dr(d_output + (bh * p.tq + q0) * p.dv, output + (bh * p.tq + q0) * p.dv, rows, p.dv, simd_lane, simd_id,
-               dr);
+  const ulong do_stride = attn_q_stride(p, p.dv);
+  const ulong do_tile = attn_q_offset(p, b, h, p.dv) + q0 * do_stride;  // of d_output and output
+  attn_rows_dr(d_output + do_tile, output + do_tile, do_stride, rows, p.dv, simd_lane, simd_id, dr);
 
   const uint key_tiles = attn_key_tiles(p, q0, rows);
   for (uint kt = attn_key_tile_begin(p, q0); kt < key_tiles; ++kt) {
@@ -402,7 +428,7 @@ template <typename T>
                    ds_st, tid, simd_lane, simd_id);
     // dQ += dS K, K staged chunk by chunk.
     for (uint c0 = 0; c0 < p.d; c0 += TFM_ATTN_CHUNK) {
-      attn_stage_chunk(k_head + static_cast<ulong>(k0) * p.d, keys, TFM_ATTN_BLOCK_K, p.d, c0, b_st,
+      attn_stage_chunk(k_head + k0 * k_stride, k_stride, keys, TFM_ATTN_BLOCK_K, p.d, c0, b_st,
                        TFM_ATTN_KEY_STRIDE, tid);
       for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
         threadgroup const float* dsr = ds_st + (simd_id * TFM_ATTN_ROWS_PER_SIMD + r) * TFM_ATTN_BLOCK_K;
@@ -416,10 +442,11 @@ template <typename T>
     }
   }
 
+  const ulong dq_head = attn_q_offset(p, b, h, p.d), dq_stride = attn_q_stride(p, p.d);
   for (uint r = 0; r < TFM_ATTN_ROWS_PER_SIMD; ++r) {
     const uint row = simd_id * TFM_ATTN_ROWS_PER_SIMD + r;
     if (row >= rows) continue;
-    const ulong dq_row = (bh * p.tq + q0 + row) * p.d;
+    const ulong dq_row = dq_head + (q0 + row) * dq_stride;
     for (uint t = 0; t < TFM_ATTN_DIMS_PER_LANE; ++t) {
       const uint c = t * 32u + simd_lane;
       if (c < p.d) d_query[dq_row + c] = static_cast<T>(p.scale * acc[r][t]);
@@ -455,7 +482,6 @@ template <typename T>
   const uint c0 = (tgid.x % chunks) * TFM_ATTN_CHUNK;
   const uint k0 = kt * TFM_ATTN_BLOCK_K;
   const uint keys = tfm_min(TFM_ATTN_BLOCK_K, p.tk - k0);
-  const ulong bkv = static_cast<ulong>(b) * p.kv_heads + hk;
   const uint groups = p.heads / p.kv_heads;  // the query heads reading this key/value head
   const dropout_stream stream = attn_dropout_stream(seed, p);
 
@@ -472,23 +498,24 @@ template <typename T>
 
   // Causal: query rows before k0 attend no key of this tile; a window: nor rows past its end.
   const uint query_tiles = attn_query_tiles_end(p, k0, keys);
+  const ulong q_stride = attn_q_stride(p, p.d), do_stride = attn_q_stride(p, p.dv);
   for (uint g = 0; g < groups; ++g) {
     const uint h = hk * groups + g;
-    const ulong bh = static_cast<ulong>(b) * p.heads + h;
+    const ulong q_head = attn_q_offset(p, b, h, p.d), do_head = attn_q_offset(p, b, h, p.dv);
     for (uint qt = attn_first_query_tile(p, k0); qt < query_tiles; ++qt) {
       const uint q0 = qt * TFM_ATTN_BLOCK_Q;
       const uint rows = tfm_min(TFM_ATTN_BLOCK_Q, p.tq - q0);
+      const ulong do_tile = do_head + q0 * do_stride;  // of d_output and output
       // Dr of the query tile, recomputed here rather than stored (no scratch tensor).
       float dr[TFM_ATTN_ROWS_PER_SIMD];
-      attn_rows_dr(d_output + (bh * p.tq + q0) * p.dv, output + (bh * p.tq + q0) * p.dv, rows, p.dv, simd_lane,
-                   simd_id, dr);
+      attn_rows_dr(d_output + do_tile, output + do_tile, do_stride, rows, p.dv, simd_lane, simd_id, dr);
       attn_tile_p_ds(query, key, value, mask, d_output, lse, dr, stream, p, b, h, q0, rows, k0, keys, a_st, b_st, p_st,
                      ds_st, tid, simd_lane, simd_id);
       // The chunk's columns of Q and dO for this query tile (the staging's
       // barriers publish p_st / ds_st too).
-      attn_stage_chunk(query + (bh * p.tq + q0) * p.d, rows, TFM_ATTN_BLOCK_Q, p.d, c0, q_st, TFM_ATTN_CHUNK, tid);
-      attn_stage_chunk(d_output + (bh * p.tq + q0) * p.dv, rows, TFM_ATTN_BLOCK_Q, p.dv, c0, do_st, TFM_ATTN_CHUNK,
+      attn_stage_chunk(query + q_head + q0 * q_stride, q_stride, rows, TFM_ATTN_BLOCK_Q, p.d, c0, q_st, TFM_ATTN_CHUNK,
                        tid);
+      attn_stage_chunk(d_output + do_tile, do_stride, rows, TFM_ATTN_BLOCK_Q, p.dv, c0, do_st, TFM_ATTN_CHUNK, tid);
       for (uint n = 0; n < kPerThread; ++n) {
         const uint jj = tid / TFM_ATTN_CHUNK + kKeyStep * n;
         float sum_dk = 0.0f;
@@ -503,12 +530,14 @@ template <typename T>
     }
   }  // query heads of the key/value head
 
+  const ulong dk_head = attn_kv_offset(p, b, hk, p.d), dk_stride = attn_kv_stride(p, p.d);
+  const ulong dv_head = attn_kv_offset(p, b, hk, p.dv), dv_stride = attn_kv_stride(p, p.dv);
   for (uint n = 0; n < kPerThread; ++n) {
     const uint jj = tid / TFM_ATTN_CHUNK + kKeyStep * n;
     if (jj >= keys) continue;
-    const ulong key_row = bkv * p.tk + k0 + jj;
-    if (c0 + col < p.d) d_key[key_row * p.d + c0 + col] = static_cast<T>(p.scale * dk[n]);
-    if (c0 + col < p.dv) d_value[key_row * p.dv + c0 + col] = static_cast<T>(dv[n]);
+    const uint j = k0 + jj;
+    if (c0 + col < p.d) d_key[dk_head + j * dk_stride + c0 + col] = static_cast<T>(p.scale * dk[n]);
+    if (c0 + col < p.dv) d_value[dv_head + j * dv_stride + c0 + col] = static_cast<T>(dv[n]);
   }
 }
 

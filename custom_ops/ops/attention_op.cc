@@ -1,7 +1,8 @@
 // Registration of TfmetalExt>Attention and its gradient op TfmetalExt>AttentionGrad.
 //
 // query [B, H, Tq, D], key [B, Hk, Tk, D], value [B, Hk, Tk, Dv] of one float
-// dtype T, Hk dividing H (grouped-query attention; Hk = H without); a boolean "attend" mask of rank 4 whose every dimension is 1 or the
+// dtype T (layout "BHSD"; with layout "BSHD" the sequence and heads axes of
+// query, key, value, output and the gradients are swapped: [B, Tq, H, D] ...), Hk dividing H (grouped-query attention; Hk = H without); a boolean "attend" mask of rank 4 whose every dimension is 1 or the
 // full size of [B, H, Tq, Tk] ([1, 1, 1, 1] True for no mask). The saved
 // log-sum-exp is float32 for every T.
 //
@@ -10,6 +11,8 @@
 // Tseed attr) still loads and runs as before, and dropout_rate defaults to 0.
 // With dropout_rate > 0 the list holds the stateless seed (2 int32 or int64,
 // as TfmetalExt>Dropout's); the kernels refuse a missing or malformed one.
+#include <string>
+
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -50,26 +53,41 @@ Status CheckHeadDim(InferenceContext* c, DimensionHandle d, const char* name, Sh
   return Status();
 }
 
+// The shape of a [B, heads, T, width] operand in `layout` ("BSHD": [B, T, heads, width]).
+ShapeHandle InLayout(InferenceContext* c, bool bshd, DimensionHandle b, DimensionHandle heads, DimensionHandle t,
+                     DimensionHandle width) {
+  return bshd ? c->MakeShape({b, t, heads, width}) : c->MakeShape({b, heads, t, width});
+}
+
+Status ReadLayout(InferenceContext* c, bool* bshd) {
+  std::string layout;
+  TF_RETURN_IF_ERROR(c->GetAttr("layout", &layout));
+  *bshd = layout == "BSHD";
+  return Status();
+}
+
 // Checks query/key/value/mask (inputs first..first+3) and gives B, H, Tq, Tk, D, Dv, Hk.
-Status CheckAttentionInputs(InferenceContext* c, int first, DimensionHandle dims[7]) {
+// The heads and sequence axes of query/key/value are 1 and 2 (BHSD) or 2 and 1 (BSHD).
+Status CheckAttentionInputs(InferenceContext* c, int first, bool bshd, DimensionHandle dims[7]) {
+  const int ha = bshd ? 2 : 1, sa = bshd ? 1 : 2;
   ShapeHandle q, k, v, m;
   TF_RETURN_IF_ERROR(Rank4(c, first, "query", &q));
   TF_RETURN_IF_ERROR(Rank4(c, first + 1, "key", &k));
   TF_RETURN_IF_ERROR(Rank4(c, first + 2, "value", &v));
   TF_RETURN_IF_ERROR(Rank4(c, first + 3, "mask", &m));
-  DimensionHandle b, h = c->Dim(q, 1), hk, tk, d;
+  DimensionHandle b, h = c->Dim(q, ha), hk, tk, d;
   TF_RETURN_IF_ERROR(MergeDim(c, q, 0, "query", k, 0, "key", "batch dimension", &b));
   TF_RETURN_IF_ERROR(MergeDim(c, q, 3, "query", k, 3, "key", "head dim", &d));
-  ShapeHandle qb = c->MakeShape({b, h, c->Dim(q, 2), d});
+  ShapeHandle qb = c->MakeShape({b, h, c->Dim(q, sa), d});
   TF_RETURN_IF_ERROR(MergeDim(c, qb, 0, "query", v, 0, "value", "batch dimension", &b));
-  TF_RETURN_IF_ERROR(MergeDim(c, k, 1, "key", v, 1, "value", "heads dimension", &hk));
-  TF_RETURN_IF_ERROR(MergeDim(c, k, 2, "key", v, 2, "value", "sequence length", &tk));
+  TF_RETURN_IF_ERROR(MergeDim(c, k, ha, "key", v, ha, "value", "heads dimension", &hk));
+  TF_RETURN_IF_ERROR(MergeDim(c, k, sa, "key", v, sa, "value", "sequence length", &tk));
   if (c->ValueKnown(h) && c->ValueKnown(hk) && (c->Value(hk) < 1 || c->Value(h) % c->Value(hk) != 0) &&
       !(c->Value(h) == 0 && c->Value(hk) == 0)) {
     return ::tensorflow::errors::InvalidArgument("the key/value heads must divide the query heads, got shapes ",
                                                  c->DebugString(q), " and ", c->DebugString(k));
   }
-  DimensionHandle tq = c->Dim(q, 2), dv = c->Dim(v, 3);
+  DimensionHandle tq = c->Dim(q, sa), dv = c->Dim(v, 3);
   TF_RETURN_IF_ERROR(CheckHeadDim(c, d, "query", q));
   TF_RETURN_IF_ERROR(CheckHeadDim(c, dv, "value", v));
   const DimensionHandle full[4] = {b, h, tq, tk};
@@ -110,23 +128,27 @@ Status CheckSeed(InferenceContext* c, int first) {
 
 Status AttentionShape(InferenceContext* c) {
   DimensionHandle dims[7];
-  TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 0, dims));
+  bool bshd = false;
+  TF_RETURN_IF_ERROR(ReadLayout(c, &bshd));
+  TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 0, bshd, dims));
   TF_RETURN_IF_ERROR(CheckSeed(c, 4));
-  c->set_output(0, c->MakeShape({dims[0], dims[1], dims[2], dims[5]}));
+  c->set_output(0, InLayout(c, bshd, dims[0], dims[1], dims[2], dims[5]));
   c->set_output(1, c->MakeShape({dims[0], dims[1], dims[2]}));
   return Status();
 }
 
 Status AttentionGradShape(InferenceContext* c) {
   DimensionHandle dims[7];
-  TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 1, dims));
+  bool bshd = false;
+  TF_RETURN_IF_ERROR(ReadLayout(c, &bshd));
+  TF_RETURN_IF_ERROR(CheckAttentionInputs(c, 1, bshd, dims));
   TF_RETURN_IF_ERROR(CheckSeed(c, 7));
-  ShapeHandle want_out = c->MakeShape({dims[0], dims[1], dims[2], dims[5]});
+  ShapeHandle want_out = InLayout(c, bshd, dims[0], dims[1], dims[2], dims[5]);
   ShapeHandle merged;
   for (int input : {0, 5}) {
     if (!c->Merge(c->input(input), want_out, &merged).ok()) {
       return ::tensorflow::errors::InvalidArgument(input == 0 ? "d_output" : "output",
-                                                   " must have the shape [batch, heads, q_seq, value_dim] = ",
+                                                   " must have the shape of the op's output, ",
                                                    c->DebugString(want_out), ", got ", c->DebugString(c->input(input)));
     }
   }
@@ -135,9 +157,9 @@ Status AttentionGradShape(InferenceContext* c) {
     return ::tensorflow::errors::InvalidArgument("lse must have the shape [batch, heads, q_seq] = ",
                                                  c->DebugString(want_lse), ", got ", c->DebugString(c->input(6)));
   }
-  c->set_output(0, c->MakeShape({dims[0], dims[1], dims[2], dims[4]}));
-  c->set_output(1, c->MakeShape({dims[0], dims[6], dims[3], dims[4]}));
-  c->set_output(2, c->MakeShape({dims[0], dims[6], dims[3], dims[5]}));
+  c->set_output(0, InLayout(c, bshd, dims[0], dims[1], dims[2], dims[4]));
+  c->set_output(1, InLayout(c, bshd, dims[0], dims[6], dims[3], dims[4]));
+  c->set_output(2, InLayout(c, bshd, dims[0], dims[6], dims[3], dims[5]));
   return Status();
 }
 
@@ -158,6 +180,7 @@ REGISTER_OP("TfmetalExt>Attention")
     .Attr("scale: float = 1.0")
     .Attr("dropout_rate: float = 0.0")
     .Attr("dropout_scale: float = 1.0")
+    .Attr("layout: {'BHSD', 'BSHD'} = 'BHSD'")
     .SetShapeFn(attention_op::AttentionShape)
     .Doc(R"doc(
 Scaled dot-product softmax attention per batch and head, flash-style (the
@@ -178,6 +201,12 @@ with seed `seed` (one tensor of 2 int32/int64 values, required then);
 dropout_rate (in [0, 1]) and dropout_scale (> 0) are taken as given
 (tfmetal_ext.ops.attention passes the rate and 1 / (1 - rate) as T rounds
 them). lse stays the log-sum-exp of the undropped scores.
+
+layout "BSHD" takes query [B, Tq, H, D], key [B, Tk, Hk, D], value
+[B, Tk, Hk, Dv] and gives output [B, Tq, H, Dv] (the sequence before the
+heads, as a projection to heads writes them), read and written in place with
+the same math and summation order as "BHSD": the same values, bit for bit.
+The mask, lse and the dropout mask keep their [B, H, Tq, Tk] indexing.
 )doc");
 
 REGISTER_OP("TfmetalExt>AttentionGrad")
@@ -199,6 +228,7 @@ REGISTER_OP("TfmetalExt>AttentionGrad")
     .Attr("scale: float = 1.0")
     .Attr("dropout_rate: float = 0.0")
     .Attr("dropout_scale: float = 1.0")
+    .Attr("layout: {'BHSD', 'BSHD'} = 'BHSD'")
     .SetShapeFn(attention_op::AttentionGradShape)
     .Doc(R"doc(
 Gradient of TfmetalExt>Attention from its output and saved lse: the
@@ -211,7 +241,8 @@ float32 accumulation for every T; deterministic (no atomics, the summation
 order depends on the shapes only). With dropout (the forward's seed,
 dropout_rate and dropout_scale) the mask m (dropout_scale or 0) is drawn
 once more, d_value = (p m)^T d_output and ds = p (m (d_output . v) - Dr),
-with output the forward's dropped output.
+with output the forward's dropped output. layout is the forward's: d_output,
+output and the three gradients are in it.
 )doc");
 
 }  // namespace tfmetal_ext

@@ -589,6 +589,80 @@ def test_heads_last_is_the_transposed_output_and_gradient(path, dropout):
         assert any(op.type == "TfmetalExt>AttentionGrad" for op in graph.get_operations())
 
 
+# (b, h, kv_heads, tq, tk, d, dv, mask kind, causal, window, dropout rate): grouped heads (one key/value
+# head for a batch of one: the backward's split over query heads where there are 2+ threads), windows,
+# dropout with tk % 4 == 0 (rows drawn as Philox lanes) and not, value dims other than the head dim,
+# half/bfloat16 tiles widened from strided rows.
+LAYOUT_CASES = [
+    (2, 4, 2, 70, 150, 32, 48, "padding", True, 0, 0.0),
+    (1, 4, 1, 130, 130, 16, 8, None, True, 33, 0.0),
+    (1, 3, 3, 66, 128, 8, 8, "full", False, 0, 0.2),
+    (2, 2, 1, 9, 13, 8, 4, "padding", False, 5, 0.3),
+]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_bshd_layout_is_the_bhsd_result_in_place(path, dtype):
+    """``layout="BSHD"`` reads (batch, seq, heads, dim) in place and gives the ``"BHSD"`` output and
+    gradients transposed, bit for bit (the kernels run the same operations in the same order on the
+    same values, only the addresses differ; the dropout mask is of the logical (b, h, i, j)). The first
+    case is also held to float64 numpy directly. With the kernel, no Transpose is in the graph."""
+    tf_dtype, tol = DTYPES[dtype]
+
+    def run(q, k, v, dy, layout, **kwargs):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attention(q, k, v, layout=layout, **kwargs)
+        return [out] + tape.gradient(out, [q, k, v], output_gradients=dy)
+
+    swap = lambda t: tf.transpose(t, [0, 2, 1, 3])  # noqa: E731
+    for seed, case in enumerate(LAYOUT_CASES):
+        b, h, hk, tq, tk, d, dv, kind, causal, window, rate = case
+        rng = np.random.default_rng(seed + 500)
+        q, k, v, do = (tf.constant(rng.normal(0, 1, shape).astype("float32"), tf_dtype)
+                       for shape in ((b, h, tq, d), (b, hk, tk, d), (b, hk, tk, dv), (b, h, tq, dv)))
+        kwargs = dict(mask=make_mask(kind, b, h, tq, tk, seed), causal=causal, sliding_window=window or None,
+                      dropout_rate=rate, seed=[seed, 9] if rate else None)
+        want = run(q, k, v, do, "BHSD", **kwargs)
+        got = run(swap(q), swap(k), swap(v), swap(do), "BSHD", **kwargs)
+        assert [t.shape for t in got] == [swap(t).shape for t in want], case
+        for g, w, name in zip(got, want, ["output", "dq", "dk", "dv"]):
+            np.testing.assert_array_equal(swap(g).numpy(), w.numpy(), err_msg=f"{name}, {case}")
+        if seed == 0:
+            ref = np_grouped(*(rounded(t.numpy(), tf_dtype) for t in (q, k, v, do)), kwargs["mask"], causal, window,
+                             1 / math.sqrt(d))
+            assert_close(as64(swap(got[0])), ref[0], tol, "output")
+            for g, r, name in zip(got[1:], ref[2:], "qkv"):
+                assert_close(as64(swap(g)), r, 2 * tol, f"d{name}")
+    if path == "kernel":
+        q, k, v, do = (swap(t) for t in (q, k, v, do))
+        graph = tf.function(lambda: run(q, k, v, do, "BSHD", **kwargs)).get_concrete_function().graph
+        types = [op.type for op in graph.get_operations()]
+        assert "TfmetalExt>Attention" in types and "TfmetalExt>AttentionGrad" in types
+        assert "Transpose" not in types
+
+
+def test_bshd_raw_op_shapes():
+    """The shape functions give the layout's shapes: output (batch, q_seq, heads, value_dim), lse
+    (batch, heads, q_seq), the gradients those of query, key and value."""
+    lib = _lib()
+    q, k, v = (tf.constant(t) for t in _bshd(*qkv(2, 4, 5, 7, 8, 6, seed=44)))
+    k, v = k[:, :, :2], v[:, :, :2]
+    m = np.ones((1, 1, 1, 1), bool)
+
+    @tf.function(input_signature=[tf.TensorSpec([2, None, 4, 8]), tf.TensorSpec([2, None, 2, 8]),
+                                  tf.TensorSpec([2, None, 2, 6])])
+    def shapes(q, k, v):
+        out, lse = lib.tfmetal_ext_attention(q, k, v, m, [], scale=0.5, layout="BSHD")
+        assert out.shape.as_list() == [2, None, 4, 6] and lse.shape.as_list() == [2, 4, None]
+        grads = lib.tfmetal_ext_attention_grad(out, q, k, v, m, out, lse, [], scale=0.5, layout="BSHD")
+        assert [g.shape.as_list() for g in grads] == [[2, None, 4, 8], [2, None, 2, 8], [2, None, 2, 6]]
+        return out, lse
+
+    out, lse = shapes(q, k, v)
+    assert out.shape == (2, 5, 4, 6) and lse.shape == (2, 4, 5)
+
+
 def test_reference_lse_matches_numpy():
     q, k, v = qkv(2, 2, 6, 5, 4, seed=14)
     mask = padding_mask(2, 5, [5, 2], tq=6)
@@ -644,7 +718,20 @@ def _bad_calls():
         ("sliding_window=2.0", lambda: attention(q, k, v, sliding_window=2.0)),
         ("sliding_window=True", lambda: attention(q, k, v, sliding_window=True)),
         ("sliding_window=2147483648", lambda: attention(q, k, v, sliding_window=2**31)),
+        ("layout='BHDS'", lambda: attention(q, k, v, layout="BHDS")),
+        ("layout=None", lambda: attention(q, k, v, layout=None)),
+        # layout="BSHD": the heads on axis 2, the sequence on axis 1
+        ("key.shape=(2, 5, 2, 8)", lambda: attention(*_bshd(q, k[:, :2], v[:, :2]), layout="BSHD")),
+        ("value.shape=(2, 4, 3, 6)", lambda: attention(*_bshd(q, k, v[:, :, :4]), layout="BSHD")),
+        ("value.shape=(2, 5, 1, 6)", lambda: attention(*_bshd(q, k, v[:, :1]), layout="BSHD")),
+        ("mask.shape=(2, 1, 3, 5)", lambda: attention(*_bshd(q, k, v), mask=np.ones((2, 1, 3, 5), bool),
+                                                      layout="BSHD")),
     ]
+
+
+def _bshd(*tensors):
+    """(batch, heads, seq, dim) arrays as (batch, seq, heads, dim)."""
+    return [np.ascontiguousarray(np.swapaxes(t, 1, 2)) for t in tensors]
 
 
 @pytest.mark.parametrize("received, call", _bad_calls(), ids=[r for r, _ in _bad_calls()])
@@ -770,6 +857,15 @@ def _raw_bad_calls():
         ("dropout_rate 1.5", *fwd(seeds=[seed], dropout_rate=1.5, dropout_scale=2.0)),
         ("dropout_rate -0.1", *fwd(seeds=[seed], dropout_rate=-0.1, dropout_scale=2.0)),
         ("dropout_scale 0", *grad(seeds=[seed], dropout_rate=0.5, dropout_scale=0.0)),
+        # layout "BSHD": shapes read with the heads on axis 2; d_output and output in that layout
+        ("BSHD value length", "tfmetal_ext_attention", [*_bshd(q, k), _bshd(v)[0][:, :4], m], [],
+         {"scale": 1.0, "layout": "BSHD"}),
+        ("BSHD key heads 2 of 3", "tfmetal_ext_attention", [*_bshd(q, k[:, :2], v[:, :2]), m], [],
+         {"scale": 1.0, "layout": "BSHD"}),
+        ("BSHD grad d_output in BHSD", "tfmetal_ext_attention_grad", [out, *_bshd(q, k, v), m, *_bshd(out), lse],
+         [], {"scale": 1.0, "layout": "BSHD"}),
+        ("BSHD grad output in BHSD", "tfmetal_ext_attention_grad", [*_bshd(out, q, k, v), m, out, lse],
+         [], {"scale": 1.0, "layout": "BSHD"}),
     ]
 
 
@@ -1124,9 +1220,9 @@ def test_dropout_bad_arguments():
 
 
 def test_graphs_without_the_seed_input_still_load_and_run():
-    """A TfmetalExt>Attention node written before the seed input and dropout attrs existed (4 inputs,
-    no Tseed/dropout_rate/dropout_scale) loads with the defaults (no seed, rate 0): the same output
-    and gradients as today's op."""
+    """A TfmetalExt>Attention node written before the seed input and the dropout and layout attrs
+    existed (4 inputs, no Tseed/dropout_rate/dropout_scale/layout) loads with the defaults (no seed,
+    rate 0, "BHSD"): the same output and gradients as today's op."""
     lib = _lib()
     q, k, v = qkv(1, 2, 5, 6, 4, 3, seed=39)
     want = lib.tfmetal_ext_attention(q, k, v, np.ones((1, 1, 1, 1), bool), [], causal=True, scale=0.5)[0].numpy()
@@ -1141,7 +1237,7 @@ def test_graphs_without_the_seed_input_still_load_and_run():
     node.attr["T"].type = tf.float32.as_datatype_enum
     node.attr["causal"].b = True
     node.attr["scale"].f = 0.5
-    assert "Tseed" not in node.attr and "dropout_rate" not in node.attr
+    assert "Tseed" not in node.attr and "dropout_rate" not in node.attr and "layout" not in node.attr
     with tf.Graph().as_default() as g:
         (out,) = tf.graph_util.import_graph_def(graph_def, return_elements=["old_attention:0"])
         grads = tf.gradients(out, [g.get_tensor_by_name(f"import/{n}:0") for n in "qkv"])

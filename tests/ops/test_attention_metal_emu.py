@@ -16,6 +16,11 @@ dropout drawn by the numpy Philox of tfmetal_ext.testing (np_key_counter,
 np_stateless_uniform: written from the definition, not from the kernels'
 header), and against the CPU kernel's dropout.
 
+The BSHD layout: a few representative cases (grouped-query attention,
+causal, windows, dropout, half and bfloat16, D != Dv past a chunk) again with
+the operands transposed to [B, T, heads, width]: the results, transposed back,
+must be the BHSD run's bits.
+
 Outputs start as NaN (an element no thread writes fails the comparison) and
 sit in front of a guard region that must come back untouched (no write past
 the end). Emulated threadgroups run their 128 threads as OS threads, one
@@ -45,7 +50,8 @@ PARAMS = np.dtype([("batch", "<u4"), ("heads", "<u4"), ("tq", "<u4"), ("tk", "<u
                    ("mask_stride_b", "<u4"), ("mask_stride_h", "<u4"), ("mask_stride_q", "<u4"),
                    ("mask_stride_k", "<u4"), ("scale", "<f4"), ("causal", "<u4"), ("dropout", "<u4"),
                    ("seed_is_int64", "<u4"), ("mantissa_bits", "<u4"), ("dropout_rate", "<f4"),
-                   ("dropout_scale", "<f4"), ("kv_heads", "<u4"), ("window", "<u4")])
+                   ("dropout_scale", "<f4"), ("kv_heads", "<u4"), ("window", "<u4"), ("layout", "<u4")])
+LAYOUTS = {"BHSD": 0, "BSHD": 1}  # TFM_ATTENTION_LAYOUT_* (tfmetal/attention.h)
 BITS = {"float": 23, "half": 10, "bfloat": 7}
 THREADS, BLOCK_Q, BLOCK_K, CHUNK = 128, 8, 32, 64  # attention.h
 GUARD = 37      # elements after each output that no kernel may write
@@ -90,7 +96,8 @@ class Dropout:
         return np.where(u >= self.rate, self.scale, 0.0)
 
 
-def params(q, k, v, mask, causal, scale, dropout=None, window=0):
+def params(q, k, v, mask, causal, scale, dropout=None, window=0, layout="BHSD"):
+    """q, k, v as [B, heads, T, width] whatever the layout."""
     b, h, tq, d = q.shape
     tk, dv = k.shape[2], v.shape[3]
     bm, hm, tqm, tkm = mask.shape
@@ -99,8 +106,24 @@ def params(q, k, v, mask, causal, scale, dropout=None, window=0):
     bits = {np.dtype(t): BITS[name] for name, t in DTYPES.items()}[q.dtype]
     drop = (0, 0, bits, 0.0, 1.0) if dropout is None else (
         1, int(dropout.seed_dtype == np.int64), bits, dropout.rate, dropout.scale)
-    return ("bytes", np.array((b, h, tq, tk, d, dv) + strides + (scale, int(causal)) + drop + (k.shape[1], window),
-                              PARAMS))
+    return ("bytes", np.array((b, h, tq, tk, d, dv) + strides + (scale, int(causal)) + drop +
+                              (k.shape[1], window, LAYOUTS[layout]), PARAMS))
+
+
+def stored(shape, layout):
+    """The shape `layout` stores a [B, heads, T, width] operand in."""
+    b, h, t, w = shape
+    return (b, t, h, w) if layout == "BSHD" else (b, h, t, w)
+
+
+def to_layout(x, layout):
+    """A [B, heads, T, width] array as `layout` stores it, contiguous (the kernel's buffer)."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3) if layout == "BSHD" else x)
+
+
+def from_layout(x, layout):
+    """The [B, heads, T, width] view of an array stored in `layout`."""
+    return x.transpose(0, 2, 1, 3) if layout == "BSHD" else x
 
 
 def seed_buffer(dropout):
@@ -121,31 +144,38 @@ def check_guard(flat, shape, what):
     assert (tail == SENTINEL).all(), f"{what}: the kernel wrote past the end of the output"
 
 
-def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="linear", dropout=None, window=0):
+# The operands and results of metal_forward / metal_backward are [B, heads, T, width]
+# arrays whatever the layout: the kernels get and write them as `layout` stores them.
+
+
+def metal_forward(lib, dtype, q, k, v, mask, causal=False, scale=None, order="linear", dropout=None, window=0,
+                  layout="BHSD"):
     b, h, tq, d = q.shape
     scale = 1 / np.sqrt(d) if scale is None else scale
     out_shape, lse_shape = (b, h, tq, v.shape[3]), (b, h, tq)
-    out_flat, out = guarded(out_shape, DTYPES[dtype])
+    out_flat, out = guarded(stored(out_shape, layout), DTYPES[dtype])
     lse_flat, lse = guarded(lse_shape, np.float32)
     if out.size:  # the host returns before dispatching when B, H or Tq is 0
-        lib.run(FORWARD[dtype], [q, k, v, mask, seed_buffer(dropout), out_flat, lse_flat,
-                                 params(q, k, v, mask, causal, scale, dropout, window)],
+        lib.run(FORWARD[dtype], [to_layout(q, layout), to_layout(k, layout), to_layout(v, layout), mask,
+                                 seed_buffer(dropout), out_flat, lse_flat,
+                                 params(q, k, v, mask, causal, scale, dropout, window, layout)],
                 threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS, order=order, seed=3)
     check_guard(out_flat, out_shape, "output")
     check_guard(lse_flat, lse_shape, "lse")
-    return out, lse
+    return from_layout(out, layout), lse
 
 
 def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=None, order="linear", dropout=None,
-                   window=0):
+                   window=0, layout="BHSD"):
     b, h, tq, d = q.shape
     tk, dv = k.shape[2], v.shape[3]
     scale = 1 / np.sqrt(d) if scale is None else scale
-    dq_flat, dq = guarded(q.shape, DTYPES[dtype])
-    dk_flat, dk = guarded(k.shape, DTYPES[dtype])
-    dv_flat, dvv = guarded(v.shape, DTYPES[dtype])
-    args = [do, q, k, v, mask, np.ascontiguousarray(out), np.ascontiguousarray(lse), seed_buffer(dropout)]
-    p = params(q, k, v, mask, causal, scale, dropout, window)
+    dq_flat, dq = guarded(stored(q.shape, layout), DTYPES[dtype])
+    dk_flat, dk = guarded(stored(k.shape, layout), DTYPES[dtype])
+    dv_flat, dvv = guarded(stored(v.shape, layout), DTYPES[dtype])
+    args = [to_layout(x, layout) for x in (do, q, k, v)]
+    args += [mask, to_layout(out, layout), np.ascontiguousarray(lse), seed_buffer(dropout)]
+    p = params(q, k, v, mask, causal, scale, dropout, window, layout)
     if dq.size:  # B, H, Tq > 0
         lib.run(DQ[dtype], args + [dq_flat, p], threadgroups=(-(-tq // BLOCK_Q), h, b), threadgroup=THREADS,
                 order=order, seed=5)
@@ -156,7 +186,7 @@ def metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal=False, scale=
     for flat, shape, what in ((dq_flat, q.shape, "d_query"), (dk_flat, k.shape, "d_key"),
                               (dv_flat, v.shape, "d_value")):
         check_guard(flat, shape, what)
-    return dq, dk, dvv
+    return tuple(from_layout(g, layout) for g in (dq, dk, dvv))
 
 
 # ----------------------------------------------------------------------------
@@ -253,9 +283,17 @@ def assert_close(got, want, dtype, what, terms=None):
                            f"got {got[bad][:4]}, want {want[bad][:4]}, bound {bound[bad][:4]}")
 
 
+def assert_same_bits(got, want, what):
+    got, want = np.ascontiguousarray(got), np.ascontiguousarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    bits = {2: np.uint16, 4: np.uint32}[got.dtype.itemsize]
+    np.testing.assert_array_equal(got.view(bits), want.view(bits), err_msg=what)
+
+
 def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=True, inputs=None, dropout=None,
-          kv_heads=None, window=0):
-    """Runs forward (and backward) on a random case; returns (output, lse, grads)."""
+          kv_heads=None, window=0, bshd=False):
+    """Runs forward (and backward) on a random case; returns (output, lse, grads). With `bshd` also
+    in the BSHD layout: its results must be the BHSD ones bit for bit (so as close to the reference)."""
     b, h, tq, tk, d, dv = shape
     scale = 1 / np.sqrt(d) if scale is None else scale
     q, k, v, do = random_case(dtype, b, h, tq, tk, d, dv, seed, kv_heads) if inputs is None else inputs
@@ -268,6 +306,11 @@ def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=Tr
     assert np.isfinite(lse[finite]).all()
     # lse is float32 from the dtype-rounded inputs: float32 rounding of ~ log(Tk) + the max score.
     np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    if bshd:
+        bshd_results = metal_forward(lib, dtype, q, k, v, mask, causal, scale, dropout=dropout, window=window,
+                                     layout="BSHD")
+        for name, got, want in zip(("output", "lse"), bshd_results, (out, lse)):
+            assert_same_bits(got, want, name + " (BSHD)")
     if not backward:
         return out, lse, None
     grads = metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal, scale, dropout=dropout, window=window)
@@ -276,6 +319,11 @@ def check(lib, dtype, shape, mask, causal=False, scale=None, seed=0, backward=Tr
     for name, got, want, term in zip(("d_query", "d_key", "d_value"), grads, wants, terms):
         assert got.shape == want.shape
         assert_close(got, want, dtype, name, term)
+    if bshd:
+        bshd_grads = metal_backward(lib, dtype, do, q, k, v, mask, out, lse, causal, scale, dropout=dropout,
+                                    window=window, layout="BSHD")
+        for name, got, want in zip(("d_query", "d_key", "d_value"), bshd_grads, grads):
+            assert_same_bits(got, want, name + " (BSHD)")
     return out, lse, grads
 
 
@@ -617,6 +665,30 @@ def test_dropout_matches_the_cpu_kernel(lib, dtype):
         assert_close(got, want.numpy().astype(np.float64), dtype, name + " vs CPU", 2 * term)
 
 
+# ----------------------------------------------------------------------------
+# The BSHD layout
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("dtype, shape, kv_heads, causal, window, dropout_seed", [
+    # (B, H, Tq, Tk, D, Dv). Groups of 2 with causal, a window across key tiles and dropout; D and Dv
+    # past one chunk (two each, partial) over several query and key tiles; a two-sided window with an
+    # int64-seeded dropout. H, Hk > 1 and T > 1 throughout, so the layouts differ (with one key/value
+    # head, BSHD's key and value are BHSD's).
+    ("float", (2, 4, 11, 37, 8, 8), 2, True, 7, ((5, 9), np.int32)),
+    ("half", (1, 2, 19, 40, 72, 80), 2, True, 0, None),
+    ("bfloat", (2, 3, 13, 45, 16, 24), 3, False, 9, ((3, -4), np.int64)),
+], ids=["float-g2-causal-w7-dropout", "half-d72-dv80-causal", "bfloat-w9-dropout"])
+def test_bshd_layout_gives_the_bhsd_bits(lib, dtype, shape, kv_heads, causal, window, dropout_seed):
+    # Each kernel on the BSHD transpose of the same data: the same sums in the same order, read and
+    # written through other strides (the mask, lse and the dropout's (b, h, i, j) stay as they are).
+    b, _, tq, tk, _, _ = shape
+    rng = np.random.default_rng(tq + tk)
+    mask = rng.random((b, 1, tq, tk)) < 0.85
+    check(lib, dtype, shape, mask, causal=causal, seed=tk, kv_heads=kv_heads, window=window,
+          dropout=None if dropout_seed is None else Dropout(dtype, *dropout_seed), bshd=True)
+
+
 # Run in a child process whose allocator is AddressSanitizer's, so a read
 # before or past any input buffer (the guards above only see writes) fails.
 _SANITIZED = """
@@ -634,6 +706,7 @@ for dtype in t.DTYPES:
         t.check(lib, dtype, shape, mask, causal=causal, seed=3)
     t.check(lib, dtype, (1, 2, 9, 33, 3, 70), t.no_mask(), causal=True, seed=4,
             dropout=t.Dropout(dtype, (1, 2), np.int64))
+    t.check(lib, dtype, (2, 4, 9, 33, 65, 3), t.no_mask(), causal=True, seed=5, kv_heads=2, bshd=True)
     for tq, tk in [(9, 0), (0, 9)]:
         q, k, v, do = t.random_case(dtype, 1, 2, tq, tk, 8, 4, 2)
         out, lse = t.metal_forward(lib, dtype, q, k, v, t.no_mask())
@@ -673,9 +746,11 @@ def test_nan_inputs_propagate_to_the_rows_they_reach(lib, where):
 
 @pytest.mark.metal
 @pytest.mark.parametrize("dtype", list(DTYPES))
-def test_gpu_kernels_with_dropout_match_the_cpu_kernels(dtype):
+@pytest.mark.parametrize("layout", ["BHSD", "BSHD"])
+def test_gpu_kernels_with_dropout_match_the_cpu_kernels(dtype, layout):
     # Forward and gradient with and without dropout on /GPU:0 against the CPU kernels: the mask's
-    # zeros exactly (value = identity), the values to the dtype's tolerance.
+    # zeros exactly (value = identity), the values to the dtype's tolerance; in both layouts (the
+    # CPU kernel's "BSHD" is its "BHSD" bit for bit, tests/ops/test_attention.py).
     import tensorflow as tf
 
     ops = compiled_ops()
@@ -692,9 +767,12 @@ def test_gpu_kernels_with_dropout_match_the_cpu_kernels(dtype):
         for device in ("/CPU:0", "/GPU:0"):
             with tf.device(device):
                 args = [tf.constant(x.astype(np.float32), tf_dtype) for x in (q, k, eye, do)]
-                out, lse = ops.tfmetal_ext_attention(*args[:3], mask, seeds, causal=True, scale=0.4, **attrs)
+                if layout == "BSHD":
+                    args = [tf.transpose(x, [0, 2, 1, 3]) for x in args]
+                out, lse = ops.tfmetal_ext_attention(*args[:3], mask, seeds, causal=True, scale=0.4, layout=layout,
+                                                     **attrs)
                 grads = ops.tfmetal_ext_attention_grad(args[3], *args[:3], mask, out, lse, seeds, causal=True,
-                                                       scale=0.4, **attrs)
+                                                       scale=0.4, layout=layout, **attrs)
             assert device[1:4] in out.device
             results[device] = [np.asarray(tf.cast(t, tf.float64)) for t in (out, *grads)]
         cpu, gpu = results["/CPU:0"], results["/GPU:0"]

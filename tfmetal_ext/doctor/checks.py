@@ -581,13 +581,18 @@ def attention(dtype):
             grads = lib.tfmetal_ext_attention_grad(dy, q, k, v, mask, out, lse, seeds, causal=True, scale=scale,
                                                    **attrs)
             results += [out, *grads]
-        # Grouped-query (one key/value head for both query heads) with a sliding window of 9 keys.
+        # Grouped-query (one key/value head for both query heads) with a sliding window of 9 keys, in
+        # both layouts: "BSHD" reads the (batch, seq, heads, dim) transposes in place and must give the
+        # same results transposed.
         k1, v1 = k[:, :1], v[:, :1]
-        out, lse = lib.tfmetal_ext_attention(q, k1, v1, mask, [], causal=True, scale=scale,
-                                             sliding_window=ATTENTION_WINDOW)
-        grads = lib.tfmetal_ext_attention_grad(dy, q, k1, v1, mask, out, lse, [], causal=True, scale=scale,
-                                               sliding_window=ATTENTION_WINDOW)
-        return tuple(results + [out, *grads])
+        swap = lambda t: tf.transpose(t, [0, 2, 1, 3])  # noqa: E731
+        for layout, inputs in (("BHSD", (dy, q, k1, v1)), ("BSHD", tuple(swap(t) for t in (dy, q, k1, v1)))):
+            attrs = dict(causal=True, scale=scale, sliding_window=ATTENTION_WINDOW, layout=layout)
+            out, lse = lib.tfmetal_ext_attention(*inputs[1:], mask, [], **attrs)
+            grads = lib.tfmetal_ext_attention_grad(inputs[0], *inputs[1:], mask, out, lse, [], **attrs)
+            back = (lambda t: t) if layout == "BHSD" else swap
+            results += [back(out), *(back(g) for g in grads)]
+        return tuple(results)
 
     factors = testing.np_attention_dropout_factors((b, h, tq, tk), seed.numpy(), rate, drop_scale,
                                                    testing.UNIFORM_BITS[tf.as_dtype(dtype).name])
@@ -598,8 +603,8 @@ def attention(dtype):
         references += [out, *grads]
     k1, v1 = _f64(k)[:, :1], _f64(v)[:, :1]
     out, _ = testing.np_attention(_f64(q), k1, v1, keep, True, scale, window=ATTENTION_WINDOW)
-    references += [out, *testing.np_attention_grad(_f64(dy), _f64(q), k1, v1, keep, True, scale,
-                                                   window=ATTENTION_WINDOW)]
+    grouped = [out, *testing.np_attention_grad(_f64(dy), _f64(q), k1, v1, keep, True, scale, window=ATTENTION_WINDOW)]
+    references += grouped + grouped  # the "BHSD" and "BSHD" runs
     return fused, (q, k, v, mask, dy, seed), tuple(references)
 
 

@@ -22,7 +22,7 @@ _MAX_WINDOW = 2**31 - 1
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
 def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None, name=None,
-              heads_last=False, sliding_window=None):
+              heads_last=False, sliding_window=None, layout="BHSD"):
     """Scaled dot-product softmax attention, flash-style.
 
     ``output = softmax(scale * query @ key^T, masked) @ value`` per batch
@@ -54,7 +54,9 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
     backward op draws it again from the seed: it is never stored.
 
     Args:
-        query: (batch, heads, q_seq, head_dim), float32, float16 or bfloat16.
+        query: (batch, heads, q_seq, head_dim), float32, float16 or bfloat16
+            ((batch, q_seq, heads, head_dim) with ``layout="BSHD"``, and so
+            `key`, `value` and the output).
         key: (batch, kv_heads, kv_seq, head_dim), the dtype of `query`;
             `kv_heads` divides `query`'s heads (equal to them without
             grouped-query attention).
@@ -87,10 +89,20 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
             that tensor alone (it transposes it back for the gradient op),
             where a transpose after the op would keep both layouts of the
             output alive for the backward pass.
+        layout: ``"BHSD"`` (the default: the shapes above) or ``"BSHD"``:
+            `query`, `key`, `value` and the output with the sequence axis
+            before the heads axis, (batch, seq, heads, dim), the layout a
+            projection to heads (`EinsumDense` ``"btd,dnh->btnh"``) writes
+            and an output projection reads. The kernels read and write that
+            layout in place, so no transposed copy is made in either pass,
+            and the values are those of ``"BHSD"`` bit for bit. `mask`
+            still broadcasts to (batch, heads, q_seq, kv_seq), and the
+            dropout mask is the same.
 
     Returns:
         A (batch, heads, q_seq, value_dim) tensor of `query`'s dtype
-        ((batch, q_seq, heads, value_dim) with `heads_last`).
+        ((batch, q_seq, heads, value_dim) with `heads_last` or
+        ``layout="BSHD"``).
 
     Raises:
         ValueError: for a dtype other than float32/float16/bfloat16 or
@@ -99,8 +111,9 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
             head or value dim outside [1, 256], a non-boolean mask
             or one that does not broadcast, a scale that is not a finite
             float > 0, a `sliding_window` that is not None or an int in
-            [1, 2^31 - 1], a `dropout_rate` outside [0, 1), or a seed that is
-            missing (with ``dropout_rate > 0``) or not 2 int32/int64 values.
+            [1, 2^31 - 1], a `dropout_rate` outside [0, 1), a seed that is
+            missing (with ``dropout_rate > 0``) or not 2 int32/int64 values,
+            or a `layout` other than ``"BHSD"`` and ``"BSHD"``.
 
     >>> q = tf.constant([[[[1.0, 0.0]]]])
     >>> k = tf.constant([[[[1.0, 0.0], [0.0, 1.0]]]])
@@ -109,23 +122,29 @@ def attention(query, key, value, *, mask=None, causal=False, scale=None, dropout
     array([[[[1.5]]]], dtype=float32)
     """
     query, key, value = (tf.convert_to_tensor(t) for t in (query, key, value))
-    _check_inputs(query, key, value)
+    layout = _check_layout(layout)
+    _check_inputs(query, key, value, layout)
     causal = _check_causal(causal)
     if not isinstance(heads_last, bool):
         raise ValueError(f"Argument `heads_last` must be a bool. Received: heads_last={heads_last!r}")
     scale = _check_scale(scale, query.shape[-1])
     window = _check_sliding_window(sliding_window)
-    mask = _attend_mask(mask, query, key)
+    mask = _attend_mask(mask, query, key, layout)
     rate, seed = _check_dropout(dropout_rate, seed)
     dropout = None
     if rate > 0.0:
         threshold, dropout_scale = _dropout.dtype_constants(rate, query.dtype)
         dropout = (seed, threshold, dropout_scale)
     if not uses_kernel():
+        if layout == "BSHD":  # the reference computes in (batch, heads, seq, dim)
+            query, key, value = (_to_heads_last(t) for t in (query, key, value))
         output = _with_reference_gradient(query, key, value, mask, causal, scale, dropout, window)
-        return _to_heads_last(output) if heads_last else output
+        return _to_heads_last(output) if heads_last or layout == "BSHD" else output
     lib = _common.library()
     seeds, attrs = [], dict(causal=causal, scale=scale)
+    if layout == "BSHD":  # (batch, seq, heads, dim) in and out: already heads last
+        attrs["layout"] = layout
+        heads_last = False
     if window:
         attrs["sliding_window"] = window
     if dropout is not None:
@@ -184,13 +203,27 @@ def uses_kernel() -> bool:
 # ---------------------------------------------------------------- argument checks
 
 
-def _check_inputs(query, key, value):
+LAYOUTS = ("BHSD", "BSHD")
+
+
+def _check_layout(layout):
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"Argument `layout` must be one of {LAYOUTS}. Received: layout={layout!r}")
+    return layout
+
+
+def _axes(layout):
+    """The (heads, sequence) axes of query, key and value in `layout`."""
+    return (2, 1) if layout == "BSHD" else (1, 2)
+
+
+def _check_inputs(query, key, value, layout="BHSD"):
+    ha, sa = _axes(layout)
+    dims = "(batch, seq, heads, head_dim)" if layout == "BSHD" else "(batch, heads, seq, head_dim)"
     for arg, t in (("query", query), ("key", key), ("value", value)):
         _common.check_float(arg, t)
         if t.shape.rank is not None and t.shape.rank != 4:
-            raise ValueError(
-                f"`{arg}` must have rank 4 (batch, heads, seq, head_dim). Received: {arg}.shape={t.shape}"
-            )
+            raise ValueError(f"`{arg}` must have rank 4 {dims}. Received: {arg}.shape={t.shape}")
     for arg, t in (("key", key), ("value", value)):
         if t.dtype != query.dtype:
             raise ValueError(
@@ -207,16 +240,16 @@ def _check_inputs(query, key, value):
                 f"`{arg}` must have the batch dimension (axis 0) of `query` ({q[0]}). "
                 f"Received: query.shape={query.shape}, {arg}.shape={s}"
             )
-    for axis, what in ((1, "number of heads"), (2, "sequence length")):
+    for axis, what in ((ha, "number of heads"), (sa, "sequence length")):
         if disagree(k[axis], v[axis]):
             raise ValueError(
                 f"`key` and `value` must have the same {what} (axis {axis}). "
                 f"Received: key.shape={key.shape}, value.shape={value.shape}"
             )
-    kv_heads = k[1] if k[1] is not None else v[1]
-    if q[1] is not None and kv_heads is not None and (kv_heads < 1 or q[1] % kv_heads) and (q[1] or kv_heads):
+    kv_heads = k[ha] if k[ha] is not None else v[ha]
+    if q[ha] is not None and kv_heads is not None and (kv_heads < 1 or q[ha] % kv_heads) and (q[ha] or kv_heads):
         raise ValueError(
-            f"The key/value heads (axis 1: {kv_heads}) must divide the query heads ({q[1]}): each key/value "
+            f"The key/value heads (axis {ha}: {kv_heads}) must divide the query heads ({q[ha]}): each key/value "
             f"head serves heads // kv_heads consecutive query heads. Received: query.shape={query.shape}, "
             f"key.shape={key.shape}"
         )
@@ -293,7 +326,7 @@ def _check_scale(scale, head_dim):
     return _common.check_float32_representable("scale", value)
 
 
-def _attend_mask(mask, query, key):
+def _attend_mask(mask, query, key, layout="BHSD"):
     """The rank-4 boolean mask the op takes ([1, 1, 1, 1] True for no mask)."""
     if mask is None:
         return tf.ones([1, 1, 1, 1], tf.bool)
@@ -309,7 +342,8 @@ def _attend_mask(mask, query, key):
         mask = tf.reshape(mask, tf.concat([tf.ones([4 - rank], tf.int32), tf.shape(mask)], 0))
     q = query.shape if query.shape.rank is not None else tf.TensorShape([None] * 4)
     k = key.shape if key.shape.rank is not None else tf.TensorShape([None] * 4)
-    full = (q[0], q[1], q[2], k[2])
+    ha, sa = _axes(layout)
+    full = (q[0], q[ha], q[sa], k[sa])
     if mask.shape.rank is not None:
         for axis, (got, want) in enumerate(zip(mask.shape, full)):
             if got is not None and want is not None and got not in (1, want):
@@ -485,8 +519,13 @@ def _attention_grad(op, d_output, unused_d_lse):
         scale=op.get_attr("scale"),
         dropout_rate=_attr_or(op, "dropout_rate", 0.0),
         dropout_scale=_attr_or(op, "dropout_scale", 1.0),
+        layout=_string_attr(_attr_or(op, "layout", "BHSD")),
     )
     return (d_query, d_key, d_value, None) + (None,) * len(seeds)
+
+
+def _string_attr(value):
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _attr_or(op, name, default):

@@ -65,6 +65,31 @@ TFM_INLINE uint32_t attention_kv_head(uint32_t h, uint32_t heads, uint32_t kv_he
   return h / (heads / kv_heads);
 }
 
+// ---------------------------------------------------------------- layouts
+
+// Where a head's rows live. Query, key, value, output and their gradients are
+// [B, heads, T, width] ("BHSD", layout 0: a head's rows are contiguous) or
+// [B, T, heads, width] ("BSHD", layout 1: what a projection to (batch, seq,
+// heads, dim) writes, read in place). The mask stays [B, H, Tq, Tk] and lse
+// [B, H, Tq] in both; the dropout mask's flat index is of the logical
+// (b, h, i, j), so both layouts draw the same mask.
+#define TFM_ATTENTION_LAYOUT_BHSD 0u
+#define TFM_ATTENTION_LAYOUT_BSHD 1u
+
+// The element offset of row 0 of head h of batch b in a tensor of `heads`
+// heads, `t` rows per head and `width` elements per row.
+TFM_INLINE uint64_t attention_head_offset(uint32_t layout, uint32_t b, uint32_t h, uint32_t heads, uint32_t t,
+                                          uint32_t width) {
+  const uint64_t batch = static_cast<uint64_t>(b) * heads * t * width;
+  return layout == TFM_ATTENTION_LAYOUT_BSHD ? batch + static_cast<uint64_t>(h) * width
+                                             : batch + static_cast<uint64_t>(h) * t * width;
+}
+
+// The element stride between consecutive rows of one head.
+TFM_INLINE uint64_t attention_row_stride(uint32_t layout, uint32_t heads, uint32_t width) {
+  return layout == TFM_ATTENTION_LAYOUT_BSHD ? static_cast<uint64_t>(heads) * width : static_cast<uint64_t>(width);
+}
+
 // The running max after a tile whose (masked) max score is tile_max.
 TFM_INLINE float attention_new_max(float running_max, float tile_max) { return tfm_max(running_max, tile_max); }
 

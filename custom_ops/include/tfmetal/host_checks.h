@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "tfmetal/attention.h"  // TFM_ATTENTION_LAYOUT_*
+
 namespace tfmetal_ext {
 
 // The Metal kernels index a dimension (a row, a count of rows, ...) with
@@ -155,6 +157,21 @@ inline std::string AttentionDropoutAttrsError(float rate, float scale) {
 inline std::string AttentionWindowError(int64_t window) {
   if (window < 0 || window > kMaxDimension) {
     return "sliding_window must be in [0, 2^31 - 1] (0: no window), got " + std::to_string(window);
+  }
+  return "";
+}
+
+// The attention ops' layout attribute: "BHSD" or "BSHD" as
+// TFM_ATTENTION_LAYOUT_BHSD / _BSHD in *layout. "" when valid, else the
+// InvalidArgument message (the op's attr allows only these two; a kernel
+// checks anyway, as it does the other attributes).
+inline std::string AttentionLayoutFromString(const std::string& value, uint32_t* layout) {
+  if (value == "BHSD") {
+    *layout = TFM_ATTENTION_LAYOUT_BHSD;
+  } else if (value == "BSHD") {
+    *layout = TFM_ATTENTION_LAYOUT_BSHD;
+  } else {
+    return "layout must be \"BHSD\" or \"BSHD\", got \"" + value + "\"";
   }
   return "";
 }
