@@ -310,7 +310,11 @@ def test_decoder_hands_mask_factors_to_the_op(family):
     assert all(op.inputs[3].shape.as_list() == [b, 1, 1, t] for op in attn)
     assert [op.get_attr("sliding_window") for op in attn] == [4 if family == "mistral" else 0] * len(attn)
     kv_heads = {"llama": 2, "gpt2": 2, "mistral": 1}[family]
-    assert all(op.inputs[1].shape.as_list()[1] == kv_heads for op in attn), "the key heads reach the op unrepeated"
+    assert all(_op_kv_heads(op) == kv_heads for op in attn), "the key heads reach the op unrepeated"
+    # In the projections' (batch, seq, heads, dim) layout: no Transpose makes the op's inputs or reads its output.
+    assert all(op.get_attr("layout") == b"BSHD" for op in attn)
+    assert not [op for op in attn for t in op.inputs[:3] if t.op.type == "Transpose"]
+    assert not [c for op in attn for c in op.outputs[0].consumers() if c.type == "Transpose"]
     shapes = _reachable_shapes(graph, graph.outputs)
     assert not [sh for sh in shapes if sh and len(sh) >= 2 and sh[-2:] == [t, t]], "a (q, kv) tensor in the step"
     assert "TfmetalExt>AttentionGrad" in ops
@@ -571,8 +575,13 @@ def test_sliding_window_layers_hand_the_window_to_the_op(family):
     graph = step.get_concrete_function({k: tf.constant(v) for k, v in x.items()}).graph
     attn = [op for op in graph.get_operations() if op.type == "TfmetalExt>Attention"]
     assert sorted(op.get_attr("sliding_window") for op in attn) == sorted(windowed)
-    assert all(op.inputs[1].shape.as_list()[1] == kv_heads for op in attn)
+    assert all(_op_kv_heads(op) == kv_heads for op in attn)
     assert not [op for op in graph.get_operations() if op.type == "MatrixBandPart"], "the layer's band mask was made"
+
+
+def _op_kv_heads(op):
+    """The key heads an attention op reads (its key's heads axis in the op's layout)."""
+    return op.inputs[1].shape.as_list()[2 if op.get_attr("layout") == b"BSHD" else 1]
 
 
 def test_unrepeated_reads_through_keras_and_tf_repeat_only():

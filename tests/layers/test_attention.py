@@ -253,10 +253,10 @@ def test_keras_masks_match_stock(causal, path):
 
 @pytest.mark.parametrize("masked", [False, True], ids=["", "value_mask"])
 def test_dropout_training_keeps_one_copy_of_the_attention_output(masked):
-    """In training with dropout, the op's output is made heads-last once: the op's gradient and the
-    output projection's kernel gradient read that one tensor (the op's own-layout output feeds only
-    its transpose, and the MatMul reads a reshape of it). A row that attends no key is replaced by
-    the output bias after the projection, not by a select before it (a second copy)."""
+    """In training with dropout, the op works in the projections' (batch, seq, heads, dim) layout: no
+    Transpose makes or reads its query, key, value or output, and the op's output is the one tensor
+    the op's gradient and the output projection's kernel gradient read. A row that attends no key is
+    replaced by the output bias after the projection, not by a select before it (a second copy)."""
     if not attention_ops.uses_kernel():
         pytest.skip("no op library here: the attention runs its pure-TF reference")
     rng = np.random.default_rng(31)
@@ -273,16 +273,20 @@ def test_dropout_training_keeps_one_copy_of_the_attention_output(masked):
     graph = tf.function(step).get_concrete_function().graph
     op = [o for o in graph.get_operations() if o.type == fusion.ATTENTION_OP]
     assert len(op) == 1
-    (transpose,) = op[0].outputs[0].consumers()
-    assert transpose.type == "Transpose"
+    (grad_op,) = [o for o in graph.get_operations() if o.type == fusion.ATTENTION_GRAD_OP]
+    assert op[0].get_attr("layout") == b"BSHD" and grad_op.get_attr("layout") == b"BSHD"
+    around = {t.name for t in list(op[0].inputs[:3]) + list(op[0].outputs[:1]) + list(grad_op.outputs)}
+    transposes = [o for o in graph.get_operations() if o.type == "Transpose"]
+    assert not [o for o in transposes if {t.name for t in list(o.inputs) + list(o.outputs)} & around], transposes
 
     def source(t):  # through reshapes and identities (the custom gradient's IdentityN among them)
         while t.op.type in ("Reshape", "Identity", "IdentityN"):
             t = t.op.inputs[t.value_index if t.op.type == "IdentityN" else 0]
         return t
 
-    matmuls = [o for o in graph.get_operations() if o.type == "MatMul" and source(o.inputs[0]) is transpose.outputs[0]]
-    # The output projection and its kernel's gradient read the one heads-last copy.
+    assert grad_op.inputs[5] is op[0].outputs[0]  # the gradient op reads the op's own output
+    matmuls = [o for o in graph.get_operations() if o.type == "MatMul" and source(o.inputs[0]) is op[0].outputs[0]]
+    # The output projection and its kernel's gradient read the same tensor.
     assert sorted(m.name.startswith("gradient_tape/") for m in matmuls) == [False, True], matmuls
 
 

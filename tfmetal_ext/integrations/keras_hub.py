@@ -438,16 +438,16 @@ def attend(query, key, value, mask, scale, dropout_rate=0.0, seed=None, empty_ro
         if key_in.shape[2] == value_in.shape[2]:
             key, value = key_in, value_in
     groups = query.shape[2] // key.shape[2]
-    q, k, v = (tf.transpose(t, [0, 2, 1, 3]) for t in (query, key, value))
     causal, attend_mask = False, None
     if factors is not None:
-        causal, attend_mask, window = _factored_mask(factors, tf.shape(q)[2], tf.shape(k)[2],
+        causal, attend_mask, window = _factored_mask(factors, tf.shape(query)[1], tf.shape(key)[1],
                                                      window or factors.window)
     elif mask is not None:
         attend_mask = tf.expand_dims(tf.cast(mask, tf.bool), 1)  # (batch, 1, q, kv)
     kwargs = {"dropout_rate": dropout_rate, "seed": seed} if dropout_rate > 0 else {}
-    # (batch, q, heads, dim) out, as keras-hub's layers return it (one copy kept for the gradient).
-    out = attention(q, k, v, mask=attend_mask, causal=causal, scale=float(scale), heads_last=True,
+    # (batch, seq, heads, dim) in and out, as keras-hub's projections write and read it: the op works
+    # in that layout, so no transposed copy is made or kept for the backward pass.
+    out = attention(query, key, value, mask=attend_mask, causal=causal, scale=float(scale), layout="BSHD",
                     sliding_window=int(window) or None, **kwargs)
     if attend_mask is not None and empty_rows == "mean":
         if causal:  # row i attends a key when one of keys 0..i is not padding: (batch, 1, 1, q)

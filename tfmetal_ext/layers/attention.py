@@ -297,21 +297,22 @@ class FusedMultiHeadAttention(_STOCK):
         q, k, v = self._project_heads(query, key, value, q_dims, kv_dims)
 
         rate = self._dropout_rate() if self._dropout > 0 and training else 0.0
-        # The op's output comes as (batch, q, heads, value_dim), the layout the output MatMul reads:
-        # one copy is kept for the backward pass (the op's gradient and the kernel's read the same).
+        # The op works in (batch, seq, heads, dim), the layout the projections write and the output
+        # MatMul reads: no transposed copy in either pass, one output copy kept for the backward
+        # pass (the op's gradient and the kernel's read the same).
         if rate > 0:
             # The stock sublayer's generator, drawn once as its Dropout would draw it: the same mask.
             out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim,
-                            dropout_rate=rate, seed=self._dropout_layer.seed_generator, heads_last=True)
+                            dropout_rate=rate, seed=self._dropout_layer.seed_generator, layout="BSHD")
         else:
-            out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim, heads_last=True)
+            out = attention(q, k, v, mask=mask, causal=causal, scale=self._inverse_sqrt_key_dim, layout="BSHD")
         zero_rows = None
         if self._dropout == 0 and (attended is not None or mask is not None):
             if attended is None:  # (batch, 1 or heads, q, 1) -> heads last
                 attended = tf.transpose(tf.reduce_any(mask, axis=-1, keepdims=True), [0, 2, 1, 3])
             else:  # (batch, q or 1) -> (batch, q or 1, 1, 1)
                 attended = attended[:, :, None, None]
-            out = tf.where(attended, out, tf.transpose(_mean_value(v, kv_dims[1]), [0, 2, 1, 3]))
+            out = tf.where(attended, out, _mean_value(v, kv_dims[1]))
         elif attended is not None:
             # Stock's dropout path zeroes a row that attends no key (the op's own 0 where its mask
             # says so; a query-masked row is not masked in the op's key mask). A zero row projects
@@ -338,12 +339,12 @@ class FusedMultiHeadAttention(_STOCK):
     # Fast-path pieces.
 
     def _project_heads(self, query, key, value, q_dims, kv_dims):
-        """The (batch, heads, seq, head_dim) query, key and value.
+        """The (batch, seq, heads, head_dim) query, key and value.
 
         Projections of the same input tensor (self-attention: query, key and
         value; ``MHA(q, v)``: key and value) share one MatMul + BiasAdd on
         their concatenated kernels, its output split into heads by one
-        Reshape, one Transpose and one Split. The kernels stay the
+        Reshape and one Split. The kernels stay the
         sublayers' own variables (concatenated per step, the gradient split
         back), so weights and names are stock's.
         """
@@ -372,9 +373,9 @@ class FusedMultiHeadAttention(_STOCK):
             if bias is not None:
                 y = _ops.bias_add(y, bias, "matmul_bias_relu")
             if len(set(head_dims)) == 1:
-                # (b*t, n*h*d) -> (b, n*h, t, d) -> n x (b, h, t, d)
+                # (b*t, n*h*d) -> (b, t, n*h, d) -> n x (b, t, h, d)
                 parts = tf.split(_split_heads(y, dims, len(denses) * self._num_heads, head_dims[0]),
-                                 len(denses), axis=1)
+                                 len(denses), axis=2)
             else:
                 parts = [
                     _split_heads(part, dims, self._num_heads, d)
@@ -433,12 +434,11 @@ def _dims(x):
 
 
 def _split_heads(flat, dims, heads, head_dim):
-    """(batch * seq, heads * head_dim) -> (batch, heads, seq, head_dim).
+    """(batch * seq, heads * head_dim) -> (batch, seq, heads, head_dim).
 
     The batch and seq are given (not -1), so an empty sequence reshapes too.
     """
-    x = tf.reshape(flat, [dims[0], dims[1], heads, head_dim])
-    return tf.transpose(x, [0, 2, 1, 3])
+    return tf.reshape(flat, [dims[0], dims[1], heads, head_dim])
 
 
 def _concat_projections(denses, dtype):
@@ -488,13 +488,13 @@ def _factored_masks(query_mask, value_mask, key_mask, causal, q_len, kv_len):
 
 
 def _mean_value(v, kv_len):
-    """(batch, heads, kv, d) -> the (batch, heads, 1, d) mean over the keys (0 with no keys).
+    """(batch, kv, heads, d) -> the (batch, 1, heads, d) mean over the keys (0 with no keys).
 
     Stock's masked softmax is uniform over all keys in a row that attends
     none (every score replaced by the same large negative number); the op
     gives 0 there.
     """
     if isinstance(kv_len, int) and kv_len > 0:
-        return tf.reduce_mean(v, axis=2, keepdims=True)
-    total = tf.reduce_sum(v, axis=2, keepdims=True)
+        return tf.reduce_mean(v, axis=1, keepdims=True)
+    total = tf.reduce_sum(v, axis=1, keepdims=True)
     return total / tf.cast(tf.maximum(kv_len, 1), v.dtype)
