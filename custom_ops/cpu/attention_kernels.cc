@@ -1170,8 +1170,10 @@ class AttentionOp : public OpKernel {
     a.q_tiles = AttnCeilDiv(s.tq, kBlockQ);
     a.drop = drop;
     const int64_t items = s.b * s.h * a.q_tiles;
-    // Cycles per item, roughly: two GEMMs of kBlockQ x Tk x D at ~8 flops a cycle.
-    const int64_t cost = std::max<int64_t>(1, kBlockQ * s.tk * (s.d + s.dv) / 4);
+    // Cycles per item, roughly: two GEMMs of (up to kBlockQ) query rows x Tk x D at ~8 flops a
+    // cycle. A decode step's single query row costs 1/64 of a full tile: counted so, its few items
+    // run on the calling thread (waking the pool's threads took ~50 us of a ~60 us call).
+    const int64_t cost = std::max<int64_t>(1, std::min(kBlockQ, s.tq) * s.tk * (s.d + s.dv) / 4);
     OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, items, cost, AttnForwardScratch<T>(s),
                                                [&a](int64_t begin, int64_t end, float* scratch) {
                                                  AttnForwardItems(a, begin, end, scratch);

@@ -14,11 +14,12 @@
   ``TfmetalExt>MultiTensorRMSprop``, Keras' RMSprop (momentum, centered,
   decoupled decay) for N variables of one dtype in one op.
 - `attention(query, key, value, *, mask=None, causal=False, scale=None, dropout_rate=0.0, seed=None,
-  heads_last=False, sliding_window=None)`:
+  heads_last=False, sliding_window=None, layout="BHSD")`:
   ``TfmetalExt>Attention`` (+ ``TfmetalExt>AttentionGrad``), softmax attention
   flash-style: the score matrix is never stored, forward or backward; attention
   dropout inside, by TensorFlow's stateless dropout mask drawn again from the seed;
-  grouped-query key/value heads read in place; a sliding window as the op's own band.
+  grouped-query key/value heads read in place; a sliding window as the op's own band; inputs and
+  output in (batch, heads, seq, dim) or, with ``layout="BSHD"``, (batch, seq, heads, dim), in place.
 - `dropout(x, rate, seed)`: ``TfmetalExt>Dropout`` (+ ``TfmetalExt>DropoutGrad``), dropout whose
   counter-based (Philox) mask is TensorFlow's stateless dropout's bit for bit, drawn again from the
   seed in the backward pass instead of stored.
