@@ -931,6 +931,12 @@ _BASELINE_CASES = textwrap.dedent(
         t.assert_close(t.as64(out), want[0], 2e-5, str(case))
         for got, w in zip(grads, want[2:]):
             t.assert_close(t.as64(got), w, 4e-5, str(case))
+        # layout "BSHD" at this level: the same bits, transposed
+        qs, ks, vs, dos = t._bshd(q, k, v, do)
+        out_s, lse_s = lib.tfmetal_ext_attention(qs, ks, vs, m, [], layout="BSHD", **attrs)
+        grads_s = lib.tfmetal_ext_attention_grad(dos, qs, ks, vs, m, out_s, lse_s, [], layout="BSHD", **attrs)
+        for a, b in zip([out, *grads], [out_s, *grads_s]):
+            np.testing.assert_array_equal(np.swapaxes(b.numpy(), 1, 2), a.numpy(), err_msg=str(case))
     print("ok", len(t.CASES) + len(t.GROUPED_CASES))
     """
 )
@@ -945,7 +951,8 @@ def test_lower_cpu_levels_match_numpy(level):
     ``avx2`` (TFMETAL_EXT_CPU_LEVEL=avx2): the AVX2 micro-kernels, what an AVX2-only CPU runs, on a
     CPU with AVX-512 (elsewhere it is the code every other test here runs). The GEMMs of the two
     x86 levels give the same bits; the element-wise loops may differ in the last bit, as the compiler
-    fuses a multiply and an add in one and not the other.
+    fuses a multiply and an add in one and not the other. At each level, layout "BSHD" gives the
+    grouped cases' "BHSD" bits (the strided tile loads of that level's GEMMs).
     """
     from tfmetal_ext import devices
 
