@@ -341,7 +341,8 @@ def test_gemma_decoder_hands_mask_factors_to_the_op(window):
     """Gemma's block makes its mask in ``_compute_attention_mask`` (its own argument names) and holds its
     attention as ``attention``: the op still gets the causal flag, a (batch, 1, 1, kv) padding mask and
     the sliding window (4 of 9 keys), so it skips the key tiles above the diagonal and the step keeps no
-    (q, kv) mask for the backward pass. Outputs and gradients are the stock block's within the bound of
+    (q, kv) mask for the backward pass; the uncached step has no interleave of the head dim's halves.
+    Outputs and gradients are the stock block's within the bound of
     test_decoder_hands_mask_factors_to_the_op (the same chain lengths), and cached decoding (one token
     at index 5 of a cache of 9) the stock block's output."""
     keras.utils.set_random_seed(3)
@@ -369,6 +370,10 @@ def test_gemma_decoder_hands_mask_factors_to_the_op(window):
     grads = [op for op in graph.get_operations() if op.type == "TfmetalExt>AttentionGrad"]
     assert grads and all(op.inputs[4].shape.as_list() == [b, 1, 1, t] for op in grads), \
         "the backward pass keeps the padding mask only"
+    # Without a cache, the query and key skip Gemma's interleave of the head dim's halves (the same
+    # permutation of both: the scores above match stock's); the cached call below keeps it in the cache.
+    kinds = {op.type for op in graph.get_operations()}
+    assert not kinds & {"Pack", "Unpack", "Split", "SplitV", "ConcatV2"}, kinds & {"Pack", "Unpack", "Split"}
 
     cache = tf.random.stateless_normal((b, 2, t, 2, 4), seed=[1, 2])
     xs = x[:, 5:6]

@@ -58,6 +58,7 @@ Usage::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import types
@@ -485,6 +486,11 @@ def _window_in_op(window, query, key, factors, cache_update_index):
     return int(window) if no_offset and same else None
 
 
+# The attribute a fused Gemma attention sets during an uncached call: its rotary embedding skips the
+# interleave (see `_attention_class`).
+_ROPE_ONLY = "_tfmetal_rope_only"
+
+
 def _attention_class(spec, base):
     def run(self, query, key, value, attention_mask, factors=None, window=0):
         out = attend(query, key, value, attention_mask, self._inv_norm_factor, factors=factors, window=window)
@@ -535,6 +541,39 @@ def _attention_class(spec, base):
             seed = self.dropout_layer.seed_generator if rate > 0 else None
             out = attend(q, k, v, attention_mask, 1.0 / np.sqrt(width), rate, seed, factors=factors, window=window)
             return tf.cast(out, self.compute_dtype)
+
+        # After its rotary embedding Gemma interleaves the two halves of the head dim
+        # (``reshape(stack(split(x, 2), -1))``: a Split and a Pack forward, an Unpack and a Concat
+        # backward, per query and key). It is one permutation of the head dim of both query and
+        # key, and the scores are dot products over that dim, so the attention's output is the same
+        # without it (to the summation order). Where the keys stay inside the call (no cache), the
+        # layer skips it; a cache keeps Gemma's layout, as it is the call's output.
+        call_signature = inspect.signature(base.call)
+
+        @functools.wraps(base.call)  # Keras reads the call's arguments from its signature
+        def call(self, *args, **kwargs):
+            arguments = call_signature.bind(self, *args, **kwargs).arguments
+            previous = self.__dict__.get(_ROPE_ONLY, False)
+            object.__setattr__(self, _ROPE_ONLY, arguments.get("cache") is None)
+            try:
+                return base.call(self, *args, **kwargs)
+            finally:
+                object.__setattr__(self, _ROPE_ONLY, previous)
+
+        def _apply_rope(self, x, start_index, positions=None):
+            if positions is None and self.__dict__.get(_ROPE_ONLY, False):
+                return self.rope_layer(x, start_index=start_index)
+            if positions is None:
+                return base._apply_rope(self, x, start_index)
+            return base._apply_rope(self, x, start_index, positions=positions)  # vLLM's paged cache: Gemma's layout
+
+        doc = (f"`{base.__module__}.{base.__name__}` whose `_compute_attention` runs the flash-style "
+               "attention op (`tfmetal_ext.ops.attention`); projections, rotary embedding and KV cache are "
+               "the layer's own, and without a cache the query and key skip Gemma's interleave of the "
+               "head dim's halves (a permutation of both: the same scores). The same constructor, "
+               "weights, config and outputs.")
+        return _subclass(base, spec.fused, {"_compute_attention": _compute_attention, "call": call,
+                                            "_apply_rope": _apply_rope}, doc)
 
     else:  # keras_mha
 
