@@ -510,7 +510,7 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
   TF_RETURN_IF_ERROR(AttnCheckRank4(k, "key"));
   TF_RETURN_IF_ERROR(AttnCheckRank4(v, "value"));
   TF_RETURN_IF_ERROR(AttnCheckRank4(mask, "mask"));
-  const int ha = layout == TFM_ATTENTION_LAYOUT_BSHD ? 2 : 1, sa = 3 - ha;  // the heads and sequence axes
+  const int ha = attention_heads_axis(layout), sa = 3 - ha;  // the heads and sequence axes
   s->layout = layout;
   s->b = q.dim_size(0);
   s->h = q.dim_size(ha);
@@ -560,11 +560,13 @@ Status AttnCheckInputs(const Tensor& q, const Tensor& k, const Tensor& v, const 
   s->mask_q = stride[2];
   s->mask_k = stride[3];
   s->mask_trivial = mask.NumElements() == 1 && mask.flat<bool>()(0);
-  s->q_rs = static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->h), static_cast<uint32_t>(s->d)));
-  s->o_rs = static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->h), static_cast<uint32_t>(s->dv)));
-  s->k_rs = static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->hk), static_cast<uint32_t>(s->d)));
-  s->v_rs =
-      static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(s->hk), static_cast<uint32_t>(s->dv)));
+  const auto row_stride = [layout](int64_t heads, int64_t width) {
+    return static_cast<int64_t>(attention_row_stride(layout, static_cast<uint32_t>(heads), static_cast<uint32_t>(width)));
+  };
+  s->q_rs = row_stride(s->h, s->d);
+  s->o_rs = row_stride(s->h, s->dv);
+  s->k_rs = row_stride(s->hk, s->d);
+  s->v_rs = row_stride(s->hk, s->dv);
   return Status();
 }
 

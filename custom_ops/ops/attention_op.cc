@@ -16,6 +16,8 @@
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "tfmetal/attention.h"
+#include "tfmetal/host_checks.h"
 
 namespace tfmetal_ext {
 namespace attention_op {
@@ -60,16 +62,19 @@ ShapeHandle InLayout(InferenceContext* c, bool bshd, DimensionHandle b, Dimensio
 }
 
 Status ReadLayout(InferenceContext* c, bool* bshd) {
-  std::string layout;
-  TF_RETURN_IF_ERROR(c->GetAttr("layout", &layout));
-  *bshd = layout == "BSHD";
+  std::string value;
+  TF_RETURN_IF_ERROR(c->GetAttr("layout", &value));
+  uint32_t layout = TFM_ATTENTION_LAYOUT_BHSD;
+  const std::string error = AttentionLayoutFromString(value, &layout);  // tfmetal/host_checks.h
+  if (!error.empty()) return ::tensorflow::errors::InvalidArgument(error);
+  *bshd = layout == TFM_ATTENTION_LAYOUT_BSHD;
   return Status();
 }
 
 // Checks query/key/value/mask (inputs first..first+3) and gives B, H, Tq, Tk, D, Dv, Hk.
 // The heads and sequence axes of query/key/value are 1 and 2 (BHSD) or 2 and 1 (BSHD).
 Status CheckAttentionInputs(InferenceContext* c, int first, bool bshd, DimensionHandle dims[7]) {
-  const int ha = bshd ? 2 : 1, sa = bshd ? 1 : 2;
+  const int ha = attention_heads_axis(bshd ? TFM_ATTENTION_LAYOUT_BSHD : TFM_ATTENTION_LAYOUT_BHSD), sa = 3 - ha;
   ShapeHandle q, k, v, m;
   TF_RETURN_IF_ERROR(Rank4(c, first, "query", &q));
   TF_RETURN_IF_ERROR(Rank4(c, first + 1, "key", &k));

@@ -563,9 +563,8 @@ def _attention_class(spec, base):
         def _apply_rope(self, x, start_index, positions=None):
             if positions is None and self.__dict__.get(_ROPE_ONLY, False):
                 return self.rope_layer(x, start_index=start_index)
-            if positions is None:
-                return base._apply_rope(self, x, start_index)
-            return base._apply_rope(self, x, start_index, positions=positions)  # vLLM's paged cache: Gemma's layout
+            # A cache, or vLLM's paged one (`positions`): Gemma's layout.
+            return base._apply_rope(self, x, start_index, **({} if positions is None else {"positions": positions}))
 
         doc = (f"`{base.__module__}.{base.__name__}` whose `_compute_attention` runs the flash-style "
                "attention op (`tfmetal_ext.ops.attention`); projections, rotary embedding and KV cache are "

@@ -85,6 +85,10 @@ TFM_INLINE uint64_t attention_head_offset(uint32_t layout, uint32_t b, uint32_t 
                                              : batch + static_cast<uint64_t>(h) * t * width;
 }
 
+// The heads axis of query, key and value (and the output and gradients) in
+// `layout`; the sequence axis is the other of 1 and 2.
+TFM_INLINE int attention_heads_axis(uint32_t layout) { return layout == TFM_ATTENTION_LAYOUT_BSHD ? 2 : 1; }
+
 // The element stride between consecutive rows of one head.
 TFM_INLINE uint64_t attention_row_stride(uint32_t layout, uint32_t heads, uint32_t width) {
   return layout == TFM_ATTENTION_LAYOUT_BSHD ? static_cast<uint64_t>(heads) * width : static_cast<uint64_t>(width);
