@@ -256,6 +256,41 @@ inline std::string BitcastShape(int in_type, int64_t in_size, int out_type, int6
   return "";
 }
 
+// TfmetalExt>SparseSoftmaxCrossEntropy's operands, checked in TensorFlow's
+// order and words (SparseSoftmaxCrossEntropyWithLogits' CPU kernel): logits
+// [rows, classes] with classes >= 1, labels [rows]. "" on success.
+inline std::string SparseXentShapeError(const int64_t* logits, int logits_rank, const int64_t* labels,
+                                        int labels_rank) {
+  if (logits_rank != 2) return "logits must be 2-D, but got shape " + ShapeText(logits, logits_rank);
+  if (labels_rank != 1) return "labels must be 1-D, but got shape " + ShapeText(labels, labels_rank);
+  if (logits[0] != labels[0]) {
+    return "logits and labels must have the same first dimension, got logits shape " + ShapeText(logits, 2) +
+           " and labels shape " + ShapeText(labels, 1);
+  }
+  if (logits[1] == 0) return "Must have at least one class, but got logits shape " + ShapeText(logits, 2);
+  return "";
+}
+
+// The gradient op's further row vectors (dloss, row_max, row_sum): each [rows].
+inline std::string SparseXentRowVectorError(const char* name, const int64_t* dims, int rank, int64_t rows) {
+  return VectorShapeError(name, dims, rank, rows, "the number of rows of logits");
+}
+
+// "" if every label is in [0, classes), else TensorFlow's CPU message: the
+// first bad label, then every label value, each followed by a space.
+template <typename Label>
+std::string SparseXentLabelError(const Label* labels, int64_t rows, int64_t classes) {
+  int64_t bad = -1;
+  for (int64_t r = 0; r < rows && bad < 0; ++r) {
+    if (labels[r] < 0 || labels[r] >= classes) bad = r;
+  }
+  if (bad < 0) return "";
+  std::string text = "Received a label value of " + std::to_string(static_cast<int64_t>(labels[bad])) +
+                     " which is outside the valid range of [0, " + std::to_string(classes) + ").  Label values: ";
+  for (int64_t r = 0; r < rows; ++r) text += std::to_string(static_cast<int64_t>(labels[r])) + " ";
+  return text;
+}
+
 }  // namespace tfmetal_ext
 
 #endif  // TFMETAL_HOST_CHECKS_H_
