@@ -258,6 +258,11 @@ CUSTOM_OPS = types.MappingProxyType(
         # is the backward of act(gate) * up.
         "activation_grad": CustomOp("TfmetalExt>ActivationGrad", None, "activation_grad", backward=True,
                                     variants=("TfmetalExt>GatedActivationGrad",)),
+        # Softmax cross-entropy with integer labels (Keras' SparseCategoricalCrossentropy from logits);
+        # the gradient op makes the softmax again from two per-row statistics.
+        "sparse_softmax_cross_entropy": CustomOp("TfmetalExt>SparseSoftmaxCrossEntropy",
+                                                 "TfmetalExt>SparseSoftmaxCrossEntropyGrad",
+                                                 "sparse_softmax_cross_entropy"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -283,6 +288,8 @@ BATCH_NORM_ACT_OP = CUSTOM_OPS["batch_norm_act"].name
 BATCH_NORM_ACT_GRAD_OP = CUSTOM_OPS["batch_norm_act"].grad
 ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].name
 GATED_ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].variants[0]
+SPARSE_XENT_OP = CUSTOM_OPS["sparse_softmax_cross_entropy"].name
+SPARSE_XENT_GRAD_OP = CUSTOM_OPS["sparse_softmax_cross_entropy"].grad
 
 # The `activation` attribute of TfmetalExt>BatchNormAct, in the order of the TFM_BNA_* codes of
 # custom_ops/include/tfmetal/batch_norm_act.h (Keras activation names; "linear" is none; "gelu" is
@@ -570,6 +577,14 @@ SAFE_FORMS = _safe_forms(
         f"SelectV2: the same float32 formula) instead of {ACTIVATION_GRAD_OP}",
         implies=CUSTOM_OPS["activation_grad"].op_names,
         custom_op="activation_grad",
+    ),
+    SafeForm(
+        "sparse_softmax_cross_entropy",
+        "tfmetal_ext.ops.sparse_softmax_cross_entropy (FusedSparseCategoricalCrossentropy) runs its pure-TF "
+        "reference (Max, Exp, Sum, Log, GatherV2; the gradient Exp, OneHot, Mul: the same float32 formula) "
+        f"instead of {SPARSE_XENT_OP}",
+        implies=CUSTOM_OPS["sparse_softmax_cross_entropy"].op_names,
+        custom_op="sparse_softmax_cross_entropy",
     ),
 )
 

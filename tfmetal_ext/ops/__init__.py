@@ -41,6 +41,10 @@
 - `gated_activation_grad(dy, gate, up, activation)`: ``TfmetalExt>GatedActivationGrad``, the
   backward of ``act(gate) * up`` (``dy * up * act'(gate)``, ``dy * act(gate)``) in one op, for gated
   feed-forwards (Llama, Gemma); ``"activation_grad"`` covers it too.
+- `sparse_softmax_cross_entropy(labels, logits)`: ``TfmetalExt>SparseSoftmaxCrossEntropy`` (+
+  ``TfmetalExt>SparseSoftmaxCrossEntropyGrad``), ``tf.nn.sparse_softmax_cross_entropy_with_logits``
+  in one op each way, keeping two float32 statistics per row instead of the [..., classes] softmax
+  gradient (`tfmetal_ext.losses.FusedSparseCategoricalCrossentropy` runs it).
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
@@ -49,7 +53,7 @@ its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
 ``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``,
-``"batch_norm_act"``, ``"activation_grad"``).
+``"batch_norm_act"``, ``"activation_grad"``, ``"sparse_softmax_cross_entropy"``).
 """
 
 from __future__ import annotations
@@ -68,8 +72,10 @@ from tfmetal_ext.ops.multi_tensor_rmsprop import multi_tensor_rmsprop
 from tfmetal_ext.ops.rms_norm import rms_norm
 from tfmetal_ext.ops.rope import rope
 from tfmetal_ext.ops.softshrink import softshrink
+from tfmetal_ext.ops.sparse_xent import sparse_softmax_cross_entropy
 from tfmetal_ext.ops.status import OpsStatus, build, status
 
 __all__ = ["BuildError", "OpCacheError", "OpsStatus", "activation_grad", "attention", "batch_norm_act", "build", "dropout", "gated_activation_grad",
            "int8_conv2d", "int8_matmul", "layer_norm", "multi_tensor_adam", "quantize_int8",
-           "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "rope", "softshrink", "status"]
+           "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "rope", "softshrink", "sparse_softmax_cross_entropy",
+           "status"]

@@ -279,3 +279,32 @@ def gated_activation_grad(dy, gate, up, activation):
     """(dy * up * act'(gate), dy * act(gate)) in float32, each rounded once (TfmetalExt>GatedActivationGrad)."""
     d_gate, d_up = gated_activation_grad_terms(*(tf.cast(t, tf.float32) for t in (dy, gate, up)), activation)
     return tf.cast(d_gate, gate.dtype), tf.cast(d_up, gate.dtype)
+
+
+def sparse_softmax_cross_entropy_stats(logits):
+    """``(float32 logits, row max, row sum of exp(x - max))`` of logits [rows, classes]
+    (tfmetal/sparse_xent.h's statistics; TF's max propagates a NaN the kernels skip, which changes
+    only the statistics of a row whose loss is NaN either way)."""
+    xf = tf.cast(logits, tf.float32)
+    row_max = tf.reduce_max(xf, axis=-1)
+    row_sum = tf.reduce_sum(tf.exp(xf - row_max[:, None]), axis=-1)
+    return xf, row_max, row_sum
+
+
+def sparse_softmax_cross_entropy(logits, labels):
+    """``(loss, row_max, row_sum)`` of TfmetalExt>SparseSoftmaxCrossEntropy: logits [rows, classes],
+    labels [rows]; ``loss = log(sum) - (x_label - max)`` in float32, rounded once to the logits' dtype.
+    A label outside [0, classes) fails in TF's gather on the CPU."""
+    xf, row_max, row_sum = sparse_softmax_cross_entropy_stats(logits)
+    label_logit = tf.gather(xf, labels, batch_dims=1)
+    loss = tf.math.log(row_sum) - (label_logit - row_max)
+    return tf.cast(loss, logits.dtype), row_max, row_sum
+
+
+def sparse_softmax_cross_entropy_grad(dloss, logits, labels, row_max, row_sum):
+    """``(exp(x - max) * (1 / sum) - one_hot(label)) * dloss`` in float32, rounded once (the kernels'
+    formula, tfmetal/sparse_xent.h)."""
+    xf = tf.cast(logits, tf.float32)
+    p = tf.exp(xf - row_max[:, None]) * (1.0 / row_sum)[:, None]
+    one_hot = tf.one_hot(labels, tf.shape(xf)[-1], dtype=tf.float32)
+    return tf.cast((p - one_hot) * tf.cast(dloss, tf.float32)[:, None], logits.dtype)

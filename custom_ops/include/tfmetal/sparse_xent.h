@@ -3,8 +3,8 @@
 // kernel and the Metal kernel (see tfmetal/portable.h).
 //
 // Per row of C logits x and its label l, in float32 whatever the input dtype:
-//   m    = max_j x_j                  (tfm_max: a NaN logit is skipped here and
-//                                      makes the sum NaN below)
+//   m    = max_j x_j                  (sparse_xent_max: a NaN logit is skipped
+//                                      here and makes the sum NaN below)
 //   s    = sum_j exp(x_j - m)         (each term in (0, 1]; the max's term is 1)
 //   loss = log(s) - (x_l - m)         (= logsumexp(x) - x_l, without the
 //                                      cancellation of m + log(s) - x_l)
@@ -24,6 +24,10 @@
 
 // Whether label `label` indexes one of `classes` classes.
 TFM_INLINE bool sparse_xent_label_ok(int64_t label, int64_t classes) { return label >= 0 && label < classes; }
+
+// The running max with logit x: x when it is larger (a NaN is never larger, so
+// it is skipped; the max starts at -inf). A select, so loops over it vectorize.
+TFM_INLINE float sparse_xent_max(float row_max, float x) { return tfm_select(x > row_max, x, row_max); }
 
 // The term of logit x in the row's sum: exp(x - m), in (0, 1] for x <= m.
 TFM_INLINE float sparse_xent_term(float x, float row_max) { return tfm_exp_poly(x - row_max); }
