@@ -11,7 +11,7 @@ GPU kernels for the standard ops that backend has none for ("gap kernels", see
 the import loads nothing.
 """
 
-from tfmetal_ext import backends, callbacks, devices, inspect, layers, ops, optimizers, precision
+from tfmetal_ext import backends, callbacks, devices, inspect, layers, losses, ops, optimizers, precision
 from tfmetal_ext import distribute, doctor, integrations
 from tfmetal_ext._version import __version__
 from tfmetal_ext.precision import Config, configure
@@ -41,6 +41,7 @@ __all__ = [
     "export",
     "inspect",
     "layers",
+    "losses",
     "ops",
     "optimizers",
     "precision",

@@ -26,7 +26,7 @@ too.
 
 Which stock class a tfmetal_ext class replaces is read from the fusion
 table (`tfmetal_ext.backends.fusion.STOCK_TO_FUSED` /
-`OPTIMIZER_TO_FUSED`); this module only knows which Keras test file tests
+`OPTIMIZER_TO_FUSED` / `LOSS_TO_FUSED`); this module only knows which Keras test file tests
 which stock class.
 """
 
@@ -73,8 +73,10 @@ class Suite:
 
     @property
     def replacement(self):
-        table = fusion.OPTIMIZER_TO_FUSED if self.stock in fusion.OPTIMIZER_TO_FUSED else fusion.STOCK_TO_FUSED
-        return table[self.stock]
+        for table in (fusion.OPTIMIZER_TO_FUSED, fusion.LOSS_TO_FUSED, fusion.STOCK_TO_FUSED):
+            if self.stock in table:
+                return table[self.stock]
+        raise KeyError(self.stock)
 
     @property
     def stock_class(self):
@@ -116,6 +118,8 @@ SUITES = types.MappingProxyType(
             Suite("RMSprop", "optimizers/rmsprop_test.py", _optimizer_homes("rmsprop")),
             Suite("Adagrad", "optimizers/adagrad_test.py", _optimizer_homes("adagrad")),
             Suite("Lion", "optimizers/lion_test.py", _optimizer_homes("lion")),
+            Suite("SparseCategoricalCrossentropy", "losses/losses_test.py",
+                  ("keras.src.losses.losses", "keras.src.losses", "keras.losses")),
         )
     }
 )

@@ -8,7 +8,7 @@ One home for:
 * the fused-op names the remapper and the Metal plugins emit;
 * `CUSTOM_OPS`: this package's custom ops (``TfmetalExt>...``) and their
   gradient ops;
-* `STOCK_TO_FUSED` / `OPTIMIZER_TO_FUSED`: which tfmetal_ext class replaces which
+* `STOCK_TO_FUSED` / `OPTIMIZER_TO_FUSED` / `LOSS_TO_FUSED`: which tfmetal_ext class replaces which
   stock Keras class (`convert()` and `MetalCallback` both read it); `STOCK_KEPT`:
   stock classes kept on purpose, and why;
 * `SAFE_FORMS`: the patterns ``configure(avoid_fusions=...)`` can switch to
@@ -434,6 +434,17 @@ OPTIMIZER_TO_FUSED = _table(
                "with its scalars once per step)"),
     _optimizer("Lion", "FusedLion", _multi_tensor_runs(
         "multi_tensor_lion", "Keras' update math as elementwise ops, its scalars built once per step")),
+)
+
+# Stock Keras losses with a fused class: `convert()` compiles a compiled model's copy with it (the same
+# config), and `to_stock()` maps it back (`conversion.pipeline.mapped_losses`).
+LOSS_TO_FUSED = _table(
+    Replacement(
+        "SparseCategoricalCrossentropy", "FusedSparseCategoricalCrossentropy", module="tfmetal_ext.losses",
+        advice=("tfmetal_ext.losses.FusedSparseCategoricalCrossentropy takes the same arguments and runs "
+                f"{CUSTOM_OPS['sparse_softmax_cross_entropy'].name} (one op each way, two statistics per row "
+                "kept) where Keras would run SparseSoftmaxCrossEntropyWithLogits"),
+    ),
 )
 
 

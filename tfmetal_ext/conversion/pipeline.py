@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import logging
 import time
 
@@ -304,6 +305,8 @@ def compile_like(model, new, report):
         fused = fused_optimizer(getattr(model, "optimizer", None), report)
         if fused is not None:
             config = {**config, "optimizer": keras.saving.serialize_keras_object(fused)}
+        if config.get("loss") is not None:
+            config = {**config, "loss": mapped_losses(config["loss"], True, report.notes)}
         _compile_from_config(new, config)
         report.notes.append("compiled with the source model's compile config (fresh optimizer state)")
     except Exception as e:  # custom losses / metrics may not deserialize
@@ -336,6 +339,31 @@ def _keras_compile_state():
     before = dict(vars(probe))
     probe.compile(optimizer="sgd", loss="mse", metrics=["mae"])
     return frozenset(k for k, v in vars(probe).items() if before.get(k, None) is not v)
+
+
+def mapped_losses(loss, to_fused, notes):
+    """A compile config's serialized `loss` (one loss, or a list or dict of them per output) with each
+    loss of a `LOSS_TO_FUSED` row as the other class of its row, made from the same config: the
+    stock Keras class as the fused one (`to_fused`), or back (`to_stock`). Each swap is noted."""
+    from keras.src.saving import serialization_lib
+
+    from tfmetal_ext.backends.fusion import LOSS_TO_FUSED
+
+    if isinstance(loss, (list, tuple)):
+        return type(loss)(mapped_losses(v, to_fused, notes) for v in loss)
+    if not isinstance(loss, dict):
+        return loss
+    if "class_name" not in loss or "config" not in loss:
+        return {k: mapped_losses(v, to_fused, notes) for k, v in loss.items()}
+    name = loss["class_name"]
+    row = next((r for r in LOSS_TO_FUSED.values() if name == (r.stock if to_fused else r.fused)), None)
+    module = str(loss.get("module") or "")
+    if row is None or not module.startswith("keras." if to_fused else row.module):
+        return loss
+    source = serialization_lib.deserialize_keras_object(loss)
+    target = (getattr(importlib.import_module(row.module), row.fused) if to_fused else getattr(keras.losses, row.stock))
+    notes.append(f"loss: {name} replaced by {target.__module__}.{target.__name__} from the same config")
+    return keras.saving.serialize_keras_object(target.from_config(source.get_config()))
 
 
 def fused_optimizer(optimizer, report):

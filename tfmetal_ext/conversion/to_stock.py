@@ -523,7 +523,8 @@ def carry_optimizer_state(old, new, variables, pairs):
 
 
 def _compile_stock(model, new, conv, report):
-    """A compiled `model`'s compile config on `new`, a fused optimizer as its Keras class with its state."""
+    """A compiled `model`'s compile config on `new`: a fused optimizer as its Keras class with its state, a
+    fused loss as its Keras class (`pipeline.mapped_losses`)."""
     if not getattr(model, "compiled", False):
         return
     config = model.get_compile_config()
@@ -531,6 +532,8 @@ def _compile_stock(model, new, conv, report):
     stock, fused = stock_optimizer(opt) if isinstance(opt, keras.optimizers.Optimizer) else (None, None)
     if stock is not None:
         config = {**config, "optimizer": keras.saving.serialize_keras_object(stock)}
+    if config.get("loss") is not None:
+        config = {**config, "loss": pipeline.mapped_losses(config["loss"], False, report.notes)}
     try:
         pipeline._compile_from_config(new, config)
     except Exception as e:  # custom losses / metrics may not deserialize
