@@ -85,6 +85,7 @@ def test_safe_forms_names():
         "rope",
         "batch_norm_act",
         "activation_grad",
+        "sparse_softmax_cross_entropy",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

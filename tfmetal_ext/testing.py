@@ -638,6 +638,25 @@ def np_gated_activation_grad(dy, gate, up, activation):
         return np_smooth_activation_grad(dy * up, gate, activation), dy * (gate * np_activation_factor(gate, activation))
 
 
+def np_sparse_softmax_cross_entropy(x, labels):
+    """TfmetalExt>SparseSoftmaxCrossEntropy in float64 from its definition: ``(loss, row_max,
+    row_sum)`` with ``loss = log(sum exp(x - max)) - (x[label] - max)`` per row of [rows, classes]."""
+    x = np.asarray(x, np.float64)
+    row_max = x.max(axis=-1)
+    row_sum = np.exp(x - row_max[:, None]).sum(axis=-1)
+    label_logit = x[np.arange(x.shape[0]), np.asarray(labels)]
+    return np.log(row_sum) - (label_logit - row_max), row_max, row_sum
+
+
+def np_sparse_softmax_cross_entropy_grad(dloss, x, labels):
+    """Its gradient in float64: ``(softmax(x) - one_hot(labels)) * dloss[:, None]``."""
+    x = np.asarray(x, np.float64)
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    p[np.arange(x.shape[0]), np.asarray(labels)] -= 1.0
+    return p * np.asarray(dloss, np.float64)[:, None]
+
+
 def np_batch_norm_act(x, gamma, beta, side=None, activation="relu", epsilon=1e-3, alpha=0.2):
     """TfmetalExt>BatchNormAct in float64: ``(y, mean, inv_std, variance)``, statistics over every
     axis but the last (biased variance; NaN for an empty batch)."""

@@ -344,6 +344,27 @@ def activation_grad(dtype):
     return fused, (x, dy, up), reference + gated
 
 
+@register("sparse_softmax_cross_entropy", op=fusion.CUSTOM_OPS["sparse_softmax_cross_entropy"])
+def sparse_softmax_cross_entropy(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(12)
+    # 37 classes: a row is not a whole number of SIMD groups or CPU lanes.
+    x = tf.constant(rng.standard_normal((6, 37)) * 4.0, dtype)
+    dloss = tf.constant(rng.standard_normal(6), dtype)
+    labels = tf.constant(rng.integers(0, 37, 6), tf.int64)
+
+    def fused(x, dloss):
+        loss, row_max, row_sum = lib.tfmetal_ext_sparse_softmax_cross_entropy(x, labels)
+        dx = lib.tfmetal_ext_sparse_softmax_cross_entropy_grad(dloss, x, labels, row_max, row_sum)
+        return loss, row_max, row_sum, dx
+
+    reference = testing.np_sparse_softmax_cross_entropy(_f64(x), labels.numpy()) + (
+        testing.np_sparse_softmax_cross_entropy_grad(_f64(dloss), _f64(x), labels.numpy()),)
+    return fused, (x, dloss), reference
+
+
 # The int8 contractions: numpy float64 of Keras' convention (w = q / scale), the TF conv padding rules.
 
 def _np_int8_activate(z, activation, alpha=fusion.LEAKY_RELU_ALPHA):

@@ -27,7 +27,8 @@ class OpsStatus:
             (``"tensorflow-metal"``, ``"tensorflow-metal-plugin"``), or None.
         kernels: per op (``"softshrink"``, ``"layer_norm"``,
             ``"multi_tensor_adam"``, ``"multi_tensor_lion"``, ``"multi_tensor_rmsprop"``, ``"rms_norm"``,
-            ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``, ``"batch_norm_act"``, ``"activation_grad"``: the keys of
+            ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``, ``"batch_norm_act"``, ``"activation_grad"``,
+            ``"sparse_softmax_cross_entropy"``: the keys of
             `tfmetal_ext.backends.fusion.CUSTOM_OPS`), ``{"cpu": bool, "gpu":
             bool, "gpu_reason": str | None}``: whether the op's CPU kernel and
             its GPU (Metal) kernel are registered (for the op and its gradient
