@@ -24,6 +24,12 @@ with ``--sections``):
   dx = dy * act'(x), at 4096x512 float32 (batch 4 x T=1024 x 512, bench_hub's feed-forward): stock =
   TF's autodiff of ``tf.nn.silu`` / ``tf.nn.gelu`` (exact, tanh), ours = the same forward ops and one
   ``TfmetalExt>ActivationGrad``. Ops counted per step.
+- ``sparse_softmax_cross_entropy``: the loss of a language model's head, forward and backward
+  (the logits' gradient of the mean loss): stock = ``tf.nn.sparse_softmax_cross_entropy_with_logits``
+  (TF's op, its gradient a Mul), ours = `tfmetal_ext.ops.sparse_softmax_cross_entropy` (one op each
+  way), at 2048x1000, 4096x1000 (bench_hub's heads at T=512 and 1024) and 2048x32000 (a Llama-sized
+  vocabulary) float32. Bytes moved by ours: the logits read twice forward (the second pass from
+  cache for rows this small), read and the gradient written backward.
 - ``multi_tensor_adam``: `FusedAdam(multi_tensor=True)` (one ``TfmetalExt>MultiTensorAdam``
   per step) vs `FusedAdam(multi_tensor=False)` (one ``ResourceApplyAdam`` per variable) vs `keras.optimizers.Adam`,
   one ``optimizer.apply`` step, at 100 variables of 64x64 and 40 of 512x512.
@@ -504,9 +510,57 @@ def bench_activation_grad(ctx):
 
 # ----------------------------------------------------------------------------
 
+# ----------------------------------------------------------------------------
+# Softmax cross-entropy with integer labels (a language model's loss).
+
+
+def bench_sparse_softmax_cross_entropy(ctx):
+    rows_out = []
+    for n, classes in ((2048, 1000), (4096, 1000), (2048, 32000)):
+        rng = np.random.default_rng(5)
+        x = tf.constant(rng.normal(0.0, 3.0, (n, classes)).astype("float32"))
+        labels = tf.constant(rng.integers(0, classes, n).astype("int32"))
+
+        def make(fn):
+            @tf.function(autograph=False)
+            def step(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    loss = tf.reduce_mean(fn(labels, x))
+                return loss, tape.gradient(loss, x)
+
+            return step
+
+        stock = make(tf.nn.sparse_softmax_cross_entropy_with_logits)
+        ours = make(ops.sparse_softmax_cross_entropy)
+        for got, want in zip(ours(x), stock(x)):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-8)
+        stock_ms, ours_ms = ctx.alternate(lambda: stock(x), lambda: ours(x))
+        row = {
+            "section": "sparse_softmax_cross_entropy",
+            "case": f"float32 {n}x{classes}",
+            "stock_ms": round(stock_ms, 2),
+            "ours_ms": round(ours_ms, 2),
+            "speedup": round(stock_ms / ours_ms, 2),
+            "stock_ops": _num_ops(stock, x),
+            "ours_ops": _num_ops(ours, x),
+        }
+        row.update(_bandwidth_columns(ctx, 3 * n * classes * 4, ours_ms))
+        print(row, flush=True)
+        rows_out.append(row)
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)")
+    return rows_out, [
+        "sparse_softmax_cross_entropy: one step = the mean loss and the logits' gradient; stock = "
+        f"tf.nn.sparse_softmax_cross_entropy_with_logits, ours = {fusion.SPARSE_XENT_OP} + "
+        f"{fusion.SPARSE_XENT_GRAD_OP}; bytes moved by ours = 3 x the logits (read forward, read and written "
+        f"backward); TF_ENABLE_ONEDNN_OPTS={onednn}."
+    ]
+
+
 SECTIONS = {"copy": bench_copy, "layer_norm": bench_layer_norm, "softshrink": bench_softshrink,
             "batch_norm_act": bench_batch_norm_act, "multi_tensor_adam": bench_multi_tensor_adam,
-            "dropout": bench_dropout, "activation_grad": bench_activation_grad}
+            "dropout": bench_dropout, "activation_grad": bench_activation_grad,
+            "sparse_softmax_cross_entropy": bench_sparse_softmax_cross_entropy}
 
 
 def main(argv=None):

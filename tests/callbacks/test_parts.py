@@ -246,6 +246,22 @@ def test_stock_optimizer_advice_is_the_fusion_tables_class(make, stock):
     assert f"tfmetal_ext.optimizers.Fused{stock} takes the same arguments" in advice[0]
 
 
+def test_stock_loss_advice_is_the_fusion_tables_class():
+    from tfmetal_ext.backends.fusion import LOSS_TO_FUSED
+    from tfmetal_ext.losses import FusedSparseCategoricalCrossentropy
+
+    row = LOSS_TO_FUSED["SparseCategoricalCrossentropy"]
+    for loss, advised in ((keras.losses.SparseCategoricalCrossentropy(from_logits=True), True),
+                          (FusedSparseCategoricalCrossentropy(from_logits=True), False), ("mse", False)):
+        model = _stock_dense_model()
+        model.compile(optimizer="sgd", loss=loss)
+        findings = Findings()
+        findings.check(model, devices.capabilities())
+        advice = [line for line in findings.lines if line.startswith("loss:")]
+        assert advice == ([f"loss: stock keras SparseCategoricalCrossentropy runs TensorFlow's op and a Mul over the "
+                           f"logits; {row.suggestion}"] if advised else []), loss
+
+
 def test_fused_optimizer_gets_no_advice():
     model = _stock_dense_model()
     from tfmetal_ext.optimizers import FusedLion

@@ -8,9 +8,9 @@ from tests.keras_suite import swap
 
 
 def test_every_replaced_class_has_its_keras_suite():
-    # Each stock class the fusion table replaces (layers and optimizers) is
+    # Each stock class the fusion table replaces (layers, optimizers and losses) is
     # checked against Keras' own tests for it.
-    replaced = set(fusion.STOCK_TO_FUSED) | set(fusion.OPTIMIZER_TO_FUSED)
+    replaced = set(fusion.STOCK_TO_FUSED) | set(fusion.OPTIMIZER_TO_FUSED) | set(fusion.LOSS_TO_FUSED)
     assert set(swap.SUITES) == replaced, (
         "a fusion-table row without its Keras suite (or a suite without a row): add a `Suite` to "
         "tests/keras_suite/swap.py and run `python -m tests.keras_suite.make_baseline -k '<Stock>__'`. "

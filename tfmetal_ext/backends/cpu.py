@@ -84,6 +84,12 @@ _EITHER = {
     # against the same forward + the op, 2-core AMD EPYC AVX-512, TF 2.21, medians of paired rounds): the op
     # is 1.24x / 1.01x / 1.50x (silu / gelu / tanh gelu) oneDNN on, 1.24x / 1.10x / 2.02x off, with one
     # tensor where TF's gradient makes 3-5 temporaries of x's size.
+    # Measured (bench_ops --sections sparse_softmax_cross_entropy, the mean loss and the logits' gradient,
+    # float32, 2-core AMD EPYC AVX-512, TF 2.21): see benchmarks/results/bench_ops_sparse_xent*.md.
+    "custom_sparse_softmax_cross_entropy": Fusion(
+        f"tfmetal_ext custom op: one {fusion.SPARSE_XENT_OP} forward, one {fusion.SPARSE_XENT_GRAD_OP} backward",
+        dtypes=_CUSTOM,
+    ),
     "custom_activation_grad": Fusion(
         f"tfmetal_ext custom op: one {fusion.ACTIVATION_GRAD_OP}, or one {fusion.GATED_ACTIVATION_GRAD_OP} for a "
         "gated product (their second-order gradients: the op again and the reference's autodiff)",

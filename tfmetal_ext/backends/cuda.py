@@ -47,6 +47,9 @@ CUDA = backend(
         ),
         "custom_softshrink": never("no CUDA kernel: the op runs on the CPU (copies each way); use the reference there"),
         "custom_activation_grad": never("no CUDA kernel: the pure-TF reference runs (TF's elementwise ops)"),
+        "custom_sparse_softmax_cross_entropy": never(
+            "no CUDA kernel: Keras' own loss runs (TF's SparseSoftmaxCrossEntropyWithLogits)"
+        ),
         "custom_dropout": never("no CUDA kernel: the pure-TF reference runs (TensorFlow's stateless dropout)"),
         "custom_attention": never("no CUDA kernel: the pure-TF reference runs (the score matrix is materialized)"),
         "custom_int8_matmul": never(

@@ -437,7 +437,7 @@ OPTIMIZER_TO_FUSED = _table(
 )
 
 # Stock Keras losses with a fused class: `convert()` compiles a compiled model's copy with it (the same
-# config), and `to_stock()` maps it back (`conversion.pipeline.mapped_losses`).
+# config), `to_stock()` maps it back (`conversion.pipeline.mapped_losses`), and MetalCallback advises it.
 LOSS_TO_FUSED = _table(
     Replacement(
         "SparseCategoricalCrossentropy", "FusedSparseCategoricalCrossentropy", module="tfmetal_ext.losses",

@@ -81,6 +81,12 @@ PATTERNS = types.MappingProxyType(
                 _F.ACTIVATION_GRAD_OP,
             ),
             Pattern(
+                "custom_sparse_softmax_cross_entropy",
+                "softmax cross-entropy with integer labels (FusedSparseCategoricalCrossentropy): one op each way, "
+                "two statistics per row kept, where TF keeps the [..., classes] gradient and multiplies it by a Mul",
+                _F.SPARSE_XENT_OP,
+            ),
+            Pattern(
                 "custom_dropout",
                 "dropout whose counter-based mask the backward pass draws again from the seed (FusedDropout; "
                 "Keras' Dropout is five ops and keeps a boolean mask)",
