@@ -98,8 +98,9 @@ def test_plan_anchors_a_custom_gradient_it_cannot_replay_at_its_output():
 
 
 def test_plan_leaves_a_norm_to_its_own_gradient():
-    """A norm's output feeds several projections (q, k, v): each would normalize again. It is not
-    replayed (`fusion.REPLAY_GAIN_OPS`): the projection keeps it."""
+    """A norm's output feeds several projections (q, k, v): replaying it into each projection's
+    gradient would normalize and differentiate it again per projection. `plan` leaves it
+    (`fusion.REPLAY_GAIN_OPS`); `norm_plan` rebuilds it once instead (below)."""
     if not importlib.import_module("tfmetal_ext.ops.rms_norm").uses_kernel():
         pytest.skip("the reference RMS norm (no op library here) is elementwise TF ops, replayed as any chain")
     a = tf.constant(_rng(6).standard_normal((2, 5, 8)).astype("float32"))
@@ -429,3 +430,162 @@ def test_gelu_feed_forward_second_projection_replays_the_gelu(activation):
     np.testing.assert_array_equal(with_replay[0], without[0])
     for a, b in zip(with_replay[1:], without[1:]):
         np.testing.assert_allclose(a, b, rtol=64 * EPS32 * 24, atol=64 * EPS32 * np.max(np.abs(b)))
+
+
+# ----------------------------------------------------------------------------
+# norm_plan(): a norm's output made again once for all its projections' kernel gradients.
+
+from tfmetal_ext.backends import fusion  # noqa: E402
+from tfmetal_ext.ops import layer_norm  # noqa: E402
+
+
+def _norms_use_kernels():
+    for name in ("rms_norm", "layer_norm"):
+        if not importlib.import_module(f"tfmetal_ext.ops.{name}").uses_kernel():
+            pytest.skip("the norms run their pure-TF references here (no op library): nothing to rebuild")
+
+
+@contextlib.contextmanager
+def _norm_plans(enabled):
+    original = _replay.norm_plan
+    _replay.norm_plan = original if enabled else (lambda t: None)
+    try:
+        yield
+    finally:
+        _replay.norm_plan = original
+
+
+def _norm(kind, x, gamma, beta):
+    if kind == "rms":
+        return rms_norm(x, gamma, epsilon=1e-6)
+    return layer_norm(x, gamma, beta, epsilon=1e-5)
+
+
+def _norm_step(kind, layers, x, gamma, beta, dys, enabled, seen=None):
+    """Gradients (x, gamma, beta, then each layer's variables) of the layers' outputs over one norm of
+    x, in a tf.function, with or without the rebuild; the concrete graph in ``seen["graph"]``."""
+
+    def run(x, gamma, beta):
+        with tf.GradientTape() as tape:
+            tape.watch([x, gamma, beta])
+            y = _norm(kind, x, gamma, beta)
+            outs = [layer(y, training=True) for layer in layers]
+            if seen is not None:
+                seen["y"] = y
+        variables = [v for layer in layers for v in layer.trainable_variables]
+        return tape.gradient(outs, [x, gamma, beta] + variables, output_gradients=dys)
+
+    with _norm_plans(enabled):
+        fn = tf.function(run)
+        if seen is not None:
+            seen["graph"] = fn.get_concrete_function(x, gamma, beta).graph
+        return [np.asarray(t) for t in fn(x, gamma, beta)]
+
+
+def _norm_case(kind, seed=30):
+    rng = _rng(seed)
+    x = tf.constant(rng.standard_normal((2, 9, 16)).astype("float32") * 2)
+    gamma = tf.constant(rng.standard_normal(16).astype("float32"))
+    beta = tf.constant(rng.standard_normal(16).astype("float32"))
+    layers = [_layer("dense", 6), _layer("einsum", 4), _layer("dense", 6)]
+    for layer in layers:
+        layer.build((2, 9, 16))
+    dys = [tf.constant(rng.standard_normal((2, 9, u)).astype("float32")) for u in (6, 4, 6)]
+    return layers, x, gamma, beta, dys
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_rebuild_gives_the_same_gradients(kind):
+    """The rebuilt norm output is the forward one bit for bit (a deterministic kernel on the same
+    inputs): with one projection every gradient is the same bit for bit; with three, the projections'
+    own gradients are, and the norm's input gradients differ only by the order TF adds the three input
+    gradients in (bounded below)."""
+    _norms_use_kernels()
+    layers, x, gamma, beta, dys = _norm_case(kind)
+    one = _norm_step(kind, layers[:1], x, gamma, beta, dys[:1], True)
+    for a, b in zip(one, _norm_step(kind, layers[:1], x, gamma, beta, dys[:1], False)):
+        np.testing.assert_array_equal(a, b)
+    with_rebuild = _norm_step(kind, layers, x, gamma, beta, dys, True)
+    without = _norm_step(kind, layers, x, gamma, beta, dys, False)
+    assert len(with_rebuild) == len(without) == 3 + 2 + 2 + 2
+    for a, b in zip(with_rebuild[3:], without[3:]):
+        np.testing.assert_array_equal(a, b)
+    # The bound. The norm's output gradient g is a sum of three float32 terms dX_i = dy_i W_i^T; either
+    # order is within 2u sum_i |dX_i| of the exact sum (Higham's gamma_2), so the two differ by at most
+    # e = 4u sum_i |dX_i| per element. The norm's gradient is linear in g: per row, dx = rstd (gamma g -
+    # xhat mean(gamma g xhat)) (RMS; the layer norm also subtracts mean(gamma g)), so |ddx_i| <= rstd
+    # max|gamma| max|e| (2 + |xhat_i| max|xhat|); dgamma sums e |xhat| over rows and dbeta sums e.
+    xs = np.asarray(x, np.float64).reshape(-1, 16)
+    g64 = np.asarray(gamma, np.float64)
+    e = 4 * EPS32 * sum(np.abs(np.asarray(dy, np.float64).reshape(-1, dy.shape[-1]) @
+                               np.abs(np.asarray(layer.kernel, np.float64).reshape(16, -1)).T)
+                        for dy, layer in zip(dys, layers))
+    centered = xs - (xs.mean(axis=1, keepdims=True) if kind == "layer" else 0.0)
+    rstd = 1.0 / np.sqrt((centered ** 2).mean(axis=1, keepdims=True) + (1e-5 if kind == "layer" else 1e-6))
+    xhat = centered * rstd
+    emax = e.max(axis=1, keepdims=True)
+    bound_dx = rstd * np.abs(g64).max() * emax * (2 + np.abs(xhat) * np.abs(xhat).max(axis=1, keepdims=True))
+    dx = np.abs(with_rebuild[0].reshape(-1, 16) - without[0].reshape(-1, 16))
+    assert np.all(dx <= 2 * bound_dx + 1e-30), (dx.max(), bound_dx.min())
+    assert np.all(np.abs(with_rebuild[1] - without[1]) <= 2 * (e * np.abs(xhat)).sum(axis=0) + 1e-30)
+    if kind == "layer":
+        assert np.all(np.abs(with_rebuild[2] - without[2]) <= 2 * e.sum(axis=0) + 1e-30)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_output_feeds_the_forward_pass_only_and_is_rebuilt_once(kind):
+    """Without the rebuild the projections' kernel gradients read the norm's output; with it, only
+    forward ops do, one more norm op runs (for all three projections) and the norm's own gradient op
+    still runs once."""
+    _norms_use_kernels()
+    layers, x, gamma, beta, dys = _norm_case(kind)
+    norm_op = fusion.RMS_NORM_OP if kind == "rms" else fusion.LAYER_NORM_OP
+    grad_op = fusion.RMS_NORM_GRAD_OP if kind == "rms" else fusion.LAYER_NORM_GRAD_OP
+
+    def inspect(enabled):
+        seen = {}
+        _norm_step(kind, layers, x, gamma, beta, dys, enabled, seen)
+        graph = seen["graph"]
+        # The norm's output and the reshapes of it the projections make (views of the same buffer).
+        tensors, readers = [graph.get_tensor_by_name(seen["y"].name)], []
+        while tensors:
+            for c in tensors.pop().consumers():
+                readers.append(c.name)
+                if c.type in ("Reshape", "Identity") and not c.name.startswith("gradient_tape/"):
+                    tensors.extend(c.outputs)
+        types = [op.type for op in graph.get_operations()]
+        return [r for r in readers if r.startswith("gradient_tape/")], types.count(norm_op), types.count(grad_op)
+
+    readers, norms, grads = inspect(False)
+    assert readers and norms == 1 and grads == 1
+    readers, norms, grads = inspect(True)
+    assert readers == [] and norms == 2 and grads == 1
+
+
+def test_norm_plan_finds_the_norm_through_a_cast_and_a_reshape():
+    _norms_use_kernels()
+    x = tf.constant(_rng(40).standard_normal((2, 3, 8)).astype("float32"))
+
+    def run(x):
+        y = rms_norm(tf.identity(x), tf.ones([8]), epsilon=1e-6)
+        t = tf.reshape(tf.cast(y, "float16"), [-1, 8])
+        rebuild = _replay.norm_plan(t)
+        assert rebuild is not None and rebuild.norm.type == fusion.RMS_NORM_OP
+        assert [op.type for op in rebuild.passthrough] == ["Cast", "Reshape"]
+        assert _replay.norm_plan(y * 2.0) is None  # a product of the output is not the output
+        return t, rebuild.rebuild([tf.identity(a) for a in rebuild.anchors], tf.zeros([]))
+
+    t, again = _in_graph(run, x)
+    np.testing.assert_array_equal(t.numpy(), again.numpy())
+
+
+def test_norm_plan_is_none_eagerly_and_for_other_producers():
+    _norms_use_kernels()
+    x = tf.constant(_rng(41).standard_normal((2, 8)).astype("float32"))
+    assert _replay.norm_plan(rms_norm(x, tf.ones([8]))) is None
+
+    def run(x):
+        assert _replay.norm_plan(tf.nn.relu(x)) is None
+        return x
+
+    _in_graph(run, x)

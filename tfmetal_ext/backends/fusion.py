@@ -136,9 +136,10 @@ REPLAYED_OPS = frozenset(
 # product itself, which the projection keeps. A chain of casts, reshapes, sums, scalings and
 # single-op activations (Relu, Tanh: their gradient keeps one tensor, as the projection would)
 # gains nothing, and replaying it would cost the MatMul + BiasAdd + activation fusion of the layer
-# before it: it is left as it is. Norms are not replayed: a norm's output feeds several projections
-# (q, k, v; gate, up), each would normalize again, and that cost a Llama train step ~10% of its time
-# for 4 MiB per norm (bench_hub, T=512 / 1024).
+# before it: it is left as it is. Norms are not replayed into their projections' gradients: a norm's
+# output feeds several projections (q, k, v; gate, up), each would normalize again and differentiate
+# its own copy, and that cost a Llama train step ~10% of its time for 4 MiB per norm (bench_hub,
+# T=512 / 1024). REBUILT_NORM_OPS (below) does it differently.
 REPLAY_GAIN_OPS = frozenset({"Mul", "RealDiv", "Pow"})
 # A replayed product act(gate) * up of two same-shape tensors, act a smooth activation the chain
 # finds (ACTIVATION_GRAD_ACTIVATIONS): differentiated by one TfmetalExt>GatedActivationGrad.
@@ -290,6 +291,13 @@ ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].name
 GATED_ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].variants[0]
 SPARSE_XENT_OP = CUSTOM_OPS["sparse_softmax_cross_entropy"].name
 SPARSE_XENT_GRAD_OP = CUSTOM_OPS["sparse_softmax_cross_entropy"].grad
+
+# Norm ops whose own backward pass keeps their input and statistics, not their output: a projection
+# of their output (the layer's kernel gradient would keep it) makes it again in the backward pass
+# from the norm's inputs, once per norm and backward graph for all its projections, and hands its
+# gradient to the norm's output as usual (the norm's own gradient op runs once, on the sum). The
+# norm kernels are deterministic: the same bits as the forward pass's output.
+REBUILT_NORM_OPS = frozenset({RMS_NORM_OP, LAYER_NORM_OP})
 
 # The `activation` attribute of TfmetalExt>BatchNormAct, in the order of the TFM_BNA_* codes of
 # custom_ops/include/tfmetal/batch_norm_act.h (Keras activation names; "linear" is none; "gelu" is

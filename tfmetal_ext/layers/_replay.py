@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -117,7 +118,24 @@ def _clone(op, inputs):
     for attr in op_def.attr:
         if attr.name not in inferred:
             kwargs[attr.name] = op.get_attr(attr.name)
-    return [getattr(tf.raw_ops, op.type)(**kwargs)]
+    fn = getattr(tf.raw_ops, op.type, None) or _custom_op_function(op.type)
+    out = fn(**kwargs)
+    return list(out) if isinstance(out, (list, tuple)) else [out]
+
+
+def _custom_op_function(op_type):
+    """The loaded op library's Python function of custom op `op_type` (``TfmetalExt>RMSNorm`` ->
+    ``tfmetal_ext_rms_norm``, TF's naming of generated wrappers), or None."""
+    import re
+
+    from tfmetal_ext.ops import _common
+
+    lib = _common.library()
+    if lib is None or not op_type.startswith(fusion.CUSTOM_OP_PREFIX):
+        return None
+    name = op_type.replace(">", "_")
+    name = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower().replace("__", "_")
+    return getattr(lib, name, None)
 
 
 def _is_float(t):
@@ -338,6 +356,88 @@ def apply(forward, x, replay):
     return run(*replay.anchors)
 
 
+# Ops between a norm and its projection that the rebuild makes again as they are (a dtype cast under
+# mixed precision, a reshape to the projection's rows).
+_NORM_PASSTHROUGH_OPS = frozenset({"Identity", "Reshape", "Cast"})
+
+
+@dataclasses.dataclass(frozen=True)
+class NormRebuild:
+    """`target`, a norm op's output (`fusion.REBUILT_NORM_OPS`, through `_NORM_PASSTHROUGH_OPS`),
+    made again in the backward pass from the norm's inputs (`anchors`), which its own gradient keeps.
+    `norm_plan`'s answer; `apply` gives the gradient to `target` itself."""
+
+    target: tf.Tensor
+    norm: tf.Operation
+    passthrough: tuple  # the ops from the norm's output 0 to `target`, in order
+
+    @property
+    def anchors(self):
+        return tuple(self.norm.inputs)
+
+    def rebuild(self, anchors, dy):
+        """`target` made again: the norm once per backward graph (shared by every projection of its
+        output, after the first incoming gradient `dy`), then the passthrough ops."""
+        graph = tf.compat.v1.get_default_graph()
+        cache = _REBUILT.setdefault(graph, {})
+        key = self.norm.name
+        if key not in cache:
+            again = C.waiting_for(dy, list(anchors))
+            cache[key] = _clone(self.norm, again)[0]
+        t = cache[key]
+        for op in self.passthrough:
+            t = _clone(op, [t] + list(op.inputs[1:]))[0]
+        return t
+
+
+# Backward graph -> norm op name -> its rebuilt output (`NormRebuild.rebuild`).
+_REBUILT = weakref.WeakKeyDictionary()
+
+
+def norm_plan(x):
+    """The `NormRebuild` of projection input `x`, or None: when `x` is not a graph tensor made by a
+    norm of `fusion.REBUILT_NORM_OPS` (output 0, through `_NORM_PASSTHROUGH_OPS` of one input that
+    matters), or the op library is not loaded here."""
+    if not tf.is_symbolic_tensor(x) or not hasattr(x, "op") or not _is_float(x):
+        return None
+    passthrough, t = [], x
+    while t.op.type in _NORM_PASSTHROUGH_OPS and not t.op.control_inputs:
+        passthrough.append(t.op)
+        t = t.op.inputs[0]
+    op = t.op
+    if op.type not in fusion.REBUILT_NORM_OPS or t.value_index != 0 or op.control_inputs:
+        return None
+    if _custom_op_function(op.type) is None:
+        return None
+    return NormRebuild(x, op, tuple(reversed(passthrough)))
+
+
+def apply_rebuilt(forward, x, rebuild):
+    """``forward(x)`` (a projection) whose gradient does not keep `x`: it makes `x` again with
+    `rebuild` (a `NormRebuild`), takes TensorFlow's gradient of ``forward`` there for `x` and the
+    variables `forward` reads (its kernel, LoRA factors, bias), and hands the gradient for `x` back
+    to `x`, whose own producer (the norm) differentiates the sum once. The anchors get none."""
+    scope = keras_backend.get_autocast_scope()
+    dtype = scope.dtype if scope is not None else None
+    anchors = rebuild.anchors
+
+    @tf.custom_gradient
+    def run(x, *anchors):
+        def grad(dy, variables=None):
+            again = rebuild.rebuild(anchors, dy)
+            variables = list(variables or ())
+            with keras_backend.AutocastScope(dtype), tf.GradientTape(watch_accessed_variables=False) as tape:
+                tape.watch(again)
+                tape.watch(variables)
+                y = forward(again)
+            grads = tape.gradient(y, [again] + variables, output_gradients=dy)
+            return (grads[0],) + (None,) * len(anchors), grads[1:]
+
+        return forward(x), grad
+
+    return run(x, *anchors)
+
+
 def apply_projection(project, x, replay, fn, name, training):
     """A projection layer's training call on `x` through `apply`.
 
@@ -347,7 +447,8 @@ def apply_projection(project, x, replay, fn, name, training):
     finds it over this one's pre-activation and replays it in turn. Other activations stay inside,
     next to the BiasAdd the remapper fuses them with.
     """
+    run = apply_rebuilt if isinstance(replay, NormRebuild) else apply
     if C.recomputed_name(fn, name) is None:
-        return apply(lambda t: project(t, True), x, replay)
-    pre = apply(lambda t: project(t, False), x, replay)
+        return run(lambda t: project(t, True), x, replay)
+    pre = run(lambda t: project(t, False), x, replay)
     return C.apply_activation(pre, fn, name, training)

@@ -365,8 +365,9 @@ class FusedDense(keras.layers.Dense):
 
     def call(self, inputs, training=None):
         if training and not isinstance(inputs, tf.SparseTensor):
-            # A feed-forward's `act(gate) * up` input is made again in the backward pass (`_replay`).
-            replay = _replay.plan(inputs)
+            # A feed-forward's `act(gate) * up` input, or a norm's output, is made again in the backward
+            # pass (`_replay`) instead of kept for the kernel gradient.
+            replay = _replay.plan(inputs) or _replay.norm_plan(inputs)
             if replay is not None:
                 return _replay.apply_projection(lambda x, activate: self._float_call(x, training, activate), inputs,
                                                 replay, self.activation, self._activation_name, training)

@@ -189,8 +189,9 @@ class FusedEinsumDense(_STOCK):
         if p is None:
             return super().call(inputs, training=training)
         if training:
-            # A feed-forward's `act(gate) * up` input is made again in the backward pass (`_replay`).
-            replay = _replay.plan(inputs)
+            # A feed-forward's `act(gate) * up` input, or a norm's output, is made again in the backward
+            # pass (`_replay`) instead of kept for the kernel gradient.
+            replay = _replay.plan(inputs) or _replay.norm_plan(inputs)
             if replay is not None:
                 fn, name = C.resolve_activation(self.activation)
                 return _replay.apply_projection(lambda x, activate: self._planned_call(x, training, activate),
