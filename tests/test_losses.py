@@ -179,3 +179,24 @@ def test_mixed_precision_logits():
     half = tf.cast(logits, tf.float16)
     ours, stock = Fused(from_logits=True), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     np.testing.assert_allclose(ours(labels, half), stock(labels, half), rtol=RTOL)
+
+
+def test_convert_maps_the_string_name_with_keras_defaults():
+    """``loss="sparse_categorical_crossentropy"`` (keras.io's classifiers, a softmax output): Keras'
+    defaults (from_logits=False); the fused class runs its op on the softmax's logits, and fit gives
+    the stock model's losses."""
+    x = np.random.default_rng(2).normal(size=(32, 6)).astype("float32")
+    y = np.random.default_rng(3).integers(0, 4, 32)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((6,))
+    model = keras.Model(inputs, keras.layers.Dense(4, activation="softmax")(keras.layers.Dense(8)(inputs)))
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    new = tfmetal_ext.convert(model, verify=False, count_ops=False)
+    assert type(new.loss) is Fused and not new.loss.from_logits
+    from tfmetal_ext.inspect import capture
+
+    types = [n.op for n in capture.trace_train(new, x[:8], y[:8]).nodes()]
+    assert fusion.SPARSE_XENT_OP in types and "SparseSoftmaxCrossEntropyWithLogits" not in types
+    a = model.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
+    b = new.fit(x, y, batch_size=8, epochs=2, verbose=0, shuffle=False).history["loss"]
+    np.testing.assert_allclose(b, a, rtol=1e-5)

@@ -454,6 +454,9 @@ LOSS_TO_FUSED = _table(
                 "kept) where Keras would run SparseSoftmaxCrossEntropyWithLogits"),
     ),
 )
+# Keras' string names of those losses (``compile(loss="sparse_categorical_crossentropy")``): the stock
+# class with its default arguments, as Keras resolves the name.
+LOSS_NAMES = types.MappingProxyType({"sparse_categorical_crossentropy": "SparseCategoricalCrossentropy"})
 
 
 # ----------------------------------------------------------------------------

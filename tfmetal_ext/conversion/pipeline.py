@@ -344,13 +344,19 @@ def _keras_compile_state():
 def mapped_losses(loss, to_fused, notes):
     """A compile config's serialized `loss` (one loss, or a list or dict of them per output) with each
     loss of a `LOSS_TO_FUSED` row as the other class of its row, made from the same config: the
-    stock Keras class as the fused one (`to_fused`), or back (`to_stock`). Each swap is noted."""
+    stock Keras class (or its string name, `LOSS_NAMES`) as the fused one (`to_fused`), or the fused
+    class back as the stock one (`to_stock`). Each swap is noted."""
     from keras.src.saving import serialization_lib
 
-    from tfmetal_ext.backends.fusion import LOSS_TO_FUSED
+    from tfmetal_ext.backends.fusion import LOSS_NAMES, LOSS_TO_FUSED
 
     if isinstance(loss, (list, tuple)):
         return type(loss)(mapped_losses(v, to_fused, notes) for v in loss)
+    if isinstance(loss, str) and to_fused and loss in LOSS_NAMES:
+        row = LOSS_TO_FUSED[LOSS_NAMES[loss]]
+        target = getattr(importlib.import_module(row.module), row.fused)
+        notes.append(f"loss: {loss!r} replaced by {target.__module__}.{target.__name__}() (Keras' defaults)")
+        return keras.saving.serialize_keras_object(target())
     if not isinstance(loss, dict):
         return loss
     if "class_name" not in loss or "config" not in loss:
