@@ -85,7 +85,9 @@ _EITHER = {
     # is 1.24x / 1.01x / 1.50x (silu / gelu / tanh gelu) oneDNN on, 1.24x / 1.10x / 2.02x off, with one
     # tensor where TF's gradient makes 3-5 temporaries of x's size.
     # Measured (bench_ops --sections sparse_softmax_cross_entropy, the mean loss and the logits' gradient,
-    # float32, 2-core AMD EPYC AVX-512, TF 2.21): see benchmarks/results/bench_ops_sparse_xent*.md.
+    # float32, 2-core AMD EPYC AVX-512, TF 2.21, paired rounds; benchmarks/results/bench_ops_sparse_xent*.md):
+    # 2.4-2.6x TF's op + Mul at 2048x1000 and 4096x1000, 2.9-3.0x at 2048x32000 with oneDNN; 1.7-3.1x
+    # without (TF's plain allocator then pays page faults for the 256 MiB gradient on both sides).
     "custom_sparse_softmax_cross_entropy": Fusion(
         f"tfmetal_ext custom op: one {fusion.SPARSE_XENT_OP} forward, one {fusion.SPARSE_XENT_GRAD_OP} backward",
         dtypes=_CUSTOM,
