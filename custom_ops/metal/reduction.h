@@ -1,7 +1,7 @@
-// reduction.h: the threadgroup reduction the row kernels share (layer_norm.h,
-// rms_norm.h; the next row kernel too): a float sum over the threadgroup,
-// SIMD-group sums first, then the SIMD-group partials in order. Metal (and
-// the emulator) only.
+// reduction.h: the threadgroup reductions the row kernels share (layer_norm.h,
+// rms_norm.h, sparse_xent.h; the next row kernel too): a float sum and a float
+// max over the threadgroup, SIMD-group results first, then the SIMD-group
+// partials in order. Metal (and the emulator) only.
 #ifndef TFMETAL_METAL_REDUCTION_H_
 #define TFMETAL_METAL_REDUCTION_H_
 
@@ -25,6 +25,21 @@ inline float tfm_threadgroup_sum(float value, threadgroup float* slots, uint thr
   const uint groups = (threads + TFM_SIMD_WIDTH - 1) / TFM_SIMD_WIDTH;
   float total = 0.0f;
   for (uint s = 0; s < groups; ++s) total += slots[s];
+  return total;
+}
+
+// Max of `value` over the threadgroup, returned to every thread, with the same
+// slots rule as tfm_threadgroup_sum. `value` must not be NaN (a row kernel's
+// per-thread fold that started at -inf and skipped NaN), so simd_max needs no
+// NaN rule; the SIMD-group maxima are folded in order, the larger one winning.
+inline float tfm_threadgroup_max(float value, threadgroup float* slots, uint threads, uint simd_lane,
+                                 uint simd_id) {
+  const float partial = simd_max(value);
+  if (simd_lane == 0) slots[simd_id] = partial;
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const uint groups = (threads + TFM_SIMD_WIDTH - 1) / TFM_SIMD_WIDTH;
+  float total = -INFINITY;
+  for (uint s = 0; s < groups; ++s) total = tfm_select(slots[s] > total, slots[s], total);
   return total;
 }
 

@@ -40,7 +40,7 @@
 #ifndef TFMETAL_METAL_SPARSE_XENT_KERNELS_H_
 #define TFMETAL_METAL_SPARSE_XENT_KERNELS_H_
 
-#include "reduction.h"  // tfm_threadgroup_sum, TFM_MAX_SIMDGROUPS
+#include "reduction.h"  // tfm_threadgroup_max, tfm_threadgroup_sum, TFM_MAX_SIMDGROUPS
 #include "tfmetal/portable.h"
 #include "tfmetal/sparse_xent.h"
 
@@ -52,22 +52,6 @@ struct tfm_sparse_xent_params {
 static_assert(sizeof(tfm_sparse_xent_params) == 8, "tfm_sparse_xent_params layout is shared with the host");
 
 #if TFM_METAL
-
-// Max of `value` over the threadgroup, returned to every thread. Each
-// thread's value is a sparse_xent_max fold that started at -inf (a NaN logit
-// is skipped), so none is NaN and simd_max needs no NaN rule; the SIMD-group
-// maxima are folded in order with sparse_xent_max too. Uses slots[0, number
-// of SIMD-groups); a later reduction must use other slots.
-inline float tfm_sparse_xent_threadgroup_max(float value, threadgroup float* slots, uint threads, uint simd_lane,
-                                             uint simd_id) {
-  const float partial = simd_max(value);
-  if (simd_lane == 0) slots[simd_id] = partial;
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  const uint groups = (threads + TFM_SIMD_WIDTH - 1) / TFM_SIMD_WIDTH;
-  float total = -INFINITY;
-  for (uint s = 0; s < groups; ++s) total = sparse_xent_max(total, slots[s]);
-  return total;
-}
 
 template <typename T, typename Label>
 [[kernel]] void sparse_xent(device const T* logits [[buffer(0)]],
@@ -85,7 +69,7 @@ template <typename T, typename Label>
 
   float m = -INFINITY;
   for (uint c = lid.x; c < classes; c += threads) m = sparse_xent_max(m, static_cast<float>(xr[c]));
-  m = tfm_sparse_xent_threadgroup_max(m, slots, threads, simd_lane, simd_id);
+  m = tfm_threadgroup_max(m, slots, threads, simd_lane, simd_id);
 
   float s = 0.0f;
   for (uint c = lid.x; c < classes; c += threads) s += sparse_xent_term(static_cast<float>(xr[c]), m);

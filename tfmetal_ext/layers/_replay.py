@@ -343,17 +343,23 @@ def apply(forward, x, replay):
     def run(*anchors):
         def grad(dy, variables=None):
             again = C.waiting_for(dy, anchors)
-            variables = list(variables or ())
-            with keras_backend.AutocastScope(dtype), tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(again)
-                tape.watch(variables)
-                y = forward(replay.rebuild(again))
-            grads = tape.gradient(y, again + variables, output_gradients=dy)
-            return grads[: len(again)], grads[len(again):]
+            return _gradients(lambda *a: forward(replay.rebuild(list(a))), again, variables, dy, dtype)
 
         return forward(x), grad
 
     return run(*replay.anchors)
+
+
+def _gradients(fn, inputs, variables, dy, dtype):
+    """TensorFlow's gradients of ``fn(*inputs)`` (the backward pass's `dy` flowing in) for `inputs` and
+    `variables`, under the forward call's autocast `dtype`: ``(input grads, variable grads)``."""
+    inputs, variables = list(inputs), list(variables or ())
+    with keras_backend.AutocastScope(dtype), tf.GradientTape(watch_accessed_variables=False) as tape:
+        tape.watch(inputs)
+        tape.watch(variables)
+        y = fn(*inputs)
+    grads = tape.gradient(y, inputs + variables, output_gradients=dy)
+    return grads[: len(inputs)], grads[len(inputs):]
 
 
 # Ops between a norm and its projection that the rebuild makes again as they are (a dtype cast under
@@ -424,14 +430,8 @@ def apply_rebuilt(forward, x, rebuild):
     @tf.custom_gradient
     def run(x, *anchors):
         def grad(dy, variables=None):
-            again = rebuild.rebuild(anchors, dy)
-            variables = list(variables or ())
-            with keras_backend.AutocastScope(dtype), tf.GradientTape(watch_accessed_variables=False) as tape:
-                tape.watch(again)
-                tape.watch(variables)
-                y = forward(again)
-            grads = tape.gradient(y, [again] + variables, output_gradients=dy)
-            return (grads[0],) + (None,) * len(anchors), grads[1:]
+            (dx,), dvars = _gradients(forward, [rebuild.rebuild(anchors, dy)], variables, dy, dtype)
+            return (dx,) + (None,) * len(anchors), dvars
 
         return forward(x), grad
 
