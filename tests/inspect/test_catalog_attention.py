@@ -287,6 +287,8 @@ def test_rms_norm_rows_in_a_train_step():
     op = fusion.CUSTOM_OPS["rms_norm"].name
     if rms_norm_ops.uses_kernel() and catalog.fusion_for(FusionContext(onednn=fr.onednn), "custom_rms_norm").fuses:
         assert (row.status, row.actual_op) == ("fused", op)
-        assert fr.ops_by_type.get(op) == 1
+        # The norm forward, and once more in the backward pass for the Dense's kernel gradient, which
+        # no longer keeps the norm's output (`_replay.norm_plan`).
+        assert fr.ops_by_type.get(op) == 2
     else:
         assert row.status == "not fused" and row.actual_op is None
