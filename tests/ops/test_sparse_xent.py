@@ -235,6 +235,7 @@ def test_grad_op_checks_its_row_vectors():
     (dict(labels=tf.constant([0, 1]), logits=tf.zeros([2, 3, 4])), "labels.shape=\\(2,\\)"),
     (dict(labels=tf.constant([0, 1, 2]), logits=tf.zeros([2, 4])), "Received: labels.shape"),
     (dict(labels=tf.constant(0), logits=tf.constant(0.0)), "rank >= 1"),
+    (dict(labels=tf.zeros([2], tf.int32), logits=tf.zeros([2, 0])), "at least one class"),
 ])
 def test_wrapper_value_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

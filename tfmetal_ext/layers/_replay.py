@@ -371,7 +371,7 @@ _NORM_PASSTHROUGH_OPS = frozenset({"Identity", "Reshape", "Cast"})
 class NormRebuild:
     """`target`, a norm op's output (`fusion.REBUILT_NORM_OPS`, through `_NORM_PASSTHROUGH_OPS`),
     made again in the backward pass from the norm's inputs (`anchors`), which its own gradient keeps.
-    `norm_plan`'s answer; `apply` gives the gradient to `target` itself."""
+    `norm_plan`'s answer; `apply_rebuilt` gives the gradient to `target` itself."""
 
     target: tf.Tensor
     norm: tf.Operation

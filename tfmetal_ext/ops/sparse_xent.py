@@ -63,6 +63,9 @@ def sparse_softmax_cross_entropy(labels, logits, name=None):
             raise ValueError("`labels` must have the shape of `logits` without its last axis. "
                              f"Received: labels.shape={labels.shape}, logits.shape={logits.shape}")
     classes = logits.shape[-1] if rank is not None else None
+    if classes == 0:
+        raise ValueError(f"`logits` must have at least one class (a last axis of size >= 1). "
+                         f"Received: logits.shape={logits.shape}")
     flat_logits = tf.reshape(logits, [-1, classes if classes is not None else tf.shape(logits)[-1]])
     flat_labels = tf.reshape(labels, [-1])
     if uses_kernel():
