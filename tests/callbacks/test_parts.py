@@ -252,6 +252,8 @@ def test_stock_loss_advice_is_the_fusion_tables_class():
 
     row = LOSS_TO_FUSED["SparseCategoricalCrossentropy"]
     for loss, advised in ((keras.losses.SparseCategoricalCrossentropy(from_logits=True), True),
+                          ("sparse_categorical_crossentropy", True),
+                          ({"out": "sparse_categorical_crossentropy"}, True),
                           (FusedSparseCategoricalCrossentropy(from_logits=True), False), ("mse", False)):
         model = _stock_dense_model()
         model.compile(optimizer="sgd", loss=loss)

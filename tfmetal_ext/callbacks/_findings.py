@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 from tfmetal_ext import backends, devices, precision
-from tfmetal_ext.backends.fusion import LOSS_TO_FUSED, OPTIMIZER_TO_FUSED
+from tfmetal_ext.backends.fusion import LOSS_NAMES, LOSS_TO_FUSED, OPTIMIZER_TO_FUSED
 from tfmetal_ext.callbacks._errors import MetalCallbackError, PerformanceWarning
 from tfmetal_ext.callbacks._model import is_stock, leaf_layers
 
@@ -142,13 +142,17 @@ class Findings:
             self.add(text, warn=True)
 
     def _loss(self, model):
-        """Advice for each compiled loss of a stock Keras class with a `LOSS_TO_FUSED` row (per output too)."""
+        """Advice for each compiled loss of a stock Keras class with a `LOSS_TO_FUSED` row, or its string
+        name (`LOSS_NAMES`), per output too."""
         loss = getattr(model, "loss", None)
         items = list(loss.values()) if isinstance(loss, dict) else list(loss) if isinstance(loss, (list, tuple)) else [loss]
         seen = set()
         for item in items:
-            row = LOSS_TO_FUSED.get(type(item).__name__) if item is not None else None
-            if row is not None and is_stock(item) and row.stock not in seen:
+            if isinstance(item, str):  # compile(loss="sparse_categorical_crossentropy"): Keras' class
+                row = LOSS_TO_FUSED.get(LOSS_NAMES.get(item))
+            else:
+                row = LOSS_TO_FUSED.get(type(item).__name__) if item is not None and is_stock(item) else None
+            if row is not None and row.stock not in seen:
                 seen.add(row.stock)
                 self.add(f"loss: stock keras {row.stock} runs TensorFlow's op and a Mul over the logits; {row.suggestion}")
 
