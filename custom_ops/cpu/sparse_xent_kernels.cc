@@ -175,28 +175,40 @@ inline __attribute__((always_inline)) void GradLoop(const Args<T, Label>& a, int
   }
 }
 
-template <typename T, typename Label>
-void ForwardBaseline(const Args<T, Label>& a, int64_t begin, int64_t end, float* scratch) {
-  ForwardLoop<false>(a, begin, end, scratch);
-}
-
-template <typename T, typename Label>
-void GradBaseline(const Args<T, Label>& a, int64_t begin, int64_t end, float* scratch) {
-  GradLoop(a, begin, end, scratch);
+// Rows [begin, end) of the forward (kGrad false) or gradient op, in portable code.
+template <bool kGrad, typename T, typename Label>
+void RowsBaseline(const Args<T, Label>& a, int64_t begin, int64_t end, float* scratch) {
+  if constexpr (kGrad) {
+    GradLoop(a, begin, end, scratch);
+  } else {
+    ForwardLoop<false>(a, begin, end, scratch);
+  }
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-template <typename T, typename Label>
-__attribute__((target("avx2"))) void ForwardAvx2(const Args<T, Label>& a, int64_t begin, int64_t end,
-                                                 float* scratch) {
-  ForwardLoop<true>(a, begin, end, scratch);
-}
-
-template <typename T, typename Label>
-__attribute__((target("avx2"))) void GradAvx2(const Args<T, Label>& a, int64_t begin, int64_t end, float* scratch) {
-  GradLoop(a, begin, end, scratch);
+// The same, compiled for AVX2 (the forward's max with AVX2 intrinsics).
+template <bool kGrad, typename T, typename Label>
+__attribute__((target("avx2"))) void RowsAvx2(const Args<T, Label>& a, int64_t begin, int64_t end, float* scratch) {
+  if constexpr (kGrad) {
+    GradLoop(a, begin, end, scratch);
+  } else {
+    ForwardLoop<true>(a, begin, end, scratch);
+  }
 }
 #endif
+
+// Every row of either op over TF's pool (a row of scratch per thread for half and bfloat16), in the
+// highest vector level this CPU runs.
+template <bool kGrad, typename T, typename Label>
+Status RunRows(OpKernelContext* ctx, const Args<T, Label>& a, int64_t rows) {
+  auto loop = &RowsBaseline<kGrad, T, Label>;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (CpuUseAvx2()) loop = &RowsAvx2<kGrad, T, Label>;
+#endif
+  const int64_t cost = (kGrad ? kBackwardCost : kForwardCost) * a.classes;
+  return ParallelForWithScratch(ctx, rows, cost, ScratchFloats<T>(a.classes),
+                                [&a, loop](int64_t begin, int64_t end, float* scratch) { loop(a, begin, end, scratch); });
+}
 
 // The shapes and labels, checked in TensorFlow's order and words (tfmetal/host_checks.h).
 template <typename Label>
@@ -228,14 +240,7 @@ class SparseXentOp : public OpKernel {
     a.out_max = row_max->flat<float>().data();
     a.out_sum = row_sum->flat<float>().data();
     a.classes = logits.dim_size(1);
-    auto loop = &ForwardBaseline<T, Label>;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (CpuUseAvx2()) loop = &ForwardAvx2<T, Label>;
-#endif
-    OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, rows, kForwardCost * a.classes, ScratchFloats<T>(a.classes),
-                                               [&a, loop](int64_t begin, int64_t end, float* scratch) {
-                                                 loop(a, begin, end, scratch);
-                                               }));
+    OP_REQUIRES_OK(ctx, (RunRows<false, T, Label>(ctx, a, rows)));
   }
 };
 
@@ -268,14 +273,7 @@ class SparseXentGradOp : public OpKernel {
     a.row_sum = row_sum.flat<float>().data();
     a.out = dlogits->flat<T>().data();
     a.classes = logits.dim_size(1);
-    auto loop = &GradBaseline<T, Label>;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (CpuUseAvx2()) loop = &GradAvx2<T, Label>;
-#endif
-    OP_REQUIRES_OK(ctx, ParallelForWithScratch(ctx, rows, kBackwardCost * a.classes, ScratchFloats<T>(a.classes),
-                                               [&a, loop](int64_t begin, int64_t end, float* scratch) {
-                                                 loop(a, begin, end, scratch);
-                                               }));
+    OP_REQUIRES_OK(ctx, (RunRows<true, T, Label>(ctx, a, rows)));
   }
 };
 
