@@ -229,24 +229,6 @@ def test_sparse_gradients_match_keras(stock, ours):
     assert max_relative_diff(fit_embedding(ours(), x, y), fit_embedding(stock(), x, y)) <= 1e-5
 
 
-def test_sparse_duplicate_rows_sum_before_adam():
-    # A row looked up twice in a batch gets the sum of both gradients, as the
-    # dense gradient has it. (Keras 3.15's Adam squares the two parts
-    # separately on IndexedSlices, so its sparse update differs from its
-    # own dense update; the reference here is Keras on the dense gradient.)
-    rows = tf.constant([1, 1, 3])
-    values = tf.constant([[1.0, 1.0], [1.0, 1.0], [2.0, 2.0]])
-    sparse = tf.IndexedSlices(values, rows, tf.constant([5, 2]))
-    results = []
-    for opt, grad in [(FusedAdam(0.1), sparse), (keras.optimizers.Adam(0.1), tf.convert_to_tensor(sparse))]:
-        var = keras.Variable(np.zeros((5, 2), "float32"))
-        for _ in range(3):
-            opt.apply([grad], [var])
-        results.append(var.numpy())
-    np.testing.assert_allclose(results[0], results[1], rtol=1e-6)
-    assert results[0][1, 0] < -0.25 and results[0][0, 0] == 0.0
-
-
 def test_sparse_sgd_uses_scatter_not_dense_update():
     table = keras.Variable(np.ones((1000, 4), "float32"))
     opt = FusedSGD(0.5)
@@ -706,7 +688,8 @@ def test_bfloat16_variables_in_a_tf_function():
     assert np.abs(results[1] - w0).max() > 0.1  # 4 steps of ~0.05
 
 
-def test_multi_tensor_sparse_gradients_are_densified():
+def test_multi_tensor_sparse_gradients_match_per_variable_form():
+    # The embedding's sparse gradient takes Keras' update in both forms (tests/optimizers/test_sparse_gradients.py).
     rng = np.random.default_rng(0)
     x = rng.integers(0, 50, (240, 5)).astype("int32")  # duplicate rows within batches
     y = rng.standard_normal((240, 4)).astype("float32")

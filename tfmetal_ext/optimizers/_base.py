@@ -49,7 +49,10 @@ def dense_gradient(grad, dtype):
 
     `tf.IndexedSlices` (e.g. from `Embedding`) are densified: the fused ops
     are dense, and for Adam and momentum SGD Keras' own update is dense in
-    effect too (every slot row decays each step).
+    effect too (every slot row decays each step). Rows given more than once
+    add up first, as Keras adds them wherever its update is linear in the
+    gradient; an optimizer whose Keras update squares the gradient takes
+    Keras' own update for such a gradient instead (`FusedUpdateMixin.keras_sparse_reason`).
     """
     if isinstance(grad, tf.IndexedSlices):
         grad = tf.convert_to_tensor(grad)
@@ -111,7 +114,36 @@ class FusedUpdateMixin:
       ``_composite_apply(grad, variable, scalars)``: the same update as
       elementwise ops and variable assignments, emitted instead where the
       backend has no kernel for that op (`composite_reason`).
+
+    A subclass whose Keras update squares the gradient sets
+    `_keras_squares_slices`: its `tf.IndexedSlices` gradients then take the
+    Keras class's own ``update_step`` (`keras_sparse_reason`).
     """
+
+    # Whether the Keras class's update squares the gradient (Adam's and RMSprop's velocity, Adagrad's
+    # accumulator). On a `tf.IndexedSlices` gradient Keras' TF backend squares each slice, and only then
+    # do the slices of a row given more than once add up (`ops.square` keeps the slices; adding them to
+    # the dense slot sums them): the velocity gets the sum of the squares. The dense ops here square
+    # the summed gradient. Both are the same when no row repeats, which a batch of token ids rarely
+    # guarantees; so such a gradient takes Keras' own update and the results stay Keras'.
+    _keras_squares_slices = False
+
+    def keras_sparse_reason(self, grad):
+        """Why `grad` takes the Keras class's own ``update_step`` instead of a fused form, or None."""
+        if self._keras_squares_slices and isinstance(grad, tf.IndexedSlices):
+            return (f"{type(self).__name__}: a tf.IndexedSlices gradient (an Embedding's) takes "
+                    f"keras.optimizers.{self._keras_class_name()}'s own update, which squares each slice "
+                    "before a repeated row's slices add up")
+        return None
+
+    def _keras_class_name(self):
+        keras_class = next(c for c in type(self).__mro__ if c.__module__.startswith("keras."))
+        return keras_class.__name__
+
+    def _keras_update(self, variable, grad, learning_rate):
+        """The Keras class's own per-variable update (the class after this mixin in the MRO); `variable`
+        first, as `distribute.extended.update` calls it."""
+        return super(FusedUpdateMixin, self).update_step(grad, variable, learning_rate)
 
     def _fused_op(self):
         raise NotImplementedError
@@ -143,7 +175,15 @@ class FusedUpdateMixin:
         with tf.name_scope("step_scalars"):
             return {d: self._step_scalars(learning_rate, tf.as_dtype(d), composite) for d in dtypes}
 
-    def _apply_one(self, variable, grad, scalars_by_dtype):
+    def _log_keras_sparse(self, grad):
+        if not getattr(self, "_keras_sparse_logged", False):
+            self._keras_sparse_logged = True
+            logger.info("tfmetal_ext: %s", self.keras_sparse_reason(grad))
+
+    def _apply_one(self, variable, grad, scalars_by_dtype, learning_rate):
+        if self.keras_sparse_reason(grad) is not None:
+            self._log_keras_sparse(grad)
+            return self._keras_update(variable, grad, learning_rate)
         scalars = scalars_by_dtype[_dtype_key(variable)]
         if self.composite_reason(_dtype_key(variable)) is not None:
             return self._composite_apply(dense_gradient(grad, variable.dtype), variable, scalars)
@@ -157,7 +197,7 @@ class FusedUpdateMixin:
         """Updates one variable (Keras' per-variable entry point)."""
         variable = _tf_variable(variable)
         scalars = self._scalars_by_dtype(learning_rate, [variable])
-        return self._apply_one(variable, gradient, scalars)
+        return self._apply_one(variable, gradient, scalars, learning_rate)
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         variables = [_tf_variable(v) for v in trainable_variables]
@@ -165,11 +205,13 @@ class FusedUpdateMixin:
         # Built in the replica context like Keras' learning rate, so under
         # tf.distribute each replica's update reads its own copy.
         scalars = self._scalars_by_dtype(learning_rate, variables)
-        _merge_call(self._distributed_fused_update, self._distribution_strategy, grads_and_vars, scalars)
+        _merge_call(self._distributed_fused_update, self._distribution_strategy, grads_and_vars, scalars,
+                    learning_rate)
 
-    def _distributed_fused_update(self, distribution, grads_and_vars, scalars):
+    def _distributed_fused_update(self, distribution, grads_and_vars, scalars, learning_rate):
         for grad, variable in grads_and_vars:
-            distribution.extended.update(variable, self._apply_one, args=(grad, scalars), group=False)
+            distribution.extended.update(variable, self._apply_one, args=(grad, scalars, learning_rate),
+                                         group=False)
 
     def _apply_weight_decay(self, variables):
         """Decoupled weight decay ``var -= lr * wd * var``, one op per variable.
@@ -405,11 +447,19 @@ class MultiTensorMixin:
         if reason is not None:
             self._log_fallback(reason)
             return super()._backend_update_step(grads, trainable_variables, learning_rate)
-        decayed = frozenset()
-        if self.weight_decay is not None:
-            decayed = frozenset(self._var_key(v) for v in trainable_variables if self._use_weight_decay(v))
         variables = [_tf_variable(v) for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
+        # Decided here, in the replica context: inside the merge call a gradient is a per-replica value.
+        keras_taken = frozenset(self._var_key(v) for g, v in grads_and_vars if self.keras_sparse_reason(g))
+        if keras_taken:
+            self._log_keras_sparse(next(g for g, _ in grads_and_vars if self.keras_sparse_reason(g)))
+            # Keras' order for those: the decay, then Keras' update (the op folds the decay into the others').
+            FusedUpdateMixin._apply_weight_decay(
+                self, [v for v in trainable_variables if self._var_key(v) in keras_taken])
+        decayed = frozenset()
+        if self.weight_decay is not None:
+            decayed = frozenset(self._var_key(v) for v in trainable_variables
+                                if self._use_weight_decay(v) and self._var_key(v) not in keras_taken)
         # The multi-tensor op's scalars, also for a dtype whose per-variable op has no kernel here (Apple's
         # tensorflow-metal registers ResourceApplyAdam for float32 only; the multi-tensor op takes half too).
         scalars = self._scalars_by_dtype(learning_rate, variables, composite=False)
@@ -422,10 +472,11 @@ class MultiTensorMixin:
                 }
         # `decayed` travels in the closure: merge_call would turn a Python
         # object built by each replica into a per-replica value.
-        update = functools.partial(self._distributed_multi_tensor_update, decayed=decayed)
-        _merge_call(update, self._distribution_strategy, grads_and_vars, scalars, decay_rates)
+        update = functools.partial(self._distributed_multi_tensor_update, decayed=decayed, keras_taken=keras_taken)
+        _merge_call(update, self._distribution_strategy, grads_and_vars, scalars, decay_rates, learning_rate)
 
-    def _distributed_multi_tensor_update(self, distribution, grads_and_vars, scalars, decay_rates, decayed):
+    def _distributed_multi_tensor_update(self, distribution, grads_and_vars, scalars, decay_rates, learning_rate,
+                                         decayed, keras_taken):
         # Groups of variables that one op can update: same dtype, same
         # devices (per replica), same decay. Under MirroredStrategy,
         # `extended.update` runs `fn` once per replica on that replica's
@@ -433,6 +484,9 @@ class MultiTensorMixin:
         # that replica's copies and per-replica values to that replica's.
         groups = {}
         for grad, variable in grads_and_vars:
+            if self._var_key(variable) in keras_taken:
+                distribution.extended.update(variable, self._keras_update, args=(grad, learning_rate), group=False)
+                continue
             is_decayed = self._var_key(variable) in decayed
             key = (_dtype_key(variable), _placement(variable), is_decayed)
             groups.setdefault(key, []).append((grad, variable))
@@ -488,6 +542,9 @@ class MultiTensorMixin:
             why.append("a variable is overwritten with its gradient")
         if why:
             return "; ".join(why)
+        for g, _ in pairs:
+            if self.keras_sparse_reason(g) is not None:
+                return self.keras_sparse_reason(g)
         for g, v in pairs:
             if tf.as_dtype(g.dtype).base_dtype != tf.as_dtype(_tf_variable(v).dtype).base_dtype:
                 return (f"a gradient's dtype ({tf.as_dtype(g.dtype).name}) is not its variable's "

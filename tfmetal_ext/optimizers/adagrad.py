@@ -75,9 +75,10 @@ class FusedAdagrad(FusedUpdateMixin, keras.optimizers.Adagrad):
 
     On a backend without that kernel (the open tensorflow-metal-plugin on
     TF 2.21) the elementwise form runs too (`tfmetal_ext.optimizers` says
-    why). Sparse gradients (`tf.IndexedSlices`) are densified (an untouched
-    row has a zero gradient: its accumulator and value do not move, as with
-    Keras).
+    why). Sparse gradients (`tf.IndexedSlices`, e.g. from `Embedding`) take
+    Keras' own update for that variable: Keras adds each slice's square to
+    the accumulator, so a row given twice gains the sum of the squares, not
+    the square of the sum a dense op would add (`keras_sparse_reason`).
 
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -91,6 +92,8 @@ class FusedAdagrad(FusedUpdateMixin, keras.optimizers.Adagrad):
             (``name`` defaults to ``"fused_adagrad"``).
         **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
     """
+
+    _keras_squares_slices = True  # sparse gradients take Keras' own update (FusedUpdateMixin)
 
     def __init__(
         self,

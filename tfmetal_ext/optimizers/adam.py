@@ -59,6 +59,12 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
     or ``cond`` (`tfmetal_ext.optimizers.loss_scale`; `loss_scale_form`
     says whether the last traced step did).
 
+    A sparse gradient (`tf.IndexedSlices`, an ``Embedding``'s) takes Keras'
+    own update for its variable: Keras squares each slice into ``v`` before
+    the slices of a repeated row add up, which no dense op reproduces
+    (`keras_sparse_reason`). Under a `LossScaleOptimizer` such a step uses
+    Keras' loss scaling.
+
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
             or a callable taking no arguments.
@@ -89,6 +95,8 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
     model.compile(optimizer=tfmetal_ext.optimizers.FusedAdam(1e-3), loss="mse")
     ```
     """
+
+    _keras_squares_slices = True  # sparse gradients take Keras' own update (FusedUpdateMixin)
 
     _multi_tensor_key = "multi_tensor_adam"
 

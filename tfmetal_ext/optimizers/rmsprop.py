@@ -115,9 +115,10 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
     assignments instead (`tfmetal_ext.optimizers` says why); that form needs
     no hidden buffer and none is created for it.
 
-    Sparse gradients (`tf.IndexedSlices`, e.g. from `Embedding`) are
-    densified: Keras decays every row of ``velocity`` each step, so its
-    update is dense in effect.
+    Sparse gradients (`tf.IndexedSlices`, e.g. from `Embedding`) take
+    Keras' own update for that variable: Keras squares each slice before the
+    slices of a repeated row add up, which a dense op cannot reproduce
+    (`keras_sparse_reason`), so results stay Keras'.
 
     Args:
         learning_rate: a float, a `keras.optimizers.schedules.LearningRateSchedule`
@@ -136,6 +137,8 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
             for `FusedAdam`.
         **kwargs: what `keras.optimizers.Optimizer` accepts beyond these.
     """
+
+    _keras_squares_slices = True  # sparse gradients take Keras' own update (FusedUpdateMixin)
 
     _multi_tensor_key = "multi_tensor_rmsprop"
     _per_variable_form = "one ResourceApply(Centered)RMSProp per variable"
@@ -250,7 +253,9 @@ class FusedRMSprop(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.RMSprop)
         if self.momentum == 0 and self._multi_tensor_blocker(trainable_variables) is not None:
             # A per-variable step: its hidden buffers, created once, in the cross-replica
             # context (one per replica under tf.distribute) before the update runs.
-            _merge_call(lambda _: self._ensure_scratch(trainable_variables), self._distribution_strategy)
+            # (None for a variable whose sparse gradient takes Keras' own update: it needs none.)
+            fused = [v for g, v in zip(grads, trainable_variables) if self.keras_sparse_reason(g) is None]
+            _merge_call(lambda _: self._ensure_scratch(fused), self._distribution_strategy)
         return super()._backend_update_step(grads, trainable_variables, learning_rate)
 
     def _mom_handle(self, variable):
