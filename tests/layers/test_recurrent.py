@@ -193,6 +193,8 @@ def _rel(got, want):
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-6))
 
 
+# Quick tier: one kind (the policy handling is the same code for both); test_matches_keras runs both. The full tier runs each.
+@pytest.mark.sample_axes("kind")
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_mixed_precision_matches_keras(kind):
     for policy in ("mixed_bfloat16", "mixed_float16"):
@@ -743,6 +745,8 @@ STOCK_FORM_CASES = [
 ]
 
 
+# Quick tier: one kind (the stock form is Keras' own cell for both); test_matches_keras runs both. The full tier runs each.
+@pytest.mark.sample_axes("kind")
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_stock_form_matches_keras(kind):
     with _table.force_cpu_form("stock"):
@@ -750,6 +754,8 @@ def test_stock_form_matches_keras(kind):
             check_equivalence(kind, kwargs, shape, mask, init, seed=20 + i)
 
 
+# Quick tier: one kind (the arguments pass through the same code for both); test_matches_keras runs both. The full tier runs each.
+@pytest.mark.sample_axes("kind")
 @pytest.mark.parametrize("kind", ["lstm", "gru"])
 def test_unroll_and_implementation_match_keras(kind):
     # Before: unroll=True and implementation=1|2 were refused.

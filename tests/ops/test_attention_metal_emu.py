@@ -536,6 +536,8 @@ def test_matches_the_cpu_kernel(lib, dtype):
 # Grouped-query attention and the sliding window
 
 
+# Quick tier: one case per dtype (three of the six); the full tier every case with every dtype.
+@pytest.mark.sample_axes("case")
 @pytest.mark.cover_axes("dtype")  # each dtype is its own instantiation of every kernel
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", [

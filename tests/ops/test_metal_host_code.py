@@ -264,6 +264,9 @@ def test_macos_build_embeds_the_kernel_sources(clang, tmp_path, monkeypatch):
 # The open tensorflow-metal-plugin: its real headers.
 
 
+# Quick tier: one file (the mechanism: the plugin's headers in front of ours); every file against the
+# stubs above, and every file against these headers in the full tier (CI).
+@pytest.mark.sample_axes("source")
 @pytest.mark.parametrize("source", HOST_FILES, ids=lambda p: p.name)
 def test_metal_host_code_compiles_with_the_plugins_headers(clang, embedded, plugin_src, source):
     # The plugin's stream, registry and kernel-util declarations included in

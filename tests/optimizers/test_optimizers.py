@@ -221,6 +221,8 @@ def fit_embedding(opt, x, y):
         (lambda: keras.optimizers.SGD(0.1, momentum=0.5), lambda: FusedSGD(0.1, momentum=0.5)),
     ],
 )
+# Quick tier: one (tests/optimizers/test_sparse_gradients.py runs each form on repeated rows).
+@pytest.mark.sample_axes("stock", "ours")
 def test_sparse_gradients_match_keras(stock, ours):
     # Each batch looks up distinct rows: Keras' sparse update is the dense one.
     rng = np.random.default_rng(0)
@@ -356,6 +358,8 @@ def test_mixed_dtypes_get_scalars_per_dtype():
 # Saving, loading, resuming.
 
 
+# Quick tier: Adam with AMSGrad (three slots); the full tier also AdamW and momentum SGD.
+@pytest.mark.sample_axes("make")
 @pytest.mark.parametrize(
     "make", [lambda: FusedAdam(0.01, amsgrad=True), lambda: FusedAdamW(0.01), lambda: FusedSGD(0.01, momentum=0.9)]
 )
@@ -585,7 +589,9 @@ MULTI_TENSOR_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(MULTI_TENSOR_CASES))
+# Quick tier: plain Adam and AdamW with AMSGrad (decay and the vhat slot in the op); the full tier each case.
+@pytest.mark.parametrize("case", [c if c in ("adam", "adamw_amsgrad") else pytest.param(c, marks=pytest.mark.full)
+                                  for c in MULTI_TENSOR_CASES])
 def test_multi_tensor_bitwise_equal_to_per_variable_after_50_steps(case):
     assert_same_as_per_variable(MULTI_TENSOR_CASES[case])
 
@@ -639,8 +645,11 @@ def test_multi_tensor_one_op_per_dtype_and_decay_group():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"learning_rate": keras.optimizers.schedules.ExponentialDecay(0.01, 5, 0.7)},
-        {"clipnorm": 0.05},
+        # Full tier: a schedule and clipping act before the update, in Keras' code, the same for both forms
+        # (test_keras_features covers them in the quick tier).
+        pytest.param({"learning_rate": keras.optimizers.schedules.ExponentialDecay(0.01, 5, 0.7)},
+                     marks=pytest.mark.full),
+        pytest.param({"clipnorm": 0.05}, marks=pytest.mark.full),
         {"use_ema": True, "ema_momentum": 0.9, "ema_overwrite_frequency": 7},
         {"gradient_accumulation_steps": 3, "weight_decay": 0.05},
         {"loss_scale_factor": 128.0},

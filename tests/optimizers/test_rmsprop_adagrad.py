@@ -155,6 +155,8 @@ def test_float16_variables_match_keras():
     (lambda: keras.optimizers.Adagrad(0.1), lambda: FusedAdagrad(0.1)),
     (lambda: keras.optimizers.SGD(0.1, 0.5, True), lambda: FusedSGD(0.1, 0.5, True)),
 ], ids=["rmsprop", "adagrad", "nesterov"])
+# Quick tier: one (tests/optimizers/test_sparse_gradients.py runs RMSprop and Adagrad on repeated rows).
+@pytest.mark.sample_axes("stock", "ours")
 def test_sparse_gradients_match_keras(stock, ours):
     # Distinct rows per batch: Keras' sparse update is its dense one (every velocity row decays).
     rng = np.random.default_rng(0)
@@ -591,8 +593,12 @@ def _bitwise(got, want, what):
             f"{what}[{i}]: {np.count_nonzero(a != b)} of {a.size} elements differ")
 
 
-@pytest.mark.parametrize("kwargs", RMSPROP_VARIANTS + [{"weight_decay": 0.05, "momentum": 0.5}],
-                         ids=RMSPROP_VARIANT_IDS + ["weight_decay"])
+# Quick tier: plain, centered with momentum (both of the op's optional slots) and weight decay; the
+# full tier also momentum alone and centered alone.
+@pytest.mark.parametrize("kwargs", [
+    pytest.param(k, marks=pytest.mark.full) if i in ("momentum", "centered") else pytest.param(k, id=i)
+    for k, i in zip(RMSPROP_VARIANTS + [{"weight_decay": 0.05, "momentum": 0.5}], RMSPROP_VARIANT_IDS + ["weight_decay"])
+], ids=RMSPROP_VARIANT_IDS + ["weight_decay"])
 def test_multi_tensor_default_is_bitwise_keras_over_100_steps(kwargs):
     # Eager steps: Keras' RMSprop runs its ops as written (in a tf.function grappler turns its
     # x / sqrt(y) into x * rsqrt(y), TF's CPU Rsqrt not being correctly rounded; the next test).
