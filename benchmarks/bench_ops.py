@@ -93,6 +93,19 @@ def _num_ops(fn, *args):
     return inspect.report_from_capture(inspect.capture_function(fn, *args)).num_ops
 
 
+def _timing_row(section, case, stock_ms, ours_ms, speedup, stock_ops, ours_ops, digits=2):
+    """A section's row: the two medians (ms), the speed-up (stock / ours) and the ops of each side."""
+    return {
+        "section": section,
+        "case": case,
+        "stock_ms": round(stock_ms, digits),
+        "ours_ms": round(ours_ms, digits),
+        "speedup": round(speedup, 2),
+        "stock_ops": stock_ops,
+        "ours_ops": ours_ops,
+    }
+
+
 def _bandwidth_columns(ctx, nbytes, ours_ms):
     gbps = _gbps(nbytes, ours_ms)
     row = {"ours_GBps": round(gbps, 1)}
@@ -243,15 +256,8 @@ def bench_softshrink(ctx):
     for got, want in zip(ours(x, dy), stock(x, dy)):
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
     stock_ms, ours_ms = ctx.alternate(lambda: stock(x, dy), lambda: ours(x, dy))
-    row = {
-        "section": "softshrink",
-        "case": "float32 16M",
-        "stock_ms": round(stock_ms, 2),
-        "ours_ms": round(ours_ms, 2),
-        "speedup": round(stock_ms / ours_ms, 2),
-        "stock_ops": _num_ops(stock, x, dy),
-        "ours_ops": _num_ops(ours, x, dy),
-    }
+    row = _timing_row("softshrink", "float32 16M", stock_ms, ours_ms, stock_ms / ours_ms,
+                      _num_ops(stock, x, dy), _num_ops(ours, x, dy))
     row.update(_bandwidth_columns(ctx, 5 * n * 4, ours_ms))
     print(row, flush=True)
     return [row], ["softshrink: one step = y and dx; bytes moved by ours = 5 x 64 MB (x, y; dy, x, dx)."]
@@ -309,15 +315,9 @@ def bench_batch_norm_act(ctx):
         times = paired_rounds({"stock": lambda: stock(*args), "ours": lambda: ours(*args)},
                               rounds=max(ctx.rounds, 5), repeats=ctx.repeats)
         stock_ms, ours_ms = (statistics.median(times[k]) for k in ("stock", "ours"))
-        row = {
-            "section": "batch_norm_act",
-            "case": "float32 64x32x32x64 relu" + (" + side" if with_side else ""),
-            "stock_ms": round(stock_ms, 2),
-            "ours_ms": round(ours_ms, 2),
-            "speedup": round(ratio(times, "stock", "ours"), 2),
-            "stock_ops": _num_ops(stock, *args),
-            "ours_ops": _num_ops(ours, *args),
-        }
+        row = _timing_row("batch_norm_act", "float32 64x32x32x64 relu" + (" + side" if with_side else ""),
+                          stock_ms, ours_ms, ratio(times, "stock", "ours"), _num_ops(stock, *args),
+                          _num_ops(ours, *args))
         # Bytes moved by ours: x twice and y forward; dy, x (, side) twice and dx (, dside) backward.
         n = int(np.prod(shape)) * 4
         row.update(_bandwidth_columns(ctx, n * (3 + 5) + (n * 4 if with_side else 0), ours_ms))
@@ -432,15 +432,9 @@ def bench_dropout(ctx):
         np.testing.assert_array_equal(ours(x).numpy(), stock(x).numpy())  # the same mask, bit for bit
         times = paired_rounds({"stock": lambda: stock(x).numpy(), "ours": lambda: ours(x).numpy()},
                               rounds=max(ctx.rounds, 5), repeats=ctx.repeats)
-        row = {
-            "section": "dropout",
-            "case": f"float32 {'x'.join(map(str, shape))} rate 0.5",
-            "stock_ms": round(statistics.median(times["stock"]), 3),
-            "ours_ms": round(statistics.median(times["ours"]), 3),
-            "speedup": round(ratio(times, "stock", "ours"), 2),
-            "stock_ops": _num_ops(stock, x),
-            "ours_ops": _num_ops(ours, x),
-        }
+        row = _timing_row("dropout", f"float32 {'x'.join(map(str, shape))} rate 0.5",
+                          statistics.median(times["stock"]), statistics.median(times["ours"]),
+                          ratio(times, "stock", "ours"), _num_ops(stock, x), _num_ops(ours, x), digits=3)
         print(row, flush=True)
         rows.append(row)
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset: TF's default)")
@@ -489,15 +483,9 @@ def bench_activation_grad(ctx):
         times = paired_rounds({"stock": lambda: [t.numpy() for t in stock(x, dy)],
                                "ours": lambda: [t.numpy() for t in ours(x, dy)]},
                               rounds=max(ctx.rounds, 5), repeats=ctx.repeats)
-        row = {
-            "section": "activation_grad",
-            "case": f"{kind} float32 {'x'.join(map(str, ACTIVATION_GRAD_SHAPE))}",
-            "stock_ms": round(statistics.median(times["stock"]), 3),
-            "ours_ms": round(statistics.median(times["ours"]), 3),
-            "speedup": round(ratio(times, "stock", "ours"), 2),
-            "stock_ops": _num_ops(stock, x, dy),
-            "ours_ops": _num_ops(ours, x, dy),
-        }
+        row = _timing_row("activation_grad", f"{kind} float32 {'x'.join(map(str, ACTIVATION_GRAD_SHAPE))}",
+                          statistics.median(times["stock"]), statistics.median(times["ours"]),
+                          ratio(times, "stock", "ours"), _num_ops(stock, x, dy), _num_ops(ours, x, dy), digits=3)
         print(row, flush=True)
         rows.append(row)
     onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset: TF's default)")
@@ -536,15 +524,8 @@ def bench_sparse_softmax_cross_entropy(ctx):
         for got, want in zip(ours(x), stock(x)):
             np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-8)
         stock_ms, ours_ms = ctx.alternate(lambda: stock(x), lambda: ours(x))
-        row = {
-            "section": "sparse_softmax_cross_entropy",
-            "case": f"float32 {n}x{classes}",
-            "stock_ms": round(stock_ms, 2),
-            "ours_ms": round(ours_ms, 2),
-            "speedup": round(stock_ms / ours_ms, 2),
-            "stock_ops": _num_ops(stock, x),
-            "ours_ops": _num_ops(ours, x),
-        }
+        row = _timing_row("sparse_softmax_cross_entropy", f"float32 {n}x{classes}", stock_ms, ours_ms,
+                          stock_ms / ours_ms, _num_ops(stock, x), _num_ops(ours, x))
         row.update(_bandwidth_columns(ctx, 3 * n * classes * 4, ours_ms))
         print(row, flush=True)
         rows_out.append(row)
