@@ -155,7 +155,7 @@ def test_selftest_str_and_json(healthy):
 def test_registry_declares_every_check_once():
     assert doctor.CHECKS == tuple(checks.REGISTRY) == (
         "metal_pairing", "conv_bias_relu", "matmul_bias_relu", "fused_batch_norm", "softshrink", "layer_norm",
-        "rms_norm", "batch_norm_act", "rope", "activation_grad", "sparse_softmax_cross_entropy", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion",
+        "rms_norm", "batch_norm_act", "rope", "activation_grad", "sparse_softmax_cross_entropy", "gemv", "int8_matmul", "int8_conv2d", "multi_tensor_adam", "multi_tensor_lion",
         "multi_tensor_rmsprop",
         "dropout", "attention", "cpu_fallback", "gap_kernels",
     )

@@ -86,6 +86,7 @@ def test_safe_forms_names():
         "batch_norm_act",
         "activation_grad",
         "sparse_softmax_cross_entropy",
+        "gemv",
     }
     assert set(precision.SAFE_FORMS) <= set(doctor.CHECKS)
 

@@ -50,6 +50,7 @@ CUDA = backend(
         "custom_sparse_softmax_cross_entropy": never(
             "no CUDA kernel: Keras' own loss runs (TF's SparseSoftmaxCrossEntropyWithLogits)"
         ),
+        "custom_gemv": never("no CUDA kernel: MatMul + BiasAdd run (cuBLAS)"),
         "custom_dropout": never("no CUDA kernel: the pure-TF reference runs (TensorFlow's stateless dropout)"),
         "custom_attention": never("no CUDA kernel: the pure-TF reference runs (the score matrix is materialized)"),
         "custom_int8_matmul": never(

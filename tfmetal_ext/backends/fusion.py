@@ -264,6 +264,9 @@ CUSTOM_OPS = types.MappingProxyType(
         "sparse_softmax_cross_entropy": CustomOp("TfmetalExt>SparseSoftmaxCrossEntropy",
                                                  "TfmetalExt>SparseSoftmaxCrossEntropyGrad",
                                                  "sparse_softmax_cross_entropy"),
+        # A few rows times a weight matrix (a decoding step's projections), each weight read once;
+        # its gradient is registered in Python (tfmetal_ext.ops.gemv: MatMuls).
+        "gemv": CustomOp("TfmetalExt>Gemv", None, "gemv"),
     }
 )
 CUSTOM_OP_PREFIX = "TfmetalExt>"
@@ -291,6 +294,13 @@ ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].name
 GATED_ACTIVATION_GRAD_OP = CUSTOM_OPS["activation_grad"].variants[0]
 SPARSE_XENT_OP = CUSTOM_OPS["sparse_softmax_cross_entropy"].name
 SPARSE_XENT_GRAD_OP = CUSTOM_OPS["sparse_softmax_cross_entropy"].grad
+GEMV_OP = CUSTOM_OPS["gemv"].name
+
+# The most rows (the product of all but the last input axis) for which FusedDense and
+# FusedEinsumDense run a product as TfmetalExt>Gemv instead of MatMul: the op has no blocking
+# over rows (each row is one more pass of multiply-adds over the weights it holds in cache),
+# so past a few rows MatMul's packed GEMM is faster (bench_ops' gemv section measures both).
+GEMV_MAX_ROWS = 4
 
 # Norm ops whose own backward pass keeps their input and statistics, not their output: a projection
 # of their output (the layer's kernel gradient would keep it) makes it again in the backward pass
@@ -607,6 +617,13 @@ SAFE_FORMS = _safe_forms(
         f"instead of {SPARSE_XENT_OP}",
         implies=CUSTOM_OPS["sparse_softmax_cross_entropy"].op_names,
         custom_op="sparse_softmax_cross_entropy",
+    ),
+    SafeForm(
+        "gemv",
+        "tfmetal_ext.ops.gemv (FusedDense and FusedEinsumDense on a decoding step's rows) runs MatMul + BiasAdd "
+        f"instead of {GEMV_OP}",
+        implies=CUSTOM_OPS["gemv"].op_names,
+        custom_op="gemv",
     ),
 )
 

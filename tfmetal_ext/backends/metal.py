@@ -105,6 +105,9 @@ METAL = backend(
         "custom_sparse_softmax_cross_entropy": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),
+        "custom_gemv": Fusion(
+            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
+        ),
         "custom_attention": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),

@@ -227,6 +227,7 @@ METAL_PLUGIN = backend(
         "custom_softshrink": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_activation_grad": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_sparse_softmax_cross_entropy": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
+        "custom_gemv": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_attention": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_dropout": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_int8_matmul": Fusion("tfmetal_ext custom op", dtypes=F32_F16),

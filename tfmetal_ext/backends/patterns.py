@@ -87,6 +87,12 @@ PATTERNS = types.MappingProxyType(
                 _F.SPARSE_XENT_OP,
             ),
             Pattern(
+                "custom_gemv",
+                "a decoding step's few rows times a weight matrix (FusedDense, FusedEinsumDense on [batch, 1, ...] "
+                "inputs): each weight read once, the bias in the op, where MatMul packs the kernel first",
+                _F.GEMV_OP,
+            ),
+            Pattern(
                 "custom_dropout",
                 "dropout whose counter-based mask the backward pass draws again from the seed (FusedDropout; "
                 "Keras' Dropout is five ops and keeps a boolean mask)",

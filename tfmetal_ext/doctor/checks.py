@@ -365,6 +365,28 @@ def sparse_softmax_cross_entropy(dtype):
     return fused, (x, dloss), reference
 
 
+@register("gemv", op=fusion.CUSTOM_OPS["gemv"])
+def gemv(dtype):
+    import tensorflow as tf
+
+    lib = custom_op_library()
+    rng = _rng(13)
+    # 3 rows, 37 inputs, 70 outputs: not whole vectors, SIMD groups or threadgroups.
+    rows = 3
+    depth = 37
+    width = 70
+    x = tf.constant(rng.standard_normal([rows, depth]), dtype)
+    w = tf.constant(rng.standard_normal([depth, width]) * 0.3, dtype)
+    bias = tf.constant(rng.standard_normal(width) * 0.3, dtype)
+
+    def fused(x, w, bias):
+        return (lib.tfmetal_ext_gemv(x, w, bias, has_bias=True),
+                lib.tfmetal_ext_gemv(x, w, tf.zeros([0], x.dtype), has_bias=False))
+
+    z = _f64(x) @ _f64(w)
+    return fused, (x, w, bias), (z + _f64(bias), z)
+
+
 # The int8 contractions: numpy float64 of Keras' convention (w = q / scale), the TF conv padding rules.
 
 def _np_int8_activate(z, activation, alpha=fusion.LEAKY_RELU_ALPHA):

@@ -45,6 +45,9 @@
   ``TfmetalExt>SparseSoftmaxCrossEntropyGrad``), ``tf.nn.sparse_softmax_cross_entropy_with_logits``
   in one op each way, keeping two float32 statistics per row instead of the [..., classes] softmax
   gradient (`tfmetal_ext.losses.FusedSparseCategoricalCrossentropy` runs it).
+- `gemv(x, kernel, bias=None)`: ``TfmetalExt>Gemv``, ``x @ kernel + bias`` for an `x` of a few
+  rows (a decoding step's projections), each weight read once; FusedDense and FusedEinsumDense run
+  it up to ``fusion.GEMV_MAX_ROWS`` rows. Its gradient is MatMuls.
 
 The op library is compiled on first use into a cache keyed by the TF version,
 compiler flags and sources (see `status()`, ``tfmetal-ext build-ops``).
@@ -53,7 +56,7 @@ its pure-TF reference instead (same results, more ops); so does each op that
 ``tfmetal_ext.configure(avoid_fusions=[...])`` names (``"softshrink"``,
 ``"layer_norm"``, ``"rms_norm"``, ``"multi_tensor_adam"``, ``"multi_tensor_lion"``,
 ``"multi_tensor_rmsprop"``, ``"attention"``, ``"int8_matmul"``, ``"int8_conv2d"``, ``"dropout"``, ``"rope"``,
-``"batch_norm_act"``, ``"activation_grad"``, ``"sparse_softmax_cross_entropy"``).
+``"batch_norm_act"``, ``"activation_grad"``, ``"sparse_softmax_cross_entropy"``, ``"gemv"``).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ from tfmetal_ext.ops.activation_grad import activation_grad, gated_activation_gr
 from tfmetal_ext.ops.attention import attention
 from tfmetal_ext.ops.batch_norm_act import batch_norm_act
 from tfmetal_ext.ops.dropout import dropout
+from tfmetal_ext.ops.gemv import gemv
 from tfmetal_ext.ops.int8 import int8_conv2d, int8_matmul, quantize_int8
 from tfmetal_ext.ops.layer_norm import layer_norm
 from tfmetal_ext.ops.multi_tensor_adam import multi_tensor_adam
@@ -75,7 +79,7 @@ from tfmetal_ext.ops.softshrink import softshrink
 from tfmetal_ext.ops.sparse_xent import sparse_softmax_cross_entropy
 from tfmetal_ext.ops.status import OpsStatus, build, status
 
-__all__ = ["BuildError", "OpCacheError", "OpsStatus", "activation_grad", "attention", "batch_norm_act", "build", "dropout", "gated_activation_grad",
+__all__ = ["BuildError", "OpCacheError", "OpsStatus", "activation_grad", "attention", "batch_norm_act", "build", "dropout", "gated_activation_grad", "gemv",
            "int8_conv2d", "int8_matmul", "layer_norm", "multi_tensor_adam", "quantize_int8",
            "multi_tensor_lion", "multi_tensor_rmsprop", "rms_norm", "rope", "softshrink", "sparse_softmax_cross_entropy",
            "status"]

@@ -256,6 +256,26 @@ inline std::string BitcastShape(int in_type, int64_t in_size, int out_type, int6
   return "";
 }
 
+// TfmetalExt>Gemv's operands: x [M, K], kernel [K, N], bias [N] (has_bias) or [0]; "" if they
+// fit, else the InvalidArgument text both backends give.
+inline std::string GemvShapeError(const int64_t* x, int x_rank, const int64_t* w, int w_rank, const int64_t* bias,
+                                  int bias_rank, bool has_bias) {
+  // (`w` is the op's `kernel` input: that word is a macro where the Metal emulator includes this file.)
+  if (x_rank != 2) return "x must be a matrix [M, K], got shape " + ShapeText(x, x_rank);
+  if (w_rank != 2) return "kernel must be a matrix [K, N], got shape " + ShapeText(w, w_rank);
+  if (w[0] != x[1]) {
+    return "x's K (" + std::to_string(x[1]) + ") must match kernel's first dimension, got x shape " +
+           ShapeText(x, x_rank) + " and kernel shape " + ShapeText(w, w_rank);
+  }
+  const int64_t want = has_bias ? w[1] : 0;
+  if (bias_rank != 1 || bias[0] != want) {
+    return std::string(has_bias ? "bias must be a vector of the kernel's N (" + std::to_string(want) + ") values"
+                                : "bias must have shape [0] when has_bias is false") +
+           ", got shape " + ShapeText(bias, bias_rank);
+  }
+  return "";
+}
+
 // TfmetalExt>SparseSoftmaxCrossEntropy's operands, checked in TensorFlow's
 // order and words (SparseSoftmaxCrossEntropyWithLogits' CPU kernel): logits
 // [rows, classes] with classes >= 1, labels [rows]. "" on success.
