@@ -115,6 +115,36 @@ def test_llama_causal_lm_generates_counts_and_round_trips(tmp_path):
     np.testing.assert_allclose(other.predict(x, verbose=0), stock.predict(x, verbose=0), rtol=1e-4, atol=1e-5)
 
 
+def test_decoding_steps_run_each_projection_as_one_gemv():
+    """generate()'s cached step (one token per sequence, batch 2): every projection of the converted
+    Llama decoder is one TfmetalExt>Gemv, and the step's logits and cache are stock's."""
+    import tensorflow as tf
+
+    from tfmetal_ext.backends import fusion
+    from tfmetal_ext.ops.gemv import uses_kernel as gemv_uses_kernel
+
+    if not gemv_uses_kernel():
+        pytest.skip("the op library is not loaded here (TFMETAL_EXT_REFERENCE_OPS or no compiler)")
+    stock = _llama()
+    x = _prompt(length=10)
+    new = tfmetal_ext.convert(stock, inputs=x, count_ops=False)
+    ids = tf.constant(x["token_ids"])
+    token, index = ids[:, 3:4], tf.constant(3)
+    outs = {}
+    for name, model in (("stock", stock), ("new", new)):
+        _, cache = model._build_cache(ids)
+        step = tf.function(lambda t, c, i, m=model: m.call_with_cache(t, c, i))
+        graph = step.get_concrete_function(token, cache, index).graph
+        outs[name] = (step(token, cache, index), [op.type for op in graph.get_operations()])
+    (logits, _, cache), types = outs["new"]
+    (stock_logits, _, stock_cache), _ = outs["stock"]
+    # q, k, v, output; gate, up, down: 7 in the one layer. The head (a ReversibleEmbedding) keeps its MatMul.
+    assert types.count(fusion.GEMV_OP) == 7
+    assert types.count("MatMul") == 1 and "Einsum" not in types
+    np.testing.assert_allclose(logits.numpy(), stock_logits.numpy(), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(cache.numpy(), stock_cache.numpy(), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.full
 def test_gpt2_causal_lm_save_load(tmp_path):
     """GPT-2's graph-level LayerNormalization and Dropout become FusedLayerNorm and FusedDropout; the

@@ -1,7 +1,7 @@
 """gemv (TfmetalExt>Gemv): the CPU kernel bit for bit against an exact model of its summation
 order (fused multiply-adds in increasing k, computed with rationals), against float64 numpy and
 TF's MatMul within a derived bound, every dtype; gradients; errors; empty and non-finite inputs;
-the vector levels."""
+the vector levels; the layers' use of it for a decoding step."""
 
 import fractions
 import importlib
@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,6 +17,7 @@ import tensorflow as tf
 import tfmetal_ext
 from tfmetal_ext import ops
 from tfmetal_ext.backends import fusion
+from tfmetal_ext.layers import FusedDense, FusedEinsumDense
 
 gemv_module = importlib.import_module("tfmetal_ext.ops.gemv")
 
@@ -305,3 +307,98 @@ def test_cpu_levels_give_the_same_bits(tmp_path):
         for key in base.files:
             np.testing.assert_array_equal(base[key].view(np.uint32), results[level][key].view(np.uint32),
                                           err_msg=f"{level} {key}")
+
+
+# ----------------------------------------------------------------------------- the layers
+
+
+def _op_types(fn, *args):
+    return [op.type for op in tf.function(fn).get_concrete_function(*args).graph.get_operations()]
+
+
+@pytest.mark.parametrize("shape, routed", [
+    ((1, 1, 32), True), ((fusion.GEMV_MAX_ROWS, 1, 32), True), ((fusion.GEMV_MAX_ROWS + 1, 1, 32), False),
+    ((2, 3, 32), False), ((4, 32), False),
+    ((2, 1, 1, 32), True),
+])
+def test_fused_dense_runs_gemv_for_a_decoding_steps_rows(shape, routed):
+    lib()
+    keras.utils.set_random_seed(0)
+    layer = FusedDense(24, activation="relu")
+    stock = keras.layers.Dense(24, activation="relu")
+    x = tf.constant(np.random.default_rng(0).normal(size=shape), tf.float32)
+    layer.build(x.shape)
+    stock.build(x.shape)
+    stock.set_weights([layer.kernel.numpy(), np.random.default_rng(1).normal(size=24).astype("float32")])
+    layer.set_weights(stock.get_weights())
+    types = _op_types(lambda x: layer(x), x)
+    assert (fusion.GEMV_OP in types) == routed
+    assert ("MatMul" in types) == (not routed)
+    np.testing.assert_allclose(layer(x).numpy(), stock(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("equation, out_shape, bias_axes, x_shape", [
+    ("btd,dnh->btnh", (None, 4, 8), "nh", (2, 1, 16)),     # a query projection
+    ("btnh,nhd->btd", (None, 16), "d", (3, 1, 4, 8)),      # an attention output projection
+    ("btd,df->btf", (None, 24), None, (1, 1, 16)),          # a feed-forward, no bias
+    ("abc,cd->abd", (1, 24), "bd", (2, 1, 16)),             # a bias over an input-side axis: no gemv
+])
+def test_fused_einsum_dense_runs_gemv_for_a_decoding_steps_rows(equation, out_shape, bias_axes, x_shape):
+    lib()
+    keras.utils.set_random_seed(0)
+    stock = keras.layers.EinsumDense(equation, output_shape=out_shape, bias_axes=bias_axes,
+                                     bias_initializer="random_normal")
+    layer = FusedEinsumDense(equation, output_shape=out_shape, bias_axes=bias_axes)
+    x = tf.constant(np.random.default_rng(0).normal(size=x_shape), tf.float32)
+    stock.build(x.shape)
+    layer.build(x.shape)
+    layer.set_weights(stock.get_weights())
+    types = _op_types(lambda x: layer(x), x)
+    routed = bias_axes != "bd"
+    assert (fusion.GEMV_OP in types) == routed
+    assert "Einsum" not in types
+    np.testing.assert_allclose(layer(x).numpy(), stock(x).numpy(), rtol=1e-5, atol=1e-5)
+    # A longer sequence keeps the MatMul (and its remapper pattern).
+    longer = tf.concat([x, x], axis=1)
+    assert fusion.GEMV_OP not in _op_types(lambda x: layer(x), longer)
+
+
+def test_xla_keeps_matmul():
+    """The op has no XLA kernel: under jit_compile the wrapper and the layers emit MatMul (+ BiasAdd)."""
+    layer = FusedDense(8)
+    x = tf.constant(np.random.default_rng(6).normal(size=(2, 1, 16)), tf.float32)
+    layer.build(x.shape)
+    w = tf.constant(np.random.default_rng(7).normal(size=(16, 8)), tf.float32)
+    f = tf.function(lambda x: (layer(x), ops.gemv(x, w)), jit_compile=True)
+    got_layer, got_op = f(x)
+    np.testing.assert_allclose(got_layer.numpy(), layer(x).numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got_op.numpy(), np.einsum("btd,dn->btn", x.numpy(), w.numpy()), rtol=1e-5, atol=1e-5)
+
+
+def test_layers_under_mixed_precision_and_lora_gradients():
+    """Under mixed_float16 the kernel is cast to float16 as stock casts it; LoRA's adapters get the
+    gradients through the op, and a frozen kernel none."""
+    lib()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        layer = FusedEinsumDense("btd,dnh->btnh", output_shape=(None, 2, 8), bias_axes="nh")
+        stock = keras.layers.EinsumDense("btd,dnh->btnh", output_shape=(None, 2, 8), bias_axes="nh")
+        x = tf.constant(np.random.default_rng(4).normal(size=(2, 1, 16)), tf.float16)
+        layer.build(x.shape)
+        stock.build(x.shape)
+        stock.set_weights(layer.get_weights())
+        y = layer(x)
+        assert y.dtype == tf.float16
+        assert fusion.GEMV_OP in _op_types(lambda x: layer(x), x)
+        # float16 results: the two sums round to half within a few half roundoffs of the magnitude.
+        np.testing.assert_allclose(f64(y), f64(stock(x)), rtol=4 * 2.0 ** -11, atol=4 * 2.0 ** -11 * 8)
+        layer.enable_lora(2)
+        layer.lora_kernel_b.assign(tf.random.normal(layer.lora_kernel_b.shape))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.cast(layer(x), tf.float32))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        names = [v.path.split("/")[-1] for v in layer.trainable_variables]
+        assert "kernel" not in names and {"lora_kernel_a", "lora_kernel_b"} <= set(names)
+        assert all(g is not None and np.any(g.numpy() != 0) for g in grads)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

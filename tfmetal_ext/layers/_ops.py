@@ -9,7 +9,7 @@ import tensorflow as tf
 from tfmetal_ext import _env
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.backends._table import TRAIN
-from tfmetal_ext.ops._common import check_float32_representable
+from tfmetal_ext.ops._common import check_float32_representable, in_xla_context
 
 # Keras activation name -> the single TF op a remapper absorbs into a
 # contraction (+ BiasAdd): one emitter for each of fusion.CONTRACTION_ACTIVATIONS.
@@ -31,6 +31,26 @@ def pattern_avoided(pattern):
     after it. For a custom op's name see `tfmetal_ext.ops._common.op_avoided`.
     """
     return pattern in _env.current().avoided
+
+
+def gemv_rows(shape, row_axes):
+    """Whether a product over `shape`'s first `row_axes` axes (its rows) runs as ``TfmetalExt>Gemv``.
+
+    True for a single-position step, ``[batch, 1, ..., features]`` (a decoding
+    step of a sequence model: every row axis after the first is 1), with a
+    static batch of at most ``fusion.GEMV_MAX_ROWS`` rows, while the op's
+    kernel is in use (`tfmetal_ext.ops.gemv`). A 2-D input (a classifier's or
+    an MLP's batch) keeps MatMul and its remapper fusions, and so does a
+    function XLA compiles (the op has no XLA kernel).
+    """
+    from tfmetal_ext.ops.gemv import uses_kernel  # imported late: tfmetal_ext.ops imports the layers' backends
+
+    if row_axes < 2 or shape.rank is None or shape.rank <= row_axes:
+        return False
+    rows = shape[:row_axes].as_list()
+    if rows[0] is None or not 0 < rows[0] <= fusion.GEMV_MAX_ROWS or any(d != 1 for d in rows[1:]):
+        return False
+    return uses_kernel() and not in_xla_context()
 
 
 def bias_add(x, bias, pattern):

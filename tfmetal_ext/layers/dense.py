@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfmetal_ext import _saved_names
+from tfmetal_ext import ops as tfm_ops
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
@@ -47,6 +48,13 @@ class FusedDense(keras.layers.Dense):
     the backward pass instead of being kept with the chain's intermediates
     (`tfmetal_ext.layers._replay`); the gradients are TensorFlow's own for
     the same ops. Eagerly the ordinary path runs.
+
+    Decoding: an input of the shape ``[batch, 1, ..., in]`` (one position per
+    sequence, as a generation step's) with a static batch of at most
+    ``fusion.GEMV_MAX_ROWS`` rows is one ``TfmetalExt>Gemv`` instead (bias in
+    it, then the activation): each weight read once, where TF's CPU MatMul
+    spends most of a one-row product on packing the kernel
+    (`tfmetal_ext.ops.gemv`). Any other input keeps the pattern above.
 
     float16 on a CPU without native half fuses nothing. While
     ``tfmetal_ext.configure(avoid_fusions=["matmul_bias_relu"])`` is in force
@@ -385,9 +393,15 @@ class FusedDense(keras.layers.Dense):
         flat = inputs
         if rank > 2:
             flat = tf.reshape(inputs, [-1, kernel.shape[0]])
-        outputs = tf.matmul(flat, kernel)
-        if self.use_bias:
-            outputs = _ops.bias_add(outputs, self.bias, "matmul_bias_relu")
+        if rank is not None and _ops.gemv_rows(inputs.shape, rank - 1):
+            # A decoding step's few rows ([batch, 1, ..., features]): one TfmetalExt>Gemv, bias in it.
+            k = tf.convert_to_tensor(kernel)
+            bias = tf.cast(tf.convert_to_tensor(self.bias), flat.dtype) if self.use_bias else None
+            outputs = tfm_ops.gemv(flat, tf.cast(k, flat.dtype) if k.dtype != flat.dtype else k, bias)
+        else:
+            outputs = tf.matmul(flat, kernel)
+            if self.use_bias:
+                outputs = _ops.bias_add(outputs, self.bias, "matmul_bias_relu")
         if activate:
             outputs = C.apply_activation(outputs, self.activation, self._activation_name, training)
         if rank > 2:

@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from tfmetal_ext import _saved_names
+from tfmetal_ext import ops as tops
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
 from tfmetal_ext.layers import _ops
@@ -46,6 +47,12 @@ class FusedEinsumDense(_STOCK):
     fused by any remapper, but the open Metal plugin, which has no ``Einsum``
     kernel, has kernels for both. While ``configure(avoid_fusions=
     ["matmul_bias_relu"])`` is in force the bias is an AddV2 (as FusedDense).
+
+    Decoding: a MatMul plan on an input with one position per sequence
+    (``[batch, 1, ...]``, a generation step's) and a static batch of at most
+    ``fusion.GEMV_MAX_ROWS`` rows is one ``TfmetalExt>Gemv`` instead, with a
+    BiasAdd plan's bias inside (`tfmetal_ext.ops.gemv`): each weight read
+    once, where TF's CPU MatMul packs the kernel first.
 
     LoRA: as stock, ``kernel + (lora_alpha / lora_rank) * a @ b`` is the
     kernel the product reads (EinsumDense's own ``kernel`` property), so the
@@ -128,13 +135,15 @@ class FusedEinsumDense(_STOCK):
     # ------------------------------------------------------------------
     # The product.
 
-    def _product(self, x, kernel):
+    def _product(self, x, kernel, gemv=False):
         """``einsum(equation, x, kernel)`` as a MatMul / BatchMatMulV2 of reshapes.
 
         Returns ``(flat, static, free)``: the product, ``(rows, N)`` (MatMul)
         or ``(rows, trailing, N)`` (BatchMatMulV2) with `N` the kernel's free
         axes flattened in output order; the output's static shape; the free
-        axes' sizes (`_reshape` makes the output).
+        axes' sizes (`_reshape` makes the output). With `gemv` (a MatMul plan
+        on a decoding step's rows, `_ops.gemv_rows`) the product is one
+        ``TfmetalExt>Gemv`` with the flat bias (BIAS_ADD plans) in it.
         """
         p = self._plan
         k = tf.convert_to_tensor(kernel)
@@ -150,6 +159,9 @@ class FusedEinsumDense(_STOCK):
         static = x.shape[: p.rows].concatenate(x.shape[after:]).concatenate(free)
         if p.op == MATMUL:
             flat = x if (x.shape.rank, p.rows) == (2, 1) else tf.reshape(x, [-1, depth])
+            if gemv:
+                bias = tf.cast(self._flat_bias(free), x.dtype) if p.bias == BIAS_ADD else None
+                return tops.gemv(flat, k, bias), static, free
             return tf.matmul(flat, k), static, free
         trailing = x.shape[after:]
         if trailing.is_fully_defined():
@@ -201,7 +213,11 @@ class FusedEinsumDense(_STOCK):
     def _planned_call(self, inputs, training=None, activate=True):
         p = self._plan
         fn, name = C.resolve_activation(self.activation) if activate else (None, "linear")
-        y, static, free = self._product(inputs, self.kernel)
+        # A decoding step's few rows: one TfmetalExt>Gemv (bias in it), no MatMul to fuse.
+        gemv = p.op == MATMUL and p.bias != BIAS_AFTER and _ops.gemv_rows(inputs.shape, p.rows)
+        y, static, free = self._product(inputs, self.kernel, gemv=gemv)
+        if gemv:
+            return self._reshape(C.apply_activation(y, fn, name, training), inputs, static, free)
         if p.bias == BIAS_ADD:
             # MatMul -> BiasAdd -> activation adjacent (the remapper's pattern), then the reshape.
             y = _ops.bias_add(y, self._flat_bias(free), "matmul_bias_relu")
