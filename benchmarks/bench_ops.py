@@ -63,7 +63,7 @@ from tfmetal_ext.layers import FusedLayerNorm  # noqa: E402
 
 COLUMNS = (
     "section", "case", "stock_ms", "ours_ms", "speedup", "reference_ms", "stock_ops", "ours_ops",
-    "ours_GBps", "copy_GBps", "of_copy_bandwidth",
+    "ours_GBps", "copy_GBps", "of_copy_bandwidth", "unit",
 )
 MB = 1 << 20
 
@@ -538,10 +538,61 @@ def bench_sparse_softmax_cross_entropy(ctx):
     ]
 
 
+# ----------------------------------------------------------------------------
+# A decoding step's projections: a few rows times a weight matrix.
+
+
+def bench_gemv(ctx):
+    """Chains of 16 products (x @ W then @ P, alternating, so each reads the last one's output) in one
+    tf.function, stock MatMul (+ BiasAdd, which the remapper makes one _FusedMatMul) against
+    TfmetalExt>Gemv; per-product times."""
+    rows_out = []
+    chain = 16
+    for bias in (False, True):
+        for m in (1, 4, 8, 16):
+            for k, n in ((256, 512), (512, 256), (1024, 1024)):
+                rng = np.random.default_rng(9)
+                x = tf.constant(rng.normal(0.0, 0.1, (m, k)).astype("float32"))
+                w = tf.Variable(rng.normal(0.0, 1.0 / np.sqrt(k), (k, n)).astype("float32"))
+                p = tf.Variable(rng.normal(0.0, 1.0 / np.sqrt(n), (n, k)).astype("float32"))
+                bw = tf.constant(rng.normal(0.0, 0.1, n).astype("float32")) if bias else None
+                bp = tf.constant(rng.normal(0.0, 0.1, k).astype("float32")) if bias else None
+
+                def make(product):
+                    @tf.function(autograph=False)
+                    def run(x):
+                        for _ in range(chain // 2):
+                            x = product(product(x, w, bw), p, bp)
+                        return x
+
+                    return run
+
+                def stock_product(x, w, b):
+                    y = tf.linalg.matmul(x, w)
+                    return y if b is None else tf.nn.bias_add(y, b)
+
+                stock, ours = make(stock_product), make(ops.gemv)
+                np.testing.assert_allclose(ours(x).numpy(), stock(x).numpy(), rtol=1e-4, atol=1e-5)
+                stock_ms, ours_ms = ctx.alternate(lambda: stock(x), lambda: ours(x))
+                case = f"float32 {m}x{k}x{n}{' +bias' if bias else ''}"
+                row = _timing_row("gemv", case, stock_ms / chain * 1e3, ours_ms / chain * 1e3, stock_ms / ours_ms,
+                                  _num_ops(stock, x), _num_ops(ours, x))
+                row["unit"] = "us per product"
+                print(row, flush=True)
+                rows_out.append(row)
+    onednn = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "(unset)")
+    return rows_out, [
+        f"gemv: stock = MatMul (+ BiasAdd: one _FusedMatMul after the remapper), ours = {fusion.GEMV_OP}; "
+        f"stock_ms / ours_ms of these rows are microseconds per product, from a chain of {chain} products on "
+        "variables in one function (the op counts are the chain's); the layers use the op for a decoding "
+        f"step's rows, up to fusion.GEMV_MAX_ROWS = {fusion.GEMV_MAX_ROWS}; TF_ENABLE_ONEDNN_OPTS={onednn}."
+    ]
+
+
 SECTIONS = {"copy": bench_copy, "layer_norm": bench_layer_norm, "softshrink": bench_softshrink,
             "batch_norm_act": bench_batch_norm_act, "multi_tensor_adam": bench_multi_tensor_adam,
             "dropout": bench_dropout, "activation_grad": bench_activation_grad,
-            "sparse_softmax_cross_entropy": bench_sparse_softmax_cross_entropy}
+            "sparse_softmax_cross_entropy": bench_sparse_softmax_cross_entropy, "gemv": bench_gemv}
 
 
 def main(argv=None):
