@@ -52,11 +52,9 @@ struct Problem {
   s = gemv_step(s, xr[2], ToFloat(w2[j]));                 \
   s = gemv_step(s, xr[3], ToFloat(w3[j]))
 
-// The unit's sums over columns [j0, width) of sums `acc` (row stride width), one column at a
-// time: the baseline loop, and the vector loops' tails.
+// The unit's sums `acc` (rows x width, row stride width) one column at a time: the baseline loop.
 template <typename T>
-inline void ColumnsScalar(const Problem& p, const T* w, int64_t c0, int64_t width, int64_t j0, float* acc) {
-  if (j0 >= width) return;
+inline void UnitBaseline(const Problem& p, const T* w, int64_t c0, int64_t width, float* acc) {
   int64_t kk = 0;
   for (; kk + 4 <= p.k; kk += 4) {
     const T* w0 = w + kk * p.n + c0;
@@ -64,7 +62,7 @@ inline void ColumnsScalar(const Problem& p, const T* w, int64_t c0, int64_t widt
     for (int64_t r = 0; r < p.m; ++r) {
       const float* xr = p.xf + r * p.k + kk;
       float* a = acc + r * width;
-      for (int64_t j = j0; j < width; ++j) {
+      for (int64_t j = 0; j < width; ++j) {
         float s = a[j];
         TFMETAL_GEMV_FOUR_STEPS(s, xr, w0, w1, w2, w3, j);
         a[j] = s;
@@ -76,7 +74,7 @@ inline void ColumnsScalar(const Problem& p, const T* w, int64_t c0, int64_t widt
     for (int64_t r = 0; r < p.m; ++r) {
       const float xv = p.xf[r * p.k + kk];
       float* a = acc + r * width;
-      for (int64_t j = j0; j < width; ++j) a[j] = gemv_step(a[j], xv, ToFloat(w0[j]));
+      for (int64_t j = 0; j < width; ++j) a[j] = gemv_step(a[j], xv, ToFloat(w0[j]));
     }
   }
 }
@@ -105,7 +103,7 @@ TFMETAL_GEMV_AVX512 inline __m512 Load16(const ::Eigen::bfloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// The vector loops: kLanes columns a step (8: AVX2, 16: AVX-512), the tail by ColumnsScalar.
+// The vector loops: LANES columns a step (8: AVX2, 16: AVX-512), the last width % LANES one at a time.
 #define TFMETAL_GEMV_VECTOR_UNIT(NAME, ATTR, VEC, LANES, LOAD, SET1, FMA, LOADF, STOREF)                     \
   template <typename T>                                                                                    \
   ATTR void NAME(const Problem& p, const T* w, int64_t c0, int64_t width, float* acc) {                   \
@@ -165,7 +163,7 @@ inline void RunUnit(CpuLevel level, const Problem& p, const T* w, int64_t c0, in
   if (level == CpuLevel::kAvx2 && HasF16c()) return UnitAvx2(p, w, c0, width, acc);
 #endif
   (void)level;
-  ColumnsScalar(p, w, c0, width, 0, acc);
+  UnitBaseline(p, w, c0, width, acc);
 }
 
 template <typename T>

@@ -395,9 +395,8 @@ class FusedDense(keras.layers.Dense):
             flat = tf.reshape(inputs, [-1, kernel.shape[0]])
         if rank is not None and _ops.gemv_rows(inputs.shape, rank - 1):
             # A decoding step's few rows ([batch, 1, ..., features]): one TfmetalExt>Gemv, bias in it.
-            k = tf.convert_to_tensor(kernel)
-            bias = tf.cast(tf.convert_to_tensor(self.bias), flat.dtype) if self.use_bias else None
-            outputs = tfm_ops.gemv(flat, tf.cast(k, flat.dtype) if k.dtype != flat.dtype else k, bias)
+            bias = tf.cast(self.bias, flat.dtype) if self.use_bias else None
+            outputs = tfm_ops.gemv(flat, tf.cast(kernel, flat.dtype), bias)
         else:
             outputs = tf.matmul(flat, kernel)
             if self.use_bias:

@@ -8,7 +8,7 @@ import keras
 import tensorflow as tf
 
 from tfmetal_ext import _saved_names
-from tfmetal_ext import ops as tops
+from tfmetal_ext import ops as tfm_ops
 from tfmetal_ext.inspect import catalog
 from tfmetal_ext.layers import _contraction as C
 from tfmetal_ext.layers import _ops
@@ -161,7 +161,7 @@ class FusedEinsumDense(_STOCK):
             flat = x if (x.shape.rank, p.rows) == (2, 1) else tf.reshape(x, [-1, depth])
             if gemv:
                 bias = tf.cast(self._flat_bias(free), x.dtype) if p.bias == BIAS_ADD else None
-                return tops.gemv(flat, k, bias), static, free
+                return tfm_ops.gemv(flat, k, bias), static, free
             return tf.matmul(flat, k), static, free
         trailing = x.shape[after:]
         if trailing.is_fully_defined():
