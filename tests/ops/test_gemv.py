@@ -3,6 +3,7 @@ order (fused multiply-adds in increasing k, computed with rationals), against fl
 TF's MatMul within a derived bound, every dtype; gradients; errors; empty and non-finite inputs;
 the vector levels; the layers' use of it for a decoding step."""
 
+import dataclasses
 import fractions
 import importlib
 import os
@@ -361,6 +362,26 @@ def test_fused_einsum_dense_runs_gemv_for_a_decoding_steps_rows(equation, out_sh
     # A longer sequence keeps the MatMul (and its remapper pattern).
     longer = tf.concat([x, x], axis=1)
     assert fusion.GEMV_OP not in _op_types(lambda x: layer(x), longer)
+
+
+@pytest.mark.parametrize("backend, plugin", [("metal", None), ("metal", "tensorflow-metal-plugin")])
+def test_the_layers_follow_the_backend_table(backend, plugin):
+    """The choice is the table's row fusion.GEMV_PATTERN: both Metal backends' rows keep MatMul (the
+    kernel's speed there is unmeasured), with the reason; the CPU tables take the op."""
+    lib()
+    from tfmetal_ext import _env, backends, devices
+
+    layer = FusedDense(8)
+    x = tf.constant(np.random.default_rng(8).normal(size=(2, 1, 16)), tf.float32)
+    layer.build(x.shape)
+    caps = dataclasses.replace(devices.capabilities(), backend=backend, metal_plugin=plugin)
+    with _env.scope(pinned_capabilities=caps):
+        row = backends.current().fusion(fusion.GEMV_PATTERN)
+        assert not row.dtypes and row.why_not == fusion.GEMV_METAL_UNMEASURED
+        types = _op_types(lambda x: layer(x), x)
+        assert fusion.GEMV_OP not in types and "MatMul" in types
+    for key in ("cpu", "cpu_onednn"):
+        assert "float32" in backends.table(key).fusion(fusion.GEMV_PATTERN).dtypes
 
 
 def test_xla_keeps_matmul():

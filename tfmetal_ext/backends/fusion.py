@@ -297,10 +297,18 @@ SPARSE_XENT_GRAD_OP = CUSTOM_OPS["sparse_softmax_cross_entropy"].grad
 GEMV_OP = CUSTOM_OPS["gemv"].name
 
 # The most rows (the product of all but the last input axis) for which FusedDense and
-# FusedEinsumDense run a product as TfmetalExt>Gemv instead of MatMul: the op has no blocking
-# over rows (each row is one more pass of multiply-adds over the weights it holds in cache),
-# so past a few rows MatMul's packed GEMM is faster (bench_ops' gemv section measures both).
+# FusedEinsumDense run a product as TfmetalExt>Gemv instead of MatMul, where the backend table's
+# GEMV_PATTERN row has the dtype: the op has no blocking over rows (each row is one more pass of
+# multiply-adds over the weights it holds in cache), so past a few rows MatMul's packed GEMM is
+# faster (bench_ops' gemv section measures both).
 GEMV_MAX_ROWS = 4
+# The backend tables' row for that choice ("custom_gemv"), and why both Metal backends' rows say no.
+GEMV_PATTERN = "custom_gemv"
+GEMV_METAL_UNMEASURED = (
+    "FusedDense and FusedEinsumDense keep MatMul (the backend's kernel) for a decoding step's rows on Metal: "
+    "TfmetalExt>Gemv's Metal kernel gives the CPU kernel's bits (emulator, doctor --selftest) but its speed "
+    "against the backend's MatMul has not been measured on a Mac; tfmetal_ext.ops.gemv runs it when called"
+)
 
 # Norm ops whose own backward pass keeps their input and statistics, not their output: a projection
 # of their output (the layer's kernel gradient would keep it) makes it again in the backward pass

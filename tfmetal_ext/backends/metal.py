@@ -105,8 +105,9 @@ METAL = backend(
         "custom_sparse_softmax_cross_entropy": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),
-        "custom_gemv": Fusion(
-            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
+        "custom_gemv": never(
+            "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16); not used by the layers here",
+            why_not=fusion.GEMV_METAL_UNMEASURED,
         ),
         "custom_attention": Fusion(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT

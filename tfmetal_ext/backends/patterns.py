@@ -87,7 +87,7 @@ PATTERNS = types.MappingProxyType(
                 _F.SPARSE_XENT_OP,
             ),
             Pattern(
-                "custom_gemv",
+                _F.GEMV_PATTERN,
                 "a decoding step's few rows times a weight matrix (FusedDense, FusedEinsumDense on [batch, 1, ...] "
                 "inputs): each weight read once, the bias in the op, where MatMul packs the kernel first",
                 _F.GEMV_OP,

@@ -33,22 +33,27 @@ def pattern_avoided(pattern):
     return pattern in _env.current().avoided
 
 
-def gemv_rows(shape, row_axes):
+def gemv_rows(shape, row_axes, dtype):
     """Whether a product over `shape`'s first `row_axes` axes (its rows) runs as ``TfmetalExt>Gemv``.
 
     True for a single-position step, ``[batch, 1, ..., features]`` (a decoding
     step of a sequence model: every row axis after the first is 1), with a
-    static batch of at most ``fusion.GEMV_MAX_ROWS`` rows, while the op's
-    kernel is in use (`tfmetal_ext.ops.gemv`). A 2-D input (a classifier's or
-    an MLP's batch) keeps MatMul and its remapper fusions, and so does a
-    function XLA compiles (the op has no XLA kernel).
+    static batch of at most ``fusion.GEMV_MAX_ROWS`` rows, where this
+    backend's table takes the op for `dtype` (row ``fusion.GEMV_PATTERN``:
+    the CPU's; not yet either Metal backend's) and its kernel is in use
+    (`tfmetal_ext.ops.gemv`). A 2-D input (a classifier's or an MLP's batch)
+    keeps MatMul and its remapper fusions, and so does a function XLA
+    compiles (the op has no XLA kernel).
     """
+    from tfmetal_ext import backends
     from tfmetal_ext.ops.gemv import uses_kernel  # imported late: tfmetal_ext.ops imports the layers' backends
 
     if row_axes < 2 or shape.rank is None or shape.rank <= row_axes:
         return False
     rows = shape[:row_axes].as_list()
     if rows[0] is None or not 0 < rows[0] <= fusion.GEMV_MAX_ROWS or any(d != 1 for d in rows[1:]):
+        return False
+    if tf.as_dtype(dtype).name not in backends.current().fusion(fusion.GEMV_PATTERN).dtypes:
         return False
     return uses_kernel() and not in_xla_context()
 

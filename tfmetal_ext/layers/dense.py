@@ -52,9 +52,10 @@ class FusedDense(keras.layers.Dense):
     Decoding: an input of the shape ``[batch, 1, ..., in]`` (one position per
     sequence, as a generation step's) with a static batch of at most
     ``fusion.GEMV_MAX_ROWS`` rows is one ``TfmetalExt>Gemv`` instead (bias in
-    it, then the activation): each weight read once, where TF's CPU MatMul
-    spends most of a one-row product on packing the kernel
-    (`tfmetal_ext.ops.gemv`). Any other input keeps the pattern above.
+    it, then the activation) where the backend table takes it (the CPU's:
+    each weight read once, where TF's CPU MatMul spends most of a one-row
+    product on packing the kernel; not Metal's yet, see
+    `tfmetal_ext.ops.gemv`). Any other input keeps the pattern above.
 
     float16 on a CPU without native half fuses nothing. While
     ``tfmetal_ext.configure(avoid_fusions=["matmul_bias_relu"])`` is in force
@@ -393,7 +394,7 @@ class FusedDense(keras.layers.Dense):
         flat = inputs
         if rank > 2:
             flat = tf.reshape(inputs, [-1, kernel.shape[0]])
-        if rank is not None and _ops.gemv_rows(inputs.shape, rank - 1):
+        if rank is not None and _ops.gemv_rows(inputs.shape, rank - 1, flat.dtype):
             # A decoding step's few rows ([batch, 1, ..., features]): one TfmetalExt>Gemv, bias in it.
             bias = tf.cast(self.bias, flat.dtype) if self.use_bias else None
             outputs = tfm_ops.gemv(flat, tf.cast(kernel, flat.dtype), bias)

@@ -51,8 +51,9 @@ class FusedEinsumDense(_STOCK):
     Decoding: a MatMul plan on an input with one position per sequence
     (``[batch, 1, ...]``, a generation step's) and a static batch of at most
     ``fusion.GEMV_MAX_ROWS`` rows is one ``TfmetalExt>Gemv`` instead, with a
-    BiasAdd plan's bias inside (`tfmetal_ext.ops.gemv`): each weight read
-    once, where TF's CPU MatMul packs the kernel first.
+    BiasAdd plan's bias inside, where the backend table takes it (the CPU's:
+    each weight read once, where TF's CPU MatMul packs the kernel first; not
+    Metal's yet, see `tfmetal_ext.ops.gemv`).
 
     LoRA: as stock, ``kernel + (lora_alpha / lora_rank) * a @ b`` is the
     kernel the product reads (EinsumDense's own ``kernel`` property), so the
@@ -214,7 +215,7 @@ class FusedEinsumDense(_STOCK):
         p = self._plan
         fn, name = C.resolve_activation(self.activation) if activate else (None, "linear")
         # A decoding step's few rows: one TfmetalExt>Gemv (bias in it), no MatMul to fuse.
-        gemv = p.op == MATMUL and p.bias != BIAS_AFTER and _ops.gemv_rows(inputs.shape, p.rows)
+        gemv = p.op == MATMUL and p.bias != BIAS_AFTER and _ops.gemv_rows(inputs.shape, p.rows, inputs.dtype)
         y, static, free = self._product(inputs, self.kernel, gemv=gemv)
         if gemv:
             return self._reshape(C.apply_activation(y, fn, name, training), inputs, static, free)

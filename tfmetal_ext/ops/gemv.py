@@ -26,7 +26,10 @@ def gemv(x, kernel, bias=None, name=None):
     within the rounding of a float32 sum of K products. The work is
     ``rows x K x N`` multiply-adds with no blocking over rows, so the layers
     use it up to `MAX_ROWS` rows (``fusion.GEMV_MAX_ROWS``) and ``MatMul``
-    above.
+    above; and only where the backend table's ``fusion.GEMV_PATTERN`` row
+    takes it: on the CPU, not yet on Metal, where the kernel's bits are
+    checked (emulator, ``doctor --selftest``) but its speed against the
+    backend's MatMul is unmeasured.
 
     The gradient is two ``MatMul``s (and a sum for the bias); the op has no
     gradient op of its own. In a function XLA compiles, and while
