@@ -22,6 +22,11 @@ U32 = 2.0 ** -24  # float32 unit roundoff
 
 
 def _class(path):
+    if path.startswith("keras:"):  # a Keras class keras-hub's models build (keras.layers.ReversibleEmbedding)
+        obj = keras
+        for part in path[len("keras:"):].split("."):
+            obj = getattr(obj, part)
+        return obj
     module, name = path.split(":")
     return getattr(__import__(f"keras_hub.src.{module}", fromlist=[name]), name)
 
@@ -47,7 +52,7 @@ def _half_ulp(y):
 
 
 def test_every_table_row_resolves_and_has_a_registered_subclass():
-    for spec in kh.HUB_RMS_NORMS + kh.HUB_ROPES + kh.HUB_ATTENTION + kh.HUB_DECODERS:
+    for spec in kh.HUB_RMS_NORMS + kh.HUB_ROPES + kh.HUB_ATTENTION + kh.HUB_DECODERS + kh.HUB_HEADS:
         base = _class(spec.path)
         fused = kh.FUSED[base]
         assert fused.fused_name == fused.__qualname__ == spec.fused and fused.__mro__[1] is base
@@ -611,3 +616,46 @@ def test_unrepeated_reads_through_keras_and_tf_repeat_only():
     assert seen == {"keras": True, "tf": True, "sequence axis": False, "tiled": False, "plain": False}
     x = tf.ones([1, 1, 2, 4])
     assert kh._unrepeated(tf.repeat(x, 2, axis=2)).shape == (1, 1, 4, 4)  # eagerly: no graph, the tensor itself
+
+
+# ----------------------------------------------------------------------------
+# The output head: a decoding step's logits as one TfmetalExt>Gemv.
+
+
+def _head_pair(**kwargs):
+    keras.utils.set_random_seed(4)
+    stock = keras.layers.ReversibleEmbedding(50, 16, tie_weights=False, **kwargs)
+    stock.build((None, None))
+    stock.reverse_embeddings.assign(tf.random.normal(stock.reverse_embeddings.shape))
+    return stock, _retyped_copy(stock, np.zeros((1, 3), "int32"))
+
+
+@pytest.mark.parametrize("kwargs", [{}, dict(logit_soft_cap=5.0), dict(reverse_dtype="float32")],
+                         ids=["plain", "soft_cap", "reverse_dtype"])
+def test_head_decoding_step_is_one_gemv_with_the_stock_logits(kwargs):
+    from tfmetal_ext.backends import fusion
+    from tfmetal_ext.ops.gemv import uses_kernel
+
+    if not uses_kernel():
+        pytest.skip("the op library is not loaded here (TFMETAL_EXT_REFERENCE_OPS or no compiler)")
+    stock, fused = _head_pair(**kwargs)
+    assert type(fused) is kh.FUSED[type(stock)]
+    for shape, routed in (((2, 1, 16), True), ((2, 5, 16), False), ((2, 16), False)):
+        x = tf.constant(np.random.default_rng(1).normal(size=shape), tf.float32)
+        types = _traced_ops(tf.function(lambda x: fused(x, reverse=True)), x)
+        assert (fusion.GEMV_OP in types) == routed, shape
+        # One float32 sum of 16 products per logit in another order than TF's MatMul: a few ulps.
+        np.testing.assert_allclose(fused(x, reverse=True).numpy(), stock(x, reverse=True).numpy(),
+                                   rtol=1e-5, atol=1e-5)
+    ids = tf.constant([[1, 7, 49]])
+    np.testing.assert_array_equal(fused(ids).numpy(), stock(ids).numpy())  # the embedding itself is stock's
+
+
+def test_head_with_tied_weights_is_kept_with_the_reason():
+    ids = keras.Input((None,), dtype="int32")
+    emb = keras.layers.ReversibleEmbedding(50, 16, tie_weights=True, name="tied")
+    h = emb(ids)
+    model = keras.Model(ids, emb(h, reverse=True))
+    new = tfmetal_ext.convert(model, verify=False, count_ops=False)
+    assert type(new.get_layer("tied")) is keras.layers.ReversibleEmbedding
+    assert any(k.name == "tied" and "tied weights" in k.reason for k in new.conversion_report.kept)

@@ -23,6 +23,11 @@ replaced:
   cache of ``generate()`` and grouped-query head sharing stay the layer's own
   code, so training and cached decoding both take the op.
 
+* Output heads (`HUB_HEADS`): keras-hub's ``ReversibleEmbedding`` with its
+  own output matrix (``tie_weights=False``: Llama, Mistral; the tied ones are
+  kept) computes a decoding step's logits (one position per sequence, a few
+  sequences) as one ``TfmetalExt>Gemv`` where the backend table takes it
+  (`tfmetal_ext.ops.gemv`), and runs the stock code for every other call.
 * Decoder blocks (`HUB_DECODERS`): the method that makes the self-attention
   mask (``_compute_self_attention_mask``; Gemma's ``_compute_attention_mask``)
   still returns keras-hub's own ``(batch, q, kv)`` mask, and also hands the fused
@@ -69,9 +74,11 @@ import numpy as np
 import tensorflow as tf
 
 from tfmetal_ext.conversion import planners
+from tfmetal_ext.layers._ops import gemv_rows
 from tfmetal_ext.ops._common import FLOAT_DTYPES, stock_code_reason
 from tfmetal_ext.ops.attention import MAX_HEAD_DIM as _MAX_HEAD_DIM
 from tfmetal_ext.ops.attention import _check_sliding_window, attention
+from tfmetal_ext.ops.gemv import gemv
 from tfmetal_ext.ops.rms_norm import epsilon_reason, rms_norm
 from tfmetal_ext.ops.rope import rope
 
@@ -97,6 +104,19 @@ class HubRMSNorm:
     weight: str = "scale"
     offset: float = 0.0
     output: str = "compute"
+
+
+@dataclasses.dataclass(frozen=True)
+class HubHead:
+    """A keras-hub embedding that is also the output head (``call(x, reverse=True)``: ``x @ W``).
+
+    Attributes:
+        path: the class, ``module:ClassName`` under ``keras_hub.src``, or ``keras:layers.ClassName``.
+        fused: the fusion-first subclass's name.
+    """
+
+    path: str
+    fused: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,6 +232,13 @@ HUB_ROPES = (
     HubRope("models.llama.llama_rotary_embedding:LlamaRotaryEmbedding", "FusedLlamaRotaryEmbedding", "llama"),
 )
 
+# keras-hub's output heads with their own matrix: path -> the fusion-first subclass's name.
+HUB_HEADS = (
+    # Keras' own class (keras-hub's models build it since Keras 3.12), and keras-hub's subclass of it.
+    HubHead("keras:layers.ReversibleEmbedding", "FusedReversibleEmbedding"),
+    HubHead("layers.modeling.reversible_embedding:ReversibleEmbedding", "FusedHubReversibleEmbedding"),
+)
+
 # Classes of the tables that this keras-hub does not have: path -> why (ops.status-style facts).
 MISSING = {}
 # keras-hub class -> its fusion-first subclass (filled below from the tables).
@@ -219,6 +246,16 @@ FUSED = {}
 
 
 def _resolve(path):
+    """The class at `path`: ``module:Name`` under ``keras_hub.src``, or ``keras:dotted.Name`` in Keras."""
+    if path.startswith("keras:"):
+        obj = keras
+        try:
+            for part in path[len("keras:"):].split("."):
+                obj = getattr(obj, part)
+            return obj
+        except AttributeError as e:
+            MISSING[path] = f"not in this Keras ({type(e).__name__}: {e})"
+            return None
     module, name = path.split(":")
     try:
         return getattr(importlib.import_module(f"keras_hub.src.{module}"), name)
@@ -608,6 +645,35 @@ def _attention_class(spec, base):
 
 
 # ----------------------------------------------------------------------------
+# Output heads: a decoding step's logits as one TfmetalExt>Gemv.
+
+
+def _head_class(spec, base):
+    def call(self, inputs, reverse=False):
+        if not reverse or self.tie_weights or self.quantization_mode is not None or stock_code_reason():
+            return base.call(self, inputs, reverse=reverse)
+        x = tf.convert_to_tensor(inputs)
+        kernel = self.reverse_embeddings
+        if self.reverse_dtype is not None:
+            x = tf.cast(x, self.reverse_dtype)
+        if x.dtype not in FLOAT_DTYPES or x.shape.rank is None or not gemv_rows(x.shape, x.shape.rank - 1, x.dtype):
+            return base.call(self, inputs, reverse=reverse)
+        # The stock call's math: inputs @ the output matrix (cast as the call reads it), then the
+        # optional soft cap, with the product as one op.
+        logits = gemv(x, tf.cast(kernel, x.dtype))
+        if self.logit_soft_cap is not None:
+            cap = self.logit_soft_cap
+            logits = keras.ops.multiply(keras.ops.tanh(keras.ops.divide(logits, cap)), cap)
+        return logits
+
+    doc = (f"`{base.__module__}.{base.__name__}` whose reverse call (the output head) computes a decoding "
+           "step's logits, one position per sequence for a few sequences, as one `TfmetalExt>Gemv` "
+           "(`tfmetal_ext.ops.gemv`) where the backend table takes it; every other call is the stock one. The "
+           "same constructor, weights, config and outputs.")
+    return _subclass(base, spec.fused, {"call": call}, doc)
+
+
+# ----------------------------------------------------------------------------
 # Decoder blocks: the self-attention mask's factors handed to the fused attention layer.
 
 
@@ -676,6 +742,16 @@ def _plan_attention(ctx, node):
     return planners.retype(ctx, node, FUSED[type(layer)])
 
 
+def _plan_head(ctx, node):
+    layer = node.operation
+    if layer.tie_weights:
+        return planners.keep(node, "tied weights: the head reads the embeddings transposed, which TfmetalExt>Gemv "
+                                   "does not; the stock layer is kept")
+    if layer.quantization_mode is not None:
+        return planners.keep(node, f"quantization mode {layer.quantization_mode!r}: the stock layer is kept")
+    return planners.retype(ctx, node, FUSED[type(layer)])
+
+
 def _plan_decoder(ctx, node):
     return planners.retype(ctx, node, FUSED[type(node.operation)])
 
@@ -701,6 +777,11 @@ def _register():
         if base is not None:
             FUSED[base] = _decoder_class(spec, base)
             planners.register_planner(base)(_plan_decoder)
+    for spec in HUB_HEADS:
+        base = _resolve(spec.path)
+        if base is not None:
+            FUSED[base] = _head_class(spec, base)
+            planners.register_planner(base)(_plan_head)
 
 
 _register()
