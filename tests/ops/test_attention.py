@@ -13,6 +13,8 @@ import tensorflow as tf
 
 from tfmetal_ext.ops.attention import attention
 
+from tests.ops._cpu_levels import run_at_level
+
 # The module (tfmetal_ext.ops exports the function under the same name).
 attention_module = importlib.import_module("tfmetal_ext.ops.attention")
 
@@ -960,15 +962,7 @@ def test_lower_cpu_levels_match_numpy(level):
         pytest.skip("the attention kernel is not in the op library")
     if level == "avx2" and not devices.capabilities().cpu_avx512:
         pytest.skip("no AVX-512 on this CPU: its AVX2 code is what the rest of this file runs")
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TFMETAL_EXT_REFERENCE_OPS", "TFMETAL_EXT_CPU_BASELINE", "TFMETAL_EXT_CPU_LEVEL")}
-    env.update({"TFMETAL_EXT_CPU_BASELINE": "1"} if level == "baseline" else {"TFMETAL_EXT_CPU_LEVEL": "avx2"})
-    proc = subprocess.run(
-        [sys.executable, "-c", _BASELINE_CASES, os.path.dirname(os.path.abspath(__file__))],
-        capture_output=True, text=True, timeout=600,
-        env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_at_level(_BASELINE_CASES, level, os.path.dirname(os.path.abspath(__file__)))
     assert proc.stdout.split()[-2:] == ["ok", str(len(CASES) + len(GROUPED_CASES))]
 
 

@@ -83,16 +83,9 @@ def test_lower_cpu_levels_draw_the_same_mask(level):
 
     if level == "avx2" and not devices.capabilities().cpu_avx512:
         pytest.skip("no AVX-512 on this CPU: its AVX2 code is what the rest of this file runs")
-    import os
-    import subprocess
-    import sys
+    from tests.ops._cpu_levels import run_at_level
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TFMETAL_EXT_REFERENCE_OPS", "TFMETAL_EXT_CPU_BASELINE", "TFMETAL_EXT_CPU_LEVEL")}
-    proc = subprocess.run([sys.executable, "-c", _LEVEL_CASE, level], capture_output=True, text=True, timeout=600,
-                          env={**env, "TFMETAL_EXT_CPU_LEVEL": level, "TF_CPP_MIN_LOG_LEVEL": "2"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "ok"
+    assert run_at_level(_LEVEL_CASE, level, level).stdout.split()[-1] == "ok"
 
 
 def test_kernel_and_reference_agree_bit_for_bit(monkeypatch):

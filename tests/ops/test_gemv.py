@@ -6,9 +6,6 @@ the vector levels; the layers' use of it for a decoding step."""
 import dataclasses
 import fractions
 import importlib
-import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -19,6 +16,8 @@ import tfmetal_ext
 from tfmetal_ext import ops
 from tfmetal_ext.backends import fusion
 from tfmetal_ext.layers import FusedDense, FusedEinsumDense
+
+from tests.ops._cpu_levels import run_at_level
 
 gemv_module = importlib.import_module("tfmetal_ext.ops.gemv")
 
@@ -294,13 +293,8 @@ def test_cpu_levels_give_the_same_bits(tmp_path):
     lib()
     results = {}
     for level in ("baseline", "avx2", "avx512"):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("TFMETAL_EXT_REFERENCE_OPS", "TFMETAL_EXT_CPU_BASELINE", "TFMETAL_EXT_CPU_LEVEL")}
-        env.update({"TFMETAL_EXT_CPU_BASELINE": "1"} if level == "baseline" else {"TFMETAL_EXT_CPU_LEVEL": level})
         path = tmp_path / f"{level}.npz"
-        proc = subprocess.run([sys.executable, "-c", _LEVEL_SCRIPT, str(path)], capture_output=True, text=True,
-                              timeout=600, env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_at_level(_LEVEL_SCRIPT, level, path)
         results[level] = np.load(path)
     base = results["baseline"]
     assert len(base.files) == 18

@@ -3,9 +3,6 @@ and TensorFlow's own kernel, within a derived bound; gradients (also through the
 second order); NaN and infinities; TensorFlow's errors; the lower CPU levels."""
 
 import importlib
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,6 +11,8 @@ import tensorflow as tf
 import tfmetal_ext
 from tfmetal_ext import ops
 from tfmetal_ext.backends import fusion
+
+from tests.ops._cpu_levels import run_at_level
 
 xent_module = importlib.import_module("tfmetal_ext.ops.sparse_xent")
 
@@ -353,13 +352,8 @@ def test_lower_cpu_levels_give_the_same_bits(tmp_path):
     lib()
     results = {}
     for level in ("baseline", "avx2"):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("TFMETAL_EXT_REFERENCE_OPS", "TFMETAL_EXT_CPU_BASELINE", "TFMETAL_EXT_CPU_LEVEL")}
-        env.update({"TFMETAL_EXT_CPU_BASELINE": "1"} if level == "baseline" else {"TFMETAL_EXT_CPU_LEVEL": "avx2"})
         path = tmp_path / f"{level}.npz"
-        proc = subprocess.run([sys.executable, "-c", _LEVEL_SCRIPT, str(path)], capture_output=True, text=True,
-                              timeout=600, env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        run_at_level(_LEVEL_SCRIPT, level, path)
         results[level] = np.load(path)
     a, b = results["baseline"], results["avx2"]
     assert len(a.files) == len(b.files) == 36
