@@ -450,9 +450,10 @@ class MultiTensorMixin:
         variables = [_tf_variable(v) for v in trainable_variables]
         grads_and_vars = self._all_reduce_sum_gradients(list(zip(grads, variables)))
         # Decided here, in the replica context: inside the merge call a gradient is a per-replica value.
-        keras_taken = frozenset(self._var_key(v) for g, v in grads_and_vars if self.keras_sparse_reason(g))
-        if keras_taken:
-            self._log_keras_sparse(next(g for g, _ in grads_and_vars if self.keras_sparse_reason(g)))
+        sparse = [(g, v) for g, v in grads_and_vars if self.keras_sparse_reason(g) is not None]
+        keras_taken = frozenset(self._var_key(v) for _, v in sparse)
+        if sparse:
+            self._log_keras_sparse(sparse[0][0])
             # Keras' order for those: the decay, then Keras' update (the op folds the decay into the others').
             FusedUpdateMixin._apply_weight_decay(
                 self, [v for v in trainable_variables if self._var_key(v) in keras_taken])
@@ -543,8 +544,9 @@ class MultiTensorMixin:
         if why:
             return "; ".join(why)
         for g, _ in pairs:
-            if self.keras_sparse_reason(g) is not None:
-                return self.keras_sparse_reason(g)
+            reason = self.keras_sparse_reason(g)
+            if reason is not None:
+                return reason
         for g, v in pairs:
             if tf.as_dtype(g.dtype).base_dtype != tf.as_dtype(_tf_variable(v).dtype).base_dtype:
                 return (f"a gradient's dtype ({tf.as_dtype(g.dtype).name}) is not its variable's "
