@@ -60,7 +60,7 @@ def test_apple_plan_never_duplicates_a_registration(macos):
         for combo in _combinations(gap_kernels.GAP_KERNELS[op], dtypes):
             assert not _apple_registration_matches(op, combo, macos), (op, combo)
     # REFERENCE.md section 10: no IsFinite or Elu at all; Sigmoid, Fill, ZerosLike, OnesLike float only
-    # (so ZerosLike's int8, which Keras' LSTM step zeroes, is planned too).
+    # (so ZerosLike's int8 is planned too).
     assert set(planned["IsFinite"]) == set(planned["Elu"]) == {"float32", "float16", "bfloat16"}
     for op in ("Sigmoid", "OnesLike"):
         assert set(planned[op]) == {"float16", "bfloat16"}, op

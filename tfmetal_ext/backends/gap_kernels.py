@@ -235,7 +235,8 @@ GAP_KERNELS = types.MappingProxyType(
             _k("Erfc", FLOATS, "gap_elementwise",
                note="exact GELU's erfc; within 7 float ulps of exact (TF's float kernel: up to x^2 ulps)"),
             _k("ZerosLike", FLOATS + ("int8",), "gap_elementwise",
-               note="int8: what Keras' LSTM train step zeroes in its loop (a Bidirectional LSTM, 4 per step)"),
+               note="int8: a byte fill, for a graph that reads an int8 ZerosLike (the ones Keras' cuDNN LSTM "
+                    "gradient traces for its reserve space are read by nothing, and TensorFlow prunes them)"),
             _k("OnesLike", FLOATS, "gap_elementwise"),
             _k("Fill", FLOATS + ("bool",), "gap_elementwise", other_attrs={"index_type": INDICES},
                host_memory=("dims", "value")),

@@ -30,6 +30,9 @@ class FunctionGraph:
     graph: object  # tf.compat.v1.GraphDef, post-optimization
     partitions: list  # list of GraphDef, one per device partition
     pre_graph: object = None  # GraphDef before grappler
+    # Traced (not run) captures: the nodes whose results or effects the function returns (its outputs'
+    # producers and its control outputs). None: not known (a run's post-optimization graph, already pruned).
+    roots: tuple = None
 
 
 def _tf_functions(fn):
@@ -439,7 +442,9 @@ def capture_train(model, x, y, sample_weight=None):
 def _traced_capture(concrete, mode, jit_compile, layer_scopes):
     graph_def = concrete.graph.as_graph_def()
     name = concrete.name.decode() if isinstance(concrete.name, bytes) else concrete.name
-    fg = FunctionGraph(name=name, graph=graph_def, partitions=[], pre_graph=graph_def)
+    roots = tuple(sorted({t.op.name for t in concrete.graph.outputs}
+                         | {op.name for op in getattr(concrete.graph, "control_outputs", ())}))
+    fg = FunctionGraph(name=name, graph=graph_def, partitions=[], pre_graph=graph_def, roots=roots)
     return Capture(functions=[fg], jit_compile=jit_compile, mode=mode, layer_scopes=dict(layer_scopes))
 
 

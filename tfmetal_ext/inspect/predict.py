@@ -40,6 +40,14 @@ What the prediction assumes (the report's header and notes say so):
   device ("tfmetal_ext gap kernel", `GAP`), with the host-memory arguments
   our kernel declares. ``gap_kernels=False`` predicts the backend alone (a
   process that never imported tfmetal_ext).
+* Nodes that never run are not read: TensorFlow prunes a function's body
+  when it instantiates it (``PruneFunctionBody`` in
+  ``tensorflow/core/common_runtime/function_utils.cc``), keeping only what
+  the function's results, control outputs, stateful ops and v1 control
+  flow need. The gradient tape's zeros for an output nobody differentiates
+  (the ``ZerosLike`` of a cuDNN LSTM's reserve space) are such nodes; so is
+  every node of a library function that only pruned nodes call
+  (`live_nodes`).
 * Ops that compute nothing a kernel table speaks of are skipped
   (`PLUMBING_OPS`: arguments, constants, identities, variable handles and
   reads, functional control flow and its v1 loop ops, the input iterator).
@@ -586,11 +594,90 @@ def _fold(candidates, consts):
 
 
 def _functions(capture):
-    """(node list, {name: node}) of each graph and library function of the capture."""
+    """The node list of each graph and library function of the capture, nodes that never run left out
+    (`live_nodes`)."""
     for fg in capture.functions:
-        yield list(fg.graph.node)
-        for fdef in fg.graph.library.function:
-            yield list(fdef.node_def)
+        yield from live_nodes(fg.graph, getattr(fg, "roots", None))
+
+
+# TensorFlow's v1 control-flow ops (Node::IsControlFlow): kept by the pruning whatever reads them.
+_V1_CONTROL_FLOW = frozenset({"Switch", "RefSwitch", "Merge", "RefMerge", "Enter", "RefEnter", "Exit", "RefExit",
+                              "NextIteration", "RefNextIteration", "LoopCond", "ControlTrigger"})
+_ARG_OPS = frozenset({"_Arg", "Placeholder"})
+
+
+def _node_of(ref):
+    """The node name of an input reference or a FunctionDef return value (``"^n"``, ``"n:1"``, ``"n:out:0"``)."""
+    return ref.lstrip("^").split(":")[0]
+
+
+def _called_functions(node):
+    """Names of the functions a node's attributes name (``f``, ``body``, ``then_branch``, ``branches``, ...)."""
+    names = []
+    for value in node.attr.values():
+        if value.HasField("func"):
+            names.append(value.func.name)
+        elif value.HasField("list"):
+            names.extend(f.name for f in value.list.func)
+    return names
+
+
+def _live(nodes, roots):
+    """Names of `nodes` that run: reverse reachability (data and control inputs) from `roots`, every
+    stateful op but the arguments, and v1 control flow, as ``PruneFunctionBody`` seeds it. A node whose
+    op has no OpDef here is kept."""
+    by_name = {n.name: n for n in nodes}
+    seeds = [r for r in roots if r in by_name]
+    for n in nodes:
+        if n.op in _V1_CONTROL_FLOW:
+            seeds.append(n.name)
+        elif n.op not in _ARG_OPS:
+            op_def = transfers._op_def(n.op)  # noqa: SLF001 - the one cached OpDef lookup
+            if op_def is None or op_def.is_stateful:
+                seeds.append(n.name)
+    live, stack = set(), seeds
+    while stack:
+        name = stack.pop()
+        if name in live or name not in by_name:
+            continue
+        live.add(name)
+        stack.extend(_node_of(ref) for ref in by_name[name].input)
+    return live
+
+
+def live_nodes(graph_def, roots=None):
+    """Yields, for the graph and then each library function that runs, the list of its nodes that run.
+
+    `roots`: the names of the nodes whose results or effects the graph
+    returns (`capture.FunctionGraph.roots`). None: unknown, and the graph is
+    taken whole (a run's post-optimization graph, which grappler has already
+    pruned, or a hand-built one). A library function's roots are its return
+    values and control returns. A function runs when a node that runs calls
+    it, directly or through another function that runs; a function no node
+    of the capture names at all is kept, as nothing shows it cannot run.
+    """
+    top = list(graph_def.node)
+    library = {f.signature.name: f for f in graph_def.library.function}
+    named_anywhere = {name for n in top for name in _called_functions(n)}
+    for fdef in library.values():
+        named_anywhere.update(name for n in fdef.node_def for name in _called_functions(n))
+    live_top = top if roots is None else [n for n in top if n.name in _live(top, roots)]
+    yield live_top
+    queue = [name for n in live_top for name in _called_functions(n)]
+    queue += [name for name in library if name not in named_anywhere]
+    seen = set()
+    while queue:
+        name = queue.pop()
+        if name in seen or name not in library:
+            continue
+        seen.add(name)
+        fdef = library[name]
+        fnodes = list(fdef.node_def)
+        froots = {_node_of(v) for v in fdef.ret.values()} | {_node_of(v) for v in fdef.control_ret.values()}
+        live = _live(fnodes, froots)
+        kept = [n for n in fnodes if n.name in live]
+        yield kept
+        queue.extend(name for n in kept for name in _called_functions(n))
 
 
 def _input_name(ref):
