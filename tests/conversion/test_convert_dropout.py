@@ -44,11 +44,22 @@ def test_dropout_becomes_fused_dropout_and_verifies():
 
 
 def test_dropout_the_fused_layer_would_not_run_is_kept():
-    stock = _model(L.Dropout(0.3, noise_shape=(1, None), name="shared_mask"), L.Dropout(1.0, name="all"))
+    stock = _model(L.Dropout(1.0, name="all"))
     new = tfmetal_ext.convert(stock, count_ops=False)
     kept = {k.name: k.reason for k in new.conversion_report.kept}
-    assert "noise_shape=(1, None)" in kept["shared_mask"] and "rate=1.0" in kept["all"]
-    assert type(new.get_layer("shared_mask")) is L.Dropout
+    assert "rate=1.0" in kept["all"]
+    assert type(new.get_layer("all")) is L.Dropout
+
+
+def test_dropout_with_a_shared_mask_converts_with_the_stock_masks():
+    stock = _model(L.Dropout(0.3, noise_shape=(1, None), seed=5, name="shared_mask"))
+    new = tfmetal_ext.convert(stock, count_ops=False)  # verify=True: outputs and gradients checked
+    assert type(new.get_layer("shared_mask")) is fl.FusedDropout
+    assert new.get_layer("shared_mask").noise_shape == (1, None)
+    x = _x((12,), batch=6)
+    for _ in range(2):  # training calls: the very masks of the stock model, one shared by the batch
+        got = np.asarray(new(x, training=True))
+        np.testing.assert_array_equal(got, np.asarray(stock(x, training=True)))
 
 
 class _Block(keras.layers.Layer):

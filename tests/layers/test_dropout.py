@@ -111,17 +111,42 @@ def test_rescaling():
 
 
 # ----------------------------------------------------------------------------
-# noise_shape: entries of None run the op; a fixed dimension runs the stock (broadcast) call.
+# noise_shape: the op draws the noise shape's mask, broadcast over the input as Keras broadcasts it.
 
 
-@pytest.mark.parametrize("noise_shape", [(None, 1, None), (20, 1, 10)])
-def test_noise_shape_fixing_a_dimension_runs_the_stock_call(noise_shape):
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16", "mixed_bfloat16"])
+@pytest.mark.parametrize("noise_shape", [(None, 1, None), (20, 1, 10), (None, 1, 1), (1, 10)], ids=str)
+def test_noise_shape_fixing_a_dimension_runs_the_op_with_the_stock_numbers(noise_shape, policy):
+    keras.mixed_precision.set_global_policy(policy)
     stock, ours = pair(0.5, noise_shape=noise_shape)
-    assert "noise_shape" in ours.unfused_reason
-    x = tf.ones([20, 5, 10])
-    y = ours(x, training=True).numpy()
-    np.testing.assert_array_equal(y[:, 0, :], y[:, 1, :])  # the mask is shared along axis 1
-    np.testing.assert_array_equal(y, stock(x, training=True).numpy())
+    assert ours.unfused_reason is None
+    rng = np.random.default_rng(8)
+    x = tf.constant(rng.standard_normal((20, 5, 10)), stock.compute_dtype)
+    dy = tf.constant(rng.standard_normal((20, 5, 10)), stock.compute_dtype)
+    for _ in range(2):  # the seed generators advance alike
+        y_o, g_o = outputs_and_input_grads(ours, x, dy)
+        y_s, g_s = outputs_and_input_grads(stock, x, dy)
+        np.testing.assert_array_equal(bits(y_o.numpy()), bits(y_s.numpy()))
+        np.testing.assert_array_equal(bits(g_o.numpy()), bits(g_s.numpy()))
+    dropped = bits(ours(x, training=True).numpy()) == 0
+    assert dropped.any() and not dropped.all()
+    np.testing.assert_array_equal(dropped[:, 0, :], dropped[:, 1, :])  # the mask is shared along axis 1
+
+
+def test_noise_shape_step_draws_no_stock_random_ops():
+    """EfficientNet's drop-connect: the op on the (batch, 1, 1, 1) noise shape, no stock random ops."""
+    layer = FusedDropout(0.2, noise_shape=(None, 1, 1, 1), seed=3)
+    x = tf.constant(np.random.default_rng(9).standard_normal((4, 6, 6, 8)), tf.float32)
+
+    def step(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = layer(t, training=True)
+        return y, tape.gradient(y, t)
+
+    counts = inspect.report_from_capture(inspect.capture_function(step, x)).ops_by_type
+    assert counts.get(fusion.DROPOUT_OP) == 1, counts
+    assert not {"StatelessRandomGetKeyCounter", "StatelessRandomUniformV2"} & set(counts), counts
 
 
 def test_noise_shape_of_nones_runs_the_op():
@@ -237,8 +262,9 @@ def test_catalog_rule():
     assert catalog.expectation(layer, ctx) is None  # predict mode: the identity
     train = catalog.FusionContext(mode="train")
     assert catalog.expectation(layer, train).op == fusion.DROPOUT_OP
-    broadcast = catalog.expectation(FusedDropout(0.5, noise_shape=(None, 1)), train)
-    assert broadcast.op is None and "noise_shape" in broadcast.reason
+    assert catalog.expectation(FusedDropout(0.5, noise_shape=(None, 1)), train).op == fusion.DROPOUT_OP
+    all_dropped = catalog.expectation(FusedDropout(1.0), train)
+    assert all_dropped.op is None and "rate=1.0" in all_dropped.reason
     assert catalog.expectation(FusedDropout(0.0), train) is None
 
 

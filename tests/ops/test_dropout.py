@@ -55,6 +55,101 @@ def test_same_bits_as_numpy_philox(dtype):
     assert 0.3 < 1 - keep.mean() < 0.5
 
 
+# ----------------------------------------------------------------------------
+# noise_shape: a mask of that shape, broadcast over x, as Keras' Dropout and TensorFlow's stateless dropout.
+
+
+def keras_concrete_noise_shape(x, noise_shape):
+    """Keras' rule (keras/src/backend/tensorflow/random.py), with x's static dimensions: None takes x's
+    dimension at the same position."""
+    return [x.shape[i] if d is None else d for i, d in enumerate(noise_shape)]
+
+
+def stock_with_noise(x, rate, seed, noise_shape):
+    return tf.nn.experimental.stateless_dropout(x, rate, seed=tf.constant(seed),
+                                                noise_shape=keras_concrete_noise_shape(x, noise_shape))
+
+
+NOISE_SHAPES = [(None, 1, 1, 1), (1, 5, 1, 3), (6, 1, None, 1), (1, 3), (), (None, None, None, None)]
+
+
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "tf_function"])
+@pytest.mark.parametrize("noise_shape", NOISE_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_noise_shape_same_bits_as_tensorflows_stateless_dropout(impl, dtype, noise_shape, traced):
+    x = normal((6, 5, 4, 3), dtype, seed=4)
+    fn = lambda t: ops.dropout(t, 0.4, [5, -6], noise_shape=noise_shape)  # noqa: E731
+    got = (tf.function(fn) if traced else fn)(x)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert_same_bits(got.numpy(), stock_with_noise(x, 0.4, [5, -6], noise_shape).numpy())
+    if noise_shape == (None, 1, 1, 1):  # one decision per sample: each sample all kept or all dropped
+        dropped = (float_bits(got) == 0).reshape(6, -1)
+        assert set(dropped.all(axis=1) | ~dropped.any(axis=1)) == {True}
+
+
+def test_noise_shape_gradient_is_stocks(impl):
+    x = normal((8, 3, 5), "float32", seed=5)
+    dy = normal((8, 3, 5), "float32", seed=6)
+
+    def grad(fn):
+        @tf.function
+        def step(t):
+            with tf.GradientTape() as tape:
+                tape.watch(t)
+                y = fn(t)
+            return y, tape.gradient(y, t, output_gradients=dy)
+        return step(x)
+
+    y_o, g_o = grad(lambda t: ops.dropout(t, 0.5, [1, 2], noise_shape=(None, 1, None)))
+    y_s, g_s = grad(lambda t: stock_with_noise(t, 0.5, [1, 2], (None, 1, None)))
+    assert_same_bits(y_o.numpy(), y_s.numpy())
+    assert_same_bits(g_o.numpy(), g_s.numpy())
+    dropped = float_bits(g_o) == 0
+    assert dropped.any() and not dropped.all()
+    np.testing.assert_array_equal(dropped[:, 0], dropped[:, 1])  # the mask is shared along axis 1
+
+
+def test_noise_shape_non_finite_dropped_to_plus_zero(impl):
+    x = tf.constant(np.tile(np.array([np.nan, np.inf, -np.inf, -0.0, -3.0], np.float32), (40, 1)))
+    got = ops.dropout(x, 0.5, [9, 9], noise_shape=(None, 1))
+    assert_same_bits(got.numpy(), stock_with_noise(x, 0.5, [9, 9], (None, 1)).numpy())
+    rows = float_bits(got)
+    dropped = (rows == 0).all(axis=1)
+    assert dropped.any() and not dropped.all()  # whole rows of NaN, inf and -0 dropped to +0
+
+
+def test_noise_shape_with_an_unknown_batch(impl):
+    x = normal((7, 4), "float16", seed=7)
+    fn = tf.function(lambda t: ops.dropout(t, 0.25, [3, 4], noise_shape=(None, 1)),
+                     input_signature=[tf.TensorSpec([None, 4], tf.float16)])
+    want = tf.nn.experimental.stateless_dropout(x, 0.25, seed=tf.constant([3, 4]), noise_shape=[7, 1])
+    assert_same_bits(fn(x).numpy(), want.numpy())
+
+
+def test_noise_shape_graph_draws_the_noise_shape_with_the_op():
+    x = tf.ones([4, 6, 6, 2])
+
+    def step(t, seed):  # the seed an argument, as a SeedGenerator's draw is: nothing folds into a constant
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = ops.dropout(t, 0.3, seed, noise_shape=(None, 1, 1, 1))
+        return tape.gradient(y, t)
+
+    counts = inspect.report_from_capture(inspect.capture_function(step, x, tf.constant([1, 2]))).ops_by_type
+    assert counts.get(fusion.DROPOUT_OP) == 1, counts
+    assert not {"StatelessRandomGetKeyCounter", "StatelessRandomUniformV2", fusion.DROPOUT_GRAD_OP} & set(counts)
+
+
+@pytest.mark.parametrize(
+    "noise_shape,message",
+    [("bad", "must be a list or tuple"), ((1.5, 1), "must be a list or tuple"), ((0, 1), "must be a list or tuple"),
+     ((True, 1), "must be a list or tuple"), ((1, 1, 1), "at most the rank"), ((1, 2), "must broadcast")],
+)
+def test_bad_noise_shape(noise_shape, message):
+    with pytest.raises(ValueError, match=message + ".*Received: noise_shape="):
+        ops.dropout(tf.ones([4, 3]), 0.5, [1, 2], noise_shape=noise_shape)
+
+
 _LEVEL_CASE = """
 import sys
 import numpy as np

@@ -39,12 +39,15 @@ class FusedDropout(_STOCK):
     CUDA, which has no kernel of ours, the pure-TF reference runs (the stock
     ops). Outside training (and at ``rate=0``) the layer returns its input.
 
+    A ``noise_shape`` that fixes a dimension (the usual ``1`` that shares the
+    mask along an axis: EfficientNet's drop-connect, a spatial dropout) runs
+    the op on the noise shape and broadcasts its mask over the input with
+    TensorFlow's select, as Keras' does: the same numbers, and the mask of the
+    noise shape (small) is what the backward pass keeps.
+
     Keras' own call runs instead (the exact stock computation; `unfused_reason`
-    says which) for: ``rate=1`` (every element dropped: zeros), a
-    ``noise_shape`` that fixes any dimension (the usual ``1`` that shares the
-    mask along an axis: the op draws one mask element per input element, so a
-    broadcast mask is Keras'; ``noise_shape`` entries of None alone run the
-    op), and inputs that are not float32, float16 or bfloat16. Without the op
+    says which) for ``rate=1`` (every element dropped: zeros) and inputs that
+    are not float32, float16 or bfloat16. Without the op
     library (no compiler, ``TFMETAL_EXT_REFERENCE_OPS=1``) or with
     ``configure(avoid_fusions=["dropout"])`` the op runs its pure-TF reference:
     the same numbers.
@@ -52,7 +55,7 @@ class FusedDropout(_STOCK):
     Args:
         rate: float in [0, 1], the fraction of the input units to drop.
         noise_shape: the shape of the mask, broadcast over the input (None
-            entries take the input's dimension); see above.
+            entries take the input's dimension at that position); see above.
         seed: a Python integer, the seed of the layer's seed generator.
         **kwargs: base layer arguments (``name``, ``dtype``, ...).
 
@@ -90,9 +93,6 @@ class FusedDropout(_STOCK):
     def _reason(self, dtype):
         if self.rate >= 1:
             return f"rate={self.rate}: every element is dropped (zeros); the stock call runs"
-        if self.noise_shape is not None and any(d is not None for d in self.noise_shape):
-            return (f"noise_shape={self.noise_shape}: the mask broadcasts along the fixed dimensions, and the "
-                    f"dropout op draws one mask element per input element; the stock call runs")
         if dtype is not None and tf.as_dtype(dtype) not in FLOAT_DTYPES:
             return f"{tf.as_dtype(dtype).name} input: the dropout op takes float32, float16 or bfloat16"
         return None
@@ -103,7 +103,7 @@ class FusedDropout(_STOCK):
         x = tf.convert_to_tensor(inputs)
         if self._reason(x.dtype) is not None or table_reason(x.dtype.name) is not None:
             return _STOCK.call(self, inputs, training=training)
-        return _ops.dropout(x, self.rate, seed=self.seed_generator)
+        return _ops.dropout(x, self.rate, seed=self.seed_generator, noise_shape=self.noise_shape)
 
 
 def table_reason(dtype, table=None):

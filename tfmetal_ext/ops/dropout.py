@@ -18,7 +18,7 @@ PHILOX = 1
 
 
 @tf.autograph.experimental.do_not_convert  # plain graph building; also keeps autograph out of the loader
-def dropout(x, rate, seed, name=None):
+def dropout(x, rate, seed, name=None, noise_shape=None):
     """Dropout with a counter-based mask: ``x / (1 - rate)`` where kept, 0 where dropped.
 
     Each element is dropped with probability `rate`, by a mask drawn from
@@ -38,6 +38,16 @@ def dropout(x, rate, seed, name=None):
     TensorFlow's do). The gradient is ``dy * scale`` where kept, 0 elsewhere.
     ``rate=0`` returns `x` itself, as TensorFlow does.
 
+    With a `noise_shape` the mask has that shape and broadcasts over `x`, as
+    ``stateless_dropout(x, rate, seed, noise_shape)`` and Keras' Dropout
+    (whose ``noise_shape`` this is: None entries take `x`'s dimension at that
+    position) broadcast theirs: an EfficientNet block's drop-connect
+    ``(None, 1, 1, 1)``, a spatial dropout's ``(batch, 1, 1, channels)``. The
+    op then draws one mask element per noise element (the kept ones are the
+    scale, the dropped ones +0), and ``x * mask`` is selected where kept:
+    the stock numbers again, forward and backward, with the mask of the
+    noise shape (one element per sample, say) kept for the backward pass.
+
     Args:
         x: a float32, float16 or bfloat16 tensor of any shape.
         rate: the probability of dropping an element, a Python float in
@@ -48,13 +58,17 @@ def dropout(x, rate, seed, name=None):
             `keras.random.dropout` does on TensorFlow (so
             `keras.utils.set_random_seed` reproduces a run).
         name: optional op name.
+        noise_shape: None (a mask element per element of `x`), or a list or
+            tuple of positive ints and None, no longer than `x`'s rank, that
+            broadcasts against `x`'s shape as Keras broadcasts it.
 
     Returns:
         A tensor of the shape and dtype of `x`.
 
     Raises:
-        ValueError: for another dtype of `x`, a `rate` outside [0, 1), or a
-            seed that is not 2 int32/int64 values.
+        ValueError: for another dtype of `x`, a `rate` outside [0, 1), a
+            seed that is not 2 int32/int64 values, or a `noise_shape` that is
+            not one (a known dimension that neither is 1 nor matches `x`'s).
 
     >>> y = dropout(tf.ones([2, 4]), 0.5, seed=[1, 2])
     >>> sorted(set(y.numpy().ravel().tolist())) in ([0.0, 2.0], [0.0], [2.0])
@@ -65,6 +79,7 @@ def dropout(x, rate, seed, name=None):
     rate = check_rate(rate)
     x = tf.convert_to_tensor(x)
     _common.check_float("x", x)
+    shape = concrete_noise_shape(x, noise_shape)
     if rate == 0.0:  # a SeedGenerator is not drawn, as keras.random.dropout does not draw it
         if not isinstance(seed, keras.random.SeedGenerator):
             seed_tensor(seed)  # checked all the same
@@ -72,8 +87,48 @@ def dropout(x, rate, seed, name=None):
     seed = seed_tensor(seed)
     threshold, scale = dtype_constants(rate, x.dtype)
     if not uses_kernel():
-        return reference_dropout(x, seed, threshold, scale)
-    return _common.library().tfmetal_ext_dropout(x, seed, rate=threshold, scale=scale, name=name)
+        return reference_dropout(x, seed, threshold, scale, shape)
+    lib = _common.library()
+    if shape is None:
+        return lib.tfmetal_ext_dropout(x, seed, rate=threshold, scale=scale, name=name)
+    # The op on ones of the noise shape: `scale` (exact: 1 * scale) where kept, +0 where dropped. Nothing
+    # differentiates through it (its input is a constant). Then TensorFlow's broadcast select.
+    mask = lib.tfmetal_ext_dropout(tf.ones(shape, x.dtype), seed, rate=threshold, scale=scale)
+    return tf.where(tf.not_equal(mask, tf.zeros([], x.dtype)), x * mask, tf.zeros([], x.dtype), name=name)
+
+
+def concrete_noise_shape(x, noise_shape):
+    """The mask's shape for `x`: None for a mask element per element of `x` (`noise_shape` None or all
+    None), else a list of ints and scalar int32 tensors (`x`'s dimension where `noise_shape` says None),
+    as Keras' TensorFlow backend builds it. Checked against `x`'s static shape."""
+    if noise_shape is None:
+        return None
+    if isinstance(noise_shape, (str, bytes)) or not isinstance(noise_shape, (list, tuple)):
+        raise ValueError(f"Argument `noise_shape` must be a list or tuple of positive ints and None. "
+                         f"Received: noise_shape={noise_shape!r}")
+    dims = list(noise_shape)
+    for d in dims:
+        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1):
+            raise ValueError(f"Argument `noise_shape` must be a list or tuple of positive ints and None. "
+                             f"Received: noise_shape={noise_shape!r}")
+    rank = x.shape.rank
+    if rank is not None:
+        if len(dims) > rank:
+            raise ValueError(f"Argument `noise_shape` must have at most the rank of `x` ({rank}) entries. "
+                             f"Received: noise_shape={noise_shape!r}")
+        # Keras fills None from x's dimension at the same position, then TensorFlow broadcasts from the right.
+        filled = [x.shape[i] if d is None else int(d) for i, d in enumerate(dims)]
+        try:
+            tf.broadcast_static_shape(tf.TensorShape(filled), x.shape)
+        except ValueError:
+            raise ValueError(f"Argument `noise_shape` must broadcast against the shape of `x` {x.shape}. "
+                             f"Received: noise_shape={noise_shape!r}") from None
+        if len(dims) == rank and all(d is None for d in dims):
+            return None
+    if not dims:
+        return []
+    shape = tf.shape(x)
+    return [shape[i] if d is None else int(d) for i, d in enumerate(dims)]
 
 
 def uses_kernel() -> bool:
@@ -153,9 +208,11 @@ def reference_uniform(shape, seed, dtype):
     return tf.raw_ops.StatelessRandomUniformV2(shape=shape, key=key, counter=counter, alg=PHILOX, dtype=dtype)
 
 
-def reference_dropout(x, seed, threshold, scale):
-    """``where(u >= rate, x * scale, 0)`` in `x`'s dtype; `threshold` and `scale` already rounded to it."""
-    keep = reference_uniform(tf.shape(x), seed, x.dtype) >= tf.constant(threshold, x.dtype)
+def reference_dropout(x, seed, threshold, scale, noise_shape=None):
+    """``where(u >= rate, x * scale, 0)`` in `x`'s dtype; `threshold` and `scale` already rounded to it.
+    `noise_shape`: the shape of `u` (`concrete_noise_shape`), broadcast over `x`; None: `x`'s."""
+    shape = tf.shape(x) if noise_shape is None else tf.stack(noise_shape) if noise_shape else tf.zeros([0], tf.int32)
+    keep = reference_uniform(shape, seed, x.dtype) >= tf.constant(threshold, x.dtype)
     return tf.where(keep, x * tf.constant(scale, x.dtype), tf.zeros([], x.dtype))
 
 
