@@ -243,6 +243,33 @@ def test_an_op_of_constants_is_folded_not_a_fallback():
     assert [e.outcome for e in _entries(over, "MatrixDiagV3")] == [predict.FALLBACK], over
 
 
+def test_a_chain_of_constants_folds_to_its_end_as_grappler_folds_it():
+    # A loss's element count: Prod of constant dimensions (int32, host memory on a GPU), then its Cast to
+    # the compute dtype. Grappler folds both, so no copy reaches the device op that reads the count; the
+    # reference is this CPU's own run, whose optimized graph holds neither.
+    def scaled(x):
+        count = tf.reduce_prod(tf.constant([3, 4]), name="count")
+        return x / tf.cast(count, tf.float16, name="count_cast")
+
+    x = tf.ones((2, 4), tf.float16)
+    r = inspect.placement_report(scaled, (x,), predict_for="tensorflow-metal")
+    assert r.transfer_count == 0, r.transfers
+    ran = capture.capture_function(scaled, x)
+    names = {n.name for fg in ran.functions for n in fg.graph.node}
+    assert not {"count", "count_cast"} & names, names
+    traced = capture.trace_function(scaled, x)
+    body = [nodes for nodes in predict._functions(traced)][0]
+    assert predict._constant_folded(body) >= {"count", "count_cast"}
+
+    # The same chain from an argument is computed in the step: nothing of it folds.
+    def computed(x, n):
+        return x / tf.cast(tf.reduce_prod(n, name="count"), tf.float16, name="count_cast")
+
+    traced = capture.trace_function(computed, x, tf.constant([3, 4]))
+    body = [nodes for nodes in predict._functions(traced)][0]
+    assert not {"count", "count_cast"} & predict._constant_folded(body)
+
+
 def test_bfloat16_contraction_chain_is_listed_float32_chain_is_fused_away():
     table = None
     with devices.assume_backend(PLUGIN):

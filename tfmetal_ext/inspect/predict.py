@@ -525,53 +525,85 @@ def _source_name(ref):
 def _constant_folded(nodes):
     """Names of the nodes TensorFlow's graph optimizer folds into constants before the step runs.
 
-    A node whose every input is a ``Const`` (no control inputs), whose op is
-    not stateful, and whose result, computed here on the CPU exactly as
-    grappler's constant folding computes it, is at most `FOLD_MAX_BYTES`
-    (say the identity matrix Keras' ``extract_patches`` builds with
-    ``MatrixDiagV3`` from constants). One level: a node fed by another folded
-    node is judged as it stands.
+    A node whose every input is a ``Const`` or a folded node (no control
+    inputs), whose op is not stateful, and whose result, computed here on the
+    CPU exactly as grappler's constant folding computes it, is at most
+    `FOLD_MAX_BYTES` (say the identity matrix Keras' ``extract_patches``
+    builds with ``MatrixDiagV3`` from constants, or a loss's element count:
+    ``Prod`` of constant dimensions, then its ``Cast``). Folded level by
+    level until nothing more folds, as grappler's pass folds a chain. A node
+    fed through any output of a multi-output op other than its first output
+    argument is judged as it stands.
     """
-    import tensorflow as tf
-
     consts = {n.name: n for n in nodes if n.op == "Const"}
-    candidates = []
-    for n in nodes:
-        if n.op in PLUMBING_OPS or n.op == "Const" or not n.input:
-            continue
-        if any(ref.startswith("^") for ref in n.input) or not all(_source_name(r) in consts for r in n.input):
-            continue
-        op_def = transfers._op_def(n.op)  # noqa: SLF001 - the one cached OpDef lookup
-        if op_def is None or op_def.is_stateful:
-            continue
-        candidates.append(n)
-    if not candidates:
-        return set()
-    folded = _fold(candidates, consts)
-    if folded is None:  # one candidate does not import or run alone: each on its own
-        folded = set()
-        for n in candidates:
-            folded |= _fold([n], consts) or set()
-    return folded
+    op_of = {n.name: n.op for n in nodes}
+    folded = {}  # name -> node, in folding order
+    while True:
+        sources = consts.keys() | folded.keys()
+        candidates = []
+        for n in nodes:
+            if n.op in PLUMBING_OPS or n.op == "Const" or n.name in folded or not n.input:
+                continue
+            if any(ref.startswith("^") for ref in n.input) or not all(_source_name(r) in sources for r in n.input):
+                continue
+            if not all(_graph_ref(r, op_of) is not None for r in n.input):
+                continue
+            op_def = transfers._op_def(n.op)  # noqa: SLF001 - the one cached OpDef lookup
+            if op_def is None or op_def.is_stateful:
+                continue
+            candidates.append(n)
+        if not candidates:
+            break
+        done = _fold(candidates, consts, folded, op_of)
+        if done is None:  # one candidate does not import or run alone: each on its own
+            done = set()
+            for n in candidates:
+                done |= _fold([n], consts, folded, op_of) or set()
+        if not done:
+            break
+        folded.update((n.name, n) for n in candidates if n.name in done)
+    return set(folded)
 
 
-def _fold(candidates, consts):
-    """Of `candidates` (all fed by `consts` only), those whose results have static shapes within
-    `FOLD_MAX_BYTES` and compute on the CPU, in one graph; None when the graph does not import or a
-    candidate does not run."""
+def _graph_ref(ref, op_of):
+    """A data input as a GraphDef input: ``"n"`` / ``"n:1"`` as they are; FunctionDef's ``"n:arg:i"`` as
+    ``"n:i"`` where ``arg`` is the producer's first output argument (so ``i`` is the flat index); None
+    otherwise. `op_of`: node name -> op."""
+    parts = ref.split(":")
+    if len(parts) <= 2:
+        return ref
+    op_def = transfers._op_def(op_of.get(parts[0], ""))  # noqa: SLF001 - the one cached OpDef lookup
+    if op_def is None or not op_def.output_arg or op_def.output_arg[0].name != parts[1] or not parts[2].isdigit():
+        return None
+    return f"{parts[0]}:{parts[2]}"
+
+
+def _fold(candidates, consts, folded, op_of):
+    """Of `candidates` (fed by `consts` and the already `folded` nodes only), those whose results have
+    static shapes within `FOLD_MAX_BYTES` and compute on the CPU, in one graph; None when the graph does
+    not import or a candidate does not run."""
     import tensorflow as tf
 
     graph_def = tf.compat.v1.GraphDef()
-    for name in sorted({_source_name(r) for n in candidates for r in n.input}):
+    wanted, needed = list(candidates), set()
+    stack = [_source_name(r) for n in candidates for r in n.input]
+    while stack:  # the constants and folded nodes the candidates read, directly or through folded nodes
+        name = stack.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        if name in folded:
+            stack.extend(_source_name(r) for r in folded[name].input)
+    for name in sorted(needed & consts.keys()):
         c = graph_def.node.add()
         c.CopyFrom(consts[name])
         c.device = ""
-    for n in candidates:
+    for n in [folded[name] for name in folded if name in needed] + wanted:
         c = graph_def.node.add()
         c.CopyFrom(n)
         c.device = ""
         del c.input[:]
-        c.input.extend(_source_name(r) for r in n.input)  # every source is a one-output Const
+        c.input.extend(_graph_ref(r, op_of) for r in n.input)
     try:
         with tf.Graph().as_default() as graph:
             tf.graph_util.import_graph_def(graph_def, name="")
