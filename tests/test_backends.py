@@ -134,6 +134,7 @@ def test_callback_replacement_views_keep_their_published_values():
         "MultiHeadAttention": "tfmetal_ext.layers.FusedMultiHeadAttention",
         "RMSNormalization": "tfmetal_ext.layers.FusedRMSNorm",
         "Dropout": "tfmetal_ext.layers.FusedDropout",
+        "Embedding": "tfmetal_ext.layers.FusedEmbedding (its index arithmetic in int64, which stays in GPU memory)",
     }
     assert dict(metal.OPTIMIZER_REPLACEMENTS) == {
         "Adam": "tfmetal_ext.optimizers.FusedAdam",

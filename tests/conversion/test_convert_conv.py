@@ -154,13 +154,15 @@ def test_other_groupings_are_kept_with_the_reason():
     assert "groups=3 with 6 input channels" in kept["g3"].reason
 
 
-def test_embedding_is_kept_with_the_fusion_tables_reason():
+def test_embedding_becomes_fused_embedding_with_the_same_outputs():
     ids = keras.Input((7,), dtype="int32")
     x = L.Embedding(20, 8, name="emb")(ids)
     stock = keras.Model(ids, L.Dense(4, name="head")(x))
-    new = tfmetal_ext.convert(stock)
-    assert _kept(new.conversion_report)["emb"].reason == fusion.STOCK_KEPT["Embedding"]
-    assert "Embedding" not in fusion.STOCK_TO_FUSED
+    new = tfmetal_ext.convert(stock)  # verify=True: outputs and gradients checked
+    assert type(new.get_layer("emb")) is fl.FusedEmbedding
+    assert fusion.STOCK_TO_FUSED["Embedding"].fused == "FusedEmbedding"
+    x = np.array([[0, 1, 19, -1, -20, 5, 5]] * 3, "int32")  # negative indices wrap, as stock
+    np.testing.assert_array_equal(np.asarray(new(x)), np.asarray(stock(x)))
 
 
 def test_stock_to_fused_rows_name_the_new_classes():

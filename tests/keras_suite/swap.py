@@ -112,6 +112,7 @@ SUITES = types.MappingProxyType(
             Suite("GRU", "layers/rnn/gru_test.py", _LAYER_HOMES),
             Suite("MultiHeadAttention", "layers/attention/multi_head_attention_test.py", _LAYER_HOMES),
             Suite("Dropout", "layers/regularization/dropout_test.py", _LAYER_HOMES),
+            Suite("Embedding", "layers/core/embedding_test.py", _LAYER_HOMES),
             Suite("Adam", "optimizers/adam_test.py", _optimizer_homes("adam")),
             Suite("AdamW", "optimizers/adamw_test.py", _optimizer_homes("adamw")),
             Suite("SGD", "optimizers/sgd_test.py", _optimizer_homes("sgd")),

@@ -423,17 +423,15 @@ STOCK_TO_FUSED = _table(
     Replacement("MultiHeadAttention", "FusedMultiHeadAttention"),
     Replacement("RMSNormalization", "FusedRMSNorm"),
     Replacement("Dropout", "FusedDropout"),
+    Replacement(
+        "Embedding", "FusedEmbedding",
+        advice="tfmetal_ext.layers.FusedEmbedding (its index arithmetic in int64, which stays in GPU memory)",
+    ),
 )
 
 # Stock classes deliberately without a replacement: class name -> why (convert() reports it as the kept reason).
-STOCK_KEPT = types.MappingProxyType(
-    {
-        "Embedding": (
-            "Embedding is a gather (ResourceGather forward, a sparse IndexedSlices update backward): no "
-            "contraction, bias or activation for any remapper to fuse, so there is nothing to replace"
-        ),
-    }
-)
+# None today: Embedding, once here, has FusedEmbedding (its lookup's int32 index arithmetic left the GPU).
+STOCK_KEPT = types.MappingProxyType({})
 
 
 def _optimizer(stock, fused, runs):

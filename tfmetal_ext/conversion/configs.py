@@ -38,6 +38,10 @@ MHA_KEYS = (
 )
 RMS_NORM_KEYS = ("axis", "epsilon")
 DROPOUT_KEYS = ("rate", "noise_shape", "seed")
+EMBEDDING_KEYS = (
+    "input_dim", "output_dim", "embeddings_initializer", "embeddings_regularizer", "activity_regularizer",
+    "embeddings_constraint", "mask_zero", "lora_rank", "lora_alpha",
+)
 RNN_KEYS = (
     "units", "activation", "recurrent_activation", "use_bias", "kernel_initializer", "recurrent_initializer",
     "bias_initializer", "unit_forget_bias", "kernel_regularizer", "recurrent_regularizer", "bias_regularizer",

@@ -28,7 +28,7 @@ import keras
 from tfmetal_ext import _saved_names as saved_names
 from tfmetal_ext import layers as fl
 from tfmetal_ext.backends.fusion import ACTIVATION_OPS, CONTRACTION_ACTIVATIONS, LEAKY_RELU_ALPHA, STOCK_TO_FUSED
-from tfmetal_ext.backends.fusion import BATCH_NORM_ACT_ACTIVATIONS, STOCK_KEPT
+from tfmetal_ext.backends.fusion import BATCH_NORM_ACT_ACTIVATIONS
 from tfmetal_ext.conversion import configs, weights
 from tfmetal_ext.conversion.report import NO_COUNTERPART, Rewrite
 from tfmetal_ext.inspect.catalog import activation_name
@@ -865,5 +865,12 @@ def plan_grouped_conv2d(ctx, node):
 
 @register_planner(L.Embedding)
 def _embedding(ctx, node):
-    """Embedding: kept on purpose, with the reason the fusion table gives (`STOCK_KEPT`)."""
-    return keep(node, STOCK_KEPT["Embedding"])
+    """Embedding as FusedEmbedding (same weights, LoRA ones included); quantized ones and Keras' own
+    subclasses (a reversible output head, whose other calls differ) are kept."""
+    layer = node.operation
+    if "Embedding" not in STOCK_TO_FUSED:  # no fusion-first class: the default (kept)
+        return None
+    if type(layer) is not L.Embedding:
+        return keep(node, f"{type(layer).__name__} subclasses Embedding with calls of its own; "
+                          f"{fused_class(L.Embedding).__name__} replaces Embedding itself only")
+    return plan_same_weights(ctx, node, L.Embedding, configs.EMBEDDING_KEYS)

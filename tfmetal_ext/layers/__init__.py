@@ -18,6 +18,7 @@ from tfmetal_ext.layers.rms_norm import FusedRMSNorm
 from tfmetal_ext.layers.activations import Softshrink
 from tfmetal_ext.layers.attention import FusedMultiHeadAttention
 from tfmetal_ext.layers.dropout import FusedDropout
+from tfmetal_ext.layers.embedding import FusedEmbedding
 
 __all__ = [
     "ConvBNAct",
@@ -30,6 +31,7 @@ __all__ = [
     "FusedDepthwiseConv2D",
     "FusedDropout",
     "FusedEinsumDense",
+    "FusedEmbedding",
     "FusedGRU",
     "FusedLayerNorm",
     "FusedLSTM",
