@@ -8,7 +8,9 @@ Public API: `configure`, `Config`, `convert` (returns a converted model whose
 Importing it on macOS arm64 with a Metal plugin installed loads the op library, which registers
 GPU kernels for the standard ops that backend has none for ("gap kernels", see
 `tfmetal_ext.backends.gap_kernels`; ``TFMETAL_EXT_GAP_KERNELS_ENABLE=0`` turns that off). Elsewhere
-the import loads nothing.
+the import loads nothing. On every host the import also puts Keras' ``argmax`` / ``argmin`` in a
+form whose -0.0 test stays in floating point (`tfmetal_ext.keras_forms`: the same indices, no int32
+ops a GPU would run on the host; ``TFMETAL_EXT_KERAS_FORMS=0`` keeps Keras' own).
 """
 
 from tfmetal_ext import backends, callbacks, devices, inspect, layers, losses, ops, optimizers, precision
@@ -25,6 +27,11 @@ from tfmetal_ext.deploy import export
 # Metal backend lacks (tfmetal_ext.backends.gap_kernels): stock Keras models get them too.
 ops._loader.load_for_gap_kernels()
 
+# Keras' argmax / argmin (every accuracy metric's) with their -0.0 test in float, not through int32.
+from tfmetal_ext import keras_forms  # noqa: E402
+
+keras_forms.install()
+
 __all__ = [
     "Config",
     "ConversionReport",
@@ -40,6 +47,7 @@ __all__ = [
     "doctor",
     "export",
     "inspect",
+    "keras_forms",
     "layers",
     "losses",
     "ops",
