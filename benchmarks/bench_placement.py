@@ -9,7 +9,8 @@ that backend's generated kernel table with `tfmetal_ext.inspect.placement_report
 - ``stock``: the stock model with Keras' Adam, the backend alone (``gap_kernels=False``: a process that never
   imported tfmetal_ext);
 - ``stock+import``: the same model, counting the GPU kernels tfmetal_ext registers at import for the standard
-  ops the backend lacks (`tfmetal_ext.backends.gap_kernels`);
+  ops the backend lacks (`tfmetal_ext.backends.gap_kernels`), and with the Keras forms the import installs
+  (`tfmetal_ext.keras_forms`: argmax's -0.0 test in float; the fused loss scaling's routing);
 - ``converted``: `tfmetal_ext.convert()` + FusedAdam, with the gap kernels.
 
 Per row: CPU fallbacks per step (nodes that fall back to the CPU, or fail), host ops (ops the backend leaves
@@ -57,6 +58,7 @@ def measure(name, applications=False):
 
     import tfmetal_ext
     from tfmetal_ext import inspect
+    from tfmetal_ext import keras_forms
     from tfmetal_ext.optimizers import loss_scale
 
     import bench_models
@@ -81,8 +83,9 @@ def measure(name, applications=False):
                 row["error"] = opt
                 rows.append(row)
                 continue
-            if variant == "stock":  # Keras' own LossScaleOptimizer step, as without tfmetal_ext
+            if variant == "stock":  # Keras' own LossScaleOptimizer step and argmax, as without tfmetal_ext
                 loss_scale.uninstall()
+                keras_forms.uninstall()
             try:
                 model.compile(optimizer=opt(), loss=spec["loss"], metrics=list(spec["metrics"]))
                 r = inspect.placement_report(model, spec["x"], targets=spec["y"], mode="train",
@@ -93,6 +96,7 @@ def measure(name, applications=False):
                 continue
             finally:
                 loss_scale.install()
+                keras_forms.install()
             row.update(
                 fallbacks=sum(e.count for e in r.cpu_fallback + r.fails),
                 host_ops=sum(e.count for e in r.host),

@@ -121,6 +121,13 @@ def test_model_quantize_takes_it_and_refuses_a_subclass_as_keras_does():
     mine.build()
     with pytest.raises(NotImplementedError):
         mine.quantize("int8")
+    # convert() gives a subclassed model's sublayer the stock class name (an alias of this class): it takes it.
+    from tfmetal_ext import _saved_names
+
+    aliased = _saved_names.saved_as(FusedEmbedding(20, 4), "Embedding")
+    aliased.build()
+    aliased.quantize("int8")
+    assert type(aliased).__name__ == "Embedding" and aliased.quantization_mode == "int8"
 
 
 def test_ragged_ids_run_stocks_call():

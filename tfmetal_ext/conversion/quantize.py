@@ -2,8 +2,8 @@
 
 After the batch norms are folded, every leaf layer of the converted model (nested models and
 the sublayers of subclassed layers included) whose ``quantize("int8")`` works is quantized in
-place: `FusedDense`, `FusedEinsumDense`, `FusedConv2D`, `FusedDepthwiseConv2D` and the stock `Dense`,
-`EinsumDense` and `Embedding` the converter kept. The scheme is weight-only (Keras' abs-max
+place: `FusedDense`, `FusedEinsumDense`, `FusedConv2D`, `FusedDepthwiseConv2D`, `FusedEmbedding` and the
+stock `Dense`, `EinsumDense` and `Embedding` the converter kept (a Keras subclass of it, say). The scheme is weight-only (Keras' abs-max
 int8 weights, one float32 scale per output channel, float activations): the stock Dense and
 EinsumDense and FusedEinsumDense are given ``Int8QuantizationConfig(activation_quantizer=None)``, as Keras' default
 int8 config would also quantize their inputs on the fly. A layer with weights whose quantize

@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from tfmetal_ext import _saved_names
+
 _STOCK = keras.layers.Embedding
 
 
@@ -45,7 +47,8 @@ class FusedEmbedding(_STOCK):
     def quantize(self, mode=None, type_check=True, config=None):
         """Keras' `Embedding.quantize` (``"int8"``, ``"int4"``): Keras refuses it to subclasses; this class's
         own instances take it, and its subclasses are refused as Keras refuses Embedding's."""
-        if type_check and type(self) is not FusedEmbedding:
+        # An alias (a converted layer saved under the stock name, `tfmetal_ext._saved_names`) is this class.
+        if type_check and _saved_names.unaliased(type(self)) is not FusedEmbedding:
             raise self._not_implemented_error(self.quantize)
         return super().quantize(mode, type_check=False, config=config)
 
