@@ -8,6 +8,7 @@ post-optimization and partition graphs (what ran) hold none of the nodes the
 prediction drops.
 """
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -108,3 +109,43 @@ def test_cudnn_lstm_step_predicts_no_zeros_for_its_reserve_space():
 
 if __name__ == "__main__":
     pytest.main([__file__, "-q"])
+
+
+# ----------------------------------------------------------------------------
+# dynamic_batch: the step as fit traces it when the batch size does not divide the data.
+
+
+def _classifier():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="head")])
+    model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model, np.ones((4, 8), "float32"), np.zeros((4,), "int32")
+
+
+def _loss_prods(cap):
+    """Prod nodes of the loss (its element count) in the graphs TensorFlow ran."""
+    names = set()
+    for fg in cap.functions:
+        names.update(n.name for n in fg.graph.node if n.op == "Prod" and "compile_loss" in n.name)
+        for fdef in fg.graph.library.function:
+            names.update(n.name for n in fdef.node_def if n.op == "Prod" and "compile_loss" in n.name)
+    return names
+
+
+def test_dynamic_batch_leaves_the_batch_size_arithmetic_in_the_step():
+    model, x, y = _classifier()
+    static = inspect.placement_report(model, x, targets=y, mode="train", predict_for=APPLE)
+    dynamic = inspect.placement_report(model, x, targets=y, mode="train", predict_for=APPLE, dynamic_batch=True)
+    assert static.transfer_count == 0, static.transfers
+    # The loss' element count (int32 Prod of the batch shape, host memory) reaches the device in each step.
+    assert ("Pack", "Prod") in {(t.producer, t.consumer) for t in dynamic.transfers}, dynamic.transfers
+    # The reference: this CPU's own runs. With the batch size known grappler folds the count away; with it
+    # unknown, a Prod runs in the step.
+    assert not _loss_prods(capture.capture_train(model, x, y))
+    assert _loss_prods(capture.capture_train(model, x, y, dynamic_batch=True))
+
+
+@pytest.mark.parametrize("kw", [{"mode": "predict", "dynamic_batch": True}, {"mode": "train", "dynamic_batch": 1}])
+def test_dynamic_batch_bad_use(kw):
+    model, x, y = _classifier()
+    with pytest.raises(ValueError, match="Received: dynamic_batch="):
+        inspect.placement_report(model, x, targets=y, predict_for=APPLE, **kw)

@@ -327,14 +327,21 @@ def _restore(variables, values):
         v.assign(value)
 
 
-def _first_batch_dataset(model, x, y=None, sample_weight=None):
+def _first_batch_dataset(model, x, y=None, sample_weight=None, dynamic_batch=False):
+    """The one batch as a dataset; with `dynamic_batch` its batch dimension is unknown (None) to the step,
+    as in a `fit` whose batch size does not divide the data (Keras' adapters then batch without
+    ``drop_remainder``): shape arithmetic on the batch size runs in the step instead of folding."""
     import keras
     import tensorflow as tf
 
     # tf.data reads a list as one tensor; Keras' own adapters treat it as a structure (a tuple).
     x, y, sample_weight = keras.tree.lists_to_tuples((x, y, sample_weight))
     data = (x,) if y is None else ((x, y) if sample_weight is None else (x, y, sample_weight))
-    ds = tf.data.Dataset.from_tensors(data)
+    if dynamic_batch:
+        rows = int(np.shape(keras.tree.flatten(data)[0])[0])
+        ds = tf.data.Dataset.from_tensor_slices(data).batch(rows)
+    else:
+        ds = tf.data.Dataset.from_tensors(data)
     strategy = model.distribute_strategy
     if strategy is not None and strategy.num_replicas_in_sync > 1:
         return strategy.experimental_distribute_dataset(ds)
@@ -386,7 +393,7 @@ def _as_tensor(value):
     return tf.convert_to_tensor(value)
 
 
-def _prepared_train_batch(model, x, y, sample_weight, caller):
+def _prepared_train_batch(model, x, y, sample_weight, caller, dynamic_batch=False):
     """The one-batch dataset of a training capture or trace, the model and optimizer built for it.
 
     Raises:
@@ -397,20 +404,22 @@ def _prepared_train_batch(model, x, y, sample_weight, caller):
             f"{caller} needs a compiled model; pass optimizer= and loss= to the report or compile the "
             f"model first. Received: model={model.name!r}"
         )
-    ds = _first_batch_dataset(model, x, y, sample_weight)
+    ds = _first_batch_dataset(model, x, y, sample_weight, dynamic_batch)
     _build_for_training(model, x, y, sample_weight)
     return ds
 
 
-def capture_train(model, x, y, sample_weight=None):
+def capture_train(model, x, y, sample_weight=None, dynamic_batch=False):
     """Captures the real training step of a *compiled* model: the function ``model.fit`` runs.
 
     Every variable the step writes (weights, optimizer slots and iterations,
     loss-scale state, metric accumulators, seed-generator states) is
     snapshotted first and restored afterwards, and the model's cached
     ``train_function`` is put back, so the model is left exactly as it was.
+    `dynamic_batch`: the step sees the batch dimension as unknown (see
+    `_first_batch_dataset`).
     """
-    ds = _prepared_train_batch(model, x, y, sample_weight, "capture_train")
+    ds = _prepared_train_batch(model, x, y, sample_weight, "capture_train", dynamic_batch)
     state = _model_state(model)
     values = _snapshot(state)
     saved_fn = model.train_function
@@ -485,14 +494,15 @@ def trace_predict(model, x):
     return _traced_capture(concrete, "predict", _resolve_jit(model), rec.scopes)
 
 
-def trace_train(model, x, y, sample_weight=None):
+def trace_train(model, x, y, sample_weight=None, dynamic_batch=False):
     """Traces the real training step of a *compiled* model (``model.fit``'s function) without running it.
 
     The model and optimizer are built first (as `capture_train` does);
     nothing is computed, so no variable changes. The model's cached
-    ``train_function`` is put back afterwards.
+    ``train_function`` is put back afterwards. `dynamic_batch`: as for
+    `capture_train`.
     """
-    ds = _prepared_train_batch(model, x, y, sample_weight, "trace_train")
+    ds = _prepared_train_batch(model, x, y, sample_weight, "trace_train", dynamic_batch)
     saved_fn = model.train_function
     try:
         model.make_train_function(force=True)

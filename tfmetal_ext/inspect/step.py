@@ -492,20 +492,24 @@ def _training_model(model, optimizer, loss, jit_compile, notes):
 
 
 def capture_step(model_or_fn, inputs=None, mode="predict", *, targets=None, sample_weight=None,
-            optimizer=None, loss=None, batch_size=8, jit_compile=None):
+            optimizer=None, loss=None, batch_size=8, jit_compile=None, dynamic_batch=False):
     """Runs one step and returns the `Capture` plus the model actually run (or None) and notes."""
     return _step(model_or_fn, inputs, mode, False, targets=targets, sample_weight=sample_weight,
-                 optimizer=optimizer, loss=loss, batch_size=batch_size, jit_compile=jit_compile)
+                 optimizer=optimizer, loss=loss, batch_size=batch_size, jit_compile=jit_compile,
+                 dynamic_batch=dynamic_batch)
 
 
 def _step(model_or_fn, inputs, mode, trace, *, targets=None, sample_weight=None, optimizer=None, loss=None,
-          batch_size=8, jit_compile=None):
+          batch_size=8, jit_compile=None, dynamic_batch=False):
     """`capture_step`, or with `trace` the same step traced and not run (`capture.trace_train`, ...)."""
     notes = []
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}. Received: mode={mode!r}")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer. Received: batch_size={batch_size!r}")
+    if not isinstance(dynamic_batch, bool) or (dynamic_batch and not (mode == "train" and _is_model(model_or_fn))):
+        raise ValueError("`dynamic_batch` is a bool, and True applies to a Keras model's train step only "
+                         f"(mode='train'). Received: dynamic_batch={dynamic_batch!r}, mode={mode!r}")
     if _is_model(model_or_fn):
         model = model_or_fn
         if mode == "train":
@@ -517,7 +521,7 @@ def _step(model_or_fn, inputs, mode, trace, *, targets=None, sample_weight=None,
             batch = batch_size_of(x) or batch_size  # targets follow the inputs' batch
             y = targets if targets is not None else synthetic_targets(model, batch, getattr(model, "loss", None),
                                                                       inputs=x)
-            cap = (trace_train if trace else capture_train)(model, x, y, sample_weight)
+            cap = (trace_train if trace else capture_train)(model, x, y, sample_weight, dynamic_batch)
         return cap, model, notes
     if not callable(model_or_fn):
         raise ValueError(
@@ -542,7 +546,11 @@ def fusion_report(model_or_fn, inputs=None, mode="predict", **kw):
             restored afterwards).
         **kw: ``targets``, ``sample_weight``, ``optimizer``, ``loss`` (a
             compiled clone is used when given or when the model is not
-            compiled), ``batch_size`` (default 8), ``jit_compile``.
+            compiled), ``batch_size`` (default 8), ``jit_compile``,
+            ``dynamic_batch`` (train mode: the step sees an unknown batch
+            dimension, as ``fit`` gives it when the batch size does not divide
+            the data, so shape arithmetic on the batch size runs in the step;
+            default False: the batch's static shape, as when it divides).
 
     Returns:
         A `FusionReport`.
