@@ -25,6 +25,9 @@ from tests.keras_suite import swap
 # Quantization modes in which our layers call the stock layer's own quantized code (only int8 and
 # LoRA take our fused path): Keras' tests of them run in the full tier only (make test-full, CI).
 STOCK_CALL_MODES = ("int4", "float8", "gptq", "awq")
+# Classes whose every quantized mode (int8 too) is the stock layer's own code, with nothing of ours in it:
+# Keras' quantization tests of them run in the full tier only.
+STOCK_QUANTIZATION = ("Embedding",)
 
 
 def pytest_configure(config):
@@ -62,7 +65,8 @@ def pytest_collection_modifyitems(config, items):
     deselected = []
     for item in mine:
         suite, name = _key(item)
-        if any(mode in name for mode in STOCK_CALL_MODES):
+        if any(mode in name for mode in STOCK_CALL_MODES) or (
+                suite in STOCK_QUANTIZATION and ("int8" in name or "quantiz" in name)):
             # Our classes run stock's own quantized call in these modes: the full tier checks them.
             item.add_marker(pytest.mark.full)
         data = baseline["suites"].get(suite, {})
