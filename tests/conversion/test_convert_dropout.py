@@ -51,6 +51,21 @@ def test_dropout_the_fused_layer_would_not_run_is_kept():
     assert type(new.get_layer("all")) is L.Dropout
 
 
+@pytest.mark.parametrize("cls,shape", [(L.SpatialDropout1D, (6, 4)), (L.SpatialDropout2D, (5, 5, 4)),
+                                       (L.SpatialDropout3D, (3, 3, 3, 4))])
+def test_spatial_dropout_is_kept_with_its_per_channel_masks(cls, shape):
+    inp = keras.Input(shape)
+    stock = keras.Model(inp, L.Dense(3, name="head")(cls(0.5, seed=2, name="sd")(inp)))
+    new = tfmetal_ext.convert(stock, count_ops=False)
+    assert type(new.get_layer("sd")) is cls
+    assert "mask shape of its own" in {k.name: k.reason for k in new.conversion_report.kept}["sd"]
+    x = _x(shape, batch=3)
+    got = np.asarray(new.get_layer("sd")(x, training=True))
+    np.testing.assert_array_equal(got, np.asarray(stock.get_layer("sd")(x, training=True)))
+    dropped = got.reshape(3, -1, shape[-1]) == 0
+    assert set((dropped.all(axis=1) | ~dropped.any(axis=1)).ravel()) == {True}  # whole channels dropped
+
+
 def test_dropout_with_a_shared_mask_converts_with_the_stock_masks():
     stock = _model(L.Dropout(0.3, noise_shape=(1, None), seed=5, name="shared_mask"))
     new = tfmetal_ext.convert(stock, count_ops=False)  # verify=True: outputs and gradients checked

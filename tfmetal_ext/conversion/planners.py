@@ -682,6 +682,9 @@ def _dropout(ctx, node):
         return None
     layer = node.operation
     cls = fused_class(L.Dropout)
+    if type(layer) is not L.Dropout:  # SpatialDropout1D/2D/3D: a mask shape of their own, not in the config
+        return keep(node, f"{type(layer).__name__} subclasses Dropout with a mask shape of its own; "
+                          f"{cls.__name__} replaces Dropout itself only")
     reason = configs.unsupported(layer, cls, configs.DROPOUT_KEYS)
     if reason:
         return keep(node, reason)

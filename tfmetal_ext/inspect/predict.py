@@ -538,11 +538,12 @@ def _constant_folded(nodes):
     consts = {n.name: n for n in nodes if n.op == "Const"}
     op_of = {n.name: n.op for n in nodes}
     folded = {}  # name -> node, in folding order
+    judged = set()  # candidates already tried: a node that did not fold is not tried again
     while True:
         sources = consts.keys() | folded.keys()
         candidates = []
         for n in nodes:
-            if n.op in PLUMBING_OPS or n.op == "Const" or n.name in folded or not n.input:
+            if n.op in PLUMBING_OPS or n.op == "Const" or n.name in judged or not n.input:
                 continue
             if any(ref.startswith("^") for ref in n.input) or not all(_source_name(r) in sources for r in n.input):
                 continue
@@ -554,6 +555,7 @@ def _constant_folded(nodes):
             candidates.append(n)
         if not candidates:
             break
+        judged.update(n.name for n in candidates)
         done = _fold(candidates, consts, folded, op_of)
         if done is None:  # one candidate does not import or run alone: each on its own
             done = set()

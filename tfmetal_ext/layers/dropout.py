@@ -40,7 +40,7 @@ class FusedDropout(_STOCK):
     ops). Outside training (and at ``rate=0``) the layer returns its input.
 
     A ``noise_shape`` that fixes a dimension (the usual ``1`` that shares the
-    mask along an axis: EfficientNet's drop-connect, a spatial dropout) runs
+    mask along an axis: EfficientNet's drop-connect) runs
     the op on the noise shape and broadcasts its mask over the input with
     TensorFlow's select, as Keras' does: the same numbers, and the mask of the
     noise shape (small) is what the backward pass keeps.
