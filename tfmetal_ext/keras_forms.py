@@ -91,9 +91,9 @@ def install():
         logger.info("tfmetal_ext: this Keras' argmax / argmin are not the ones tfmetal_ext.keras_forms "
                     "reproduces: they stay Keras' own")
         return False
-    for name, tf_reduce in zip(FUNCTIONS, ("argmax", "argmin")):
+    for name in FUNCTIONS:  # Keras' names are TensorFlow's (tf.argmax, tf.argmin)
         _original[name] = getattr(module, name)
-        setattr(module, name, _arg_reduce(module, _original[name], tf_reduce))
+        setattr(module, name, _arg_reduce(module, _original[name], name))
     return True
 
 

@@ -587,7 +587,7 @@ def _fold(candidates, consts, folded, op_of):
     import tensorflow as tf
 
     graph_def = tf.compat.v1.GraphDef()
-    wanted, needed = list(candidates), set()
+    needed = set()
     stack = [_source_name(r) for n in candidates for r in n.input]
     while stack:  # the constants and folded nodes the candidates read, directly or through folded nodes
         name = stack.pop()
@@ -600,7 +600,7 @@ def _fold(candidates, consts, folded, op_of):
         c = graph_def.node.add()
         c.CopyFrom(consts[name])
         c.device = ""
-    for n in [folded[name] for name in folded if name in needed] + wanted:
+    for n in [folded[name] for name in folded if name in needed] + list(candidates):
         c = graph_def.node.add()
         c.CopyFrom(n)
         c.device = ""

@@ -103,14 +103,12 @@ def concrete_noise_shape(x, noise_shape):
     as Keras' TensorFlow backend builds it. Checked against `x`'s static shape."""
     if noise_shape is None:
         return None
-    if isinstance(noise_shape, (str, bytes)) or not isinstance(noise_shape, (list, tuple)):
+    if isinstance(noise_shape, (str, bytes)) or not isinstance(noise_shape, (list, tuple)) or any(
+            d is not None and (isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1)
+            for d in noise_shape):
         raise ValueError(f"Argument `noise_shape` must be a list or tuple of positive ints and None. "
                          f"Received: noise_shape={noise_shape!r}")
     dims = list(noise_shape)
-    for d in dims:
-        if d is not None and (isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1):
-            raise ValueError(f"Argument `noise_shape` must be a list or tuple of positive ints and None. "
-                             f"Received: noise_shape={noise_shape!r}")
     rank = x.shape.rank
     if rank is not None:
         if len(dims) > rank:
@@ -211,7 +209,7 @@ def reference_uniform(shape, seed, dtype):
 def reference_dropout(x, seed, threshold, scale, noise_shape=None):
     """``where(u >= rate, x * scale, 0)`` in `x`'s dtype; `threshold` and `scale` already rounded to it.
     `noise_shape`: the shape of `u` (`concrete_noise_shape`), broadcast over `x`; None: `x`'s."""
-    shape = tf.shape(x) if noise_shape is None else tf.stack(noise_shape) if noise_shape else tf.zeros([0], tf.int32)
+    shape = tf.shape(x) if noise_shape is None else tf.convert_to_tensor(noise_shape, tf.int32)
     keep = reference_uniform(shape, seed, x.dtype) >= tf.constant(threshold, x.dtype)
     return tf.where(keep, x * tf.constant(scale, x.dtype), tf.zeros([], x.dtype))
 
