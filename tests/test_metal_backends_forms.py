@@ -321,13 +321,20 @@ def _step_nodes(opt):
     return graph_nodes(step.get_concrete_function(tf.zeros((2, 4)), tf.zeros((2, 1))))
 
 
+def _per_variable(opt):
+    """`opt` with its per-variable form (the subject here): "auto" and True take the multi-tensor op."""
+    if getattr(opt, "multi_tensor", None) in ("auto", True):
+        return type(opt).from_config({**opt.get_config(), "multi_tensor": False})
+    return opt
+
+
 def test_open_plugin_optimizers_emit_the_composite_form_with_kernels_there():
     """Before: one ResourceApplyAdam/KerasMomentum/GradientDescent per variable, none with a kernel there."""
     table = backends.TABLES["metal_plugin"]
     with devices.assume_backend(PLUGIN):
         for make, make_stock, fused_op in OPTIMIZERS:
             assert table.has_kernel(fused_op, "float32") is False  # on TF 2.21: in host_ops, or never registered
-            opt = make()
+            opt = _per_variable(make())
             assert fused_op in opt.composite_reason("float32") or "resource-variable" in opt.composite_reason()
             nodes = _step_nodes(opt)
             ops = [n.op for n in nodes]
@@ -336,6 +343,24 @@ def test_open_plugin_optimizers_emit_the_composite_form_with_kernels_there():
             assert any(op in ("AssignAddVariableOp", "AssignSubVariableOp", "AssignVariableOp") for op in ops)
             stock_ops = [n.op for n in _step_nodes(make_stock())]
             assert len(ops) <= len(stock_ops), (type(opt).__name__, len(ops), len(stock_ops))
+
+
+def test_open_plugin_multi_tensor_auto_takes_the_one_op_that_runs_on_the_gpu_there():
+    # Its Metal kernel reaches the variables through TF's C++ kernel API, which TF 2.21 exports: one op for
+    # every variable, predicted on the GPU with no host op (the composite form's Assign* each run on the host
+    # unless our gap kernels take them).
+    from tfmetal_ext import inspect as tinspect
+
+    with devices.assume_backend(PLUGIN):
+        opt = FusedAdam(0.01)
+        model = _model()
+        step = _train_step(model, opt)
+        ops = [n.op for n in graph_nodes(step.get_concrete_function(tf.zeros((2, 4)), tf.zeros((2, 1))))]
+    assert ops.count("TfmetalExt>MultiTensorAdam") == 1, ops
+    # The iteration counter's AssignVariableOp (int64) is all that is left of the per-variable updates.
+    assert not [op for op in ops if op.startswith(("AssignAdd", "AssignSub", "ResourceApply"))], ops
+    report = tinspect.placement_report(step, (tf.zeros((2, 4)), tf.zeros((2, 1))), predict_for=PLUGIN)
+    assert not report.cpu_fallback and not report.host and not report.fails, str(report)
 
 
 @pytest.mark.parametrize("plugin", [APPLE, None])
@@ -362,7 +387,7 @@ def test_open_plugin_composite_updates_match_keras():
         results = []
         for factory, assumed in ((make, PLUGIN), (make_stock, None)):
             model = _model(seed=1)
-            opt = factory()
+            opt = _per_variable(factory())
             if assumed:
                 with devices.assume_backend(assumed):
                     step = _train_step(model, opt)

@@ -7,10 +7,11 @@
 // (tensorflow/core/kernels/training_op_helpers.h): exclusive locks on every
 // variable, taken in address order, and copy-on-write of a buffer that is
 // shared with a pending read before it is updated in place. Both are written
-// out here instead of calling MaybeLockVariableInputMutexesInOrder (its
-// duplicate check is quadratic in the number of inputs) and
-// PrepareToUpdateVariable (its Eigen copy needs EIGEN_USE_THREADS defined
-// before the first Eigen include, which the unity build cannot promise).
+// out (tfmetal/resource_variables.h, shared with the Metal kernels) instead of
+// calling MaybeLockVariableInputMutexesInOrder (its duplicate check is
+// quadratic in the number of inputs) and PrepareToUpdateVariable (its Eigen
+// copy needs EIGEN_USE_THREADS defined before the first Eigen include, which
+// the unity build cannot promise).
 //
 // One index space: the elements of all variables are split over TF's
 // intra-op thread pool with a per-element cost, so 100 small variables cost
@@ -46,6 +47,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tfmetal/loss_scale.h"
 #include "tfmetal/portable.h"
+#include "tfmetal/resource_variables.h"
 
 namespace tfmetal_ext {
 namespace multi_tensor {
@@ -63,159 +65,16 @@ struct Round<float> {
   static inline float round(float x) { return x; }
 };
 
-// Exclusive locks on a set of distinct variables, acquired in address order
-// (the order every TF training kernel uses, so no deadlock with them) and
-// released in reverse order.
-class ExclusiveLocks {
- public:
-  explicit ExclusiveLocks(std::vector<Var*> vars) : vars_(std::move(vars)) {
-    std::sort(vars_.begin(), vars_.end(), [](Var* a, Var* b) { return a->mu() < b->mu(); });
-    for (Var* var : vars_) var->mu()->lock();
-  }
-  ~ExclusiveLocks() {
-    for (auto it = vars_.rbegin(); it != vars_.rend(); ++it) (*it)->mu()->unlock();
-  }
-  ExclusiveLocks(const ExclusiveLocks&) = delete;
-  ExclusiveLocks& operator=(const ExclusiveLocks&) = delete;
+// Variable access (locks, copy-on-write, lookup and checks) is shared with the
+// Metal kernels: tfmetal/resource_variables.h. The CPU copies with memcpy.
+using variables::Layout;
+using variables::JoinNames;
 
- private:
-  std::vector<Var*> vars_;
-};
-
-// TF's PrepareToUpdateVariable for a POD dtype: if the variable's buffer is
-// shared (a read still holds it) or the variable is in copy-on-read mode,
-// replace it with a private copy. Requires the variable's lock.
-inline Status PrepareToUpdate(OpKernelContext* ctx, Var* var) {
-  Tensor* tensor = var->tensor();
-  if (!var->copy_on_read_mode.load() && tensor->RefCountIsOne()) return Status();
-  ::tensorflow::AllocatorAttributes attr;
-  attr.set_gpu_compatible(true);
-  attr.set_nic_compatible(true);
-  Tensor copy;
-  TF_RETURN_IF_ERROR(ctx->allocate_temp(tensor->dtype(), tensor->shape(), &copy, attr));
-  if (tensor->TotalBytes() > 0) {
-    std::memcpy(const_cast<char*>(copy.tensor_data().data()), tensor->tensor_data().data(), tensor->TotalBytes());
-  }
-  *tensor = copy;
-  return Status();
-}
-
-// The resource inputs of one op: `groups` groups of n variables, named
-// names[0..groups) ("var", "m", ...), then n gradients.
-struct Layout {
-  const char* op;                    // "MultiTensorAdam", for error messages
-  std::vector<const char*> names;    // every group the op can have ("var", "m", "v", "vhat")
-  int groups = 0;                    // groups present in this op instance (<= names.size())
-  int n = 0;
-
-  int num_resources() const { return groups * n; }
-  int grad_start() const { return groups * n; }
-  // "var[3]", "m[0]", ...: the user-facing name of resource input `index`.
-  std::string InputName(int index) const {
-    return std::string(names[index / n]) + "[" + std::to_string(index % n) + "]";
-  }
-};
-
-// "var, m, v and vhat" from names[0..count).
-inline std::string JoinNames(const std::vector<const char*>& names, size_t count) {
-  std::string out;
-  for (size_t k = 0; k < count; ++k) {
-    if (k > 0) out += k + 1 == count ? " and " : ", ";
-    out += names[k];
-  }
-  return out;
-}
-
-// The variables of one op call, looked up, checked and locked. Acquire()
-// validates everything before any variable is written, so an error leaves
-// every variable unchanged: distinct variables, initialized, of dtype
-// `dtype`, every slot of variable i of grad[i]'s shape; then it makes each
-// buffer private (copy-on-write). The locks are held until destruction.
-class LockedVariables {
+class LockedVariables : public variables::LockedVariables {
  public:
   Status Acquire(OpKernelContext* ctx, const Layout& layout, ::tensorflow::DataType dtype) {
-    const int num_resources = layout.num_resources();
-    const int n = layout.n;
-    n_ = n;
-    refs_.resize(num_resources);
-    // Look up every variable; refuse one passed twice (the update is not
-    // sequential, so aliasing inputs would race).
-    std::vector<std::pair<Var*, int>> by_address(num_resources);
-    for (int i = 0; i < num_resources; ++i) {
-      Status s = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, i), &refs_[i]);
-      if (!s.ok()) {
-        errors::AppendToMessage(&s, "(", layout.op, " input ", layout.InputName(i), ")");
-        return s;
-      }
-      by_address[i] = {refs_[i].get(), i};
-    }
-    std::sort(by_address.begin(), by_address.end());
-    for (int i = 1; i < num_resources; ++i) {
-      if (by_address[i].first == by_address[i - 1].first) {
-        return errors::InvalidArgument("the same variable is passed as ", layout.InputName(by_address[i - 1].second),
-                                       " and ", layout.InputName(by_address[i].second), "; every ",
-                                       JoinNames(layout.names, layout.names.size()),
-                                       " must be a distinct variable");
-      }
-    }
-
-    std::vector<Var*> raw(num_resources);
-    for (int i = 0; i < num_resources; ++i) raw[i] = refs_[i].get();
-    locks_ = std::make_unique<ExclusiveLocks>(std::move(raw));
-
-    for (int i = 0; i < num_resources; ++i) {
-      const Tensor* t = refs_[i]->tensor();
-      if (!t->IsInitialized()) {
-        return errors::FailedPrecondition("Attempting to use uninitialized variables: ", layout.InputName(i));
-      }
-      if (t->dtype() != dtype) {
-        return errors::InvalidArgument(layout.InputName(i), " has dtype ", ::tensorflow::DataTypeString(t->dtype()),
-                                       " but T is ", ::tensorflow::DataTypeString(dtype),
-                                       "; all variables of one call must share the dtype T");
-      }
-    }
-    offsets_.assign(n + 1, 0);
-    for (int i = 0; i < n; ++i) {
-      const Tensor& grad = ctx->input(layout.grad_start() + i);
-      bool same = true;
-      for (int g = 0; g < layout.groups; ++g) same = same && tensor(g, i)->shape().IsSameSize(grad.shape());
-      if (!same) {
-        std::string shapes;
-        for (int g = 0; g < layout.groups; ++g) {
-          shapes += std::string(layout.names[g]) + " " + tensor(g, i)->shape().DebugString() + ", ";
-        }
-        shapes += "grad " + grad.shape().DebugString();
-        std::vector<const char*> checked(layout.names.begin(), layout.names.begin() + layout.groups);
-        checked.push_back("grad");
-        return errors::InvalidArgument("variable ", i, ": ", JoinNames(checked, checked.size()),
-                                       " must have the same shape, got ", shapes);
-      }
-      offsets_[i + 1] = offsets_[i] + grad.NumElements();
-    }
-
-    // Copy-on-write, as TF's training ops do: a buffer still shared with a
-    // read is copied before the in-place update.
-    for (int i = 0; i < num_resources; ++i) TF_RETURN_IF_ERROR(PrepareToUpdate(ctx, refs_[i].get()));
-    return Status();
+    return variables::LockedVariables::Acquire(ctx, layout, dtype, &variables::HostCopy);
   }
-
-  // Slot `group` of variable i (group 0: the variable itself).
-  Tensor* tensor(int group, int i) const { return refs_[group * n_ + i]->tensor(); }
-
-  template <typename T>
-  T* data(int group, int i) const {
-    return tensor(group, i)->template flat<T>().data();
-  }
-
-  // offsets()[i]: the index of variable i's first element in the one index
-  // space over all variables; offsets()[n] is the total.
-  const std::vector<int64_t>& offsets() const { return offsets_; }
-
- private:
-  std::vector<::tensorflow::core::RefCountPtr<Var>> refs_;
-  std::unique_ptr<ExclusiveLocks> locks_;
-  std::vector<int64_t> offsets_;
-  int n_ = 0;
 };
 
 // Runs fn(i, lo, hi) on elements [lo, hi) of variable i, for every element of

@@ -150,6 +150,12 @@ struct MetalSlice {
 // device memory; an empty tensor may have no buffer (nil).
 bool Resolve(const TF_Tensor* tensor, const char* name, MetalSlice* slice, TF_Status* status);
 
+// The same for a tensor's data pointer and byte size (a tensorflow::Tensor's
+// data(), as the kernels reaching variables through the C++ API hold them:
+// custom_ops/metal/variables_metal.h). Both backends' tensors give TF_TensorData
+// that same pointer.
+bool ResolveData(const void* data, size_t bytes, const char* name, MetalSlice* slice, TF_Status* status);
+
 // `slice`, or `placeholder` where it has no buffer (an empty tensor: Metal's
 // API validation rejects a dispatch with an unbound buffer argument, and the
 // kernels never read a placeholder).

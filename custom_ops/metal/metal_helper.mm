@@ -432,9 +432,13 @@ MetalStream GetMetalStream(TF_OpKernelContext* ctx, TF_Status* status) {
 }
 
 bool Resolve(const TF_Tensor* tensor, const char* name, MetalSlice* slice, TF_Status* status) {
+  return ResolveData(TF_TensorData(tensor), TF_TensorByteSize(tensor), name, slice, status);
+}
+
+bool ResolveData(const void* const_data, size_t bytes, const char* name, MetalSlice* slice, TF_Status* status) {
   *slice = MetalSlice();
-  void* data = TF_TensorData(tensor);
-  const bool empty = TF_TensorByteSize(tensor) == 0;
+  void* data = const_cast<void*>(const_data);
+  const bool empty = bytes == 0;
   const BindingState& state = GetBindingState();
   if (!IsOpenPlugin(state)) {
     slice->buffer = (__bridge id<MTLBuffer>)data;  // Apple's: the tensor's data is its MTLBuffer

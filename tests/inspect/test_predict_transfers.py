@@ -130,8 +130,14 @@ def test_a_resource_variable_read_and_update_move_nothing():
         tf.matmul(_placeholder((2, 4)), read)
         tf.raw_ops.AssignSubVariableOp(resource=v, value=read * 0.5)
 
-    report = _predict(_hand_graph(build), _plugin())
+    graph = _hand_graph(build)
+    report = predict.build_predicted_report(graph, LayerIndex(None, graph.layer_scopes), PLUGIN, table=_plugin(),
+                                            gap=False)
     assert [e.op for e in report.host] == ["AssignSubVariableOp"], str(report)
+    assert report.transfer_count == 0, str(report)
+    # With our gap kernel (the default) it runs on the GPU: no host op, still nothing moved.
+    report = _predict(graph, _plugin())
+    assert not report.host and [e.op for e in report.entries if e.outcome == predict.GAP] == ["AssignSubVariableOp"]
     assert report.transfer_count == 0, str(report)
 
 

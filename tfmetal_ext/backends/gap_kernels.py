@@ -246,6 +246,14 @@ GAP_KERNELS = types.MappingProxyType(
             _k("Einsum", FLOATS, "gap_einsum", string_attrs={"equation": EINSUM_EQUATIONS},
                note="the two-operand contractions Keras and keras-hub emit (EINSUM_EQUATIONS), as one strided "
                     "batched matrix product summed in float; agrees with TF's CPU kernel to rounding"),
+            *(_k(op, FLOATS + ("int64",), "gap_variable", dtype_attr="dtype", host_memory=("resource",),
+                 note="the variable reached through TensorFlow's C++ kernel API (tfmetal/resource_variables.h: "
+                      "TF's locks, copy-on-write and messages); " + what)
+              for op, what in (("AssignVariableOp", "the variable takes the value's buffer, or a GPU copy of it "
+                                                    "in copy-on-read mode; no kernel runs"),
+                               ("AssignAddVariableOp", "the sum in float, rounded once: TF's CPU result, bit for bit"),
+                               ("AssignSubVariableOp", "the difference in float, rounded once: TF's CPU result, "
+                                                       "bit for bit"))),
             _k("StatelessRandomGetKeyCounter", INDICES, "gap_random", dtype_attr="Tseed",
                host_memory=("seed", "key", "counter")),
             _k("StatelessRandomUniformV2", FLOATS, "gap_random", dtype_attr="dtype", other_attrs={"Tshape": INDICES},
@@ -294,7 +302,36 @@ def parse_macos(macos):
         raise ValueError(f"macos must look like '13.4'. Received: macos={macos!r}") from None
 
 
-def plan(table, macos=None, installed=None, enabled=None):
+def variable_api_exported(library=None):
+    """Whether this process's TensorFlow exports the resource-variable kernel C API the open plugin looks for.
+
+    The plugin registers its own variable kernels (`Backend.host_ops` of its
+    table) only when every symbol of ``RESOURCE_VARIABLE_API_SYMBOLS`` is
+    exported (TF 2.22 and later; not 2.20/2.21): our gap kernels for those
+    ops must then stay unregistered. `library`: the path of
+    libtensorflow_framework (None: the one TensorFlow loaded here).
+    """
+    import ctypes
+
+    from tfmetal_ext.backends import metal_plugin
+
+    if library is None:
+        import glob
+
+        import tensorflow as tf
+
+        found = sorted(glob.glob(os.path.join(tf.sysconfig.get_lib(), "libtensorflow_framework*")))
+        if not found:
+            return False
+        library = found[0]
+    try:
+        handle = ctypes.CDLL(str(library))
+    except OSError:
+        return False
+    return all(hasattr(handle, name) for name in metal_plugin.RESOURCE_VARIABLE_API_SYMBOLS)
+
+
+def plan(table, macos=None, installed=None, enabled=None, variable_api=False):
     """The gap-kernel rows of backend `table` (a `Backend` or its key): one `GapRow` per `GAP_KERNELS` (op, dtype).
 
     Args:
@@ -306,6 +343,10 @@ def plan(table, macos=None, installed=None, enabled=None):
         installed: the installed version of the table's plugin; None: taken
             to be the release the table was generated from.
         enabled: False registers nothing (None: unless ``$TFMETAL_EXT_GAP_KERNELS_ENABLE`` is ``0``).
+        variable_api: whether TensorFlow exports the resource-variable kernel
+            C API (`variable_api_exported`); True leaves the ops of the
+            table's `host_ops` to the backend, which then registers them. False
+            (the tables' TensorFlow, 2.21): ours cover them.
     """
     from tfmetal_ext.backends import registry
 
@@ -318,11 +359,11 @@ def plan(table, macos=None, installed=None, enabled=None):
     rows = []
     for kernel in GAP_KERNELS.values():
         for dtype in kernel.dtypes:
-            rows.append(_row(table, kernel, dtype, macos, installed, release, enabled))
+            rows.append(_row(table, kernel, dtype, macos, installed, release, enabled, variable_api))
     return tuple(rows)
 
 
-def _row(table, kernel, dtype, macos, installed, release, enabled):
+def _row(table, kernel, dtype, macos, installed, release, enabled, variable_api=False):
     op = kernel.op
     if release is None:
         return GapRow(op, dtype, False, f"{table.label} is not a Metal backend: TensorFlow has its own kernel")
@@ -333,6 +374,9 @@ def _row(table, kernel, dtype, macos, installed, release, enabled):
         return GapRow(op, dtype, False, f"{dist} {installed} is installed; its kernel table was read from {pin}, "
                                         "so a kernel it gained could be registered twice (TensorFlow then fails "
                                         "the op)")
+    if variable_api and op in table.host_ops:
+        return GapRow(op, dtype, False, f"this TensorFlow exports the resource-variable kernel C API, so "
+                                        f"{table.label} registers its own {op} kernels")
     has = table.has_kernel(op, dtype, macos=macos)
     if has is True:
         return GapRow(op, dtype, False, f"{table.label} has its own kernel")
@@ -415,7 +459,7 @@ def for_this_process():
     key = next((k for k, (d, _) in TABLE_RELEASES.items() if d == dist), None)
     if key is None:
         return None
-    rows = plan(key, macos=devices._macos_version(), installed=version)
+    rows = plan(key, macos=devices._macos_version(), installed=version, variable_api=variable_api_exported())
     return key, dist, rows
 
 

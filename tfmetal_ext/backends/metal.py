@@ -122,18 +122,15 @@ METAL = backend(
             "tfmetal_ext custom op with a Metal kernel (float32, float16, bfloat16)", dtypes=_ALL_FLOAT
         ),
         "multi_tensor_adam": Fusion(
-            "Metal kernel where TF exports the resource-variable C API (TF 2.19 yes, 2.21 Linux wheel no); "
-            "else one ResourceApplyAdam per variable",
+            "tfmetal_ext custom op with a Metal kernel (variables through TF's C++ kernel API)",
             dtypes=_ALL_FLOAT,
         ),
         "multi_tensor_lion": Fusion(
-            "Metal kernel where TF exports the resource-variable C API (TF 2.19 yes, 2.21 Linux wheel no); "
-            "else Keras' Lion ops per variable",
+            "tfmetal_ext custom op with a Metal kernel (variables through TF's C++ kernel API)",
             dtypes=_ALL_FLOAT,
         ),
         "multi_tensor_rmsprop": Fusion(
-            "Metal kernel where TF exports the resource-variable C API (TF 2.19 yes, 2.21 Linux wheel no); "
-            "else one ResourceApply(Centered)RMSProp per variable",
+            "tfmetal_ext custom op with a Metal kernel (variables through TF's C++ kernel API)",
             dtypes=_ALL_FLOAT,
         ),
         "cudnn_rnn": Fusion(

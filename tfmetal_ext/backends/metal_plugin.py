@@ -143,6 +143,13 @@ UNREGISTERED_HOST_OPS = types.MappingProxyType(
 )
 HOST_OPS = UNREGISTERED_HOST_OPS  # the name before issue 28 (public module)
 
+# Our multi-tensor optimizer ops reach variables through TF's C++ kernel API, which TF 2.21 exports
+# (custom_ops/include/tfmetal/resource_variables.h), so their Metal kernels register here too.
+_MULTI_TENSOR_METAL = (
+    "tfmetal_ext custom op with a Metal kernel (variables through TF's C++ kernel API, which TF 2.21 "
+    "exports; not the C API this TensorFlow lacks)"
+)
+
 _RNN_FIX = (
     "use tfmetal_ext.layers.{fused} (or tfmetal_ext.convert(model)), or pass use_cudnn=False "
     "(Keras' step loop: no CudnnRNNV3)"
@@ -232,9 +239,9 @@ METAL_PLUGIN = backend(
         "custom_dropout": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_int8_matmul": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
         "custom_int8_conv2d": Fusion("tfmetal_ext custom op", dtypes=F32_F16),
-        "multi_tensor_adam": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),
-        "multi_tensor_lion": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),
-        "multi_tensor_rmsprop": Fusion("tfmetal_ext custom op (CPU kernel on TF 2.21)", dtypes=F32_F16),
+        "multi_tensor_adam": Fusion(_MULTI_TENSOR_METAL, dtypes=F32_F16),
+        "multi_tensor_lion": Fusion(_MULTI_TENSOR_METAL, dtypes=F32_F16),
+        "multi_tensor_rmsprop": Fusion(_MULTI_TENSOR_METAL, dtypes=F32_F16),
         "cudnn_rnn": never(
             "not fused: no CudnnRNN kernel",
             why_not="tensorflow-metal-plugin has no CudnnRNN kernel (and TensorFlow no CPU kernel): a CudnnRNNV3 "

@@ -699,6 +699,25 @@ def gap_kernels():
 
     seed = tf.constant([7, 12], tf.int64)
 
+    def variable_case(op):
+        # A variable created on the device under test, read (the read holds its buffer, so the update must
+        # copy on write), then assigned or updated: the value after, and the read, which must not change.
+        def run(init, value):
+            var = tf.Variable(init)
+            held = var.read_value()
+            getattr(raw, op)(resource=var.handle, value=value)
+            return var.read_value(), held
+
+        def build(d):
+            if d == "int64":
+                edge = [2 ** 63 - 1, -(2 ** 63), -1, 0, 7]
+                init = tf.constant(edge + list(rng.integers(-2 ** 40, 2 ** 40, 62)), tf.int64)
+                value = tf.constant([1, -1, -(2 ** 63), 0, -9] + list(rng.integers(-2 ** 40, 2 ** 40, 62)), tf.int64)
+            else:
+                init, value = special(67, d), special(67, d)
+            return run, dict(init=init, value=value)
+        return build
+
     def small_ints(shape, dtype, special_at):
         # Small integers: every partial sum is exact in half and bfloat16, so GPU and CPU agree bit for bit
         # whatever order each sums in; one NaN / infinity to propagate.
@@ -756,6 +775,7 @@ def gap_kernels():
                                         axis=tf.constant([0, 2], d), keep_dims=False)),
         "Any": lambda d: (raw.Any, dict(input=tf.constant(rng.random((4, 5, 6)) < 0.03),
                                         axis=tf.constant([1], d), keep_dims=True)),
+        **{op: variable_case(op) for op in ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")},
         "StatelessRandomGetKeyCounter": lambda d: (raw.StatelessRandomGetKeyCounter,
                                                    dict(seed=tf.cast(seed, d))),
         "StatelessRandomUniformV2": lambda d: (raw.StatelessRandomUniformV2, dict(

@@ -422,6 +422,8 @@ def judge(table, op, attrs, macos=None, gap=True, strings=None):
     """
     if op in table.host_ops:
         dtypes = _judged_dtypes(table, op, attrs)
+        if gap and gap_kernels.covers(table, op, attrs, macos, strings=strings):
+            return GAP, dtypes[0], f"{table.label} registers no kernel for it on this TensorFlow: {GAP}"
         return HOST, dtypes[0], table.host_ops[op]
     verdicts = []
     for dtype in _judged_dtypes(table, op, attrs):
