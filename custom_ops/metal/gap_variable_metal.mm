@@ -89,21 +89,25 @@ void UpdateCompute(const VariableKernel& k, TF_OpKernelContext* ctx, TF_Status* 
       !variables_metal::Slice(value, "value", &values, status)) {
     return;
   }
+  const size_t element_size = TF_DataTypeSize(dtype);
   EncodeKernel(ctx, kLibrary, name.c_str(), status,
                [&](id<MTLComputeCommandEncoder> encoder, id<MTLComputePipelineState> pipeline) {
-                 DispatchChunked1D(encoder, pipeline, n, TF_DataTypeSize(dtype), [&](NSUInteger offset, uint32_t count) {
+                 DispatchChunked1D(encoder, pipeline, n, element_size, [&](NSUInteger offset, uint32_t count) {
                    const tfm_gap_variable_params params{count, k.op, {0, 0}};
-                   [encoder setBuffer:vars.buffer offset:vars.offset + offset atIndex:0];  // device T* var [[buffer(0)]]
-                   [encoder setBuffer:values.buffer offset:values.offset + offset atIndex:1];  // device const T* value [[buffer(1)]]
+                   // device T* var [[buffer(0)]]
+                   [encoder setBuffer:vars.buffer offset:vars.offset + offset atIndex:0];
+                   // device const T* value [[buffer(1)]]
+                   [encoder setBuffer:values.buffer offset:values.offset + offset atIndex:1];
                    SetBytes(encoder, params, 2);  // constant tfm_gap_variable_params& p [[buffer(2)]]
                  });
                });
 }
 
 void AssignCompute(const VariableKernel& k, TF_OpKernelContext* ctx, TF_Status* status) {
-  variables_metal::SetFrom(variables::AssignVariable(variables_metal::Cc(ctx), static_cast<::tensorflow::DataType>(k.dtype),
-                                                     k.validate_shape, &variables_metal::CopyOnStream),
-                           status);
+  const auto dtype = static_cast<::tensorflow::DataType>(k.dtype);
+  variables_metal::SetFrom(
+      variables::AssignVariable(variables_metal::Cc(ctx), dtype, k.validate_shape, &variables_metal::CopyOnStream),
+      status);
 }
 
 const KernelRegistrar registrar([] {

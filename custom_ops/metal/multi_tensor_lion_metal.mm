@@ -4,11 +4,9 @@
 //
 // One row of the multi-tensor runner (multi_tensor_metal.h: one compute
 // encoder, one dispatch per variable and 2^30-element chunk, variables locked
-// and checked through TF's experimental resource-variable C API; with a loss
-// scale, the finite check of multi_tensor_check.h first, in the same encoder). Without
-// that API (TF 2.19 exports it, the 2.21 Linux wheel does not) the kernel is
-// not registered and the Python wrapper runs Keras' Lion ops per variable on
-// the GPU instead. Kernel: multi_tensor_lion_<T> in multi_tensor_lion.h
+// and checked through TF's C++ kernel API (tfmetal/resource_variables.h, so it
+// registers on TF 2.19 and 2.21 alike); with a loss scale, the finite check of
+// multi_tensor_check.h first, in the same encoder). Kernel: multi_tensor_lion_<T> in multi_tensor_lion.h
 // (bitwise the CPU kernel's results).
 #include "metal/multi_tensor_metal.h"
 

@@ -1,9 +1,8 @@
 // multi_tensor_metal.h: the host code of the Metal kernels of the multi-tensor
 // optimizer ops (multi_tensor_{adam,lion,rmsprop}_metal.mm): one table-driven
-// runner (Spec, Register at the end) and what it is built on: TF's
-// experimental resource-variable C API, looked up at load time, copy-on-write
-// on the GPU, duplicate detection, and locking + reading the variables with
-// their dtype and shape checks. Objective-C++ with ARC, macOS arm64 only;
+// runner (Spec, Register at the end) and what it is built on: the variables
+// reached through TF's C++ kernel API (locked, checked, copied on write on
+// the GPU: see below). Objective-C++ with ARC, macOS arm64 only;
 // header-only (inline), included by each op's .mm, which holds one Spec.
 //
 // One launch for N variables, the Metal way. apex's FusedAdam launches one

@@ -121,7 +121,8 @@ def lib(tmp_path_factory):
     out = tmp_path_factory.mktemp("resource_variables")
     (out / "resource_variable_ops.cc").write_text(SOURCE)
     path = out / "libresource_variable_ops.so"
-    cmd = shlex.split(compiler) + ["-std=c++17", "-shared", "-fPIC", "-O1", "-w", "-I", str(ROOT / "custom_ops" / "include")]
+    cmd = shlex.split(compiler) + ["-std=c++17", "-shared", "-fPIC", "-O1", "-w"]
+    cmd += ["-I", str(ROOT / "custom_ops" / "include")]
     cmd += list(tf.sysconfig.get_compile_flags())
     cmd += [str(out / "resource_variable_ops.cc"), "-o", str(path)] + list(tf.sysconfig.get_link_flags())
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)

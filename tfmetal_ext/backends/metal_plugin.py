@@ -36,7 +36,12 @@ the plugin's comment in ``metal_kernel_util.h`` says reads and writes the
 device memory from the host. The plugin then makes every Metal kernel wait for
 the GPU before returning (``SynchronousMode()``; ``TF_METAL_SYNCHRONOUS``
 forces either way). ``GatherNd`` is registered unconditionally (its
-``RegisterMetalGatherNdKernels``), unlike ``ResourceGatherNd``.
+``RegisterMetalGatherNdKernels``), unlike ``ResourceGatherNd``. Our op
+library's gap kernels for ``AssignVariableOp`` / ``AssignAddVariableOp`` /
+``AssignSubVariableOp`` (`tfmetal_ext.backends.gap_kernels`) reach the
+variables through TF's C++ kernel API, which TF 2.21 exports, and take those
+three off the host; they stay unregistered where TF exports the C API
+(`gap_kernels.variable_api_exported`), since the plugin then has its own.
 
 Fusions, in the order they run on a graph placed on the plugin's device
 (named ``GPU``):

@@ -56,10 +56,11 @@ def multi_tensor_adam(
     elements of all variables over the intra-op thread pool (TF's per-variable
     CPU kernel shards even tiny variables across all threads); its Metal
     kernel encodes one dispatch per variable in a single compute encoder. The
-    Metal kernel needs TF's experimental resource-variable C API, which the
-    TF 2.19 framework library exports and the 2.21 Linux wheel does not; it
-    registers only where those symbols resolve at load time. Where the op has
-    no kernel for the variables' device (CUDA, or Metal without that API),
+    Metal kernel reaches the variables through TF's C++ kernel API
+    (``custom_ops/include/tfmetal/resource_variables.h``, shared with the CPU
+    kernel), which TF 2.19 and 2.21 both export, so it registers on both
+    Metal backends (not the experimental C API, which TF 2.20/2.21 lack).
+    Where the op has no kernel for the variables' device (CUDA),
     without a compiler, with ``TFMETAL_EXT_REFERENCE_OPS=1``, or while
     ``tfmetal_ext.configure(avoid_fusions=["multi_tensor_adam"])`` is in
     force, the same update runs as one ``ResourceApplyAdam`` per variable.

@@ -36,8 +36,8 @@ def multi_tensor_lion(variables, ms, grads, lr, beta_1, beta_2, weight_decay_rat
     One ``TfmetalExt>MultiTensorLion`` op. Its CPU kernel spreads the elements
     of all variables over the intra-op thread pool; its Metal kernel encodes
     one dispatch per variable in a single compute encoder and, like
-    `multi_tensor_adam`'s, registers only where TF exports its experimental
-    resource-variable C API (TF 2.19 yes, the 2.21 Linux wheel no). Where the
+    `multi_tensor_adam`'s, reaches the variables through TF's C++ kernel API
+    (registered on TF 2.19 and 2.21 alike). Where the
     op has no kernel for the variables' device, without a compiler, with
     ``TFMETAL_EXT_REFERENCE_OPS=1``, or while
     ``tfmetal_ext.configure(avoid_fusions=["multi_tensor_lion"])`` is in

@@ -39,8 +39,8 @@ backend table, not from a plugin name):
 
 | backend | per-variable form (FusedAdam / FusedAdamW / FusedSGD / FusedRMSprop / FusedAdagrad; FusedLion: Keras' math everywhere) | ``multi_tensor="auto"`` (default) / ``True`` |
 |---|---|---|
-| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form; on tensorflow-metal, whose ``ResourceApply*`` kernels are float32 only, a float16 or bfloat16 variable takes the composite form too) | one ``TfmetalExt>MultiTensorAdam`` / ``MultiTensorLion`` / ``MultiTensorRMSprop`` per group (CPU; Metal where TF exports the resource-variable C API; CUDA: no kernel, so "auto" keeps the per-variable form) |
-| the open tensorflow-metal-plugin on TF 2.21 | the composite form: Keras' update math as elementwise ops into ``AssignAddVariableOp`` / ``AssignSubVariableOp`` / ``AssignVariableOp``, scalars once per step (Adam: about 10 ops per variable, Keras 27) | the same composite form, with one log line |
+| CPU, CUDA, Apple's tensorflow-metal | one ``ResourceApply*`` per variable (FusedAdagrad with a tiny ``initial_accumulator_value``: the composite form; on tensorflow-metal, whose ``ResourceApply*`` kernels are float32 only, a float16 or bfloat16 variable takes the composite form too) | one ``TfmetalExt>MultiTensorAdam`` / ``MultiTensorLion`` / ``MultiTensorRMSprop`` per group (CPU and Metal; CUDA: no kernel, so "auto" keeps the per-variable form) |
+| the open tensorflow-metal-plugin on TF 2.21 | the composite form: Keras' update math as elementwise ops into ``AssignAddVariableOp`` / ``AssignSubVariableOp`` / ``AssignVariableOp``, scalars once per step (Adam: about 10 ops per variable, Keras 27) | one multi-tensor op per group, as elsewhere: its Metal kernel reaches the variables through TF's C++ kernel API, which TF 2.21 exports |
 
 Why the composite form on the open plugin (TF 2.21): TF 2.20/2.21 export none
 of the resource-variable kernel C API (tensorflow/tensorflow#126374), so the
@@ -56,12 +56,18 @@ write the unified memory from the host (the plugin makes every Metal kernel
 wait for the GPU before returning on TF 2.21, which keeps that safe). So no
 op leaves the device and nothing is copied; the host work is the assigns'
 memory traffic, which Keras' own optimizer (what the plugin's author trained
-with) does too, with about 2.5x our op count. The placement prediction for
-the plugin lists those assigns as the host-side ops they are. Where TF
-exports the API (2.22, or 2.19 with Apple's plugin) the table has the
-kernels and the one fused op per variable comes back by itself. A Mac has to
-confirm: that a ``ResourceApplyAdam`` on GPU-resident variables really is
-worse there (or is refused), and the step times of both forms.
+with) does too, with about 2.5x our op count. Our op library's gap kernels
+for those three ops (`tfmetal_ext.backends.gap_kernels`, family
+``gap_variable``) take the traffic to the GPU: they reach the variables
+through TF's C++ kernel API (``custom_ops/include/tfmetal/resource_variables.h``),
+which TF 2.21 exports, and update them with a Metal dispatch; the placement
+prediction counts them on the GPU ("tfmetal_ext gap kernel"). The default
+``multi_tensor="auto"`` needs neither: its one op per group has a Metal
+kernel there for the same reason. Where TF exports the C API (2.22, or 2.19
+with Apple's plugin) the table has the kernels and the one fused op per
+variable comes back by itself. A Mac has to confirm: that a
+``ResourceApplyAdam`` on GPU-resident variables really is worse there (or is
+refused), and the step times of both forms.
 
 Loss scaling: under ``mixed_float16`` Keras wraps the optimizer in a
 `keras.optimizers.LossScaleOptimizer`. Around `FusedAdam`, `FusedAdamW`,

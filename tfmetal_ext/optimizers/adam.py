@@ -49,9 +49,10 @@ class FusedAdam(MultiTensorMixin, FusedUpdateMixin, keras.optimizers.Adam):
     `tf.distribute` strategies other than Mirrored, MultiWorkerMirrored and
     OneDevice, without the op library (no compiler,
     ``TFMETAL_EXT_REFERENCE_OPS=1``), and on devices without a kernel for it
-    (CUDA; Apple GPUs whose TF lacks the resource-variable C API the Metal
-    kernel needs, see `tfmetal_ext.ops.multi_tensor_adam`; with
-    ``multi_tensor=True`` the op wrapper itself falls back there).
+    (CUDA; with ``multi_tensor=True`` the op wrapper itself falls back
+    there). Its Metal kernel reaches the variables through TF's C++ kernel
+    API, so it runs on both Metal backends, the open plugin on TF 2.21
+    included (see `tfmetal_ext.ops.multi_tensor_adam`).
 
     Under a `keras.optimizers.LossScaleOptimizer` (``mixed_float16``), where
     the multi-tensor op runs, it also takes the loss scale: one op checks,

@@ -175,7 +175,8 @@ class LockedVariables {
     for (int i = 0; i < num_resources; ++i) {
       Status s = ::tensorflow::LookupResource(ctx, ::tensorflow::HandleFromInput(ctx, i), &refs_[i]);
       if (!s.ok()) {
-        return Status(s.code(), std::string(s.message()) + "\n\t(" + layout.op + " input " + layout.InputName(i) + ")");
+        return Status(s.code(),
+                      std::string(s.message()) + "\n\t(" + layout.op + " input " + layout.InputName(i) + ")");
       }
       by_address[i] = {refs_[i].get(), i};
     }
