@@ -456,6 +456,25 @@ def test_doctor_on_the_open_plugin(mac):
     assert "bound to tensorflow-metal-plugin" in ops
 
 
+def test_doctor_says_which_host_ops_our_gap_kernels_take_to_the_gpu(mac, monkeypatch):
+    from tfmetal_ext import backends
+
+    mac({PLUGIN: "0.4.1"})
+    real_table = backends.table
+    host = {**_HOST_OPS, "AssignAddVariableOp": _HOST_OPS["ResourceApplyAdam"]}
+    monkeypatch.setattr(backends, "table", lambda key: dataclasses.replace(real_table(key), host_ops=host)
+                        if key == "metal_plugin" else real_table(key))
+    metal = _section(str(doctor.collect()), "Metal backend")
+    # ResourceApply* stay on the host; AssignAddVariableOp has our gap kernel (tfmetal_ext.backends.gap_kernels).
+    assert re.search(r"on the host, not the GPU.*: ResourceApplyAdam, ResourceApplyKerasMomentum: not registered",
+                     metal), metal
+    assert re.search(r"on the host with tensorflow-metal-plugin alone .* on the GPU through tfmetal_ext's gap "
+                     r"kernels: AssignAddVariableOp", metal), metal
+    monkeypatch.setenv("TFMETAL_EXT_GAP_KERNELS_ENABLE", "0")  # turned off: all of them on the host again
+    metal = _section(str(doctor.collect()), "Metal backend")
+    assert "ResourceApplyKerasMomentum, AssignAddVariableOp: not registered" in metal, metal
+
+
 def test_doctor_on_apple_plugin_known_good(mac):
     mac({APPLE: "1.2.0"}, tf_version="2.19.1", python="3.12.8")
     info = doctor.collect()

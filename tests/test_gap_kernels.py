@@ -310,3 +310,24 @@ def test_gap_compare_tolerates_only_rounding():
     assert runner._gap_compare(want * 1.01, want, "float32")
     assert "NaN" in runner._gap_compare(np.array([1.0, 0.0, np.inf, -2.0], np.float32), want, "float32")
     assert runner._gap_compare(np.array([True, False]), np.array([True, True]), "bool") == "values differ"
+
+
+def test_variable_gap_kernels_stay_unregistered_where_tensorflow_exports_the_c_api():
+    import tensorflow as tf
+
+    # TF 2.19 exports the resource-variable kernel C API, TF 2.20 and 2.21 do not (tensorflow/tensorflow#126374).
+    exported = gap_kernels.variable_api_exported()
+    assert exported == (tuple(int(p) for p in tf.__version__.split(".")[:2]) < (2, 20))
+    host_ops = metal_plugin.METAL_PLUGIN.host_ops
+    without = gap_kernels.plan("metal_plugin", enabled=True)
+    with_api = gap_kernels.plan("metal_plugin", enabled=True, variable_api=True)
+    ours = [r for r in without if r.op in host_ops]
+    assert {r.op for r in ours} == {"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"}
+    assert all(r.registered for r in ours)  # the table's TF (2.21): ours run them
+    for a, b in zip(without, with_api):
+        if a.op in host_ops:  # the plugin registers its own there: two matching kernels fail the op
+            assert not b.registered and "exports the resource-variable kernel C API" in b.reason
+        else:
+            assert b == a
+    # Apple's table has its own variable kernels, with or without the C API.
+    assert not [r for r in gap_kernels.plan("metal", enabled=True) if r.op in host_ops and r.registered]

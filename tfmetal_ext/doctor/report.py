@@ -154,17 +154,24 @@ def backend_notes(caps=None):
         return []
     table = backends.table(backends.support_key("metal", False, caps.metal_plugin))
     notes = [f"{layer}: {why}" for layer, why in table.unsupported_layers.items()]
+    from tfmetal_ext.backends import gap_kernels
+
+    macos = tuple(int(p) for p in caps.macos.split(".")) if getattr(caps, "macos", None) else None
+    covered = gap_kernels.registered(gap_kernels.plan(table, macos=macos))
     by_reason = {}
     for op, why in table.host_ops.items():
         by_reason.setdefault(why, []).append(op)
     for why, ops in by_reason.items():
-        notes.append(f"on the host, not the GPU (TensorFlow {caps.tf_version}): {', '.join(ops)}: {why}")
+        ours = [op for op in ops if op in covered]
+        left = [op for op in ops if op not in covered]
+        if left:
+            notes.append(f"on the host, not the GPU (TensorFlow {caps.tf_version}): {', '.join(left)}: {why}")
+        if ours:
+            notes.append(f"on the host with {table.label} alone (TensorFlow {caps.tf_version}), on the GPU through "
+                         f"tfmetal_ext's gap kernels: {', '.join(ours)}")
     if table.kernels_complete:
-        macos = tuple(int(p) for p in caps.macos.split(".")) if getattr(caps, "macos", None) else None
         notes.append(f"CPU fallbacks in an ordinary train step ({table.label}): "
                      + backends.gaps.summary(table, macos=macos).replace("`", ""))
-        from tfmetal_ext.backends import gap_kernels
-
         notes.append("tfmetal_ext's gap kernels (registered at import) keep these on the GPU: "
                      + gap_kernels.summary(table, macos=macos).replace("`", ""))
     return notes
