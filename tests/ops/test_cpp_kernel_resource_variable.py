@@ -13,7 +13,6 @@ context, takes the branch it takes for any device (here the CPU's: no stream), t
 SP_Stream on a PluggableDevice. What only a Mac can confirm is in the findings document.
 """
 
-import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -22,7 +21,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.ops import _loader
+from tests.ops import _cpp_library
 
 pytestmark = [pytest.mark.no_keras, pytest.mark.full]
 
@@ -94,17 +93,7 @@ C_VARIABLE_API = ("TF_GetInputTensorFromVariable", "TF_MaybeLockVariableInputMut
 
 @pytest.fixture(scope="module")
 def library(tmp_path_factory):
-    compiler = _loader.find_compiler()
-    if compiler is None:
-        pytest.skip("no C++ compiler found: the test library cannot be built here")
-    out = tmp_path_factory.mktemp("cpp_variable")
-    (out / "add_to_variable.cc").write_text(SOURCE)
-    path = out / "libadd_to_variable.so"
-    cmd = shlex.split(compiler) + ["-std=c++17", "-shared", "-fPIC", "-O1", "-w"]
-    cmd += list(tf.sysconfig.get_compile_flags())
-    cmd += [str(out / "add_to_variable.cc"), "-o", str(path)] + list(tf.sysconfig.get_link_flags())
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-10000:]
+    path = _cpp_library.build(tmp_path_factory.mktemp("cpp_variable"), "add_to_variable", SOURCE)
     return path, tf.load_op_library(str(path))
 
 

@@ -12,15 +12,13 @@ variable, validate_shape, and copy-on-read mode (a variable read sparsely gets a
 The CPU kernels of the multi-tensor ops use the header's LockedVariables (tests/ops/test_multi_tensor_*.py).
 """
 
-import shlex
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext.ops import _loader
+from tests.ops import _cpp_library
 
 pytestmark = [pytest.mark.no_keras, pytest.mark.full]
 
@@ -115,18 +113,8 @@ REGISTER(int64_t)
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    compiler = _loader.find_compiler()
-    if compiler is None:
-        pytest.skip("no C++ compiler found: the test library cannot be built here")
-    out = tmp_path_factory.mktemp("resource_variables")
-    (out / "resource_variable_ops.cc").write_text(SOURCE)
-    path = out / "libresource_variable_ops.so"
-    cmd = shlex.split(compiler) + ["-std=c++17", "-shared", "-fPIC", "-O1", "-w"]
-    cmd += ["-I", str(ROOT / "custom_ops" / "include")]
-    cmd += list(tf.sysconfig.get_compile_flags())
-    cmd += [str(out / "resource_variable_ops.cc"), "-o", str(path)] + list(tf.sysconfig.get_link_flags())
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stderr[-10000:]
+    path = _cpp_library.build(tmp_path_factory.mktemp("resource_variables"), "resource_variable_ops", SOURCE,
+                              include_dirs=[ROOT / "custom_ops" / "include"])
     return tf.load_op_library(str(path))
 
 
