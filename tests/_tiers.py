@@ -77,14 +77,17 @@ SAMPLE_AXES = frozenset({
 })
 
 
-def calibration_seconds(repeats: int = 5) -> float:
+def calibration_seconds(repeats: int = 9) -> float:
     """The median over `repeats` of a fixed mix of interpreter and numpy work.
 
     The median, not the minimum: on a shared 2-core box the loop's time is
     bimodal (seen here: 0.089-0.094 s and 0.121-0.123 s, switching within a
     second), and the tests run through both modes. The minimum picked the fast
     mode whatever the tests got: a run whose tests took the same time then
-    passed or failed by which mode the loop had caught.
+    passed or failed by which mode the loop had caught. Nine repetitions (about
+    a second) rather than five (half of one): five fit inside one mode more
+    often; a run whose calibration read 0.090 s at both ends had tests as slow
+    as runs that read 0.12 s.
     """
     import statistics
 

@@ -115,6 +115,9 @@ def test_write_outputs(tmp_path, monkeypatch):
     assert (tmp_path / "bench_models_test.png").stat().st_size > 1000
 
 
+# Quick tier: one model (whole-model runs, each a sample of "every builder builds and trains"); the full
+# tier builds and runs all of them.
+@pytest.mark.sample_axes("name")
 @pytest.mark.parametrize("name", sorted(bench_models.MODELS))
 def test_example_models_build_and_run(name):
     """Every benchmark model builds and its synthetic batch runs through it (forward only, fast)."""

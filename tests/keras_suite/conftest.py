@@ -11,7 +11,9 @@ From `baseline.json` (regenerate with ``python -m tests.keras_suite.make_baselin
   strict), with Keras' own reason;
 - every other test, including tests the baseline has not seen (a newer
   Keras), must pass; tests of the quantization modes our classes hand to
-  the stock layer's own code (`STOCK_CALL_MODES`) run in the full tier only.
+  the stock layer's own code (`STOCK_CALL_MODES`) run in the full tier only,
+  and so do all but the first case of each of Keras' parameterized test
+  methods (`_sample_parameterized_cases`).
 """
 
 import warnings
@@ -88,6 +90,32 @@ def pytest_collection_modifyitems(config, items):
         chosen = set(map(id, deselected))
         config.hook.pytest_deselected(items=deselected)
         items[:] = [i for i in items if id(i) not in chosen]
+    _sample_parameterized_cases(items)
+
+
+def _sample_parameterized_cases(items):
+    """The quick tier runs one case of each of Keras' parameterized test methods; the full tier, all.
+
+    Keras parameterizes its tests with absl (``test_quantize_int`` becomes
+    ``test_quantize_int_int8``, ...): each case is a test method of its own,
+    which the tier plugin's covering sample (pytest parameters) cannot see.
+    Here a case is recognised by the method absl wrapped (``__wrapped__``);
+    the first case of each method, in collection order, stays in the quick
+    tier, and the others (other equations, shapes, modes of the same Keras
+    test) run in the full tier (``make test-full``, CI). A method that is not
+    parameterized always stays.
+    """
+    seen = set()
+    for item in items:
+        if "keras_suite/test_keras_suite.py::" not in item.nodeid or item.get_closest_marker("full"):
+            continue
+        original = getattr(getattr(getattr(item, "obj", None), "__wrapped__", None), "__name__", None)
+        if original is None or original == item.name:
+            continue
+        key = (_key(item)[0], original)
+        if key in seen:
+            item.add_marker(pytest.mark.full)
+        seen.add(key)
 
 
 @pytest.fixture(autouse=True)
