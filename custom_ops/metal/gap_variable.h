@@ -23,8 +23,9 @@ static_assert(sizeof(tfm_gap_variable_params) == 16, "tfm_gap_variable_params la
 
 #if TFM_METAL
 
-// var = var + value (op ADD) or var - value (op SUB), in float, rounded once
-// to T (float, half, bfloat).
+// var = var + value (op ADD) or var - value (op SUB): for float, half and
+// bfloat in float, rounded once to T; for int64_t wrapping around
+// (tfm_assign_update's int64_t specialization).
 template <typename T>
 [[kernel]] void gap_assign_update(device T* var [[buffer(0)]],
                                   device const T* value [[buffer(1)]],
@@ -33,16 +34,6 @@ template <typename T>
   if (gid.x >= p.count) return;
   const uint i = gid.x;
   var[i] = tfm_assign_update<T>(p.op, var[i], value[i]);
-}
-
-// The same for int64, wrapping around.
-[[kernel]] void gap_assign_update_int64(device int64_t* var [[buffer(0)]],
-                                        device const int64_t* value [[buffer(1)]],
-                                        constant tfm_gap_variable_params& p [[buffer(2)]],
-                                        TFM_KERNEL_BUILTINS) {
-  if (gid.x >= p.count) return;
-  const uint i = gid.x;
-  var[i] = tfm_assign_update_int64(p.op, var[i], value[i]);
 }
 
 #endif  // TFM_METAL

@@ -82,12 +82,6 @@ def composite_reason(op, dtype):
     return table.host_ops.get(op) or f"{table.label} has no {op} kernel"
 
 
-def _current_row(key):
-    from tfmetal_ext import backends
-
-    return backends.current().fusions.get(key)
-
-
 def check_unit_interval(name, value, *, closed_right=False):
     """Raises ValueError unless ``0 <= value < 1`` (``<= 1`` with closed_right)."""
     try:
@@ -400,11 +394,8 @@ class MultiTensorMixin:
             return f"the step is XLA-compiled and {op_name} has no XLA kernel"
         # The custom op's Metal kernel reaches variables through TF's C++ kernel API, so it is registered
         # where TF lacks the resource-variable C API too (the open plugin on TF 2.21, which has no
-        # ResourceApply* kernel): "auto" checks below that this process registered it for the variables'
-        # device; the backend table's row says where it runs.
-        row = _current_row(self._multi_tensor_key)
-        if row is not None and not row.fuses:
-            return f"no device kernel for {op_name} here ({row.why_not or row.summary})"
+        # ResourceApply* kernel): "auto" checks below (multi_tensor_kernel_reason) the backend table's row
+        # and that this process registered it for the variables' device.
         if tf.distribute.has_strategy():
             strategy = tf.distribute.get_strategy()
             if not isinstance(strategy, _MULTI_TENSOR_STRATEGIES):
