@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import keras
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +28,16 @@ def test_quickstart_runs_and_prints_a_fusion_report():
     assert "backend " in summary and "ops per step" in summary and "CPU fallback" in summary
     assert "median step time" in out and "examples/s" in out
     assert "_FusedMatMul[BiasAdd, Relu]" in out
-    if "oneDNN=on" in out:  # BN + Relu -> _FusedBatchNormEx needs oneDNN on CPU
+    # Batch norm + ReLU in training: TfmetalExt>BatchNormAct where the backend table's row takes the
+    # policy's compute dtype (float32 on both CPU tables); else the stock graph, which oneDNN's remapper
+    # fuses into _FusedBatchNormEx (bfloat16 where configure() picks it).
+    from tfmetal_ext.layers._ops import batch_norm_act_reason
+
+    policy = out.split("policy=", 1)[1].split()[0]
+    compute = keras.mixed_precision.Policy(policy).compute_dtype
+    if batch_norm_act_reason(compute, "relu") is None:
+        assert "TfmetalExt>BatchNormAct[relu" in out
+    elif "oneDNN=on" in out:
         assert "_FusedBatchNormEx" in out
     line = next(l for l in out.splitlines() if l.startswith("ops per train step: stock Keras"))
     stock_ops = int(line.split("stock Keras ")[1].split(",")[0])

@@ -16,7 +16,10 @@ with gamma_K(u) = K u / (1 - K u), u_T the unit roundoff of T (float 2^-24, half
 2^-8) and eta_T half its smallest subnormal. TensorFlow's CPU kernel of half and bfloat16 rounds
 partial sums to T (measured: more than float accumulation allows), so against it the bound adds
 u_T |exact| + gamma_K(u_T) S. Empty dimensions, K = 0 (zeros), NaN and infinities, chunked batches and
-threadgroup order are checked as well, and the planner's rejections with their reasons.
+threadgroup order are checked as well, and the planner's rejections with their reasons. One documented
+difference: where oneDNN computes TF's bfloat16 einsum on a CPU without bfloat16 instructions
+(`devices.capabilities()`: onednn_bf16 and not cpu_bf16), TF gives NaN for some outputs whose exact
+value is infinite; the kernel gives the infinity (test_nan_and_inf_propagate_as_numpy).
 """
 
 from pathlib import Path
@@ -26,7 +29,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfmetal_ext import testing
+from tfmetal_ext import devices, testing
 from tfmetal_ext.backends import gap_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +95,12 @@ def bounds(planner, dtype, equation, a, b):
 def tf_cpu_einsum(equation, a, b):
     with tf.device("/CPU:0"):
         return tf.raw_ops.Einsum(inputs=[tf.constant(a), tf.constant(b)], equation=equation).numpy()
+
+
+def onednn_emulates_bfloat16():
+    """TF's CPU kernels compute bfloat16 through oneDNN on a CPU without bfloat16 instructions."""
+    caps = devices.capabilities()
+    return caps.onednn_bf16 and not caps.cpu_bf16
 
 
 def assert_within(got, want, bound):
@@ -204,7 +213,16 @@ def test_nan_and_inf_propagate_as_numpy(lib, planner, dtype):
         exact, against_exact, _ = bounds(planner, dtype, equation, a, b)
     assert np.isnan(got[0, 3]).all() and np.isnan(got[1, 0, 0, 0])
     assert_within(got, exact, np.nan_to_num(against_exact, posinf=np.inf))
-    assert_within(got, tf_cpu_einsum(equation, a, b), np.full(got.shape, np.inf))  # NaN and inf positions
+    tf_cpu = tf_cpu_einsum(equation, a, b)
+    if dtype == "bfloat" and onednn_emulates_bfloat16():
+        # TF's oneDNN kernel without the CPU's bfloat16 instructions gives NaN for some infinite
+        # results (measured: the 34 outputs of the row holding a[1, 34, 18] = inf, on an AVX-512 Xeon
+        # without AVX512_BF16; a 1 x 8 row gives inf). Only there, and only where the exact result is
+        # infinite, does the kernel (checked against the exact result above) not match TF's.
+        extra = np.isnan(tf_cpu.astype(np.float64)) & ~np.isnan(exact)
+        assert np.isinf(exact[extra]).all(), "TF's kernel has NaN where the exact result is finite"
+        tf_cpu = np.where(extra, got, tf_cpu)
+    assert_within(got, tf_cpu, np.full(got.shape, np.inf))  # NaN and inf positions
 
 
 @pytest.mark.parametrize("equation, a_shape, b_shape", [
