@@ -21,9 +21,11 @@ _CONFTEST = textwrap.dedent(
     for name in ("QUICK_BUDGET_SECONDS", "QUICK_TEST_CAP_SECONDS", "CALIBRATION_REFERENCE_SECONDS"):
         if name in os.environ:
             setattr(tiers, name, float(os.environ[name]))
-    if "CALIBRATION_TIMES" in os.environ:  # the loop's times, in the order it is timed
-        _times = [float(v) for v in os.environ["CALIBRATION_TIMES"].split(",")]
-        tiers.calibration_seconds = lambda repeats=3: _times.pop(0) if len(_times) > 1 else _times[0]
+    # The canary's times, in the order it is timed (start of the run, end). Stood in for: these sample
+    # suites test the plugin's arithmetic, and the real canary would import Keras in every one of them
+    # (test_the_canary_trains_a_keras_model runs it).
+    _times = [float(v) for v in os.environ.get("CALIBRATION_TIMES", "1.0").split(",")]
+    tiers.calibration_seconds = lambda repeats=5: _times.pop(0) if len(_times) > 1 else _times[0]
 
     def pytest_addoption(parser):
         tiers.add_options(parser)
@@ -133,7 +135,7 @@ _SLEEPY = """
 @pytest.mark.full  # a sample suite in a subprocess (~7 s); the quick tier keeps test_the_verdict_and_the_report_use_one_scale (the same budget plugin)
 def test_a_slow_quick_test_fails_the_run_where_it_is_written(tmp_path):
     suite = _suite(tmp_path, _SLEEPY)
-    # A reference loop time far above this machine's: the scale clamps to its lowest, cap 0.15 s.
+    # A reference canary time far above this run's (1.0 s): the scale clamps to its lowest, cap 0.15 s.
     result = _run(suite, "-q", "test_suite.py", QUICK_TEST_CAP_SECONDS="0.3", CALIBRATION_REFERENCE_SECONDS="1e9")
     assert result.returncode == 1, result.stdout
     assert "2 passed" in result.stdout
@@ -167,7 +169,7 @@ def test_the_total_is_checked_on_a_whole_run_only(tmp_path):
 
 
 def test_the_verdict_and_the_report_use_one_scale(tmp_path):
-    # The loop is timed at the start and again at the end, the slower time counting. The verdict
+    # The canary is timed at the start and again at the end, the slower time counting. The verdict
     # (the exit status) once used the start time while the report printed the end one: a run
     # failed with no BUDGET line at all. Budget 1.0 s of reference time against ~0.65 s of sleep:
     # over at the start's scale (0.5), within at the end's (1.0).
@@ -192,3 +194,15 @@ def test_the_scale_is_clamped():
                            (1e-9, tiers.SCALE_LIMITS[0])):
         budget.calibration = measured
         assert budget.scale() == pytest.approx(want)
+
+
+@pytest.mark.full  # every quick-tier run times the canary twice in its controlling process (a broken canary fails make test)
+def test_the_canary_trains_a_keras_model():
+    import importlib.util
+    import math
+
+    spec = importlib.util.spec_from_file_location("tiers_canary", TIERS)
+    tiers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tiers)
+    seconds = tiers.calibration_seconds(repeats=1)
+    assert math.isfinite(seconds) and 0 < seconds < 120, seconds
