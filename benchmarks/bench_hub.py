@@ -177,16 +177,20 @@ def memory_worker(family, impl, cfg):
     x, y = inputs(family, cfg, cfg["memory_seq"])
     reset = _reset_peak_rss()
     before = _rss_bytes()
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    try:  # TF's CPU allocator keeps statistics only with oneDNN on (TF_ENABLE_ONEDNN_OPTS=0: "Cannot reset")
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        resident = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    except ValueError:
+        resident = None
     step(x, y)
     mib = 2.0 ** 20
+    tf_peak_mb = None if resident is None else (tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident) / mib
     # Two views of one step: the process's peak RSS above its RSS before the step (what the machine
     # gave the process, malloc's free lists included), and TensorFlow's own CPU allocator: its peak
     # bytes in use above what was in use before the step (the tensors alone; deterministic).
     return dict(family=family, impl=impl, seq=cfg["memory_seq"], peak_reset=reset,
                 step_mb=(_peak_rss_bytes() - before) / mib,
-                tf_peak_mb=(tf.config.experimental.get_memory_info("CPU:0")["peak"] - resident) / mib)
+                tf_peak_mb=tf_peak_mb)
 
 
 def run_memory(family, cfg, quick):
@@ -204,7 +208,7 @@ def run_memory(family, cfg, quick):
         row[f"{impl}_mb"] = result["step_mb"]
         row[f"{impl}_tf_mb"] = result["tf_peak_mb"]
     row["memory_ratio"] = row["ours_mb"] / row["stock_mb"] if row["stock_mb"] else None
-    row["tf_memory_ratio"] = row["ours_tf_mb"] / row["stock_tf_mb"] if row["stock_tf_mb"] else None
+    row["tf_memory_ratio"] = row["ours_tf_mb"] / row["stock_tf_mb"] if row["stock_tf_mb"] and row["ours_tf_mb"] is not None else None
     return row
 
 
